@@ -1,0 +1,49 @@
+"""Turns a request's new tokens and its logprob rows into the wire's EngineCoreOutput (core process).
+
+Rows are sliced out of the step's arrays and trimmed to the request's own k: compact buffers, no Python
+object per logprob.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_core.request import Request
+from protocol.arrays import LogprobsArrays, concat_logprobs
+from protocol.messages import EngineCoreOutput
+from protocol.step import HostLogprobs
+
+
+def make_output(req: Request, num_new: int, step_logprobs: list[HostLogprobs], row: int | None) -> EngineCoreOutput:
+    output = EngineCoreOutput(req.client_req_id, req.output_token_ids[-num_new:] if num_new else [])
+    if step_logprobs:
+        output.new_logprobs = _rows_for(req.params.logprobs, step_logprobs, row)
+    if not req.has_sent_prompt_logprobs and req.num_output_tokens > 0:
+        output.prompt_logprobs = _prompt_logprobs(req)
+        req.has_sent_prompt_logprobs = True
+        req.prompt_logprob_parts = []
+    if req.is_finished:
+        output.finish_reason = req.finish_reason
+        output.stop_reason = req.stop_reason
+    return output
+
+
+def _rows_for(k: int, step_logprobs: list[HostLogprobs], row: int) -> LogprobsArrays:
+    num_cols = None if k == -1 else k + 1
+    if len(step_logprobs) == 1:
+        lp = step_logprobs[0]
+        return LogprobsArrays.from_numpy(lp.token_ids[row:row + 1, :num_cols], lp.logprobs[row:row + 1, :num_cols],
+                                         lp.ranks[row:row + 1])
+    return LogprobsArrays.from_numpy(
+        np.stack([lp.token_ids[row, :num_cols] for lp in step_logprobs]),
+        np.stack([lp.logprobs[row, :num_cols] for lp in step_logprobs]),
+        np.array([lp.ranks[row] for lp in step_logprobs], dtype=np.int32),
+    )
+
+
+def _prompt_logprobs(req: Request) -> LogprobsArrays:
+    if not req.prompt_logprob_parts:  # a one-token prompt has no prompt logprob rows
+        width = 1 if req.params.prompt_logprobs == -1 else req.params.prompt_logprobs + 1
+        empty = np.zeros((0, width), dtype=np.int32)
+        return LogprobsArrays.from_numpy(empty, empty.astype(np.float32), np.zeros(0, dtype=np.int32))
+    return concat_logprobs(req.prompt_logprob_parts)

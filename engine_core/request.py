@@ -1,0 +1,80 @@
+"""A request as the core sees it: its tokens, progress and status; it changes only its own lists."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from protocol.arrays import LogprobsArrays
+from protocol.messages import FinishReason
+from protocol.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    def __init__(
+        self, req_id: str, client_id: bytes, client_req_id: str, prompt_token_ids: list[int],
+        params: SamplingParams, arrival_time: float, eos_token_ids: list[int], logprobs_mode: str,
+    ) -> None:
+        self.req_id = req_id  # unique in the core: the client's id qualified by the client
+        self.client_id = client_id
+        self.client_req_id = client_req_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.arrival_time = arrival_time
+        self.eos_token_ids = [] if params.ignore_eos else eos_token_ids
+        self.logprobs_mode = params.logprobs_mode or logprobs_mode
+        self.max_tokens = params.max_tokens
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+        self.prompt_logprob_parts: list[LogprobsArrays] = []  # chunks until the first sampled token
+        self.has_sent_prompt_logprobs = params.prompt_logprobs is None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def add_prompt_logprobs(self, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> None:
+        self.prompt_logprob_parts.append(LogprobsArrays.from_numpy(token_ids, logprobs, ranks))
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its KV is gone; prompt logprob chunks not yet sent are computed again."""
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+        if not self.has_sent_prompt_logprobs:
+            self.prompt_logprob_parts.clear()
+
+    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason

@@ -1,0 +1,153 @@
+"""The scheduler: continuous batching under a token budget, chunked prefill, preemption by recompute
+(engine-core process). No prefill or decode phase: each request's computed-token count catches up with
+its token count, a budget's worth at a time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.outputs import make_output
+from engine_core.request import Request, RequestStatus
+from engine_core.stop import check_stop
+from protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from protocol.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule(): the worker drops them
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.WAITING:
+                self.waiting.remove(req)
+            elif req in self.running:
+                self.running.remove(req)
+            req.finish(FinishReason.ABORT)
+            self._free(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        output = SchedulerOutput([], [], {}, self.finished_req_ids)
+        self.finished_req_ids = set()
+        num_dropped_before = len(output.finished_req_ids)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(req, num_new, output)
+            if new_blocks is None:
+                break
+            output.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+            self._commit(req, num_new, output)
+            budget -= num_new
+            index += 1
+        is_preempted = len(output.finished_req_ids) > num_dropped_before  # no admissions while memory is short
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not is_preempted:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv_cache.allocate(req.req_id, num_new)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            output.new_reqs.append(self._new_request_data(req, new_blocks))
+            self._commit(req, num_new, output)
+            budget -= num_new
+        return output
+
+    def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
+        output.num_scheduled_tokens[req.req_id] = num_new
+        req.num_computed_tokens += num_new
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, output: SchedulerOutput) -> list[int] | None:
+        """Preempts the newest running requests until `req` fits; None when `req` itself had to go."""
+        while True:
+            new_blocks = self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self.kv_cache.free(victim.req_id)
+            victim.reset_for_recompute()
+            self.waiting.appendleft(victim)
+            output.finished_req_ids.add(victim.req_id)
+            if victim is req:
+                return None
+
+    def _new_request_data(self, req: Request, block_ids: list[int]) -> NewRequestData:
+        params = req.params
+        return NewRequestData(
+            req_id=req.req_id,
+            token_ids=req.all_token_ids,
+            num_prompt_tokens=req.num_prompt_tokens,
+            sampling_params=params,
+            block_ids=list(block_ids),
+            num_computed_tokens=req.num_computed_tokens,
+            prompt_logprobs_k=None if req.has_sent_prompt_logprobs else params.prompt_logprobs,
+            logprobs_k=params.logprobs,
+            logprobs_mode=req.logprobs_mode,
+            eos_token_ids=req.eos_token_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Appends sampled tokens, applies stop conditions, and cuts each request its own logprob rows."""
+        sampled = dict(zip(runner_output.sampled_req_ids, runner_output.sampled_token_ids.tolist()))
+        logprob_rows = {req_id: row for row, req_id in enumerate(runner_output.logprob_req_ids)}
+        by_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            chunk = runner_output.prompt_logprobs.get(req_id)
+            if chunk is not None and not req.has_sent_prompt_logprobs:
+                req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks)
+            if req_id not in sampled:
+                continue  # a prefill chunk that did not reach the last token
+            num_new = self._append_tokens(req, sampled[req_id])
+            row = logprob_rows.get(req_id)
+            step_logprobs = [runner_output.logprobs[step] for step in range(num_new)] if row is not None else []
+            by_client[req.client_id].append(make_output(req, num_new, step_logprobs, row))
+            if req.is_finished:
+                self._free(req)
+        if any(r.is_finished for r in self.running):
+            self.running = [r for r in self.running if not r.is_finished]
+        return {client: EngineCoreOutputs(outputs) for client, outputs in by_client.items()}
+
+    def _append_tokens(self, req: Request, token_ids: list[int]) -> int:
+        """Appends a window's tokens one by one; tokens after a stop are discarded. Returns how many stayed."""
+        for num, token_id in enumerate(token_ids, start=1):
+            req.append_token(token_id)
+            stop = check_stop(req, self.max_model_len)
+            if stop is not None:
+                req.finish(*stop)
+                return num
+        return len(token_ids)
+
+    def _free(self, req: Request) -> None:
+        self.kv_cache.free(req.req_id)
+        self.requests.pop(req.req_id, None)
+        self.finished_req_ids.add(req.req_id)

@@ -1,0 +1,8 @@
+"""The user-facing side of coreserve: LLM, SamplingParams and the output types (frontend process)."""
+
+from frontend.errors import EngineDeadError
+from frontend.llm import LLM
+from frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from protocol.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "EngineDeadError", "Logprob", "RequestOutput", "SamplingParams"]

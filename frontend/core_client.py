@@ -1,0 +1,202 @@
+"""Clients of the engine core (frontend process): `MPClient` talks to a core process over ZeroMQ, one it
+spawns or a running daemon; `InprocClient` runs the same EngineCore in this process, for debugging.
+Both offer send/abort/get_outputs/shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import weakref
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from frontend.errors import EngineDeadError
+from protocol import PROTOCOL_VERSION
+from protocol.addresses import split_address
+from protocol.codec import Codec
+from protocol.config import EngineConfig
+from protocol.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineError,
+    Goodbye,
+    HandshakeReply,
+    Heartbeat,
+    Hello,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+HEARTBEAT_EVERY_S = 1.0
+
+
+class MPClient:
+    """Spawns `python -m engine_core` (address None) or connects to a daemon at `address`."""
+
+    def __init__(self, config: EngineConfig, fingerprint: str, address: str | None = None,
+                 startup_timeout_s: float = 300.0, dead_after_s: float = 10.0) -> None:
+        self.codec = Codec()
+        self.dead_after_s = dead_after_s
+        self.error: str | None = None
+        self.ctx = zmq.Context()
+        self.proc, self.tmpdir = None, None
+        if address is None:
+            self.tmpdir = tempfile.mkdtemp(prefix="coreserve-")
+            address = f"ipc://{self.tmpdir}/core"
+            self.proc = _spawn_core(config, address)
+        self.client_id = uuid.uuid4().bytes
+        in_address, out_address = split_address(address)
+        self.out_socket = self._connect(zmq.DEALER, out_address)  # outputs arrive here
+        self.in_socket = self._connect(zmq.DEALER, in_address)  # requests leave here
+        self._finalizer = weakref.finalize(self, _cleanup, self.ctx, [self.in_socket, self.out_socket],
+                                           self.proc, self.tmpdir)
+        self.last_heard = time.monotonic()
+        self.last_beat_sent = 0.0
+        self.facts = self._handshake(fingerprint, startup_timeout_s)
+
+    def _connect(self, kind: int, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.client_id)
+        sock.connect(address)
+        return sock
+
+    def _handshake(self, fingerprint: str, timeout_s: float) -> HandshakeReply:
+        deadline, next_hello = time.monotonic() + timeout_s, 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() >= next_hello:  # repeated until the core's output socket knows us
+                self.in_socket.send(self.codec.encode(Hello(PROTOCOL_VERSION, fingerprint)))
+                next_hello = time.monotonic() + 0.5
+            self._check_process()
+            if self.out_socket.poll(POLL_MS):
+                message = self.codec.decode_core(self.out_socket.recv())
+                if isinstance(message, HandshakeReply):
+                    if message.error:
+                        self.shutdown()
+                        raise ValueError(f"the engine core refused this frontend: {message.error}")
+                    self.last_heard = time.monotonic()
+                    return message
+        self.shutdown()
+        raise EngineDeadError(f"the engine core did not answer within {timeout_s:.0f} s")
+
+    def send(self, request: EngineCoreRequest) -> None:
+        self._raise_if_dead()
+        self.in_socket.send(self.codec.encode(request), copy=False)
+
+    def abort(self, req_ids: list[str]) -> None:
+        if req_ids and self.error is None:
+            self.in_socket.send(self.codec.encode(AbortRequests(req_ids)))
+
+    def get_outputs(self, timeout_s: float) -> list[EngineCoreOutput]:
+        """Waits up to `timeout_s` for outputs; raises EngineDeadError when the core is gone."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._raise_if_dead()
+            now = time.monotonic()
+            if now - self.last_beat_sent >= HEARTBEAT_EVERY_S:
+                self.in_socket.send(self.codec.encode(Heartbeat()))
+                self.last_beat_sent = now
+            outputs = self._receive(min(POLL_MS, max(0, int((deadline - now) * 1000))))
+            if outputs or time.monotonic() >= deadline:
+                return outputs
+
+    def _receive(self, wait_ms: int) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        flags = 0
+        while self.out_socket.poll(wait_ms if flags == 0 else 0):
+            message = self.codec.decode_core(self.out_socket.recv(copy=False).buffer)
+            self.last_heard = time.monotonic()
+            if isinstance(message, EngineCoreOutputs):
+                outputs.extend(message.outputs)
+            elif isinstance(message, EngineError):
+                self.error = message.message
+            flags = zmq.NOBLOCK
+        return outputs
+
+    def _check_process(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            self.error = f"the engine core process exited with code {self.proc.returncode}"
+        elif time.monotonic() - self.last_heard > self.dead_after_s and self.error is None and hasattr(self, "facts"):
+            self.error = f"no word from the engine core for {self.dead_after_s:.0f} s"
+
+    def _raise_if_dead(self) -> None:
+        self._check_process()
+        if self.error is not None:
+            raise EngineDeadError(self.error)
+
+    def shutdown(self) -> None:
+        if self._finalizer.alive and self.error is None:
+            try:
+                self.in_socket.send(self.codec.encode(Goodbye()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._finalizer()
+
+
+def _spawn_core(config: EngineConfig, address: str) -> subprocess.Popen:
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "engine_core", "--address", address, "--log-level", "WARNING",
+               "--config-json", msgspec.json.encode(config).decode(), "--parent-pid", str(os.getpid())]
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+
+
+def _cleanup(ctx: zmq.Context, sockets: list[zmq.Socket], proc: subprocess.Popen | None, tmpdir: str | None) -> None:
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class InprocClient:
+    """The same EngineCore in this process, stepped by get_outputs; no sockets (debugging)."""
+
+    def __init__(self, config: EngineConfig, fingerprint: str) -> None:
+        from engine_core.core import (
+            EngineCore,  # in-process mode only: the one place the frontend holds a core
+        )
+
+        self.core = EngineCore(config)
+        if self.core.tokenizer_fingerprint != fingerprint:
+            raise ValueError("the engine core refused this frontend: its tokenizer does not match the model's")
+        self.facts = self.core.facts()
+        self.client_id = b""
+        self.pending: list[EngineCoreOutput] = []
+
+    def send(self, request: EngineCoreRequest) -> None:
+        refusal = self.core.add_request(self.client_id, request)
+        if refusal is not None:
+            self.pending.append(refusal)
+
+    def abort(self, req_ids: list[str]) -> None:
+        self.core.abort_requests(self.client_id, req_ids)
+
+    def get_outputs(self, timeout_s: float) -> list[EngineCoreOutput]:
+        outputs, self.pending = self.pending, []
+        if self.core.has_unfinished_requests():
+            for batch in self.core.step().values():
+                outputs.extend(batch.outputs)
+        return outputs
+
+    def shutdown(self) -> None:
+        self.core = None

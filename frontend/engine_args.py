@@ -1,0 +1,28 @@
+"""Engine arguments to EngineConfig, and what the frontend loads from the model folder (frontend process)."""
+
+from __future__ import annotations
+
+from frontend.builtin_model import builtin_model_path
+from protocol.config import EngineConfig
+
+
+def make_config(model: str | None, engine_args: dict) -> EngineConfig:
+    """Builds the one frozen config; unknown argument names are a ValueError naming them."""
+    known = set(EngineConfig.__struct_fields__) - {"model"}
+    unknown = sorted(set(engine_args) - known)
+    if unknown:
+        raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
+    path = builtin_model_path("tiny") if model is None else model
+    if model is not None and model.startswith("builtin:"):
+        path = builtin_model_path(model.split(":", 1)[1])
+    try:
+        return EngineConfig(model=path, **engine_args)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+

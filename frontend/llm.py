@@ -1,0 +1,105 @@
+"""LLM: the offline, synchronous API with vLLM's names (frontend process)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from frontend.core_client import InprocClient, MPClient
+from frontend.engine_args import load_tokenizer, make_config
+from frontend.input_processor import InputProcessor, PromptType
+from frontend.output_processor import OutputProcessor
+from frontend.outputs import RequestOutput
+from frontend.token_text import TokenTable
+from protocol.model_facts import tokenizer_fingerprint
+from protocol.sampling_params import SamplingParams
+
+OUTPUT_POLL_S = 0.05
+
+
+class LLM:
+    """`LLM(model=None, **engine_args)`: None is the built-in tiny model; `core_address` attaches to a
+    running `python -m engine_core` daemon instead of spawning a core; `multiprocess=False` runs the
+    core in this process."""
+
+    def __init__(self, model: str | None = None, *, multiprocess: bool = True, core_address: str | None = None,
+                 **engine_args) -> None:
+        self.config = make_config(model, engine_args)
+        self.tokenizer = load_tokenizer(self.config.model)
+        fingerprint = tokenizer_fingerprint(self.config.model)
+        if multiprocess or core_address:
+            self.client = MPClient(self.config, fingerprint, core_address)
+        else:
+            self.client = InprocClient(self.config, fingerprint)
+        self.facts = self.client.facts
+        self.input_processor = InputProcessor(self.tokenizer, self.facts)
+        self.output_processor = OutputProcessor(TokenTable(self.tokenizer))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self, prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Completions in input order. All prompts are validated before any is sent."""
+        prompts = _as_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        requests = []
+        for prompt, p in zip(prompts, params):
+            text, token_ids = self.input_processor.tokenize(prompt)
+            self.input_processor.validate(token_ids, p)
+            requests.append((str(next(self._ids)), text, token_ids, p))
+        for request_id, text, token_ids, p in requests:
+            for core_id, child in self.output_processor.add_request(request_id, text, token_ids, p):
+                self.client.send(self.input_processor.make_request(core_id, token_ids, child))
+        return self._run([r[0] for r in requests], use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while len(finished) < len(request_ids):
+                    results, to_abort = self.output_processor.process(self.client.get_outputs(OUTPUT_POLL_S))
+                    self.client.abort(to_abort)
+                    for result in results:
+                        if result.finished:
+                            finished[result.request_id] = result
+                            bar.update(1)
+            except BaseException:  # KeyboardInterrupt or a dead core: leave nothing running
+                for request_id in request_ids:
+                    if request_id not in finished:
+                        self.client.abort(self.output_processor.abort(request_id))
+                raise
+        return [finished[request_id] for request_id in request_ids]
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if isinstance(prompts, dict):
+        return [prompts]
+    return list(prompts)
+
+
+def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+    return params

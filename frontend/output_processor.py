@@ -1,0 +1,189 @@
+"""Follows each request's outputs from the core: text, stop strings, logprobs; builds RequestOutputs
+(frontend process). A user request with n > 1 is n core requests, one per completion.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from frontend.logprob_rows import sum_chosen, to_position_dicts
+from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from frontend.token_text import IncrementalDetokenizer, TokenTable
+from protocol.messages import EngineCoreOutput, FinishReason
+from protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionState:
+    core_req_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    text_end: int | None = None  # where a stop string cut the text
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_sent_tokens: int = 0  # streaming: what earlier deltas already carried
+    num_sent_chars: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.text_end is None else self.detokenizer.text[:self.text_end]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detokenizer.token_ids
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[CompletionState]
+    is_delta: bool  # streaming: each output carries only what is new
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class OutputProcessor:
+    def __init__(self, table: TokenTable) -> None:
+        self.table = table
+        self.requests: dict[str, RequestState] = {}
+        self.completion_of: dict[str, CompletionState] = {}  # core req id -> completion
+        self.owner_of: dict[str, RequestState] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        is_delta: bool = False,
+    ) -> list[tuple[str, SamplingParams]]:
+        """Registers a user request; returns the (core request id, params) of each of its completions."""
+        children = child_params(request_id, params)
+        completions = [
+            CompletionState(core_id, i, p, IncrementalDetokenizer(self.table, p.skip_special_tokens),
+                            [] if p.logprobs is not None else None, 0.0 if p.logprobs is not None else None)
+            for i, (core_id, p) in enumerate(children)
+        ]
+        state = RequestState(request_id, prompt, prompt_token_ids, completions, is_delta,
+                             metrics={"arrival_time": time.time()})
+        self.requests[request_id] = state
+        for completion in completions:
+            self.completion_of[completion.core_req_id] = completion
+            self.owner_of[completion.core_req_id] = state
+        return children
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs to hand out and the core requests to abort (stopped by a string)."""
+        touched: dict[str, RequestState] = {}
+        to_abort = []
+        for output in outputs:
+            completion = self.completion_of.get(output.req_id)
+            if completion is None:
+                continue  # already finished here (stop string) while the core was still running it
+            state = self.owner_of[output.req_id]
+            if self._apply(state, completion, output):
+                to_abort.append(completion.core_req_id)
+            if completion.finish_reason is not None:
+                del self.completion_of[output.req_id], self.owner_of[output.req_id]
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            if state.finished:
+                del self.requests[state.request_id]
+                state.metrics["finished_time"] = time.time()
+            results.append(make_request_output(state))
+        return results, to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forgets a user request; returns its unfinished core request ids."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        ids = [c.core_req_id for c in state.completions if c.finish_reason is None]
+        for core_id in ids:
+            self.completion_of.pop(core_id, None)
+            self.owner_of.pop(core_id, None)
+        return ids
+
+    def _apply(self, state: RequestState, completion: CompletionState, output: EngineCoreOutput) -> bool:
+        """Returns True when a stop string finished a completion the core is still running."""
+        if "first_token_time" not in state.metrics and output.new_token_ids:
+            state.metrics["first_token_time"] = time.time()
+        if output.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] + to_position_dicts(output.prompt_logprobs, self.table)
+        if output.new_logprobs is not None and completion.logprobs is not None:
+            completion.logprobs.extend(to_position_dicts(output.new_logprobs, self.table))
+            completion.cumulative_logprob += sum_chosen(output.new_logprobs)
+        num_chars_before = len(completion.detokenizer.text)
+        completion.detokenizer.append(output.new_token_ids)
+        if output.finish_reason is not None:
+            completion.detokenizer.flush()
+            completion.finish_reason = str(output.finish_reason)
+            completion.stop_reason = output.stop_reason
+            completion.error = output.error
+        return self._check_stop_strings(completion, num_chars_before, is_core_done=output.finish_reason is not None)
+
+    def _check_stop_strings(self, completion: CompletionState, num_chars_before: int, is_core_done: bool) -> bool:
+        params = completion.params
+        if not params.stop or completion.finish_reason == "error":
+            return False
+        if len(completion.token_ids) <= params.min_tokens:
+            return False
+        text = completion.detokenizer.text
+        start = max(0, num_chars_before - max(len(s) for s in params.stop) + 1)
+        hits = [(text.find(s, start), s) for s in params.stop]
+        hits = [(pos, s) for pos, s in hits if pos != -1]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        completion.text_end = pos + len(stop) if params.include_stop_str_in_output else pos
+        completion.finish_reason, completion.stop_reason = str(FinishReason.STOP), stop
+        return not is_core_done
+
+
+def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """n > 1: one core request per completion, seeds offset by the index, prompt logprobs only once."""
+    import msgspec
+
+    if params.n == 1:
+        return [(request_id, params)]
+    children = []
+    for i in range(params.n):
+        child = msgspec.structs.replace(
+            params, n=1, seed=None if params.seed is None else params.seed + i,
+            prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+        )
+        children.append((f"{request_id}#{i}", child))
+    return children
+
+
+def make_request_output(state: RequestState) -> RequestOutput:
+    completions = [_completion_output(c, state.is_delta) for c in state.completions]
+    prompt_logprobs = state.prompt_logprobs
+    return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, prompt_logprobs,
+                         completions, state.finished, dict(state.metrics))
+
+
+def _completion_output(c: CompletionState, is_delta: bool) -> CompletionOutput:
+    if not is_delta:
+        return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                                list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
+    text = c.text
+    if c.finish_reason is None and c.params.stop:  # hold back what could still become a stop string
+        text = text[:max(c.num_sent_chars, len(text) - max(len(s) for s in c.params.stop) + 1)]
+    token_ids = c.token_ids[c.num_sent_tokens:]
+    logprobs = c.logprobs[c.num_sent_tokens:] if c.logprobs is not None else None
+    delta = CompletionOutput(c.index, text[c.num_sent_chars:], token_ids, c.cumulative_logprob, logprobs,
+                             c.finish_reason, c.stop_reason)
+    c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
+    return delta

@@ -1,0 +1,45 @@
+"""What users get back, with vLLM's names: Logprob, CompletionOutput, RequestOutput (frontend process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One candidate token at one position. `rank` is 1-based: 1 + tokens with a strictly higher logprob
+    (for the top-k entries, their place in the top-k). `decoded_token` is the token's own text; for a
+    token whose bytes are not valid UTF-8 on their own, undecodable bytes are kept as surrogate escapes:
+    `decoded_token.encode("utf-8", "surrogateescape")` gives the raw bytes back."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PositionLogprobs = dict[int, Logprob]  # token id -> Logprob; the sampled (or prompt) token first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)

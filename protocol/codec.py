@@ -1,0 +1,26 @@
+"""Encoders and typed decoders for each direction of the socket. No pickle: only the closed unions decode."""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.messages import ClientMessage, CoreMessage
+
+
+class Codec:
+    """One encoder and one typed decoder per direction; cheap to build, keep one per thread."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self._core_decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode_client(self, frame: bytes | memoryview) -> ClientMessage:
+        """Raises msgspec.DecodeError / ValidationError for a malformed frame."""
+        return self._client_decoder.decode(frame)
+
+    def decode_core(self, frame: bytes | memoryview) -> CoreMessage:
+        return self._core_decoder.decode(frame)

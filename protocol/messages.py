@@ -1,0 +1,93 @@
+"""The two wire contracts (EngineCoreRequest in, EngineCoreOutputs out) and the control messages.
+
+Every message is a closed, tagged msgspec struct; a frame that decodes to anything else is rejected.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from protocol.arrays import LogprobsArrays
+from protocol.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2
+    ERROR = 3  # the request was refused or failed in the core; see EngineCoreOutput.error
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+# ---- frontend -> core ---------------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    protocol_version: int
+    tokenizer_fingerprint: str
+
+
+class EngineCoreRequest(msgspec.Struct, tag="req", array_like=True, gc=False):
+    req_id: str  # unique within the sending client
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    req_ids: list[str]
+
+
+class Heartbeat(msgspec.Struct, tag="beat", array_like=True):
+    pass
+
+
+class Goodbye(msgspec.Struct, tag="bye", array_like=True):
+    """The client is leaving: abort whatever it still has in flight."""
+
+
+ClientMessage = Hello | EngineCoreRequest | AbortRequests | Heartbeat | Goodbye
+
+
+# ---- core -> frontend ---------------------------------------------------------------------------------
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsArrays | None = None  # one row per new token, trimmed to the request's k
+    prompt_logprobs: LogprobsArrays | None = None  # rows for prompt tokens 1..P-1, sent once
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that finished the request
+    error: str | None = None  # with FinishReason.ERROR: why the core refused the request
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):
+    outputs: list[EngineCoreOutput]
+    timestamp: float = 0.0
+
+
+class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
+    """The model's facts, so that the frontend can validate requests before they leave."""
+
+    protocol_version: int
+    error: str | None
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    eos_token_ids: list[int]
+    num_kv_blocks: int
+    block_size: int
+
+
+class EngineError(msgspec.Struct, tag="fatal", array_like=True):
+    """The core hit an error it cannot recover from; the frontend raises EngineDeadError."""
+
+    message: str
+
+
+CoreMessage = EngineCoreOutputs | HandshakeReply | Heartbeat | EngineError

@@ -1,0 +1,65 @@
+"""The in-process contracts between the scheduler and the worker (engine-core process): SchedulerOutput
+in, ModelRunnerOutput back. Plain data and numpy arrays, no torch, so neither side imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent once when a request is first scheduled, or again in full when it resumes after preemption."""
+
+    req_id: str
+    token_ids: list[int]  # prompt, then any output tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    prompt_logprobs_k: int | None  # None: not asked, or already delivered before a preemption
+    logprobs_k: int | None  # k to compute per sampled token; -1: whole vocabulary
+    logprobs_mode: str  # "raw" or "processed", the engine default resolved
+    eos_token_ids: list[int]  # masked while fewer than min_tokens were generated; empty with ignore_eos
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step's tokens
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step, in batch order
+    finished_req_ids: set[str]  # finished or preempted since the last step: the worker drops them
+    num_steps: int = 1  # > 1 only for decode-only batches (multi-step)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class HostLogprobs:
+    """Logprob rows on the host; row r belongs to the r-th entry of the owner's id list."""
+
+    token_ids: np.ndarray  # [num_rows, k + 1] int32, column 0 = sampled (or prompt) token
+    logprobs: np.ndarray  # [num_rows, k + 1] float32
+    ranks: np.ndarray  # [num_rows] int32, 1-based rank of column 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_req_ids: list[str]  # requests that sampled this step (their last scheduled token was the last)
+    sampled_token_ids: np.ndarray  # [num_sampled_reqs, num_steps] int32
+    logprob_req_ids: list[str] = field(default_factory=list)  # subset of sampled_req_ids that asked
+    logprobs: list[HostLogprobs] = field(default_factory=list)  # one per step, rows follow logprob_req_ids
+    prompt_logprobs: dict[str, HostLogprobs] = field(default_factory=dict)  # rows of this step's chunk

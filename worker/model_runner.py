@@ -1,0 +1,100 @@
+"""ModelRunner: owns the model, the paged KV cache and the sampler; turns a SchedulerOutput into a
+ModelRunnerOutput with one device-to-host copy per step (engine-core process).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
+from worker.input_batch import RequestState, build_step_inputs
+from worker.logprobs import copy_to_host, prompt_logprobs
+from worker.models.loader import load_model
+from worker.sampler import Sampler
+from worker.sampling_metadata import build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, dtype: str, device: str, block_size: int, seed: int) -> None:
+        self.device = pick_device(device)
+        self.dtype = _DTYPES[dtype]
+        self.block_size = block_size
+        self.model = load_model(model_dir, self.dtype, self.device)
+        self.vocab_size = self.model.args.vocab_size
+        self.sampler = Sampler(torch.Generator().manual_seed(seed))
+        self.states: dict[str, RequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    def bytes_per_block(self) -> int:
+        a = self.model.args
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        a = self.model.args
+        shape = (2, num_blocks * self.block_size, a.num_kv_heads, a.head_dim)
+        # Zeroed: padded decode slots are masked, but 0 * NaN garbage would still poison the output.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)]
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * self.bytes_per_block() / 2**20)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diffs(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput([], np.zeros((0, 1), dtype=np.int32))
+        states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
+        inputs = build_step_inputs(
+            states, list(scheduler_output.num_scheduled_tokens.values()), self.block_size, self.device
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        for state, num in zip(states, scheduler_output.num_scheduled_tokens.values()):
+            state.num_computed_tokens += num
+        sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
+        device_tensors, logprob_req_ids = [], []
+        if sampling_states:
+            meta = build_sampling_metadata(sampling_states, self.vocab_size, self.device)
+            out = self.sampler(self.model.compute_logits(hidden[inputs.sample_rows]), meta)
+            device_tensors.append(out.sampled)
+            if out.logprobs is not None:
+                device_tensors += [out.logprob_token_ids, out.logprobs, out.ranks]
+                logprob_req_ids = [s.req_id for s in sampling_states if s.logprobs_k is not None]
+        for job in inputs.prompt_jobs:
+            targets = torch.tensor(job.target_ids, dtype=torch.int64, device=self.device)
+            device_tensors += prompt_logprobs(hidden[job.hidden_rows], targets, job.k, self.model.compute_logits)
+        host = copy_to_host(device_tensors)
+        return self._to_output(inputs, sampling_states, logprob_req_ids, host)
+
+    def _to_output(self, inputs, sampling_states, logprob_req_ids, host) -> ModelRunnerOutput:
+        sampled = host.pop(0) if sampling_states else np.zeros(0, dtype=np.int32)
+        for state, token_id in zip(sampling_states, sampled.tolist()):
+            state.token_ids.append(token_id)
+        output = ModelRunnerOutput(inputs.sampled_req_ids, sampled.reshape(-1, 1), logprob_req_ids)
+        if logprob_req_ids:
+            output.logprobs.append(HostLogprobs(*host[:3]))
+            del host[:3]
+        for i, job in enumerate(inputs.prompt_jobs):
+            output.prompt_logprobs[job.req_id] = HostLogprobs(*host[3 * i:3 * i + 3])
+        return output
+
+    def _apply_diffs(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.states.pop(req_id, None)
+        for data in scheduler_output.new_reqs:
+            self.states[data.req_id] = RequestState.from_new(data)
+        for data in scheduler_output.cached_reqs:
+            state = self.states[data.req_id]
+            state.block_ids.extend(data.new_block_ids)
+            assert state.num_computed_tokens == data.num_computed_tokens, (data.req_id, state.num_computed_tokens)

@@ -1,0 +1,134 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias) over a paged KV cache (engine-core process).
+
+Numerics follow Hugging Face transformers (RMSNorm in fp32, rotate-half RoPE) so logprobs match it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionMetadata, paged_attention, write_kv
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> LlamaArgs:
+        rope = config.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default" or config.get("rope_scaling"):
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported yet")
+        num_heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: Rotary) -> None:
+        super().__init__()
+        self.args, self.rotary = args, rotary
+        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Fused at load time: one matmul for q/k/v and one for gate/up.
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata):
+        num_tokens, a = x.shape[0], self.args
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rotary(q.view(num_tokens, a.num_heads, a.head_dim), positions)
+        k = self.rotary(k.view(num_tokens, a.num_kv_heads, a.head_dim), positions)
+        v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
+        write_kv(cache, k, v, meta.slot_mapping)
+        attn = paged_attention(q, k, v, cache, meta).reshape(num_tokens, self.q_size)
+        x = x + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, self.rotary) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, positions, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, hidden] -> logits [R, vocab] float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,122 @@
+"""The sampler: penalties, temperature, top-k/top-p/min-p, seeded sampling and logprobs (core process).
+
+Logprobs are computed only for the rows that asked and only up to the largest k among them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Penalties:
+    presence: torch.Tensor  # [R] float32
+    frequency: torch.Tensor  # [R] float32
+    repetition: torch.Tensor  # [R] float32
+    output_counts: torch.Tensor  # [R, V] float32, how often each token was generated so far
+    seen_mask: torch.Tensor  # [R, V] bool, token in the prompt or the output
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows
+    is_greedy: torch.Tensor  # [R] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [R] int64, vocab size where disabled; None when no row filters
+    top_p: torch.Tensor | None  # [R] float32
+    min_p: torch.Tensor | None  # [R] float32
+    penalties: Penalties | None
+    generators: list[torch.Generator | None]  # [R] a generator per seeded row; None: the engine's
+    banned: list[tuple[int, list[int]]]  # (row, token ids) masked until min_tokens are generated
+    logprob_rows: torch.Tensor | None  # [R'] int64 rows that asked for logprobs
+    num_logprobs: int  # largest k among them; -1: whole vocabulary
+    is_processed: torch.Tensor | None  # [R'] bool, row wants logprobs after processing
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [R] int64
+    logprob_token_ids: torch.Tensor | None  # [R', k + 1] int32, column 0 = sampled token
+    logprobs: torch.Tensor | None  # [R', k + 1] float32
+    ranks: torch.Tensor | None  # [R'] int32
+
+
+class Sampler:
+    def __init__(self, engine_generator: torch.Generator) -> None:
+        self.generator = engine_generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [R, V] float32 (not modified)."""
+        from worker.logprobs import gather_logprobs
+
+        rows = meta.logprob_rows
+        raw = torch.log_softmax(logits[rows], dim=-1) if rows is not None else None
+        logits = self._process(logits, meta)
+        sampled = self._sample(logits, meta)
+        if rows is None:
+            return SamplerOutput(sampled, None, None, None)
+        chosen = raw
+        if meta.is_processed is not None and bool(meta.is_processed.any()):
+            processed = torch.log_softmax(logits[rows], dim=-1)
+            chosen = torch.where(meta.is_processed[:, None], processed, raw)
+        token_ids, values, ranks = gather_logprobs(chosen, sampled[rows], meta.num_logprobs)
+        return SamplerOutput(sampled, token_ids, values, ranks)
+
+    def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits.clone()
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
+        for row, token_ids in meta.banned:
+            logits[row, token_ids] = float("-inf")
+        if not meta.all_greedy:
+            logits.div_(meta.temperature[:, None])
+        if meta.min_p is not None:
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p[:, None]
+            logits.masked_fill_(probs < threshold, float("-inf"))
+        if meta.top_k is not None:
+            logits = apply_top_k(logits, meta.top_k)
+        if meta.top_p is not None:
+            logits = apply_top_p(logits, meta.top_p)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)  # exponential race: argmax(p / q), q ~ Exp(1), samples from p
+        for row, generator in enumerate(meta.generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        unseeded = [row for row, g in enumerate(meta.generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1])).exponential_(generator=self.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(meta.is_greedy, greedy, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    repetition = p.repetition[:, None].expand_as(logits)
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(p.seen_mask, scaled, logits)
+    logits -= p.frequency[:, None] * p.output_counts
+    logits -= p.presence[:, None] * (p.output_counts > 0).float()
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    max_k = int(top_k.max())
+    kth_values = logits.topk(max_k, dim=-1).values.gather(-1, (top_k - 1).clamp(max=max_k - 1)[:, None])
+    return logits.masked_fill(logits < kth_values, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # keeps the token that crosses top_p
+    drop_sorted = mass_before > top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

@@ -1,0 +1,74 @@
+"""Builds the sampler's per-step tensors from the request states of the rows that sample (core process)."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.input_batch import RequestState
+from worker.sampler import Penalties, SamplingMetadata
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def build_sampling_metadata(states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    params = [s.params for s in states]
+    is_greedy = [p.is_greedy for p in params]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    logprob_rows = [i for i, s in enumerate(states) if s.logprobs_k is not None]
+    ks = [states[i].logprobs_k for i in logprob_rows]
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return SamplingMetadata(
+        temperature=tensor([1.0 if g else p.temperature for g, p in zip(is_greedy, params)], torch.float32),
+        is_greedy=tensor(is_greedy, torch.bool),
+        all_greedy=all(is_greedy),
+        top_k=tensor(top_k, torch.int64) if min(top_k) < vocab_size else None,
+        top_p=tensor([p.top_p for p in params], torch.float32) if any(p.top_p < 1.0 for p in params) else None,
+        min_p=tensor([p.min_p for p in params], torch.float32) if any(p.min_p > 0.0 for p in params) else None,
+        penalties=_penalties(states, vocab_size, device),
+        generators=[_generator(s, device) for s in states],
+        banned=_banned(states),
+        logprob_rows=tensor(logprob_rows, torch.int64) if logprob_rows else None,
+        num_logprobs=-1 if -1 in ks else max(ks, default=0),
+        is_processed=tensor([states[i].is_processed for i in logprob_rows], torch.bool) if logprob_rows else None,
+    )
+
+
+def _generator(state: RequestState, device: torch.device) -> torch.Generator | None:
+    """A seeded row's noise depends only on (seed, output position): the same tokens in any batch."""
+    seed = state.params.seed
+    if seed is None or state.params.is_greedy:
+        return None
+    mixed = (seed * _SEED_MIX + state.num_output_tokens) % (2**63)
+    return torch.Generator(device=device).manual_seed(mixed)
+
+
+def _banned(states: list[RequestState]) -> list[tuple[int, list[int]]]:
+    banned = []
+    for row, state in enumerate(states):
+        if state.num_output_tokens < state.params.min_tokens:
+            token_ids = list(state.eos_token_ids) + list(state.params.stop_token_ids or ())
+            if token_ids:
+                banned.append((row, token_ids))
+    return banned
+
+
+def _penalties(states: list[RequestState], vocab_size: int, device: torch.device) -> Penalties | None:
+    params = [s.params for s in states]
+    if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params):
+        return None
+    counts = torch.zeros((len(states), vocab_size), dtype=torch.float32, device=device)
+    seen = torch.zeros((len(states), vocab_size), dtype=torch.bool, device=device)
+    for row, state in enumerate(states):
+        output = torch.tensor(state.token_ids[state.num_prompt_tokens:], dtype=torch.int64, device=device)
+        counts[row].scatter_add_(0, output, torch.ones_like(output, dtype=torch.float32))
+        seen[row, torch.tensor(state.token_ids, dtype=torch.int64, device=device)] = True
+    return Penalties(
+        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
+        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
+        output_counts=counts,
+        seen_mask=seen,
+    )
