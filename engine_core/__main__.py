@@ -19,7 +19,9 @@ from protocol.config import EngineConfig
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m engine_core", description=__doc__)
     parser.add_argument("--model", help="a Hugging Face model folder")
-    parser.add_argument("--address", required=True, help="ipc://PATH or tcp://127.0.0.1:PORT (uses PORT and PORT+1)")
+    parser.add_argument(
+        "--address", required=True, help="ipc://PATH or tcp://127.0.0.1:PORT (uses PORT and PORT+1)"
+    )
     parser.add_argument("--config-json", help="a whole EngineConfig as JSON (used by a spawning frontend)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process is no longer the parent")
     parser.add_argument("--allow-remote", action="store_true", help="allow binding beyond loopback")
@@ -35,7 +37,11 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
         return msgspec.json.decode(args.config_json, type=EngineConfig)
     if not args.model:
         raise SystemExit("--model is required")
-    values = {f: getattr(args, f) for f in EngineConfig.__struct_fields__ if f != "model" and getattr(args, f) is not None}
+    values = {
+        f: getattr(args, f)
+        for f in EngineConfig.__struct_fields__
+        if f != "model" and getattr(args, f) is not None
+    }
     return msgspec.convert({"model": args.model, **values}, EngineConfig, strict=False)
 
 

@@ -31,7 +31,9 @@ class EngineCore:
         self.runner = ModelRunner(config.model, config.dtype, config.device, config.block_size, config.seed)
         args = self.runner.model.args
         self.vocab_size = args.vocab_size
-        self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
+        )
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size)
@@ -48,8 +50,14 @@ class EngineCore:
 
     def facts(self) -> HandshakeReply:
         return HandshakeReply(
-            PROTOCOL_VERSION, None, self.vocab_size, self.max_model_len, self.config.max_logprobs,
-            self.eos_token_ids, self.num_kv_blocks, self.config.block_size,
+            PROTOCOL_VERSION,
+            None,
+            self.vocab_size,
+            self.max_model_len,
+            self.config.max_logprobs,
+            self.eos_token_ids,
+            self.num_kv_blocks,
+            self.config.block_size,
         )
 
     def add_request(self, client_id: bytes, request: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -59,8 +67,14 @@ class EngineCore:
             logger.warning("refused request %s: %s", request.req_id, error)
             return EngineCoreOutput(request.req_id, [], finish_reason=FinishReason.ERROR, error=error)
         req = Request(
-            core_req_id(client_id, request.req_id), client_id, request.req_id, list(request.prompt_token_ids),
-            request.sampling_params, request.arrival_time, self.eos_token_ids, self.config.logprobs_mode,
+            core_req_id(client_id, request.req_id),
+            client_id,
+            request.req_id,
+            list(request.prompt_token_ids),
+            request.sampling_params,
+            request.arrival_time,
+            self.eos_token_ids,
+            self.config.logprobs_mode,
         )
         self.scheduler.add_request(req)
         return None
@@ -90,7 +104,9 @@ class EngineCore:
         self.scheduler.abort_requests([core_req_id(client_id, r) for r in req_ids])
 
     def abort_client(self, client_id: bytes) -> None:
-        self.scheduler.abort_requests([r.req_id for r in self.scheduler.requests.values() if r.client_id == client_id])
+        self.scheduler.abort_requests(
+            [r.req_id for r in self.scheduler.requests.values() if r.client_id == client_id]
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

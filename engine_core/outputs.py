@@ -14,7 +14,9 @@ from protocol.messages import EngineCoreOutput
 from protocol.step import HostLogprobs
 
 
-def make_output(req: Request, num_new: int, step_logprobs: list[HostLogprobs], row: int | None) -> EngineCoreOutput:
+def make_output(
+    req: Request, num_new: int, step_logprobs: list[HostLogprobs], row: int | None
+) -> EngineCoreOutput:
     output = EngineCoreOutput(req.client_req_id, req.output_token_ids[-num_new:] if num_new else [])
     if step_logprobs:
         output.new_logprobs = _rows_for(req.params.logprobs, step_logprobs, row)
@@ -32,8 +34,11 @@ def _rows_for(k: int, step_logprobs: list[HostLogprobs], row: int) -> LogprobsAr
     num_cols = None if k == -1 else k + 1
     if len(step_logprobs) == 1:
         lp = step_logprobs[0]
-        return LogprobsArrays.from_numpy(lp.token_ids[row:row + 1, :num_cols], lp.logprobs[row:row + 1, :num_cols],
-                                         lp.ranks[row:row + 1])
+        return LogprobsArrays.from_numpy(
+            lp.token_ids[row : row + 1, :num_cols],
+            lp.logprobs[row : row + 1, :num_cols],
+            lp.ranks[row : row + 1],
+        )
     return LogprobsArrays.from_numpy(
         np.stack([lp.token_ids[row, :num_cols] for lp in step_logprobs]),
         np.stack([lp.logprobs[row, :num_cols] for lp in step_logprobs]),

@@ -19,8 +19,15 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(
-        self, req_id: str, client_id: bytes, client_req_id: str, prompt_token_ids: list[int],
-        params: SamplingParams, arrival_time: float, eos_token_ids: list[int], logprobs_mode: str,
+        self,
+        req_id: str,
+        client_id: bytes,
+        client_req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        eos_token_ids: list[int],
+        logprobs_mode: str,
     ) -> None:
         self.req_id = req_id  # unique in the core: the client's id qualified by the client
         self.client_id = client_id

@@ -27,6 +27,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(): the worker drops them
+        self.num_preemptions = 0  # since start, for stats and tests
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -63,7 +64,9 @@ class Scheduler:
             self._commit(req, num_new, output)
             budget -= num_new
             index += 1
-        is_preempted = len(output.finished_req_ids) > num_dropped_before  # no admissions while memory is short
+        is_preempted = (
+            len(output.finished_req_ids) > num_dropped_before
+        )  # no admissions while memory is short
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not is_preempted:
             req = self.waiting[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -90,6 +93,7 @@ class Scheduler:
                 return new_blocks
             victim = self.running.pop()
             self.kv_cache.free(victim.req_id)
+            self.num_preemptions += 1
             victim.reset_for_recompute()
             self.waiting.appendleft(victim)
             output.finished_req_ids.add(victim.req_id)
@@ -129,7 +133,9 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the last token
             num_new = self._append_tokens(req, sampled[req_id])
             row = logprob_rows.get(req_id)
-            step_logprobs = [runner_output.logprobs[step] for step in range(num_new)] if row is not None else []
+            step_logprobs = (
+                [runner_output.logprobs[step] for step in range(num_new)] if row is not None else []
+            )
             by_client[req.client_id].append(make_output(req, num_new, step_logprobs, row))
             if req.is_finished:
                 self._free(req)

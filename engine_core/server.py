@@ -37,8 +37,9 @@ POLL_MS = 100
 
 
 class CoreServer:
-    def __init__(self, core: EngineCore, address: str, parent_pid: int | None = None,
-                 client_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, core: EngineCore, address: str, parent_pid: int | None = None, client_timeout_s: float = 10.0
+    ) -> None:
         self.core = core
         self.parent_pid = parent_pid
         self.client_timeout_s = client_timeout_s
@@ -60,8 +61,10 @@ class CoreServer:
         return sock
 
     def serve_forever(self) -> None:
-        threads = [threading.Thread(target=self._input_loop, name="core-input", daemon=True),
-                   threading.Thread(target=self._output_loop, name="core-output", daemon=True)]
+        threads = [
+            threading.Thread(target=self._input_loop, name="core-input", daemon=True),
+            threading.Thread(target=self._output_loop, name="core-output", daemon=True),
+        ]
         for thread in threads:
             thread.start()
         try:

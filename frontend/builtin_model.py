@@ -55,7 +55,9 @@ def builtin_model_path(preset: str = "tiny", cache_dir: Path | None = None) -> s
     """Returns the folder of a preset, making it on first use."""
     if preset not in PRESETS:
         raise ValueError(f"unknown built-in preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return ensure_model(PRESETS[preset], (cache_dir or default_cache_dir()) / f"builtin-{preset}-v{MAKER_VERSION}")
+    return ensure_model(
+        PRESETS[preset], (cache_dir or default_cache_dir()) / f"builtin-{preset}-v{MAKER_VERSION}"
+    )
 
 
 def ensure_model(spec: ModelSpec, path: Path) -> str:
@@ -154,5 +156,7 @@ def make_tokenizer():
     # transformers 5: `vocab=`/`merges=` paths; the `vocab_file=` keywords silently give an empty tokenizer.
     tokenizer = GPT2TokenizerFast(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
     if len(tokenizer) != GPT2_VOCAB_SIZE:
-        raise RuntimeError(f"the GPT-2 tokenizer came out with {len(tokenizer)} tokens, not {GPT2_VOCAB_SIZE}")
+        raise RuntimeError(
+            f"the GPT-2 tokenizer came out with {len(tokenizer)} tokens, not {GPT2_VOCAB_SIZE}"
+        )
     return tokenizer

@@ -45,8 +45,14 @@ HEARTBEAT_EVERY_S = 1.0
 class MPClient:
     """Spawns `python -m engine_core` (address None) or connects to a daemon at `address`."""
 
-    def __init__(self, config: EngineConfig, fingerprint: str, address: str | None = None,
-                 startup_timeout_s: float = 300.0, dead_after_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        fingerprint: str,
+        address: str | None = None,
+        startup_timeout_s: float = 300.0,
+        dead_after_s: float = 10.0,
+    ) -> None:
         self.codec = Codec()
         self.dead_after_s = dead_after_s
         self.error: str | None = None
@@ -60,8 +66,9 @@ class MPClient:
         in_address, out_address = split_address(address)
         self.out_socket = self._connect(zmq.DEALER, out_address)  # outputs arrive here
         self.in_socket = self._connect(zmq.DEALER, in_address)  # requests leave here
-        self._finalizer = weakref.finalize(self, _cleanup, self.ctx, [self.in_socket, self.out_socket],
-                                           self.proc, self.tmpdir)
+        self._finalizer = weakref.finalize(
+            self, _cleanup, self.ctx, [self.in_socket, self.out_socket], self.proc, self.tmpdir
+        )
         self.last_heard = time.monotonic()
         self.last_beat_sent = 0.0
         self.facts = self._handshake(fingerprint, startup_timeout_s)
@@ -128,7 +135,11 @@ class MPClient:
     def _check_process(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             self.error = f"the engine core process exited with code {self.proc.returncode}"
-        elif time.monotonic() - self.last_heard > self.dead_after_s and self.error is None and hasattr(self, "facts"):
+        elif (
+            time.monotonic() - self.last_heard > self.dead_after_s
+            and self.error is None
+            and hasattr(self, "facts")
+        ):
             self.error = f"no word from the engine core for {self.dead_after_s:.0f} s"
 
     def _raise_if_dead(self) -> None:
@@ -148,12 +159,25 @@ class MPClient:
 def _spawn_core(config: EngineConfig, address: str) -> subprocess.Popen:
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "engine_core", "--address", address, "--log-level", "WARNING",
-               "--config-json", msgspec.json.encode(config).decode(), "--parent-pid", str(os.getpid())]
+    command = [
+        sys.executable,
+        "-m",
+        "engine_core",
+        "--address",
+        address,
+        "--log-level",
+        "WARNING",
+        "--config-json",
+        msgspec.json.encode(config).decode(),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
 
 
-def _cleanup(ctx: zmq.Context, sockets: list[zmq.Socket], proc: subprocess.Popen | None, tmpdir: str | None) -> None:
+def _cleanup(
+    ctx: zmq.Context, sockets: list[zmq.Socket], proc: subprocess.Popen | None, tmpdir: str | None
+) -> None:
     for sock in sockets:
         sock.close(linger=0)
     ctx.term()
@@ -178,7 +202,9 @@ class InprocClient:
 
         self.core = EngineCore(config)
         if self.core.tokenizer_fingerprint != fingerprint:
-            raise ValueError("the engine core refused this frontend: its tokenizer does not match the model's")
+            raise ValueError(
+                "the engine core refused this frontend: its tokenizer does not match the model's"
+            )
         self.facts = self.core.facts()
         self.client_id = b""
         self.pending: list[EngineCoreOutput] = []

@@ -26,11 +26,15 @@ class InputProcessor:
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:  # vLLM's TokensPrompt
             prompt = prompt["prompt_token_ids"]
-        if not isinstance(prompt, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, Sequence) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             raise ValueError("a prompt must be a string or a list of token ids (ints)")
         return None, list(prompt)
 
-    def make_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineCoreRequest:
+    def make_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> EngineCoreRequest:
         self.validate(prompt_token_ids, params)
         return EngineCoreRequest(req_id, prompt_token_ids, params, time.time())
 
@@ -40,21 +44,29 @@ class InputProcessor:
         if num == 0:
             raise ValueError("the prompt is empty")
         if num >= facts.max_model_len:
-            raise ValueError(f"the prompt has {num} tokens, but max_model_len is {facts.max_model_len}: "
-                             "it must be shorter, to leave room for at least one generated token")
+            raise ValueError(
+                f"the prompt has {num} tokens, but max_model_len is {facts.max_model_len}: "
+                "it must be shorter, to leave room for at least one generated token"
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < facts.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{facts.vocab_size - 1})")
+            raise ValueError(
+                f"token id {bad[0]} is out of vocabulary (valid ids are 0..{facts.vocab_size - 1})"
+            )
         for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if k is not None and facts.max_logprobs != -1 and (k == -1 or k > facts.max_logprobs):
                 asked = "the whole vocabulary (-1)" if k == -1 else str(k)
-                raise ValueError(f"{name}={asked} asks for more than max_logprobs={facts.max_logprobs}; "
-                                 "ask for fewer or raise the engine's max_logprobs")
+                raise ValueError(
+                    f"{name}={asked} asks for more than max_logprobs={facts.max_logprobs}; "
+                    "ask for fewer or raise the engine's max_logprobs"
+                )
         bad_stop = [t for t in params.stop_token_ids or () if not 0 <= t < facts.vocab_size]
         if bad_stop:
             raise ValueError(f"stop token id {bad_stop[0]} is out of vocabulary")
         max_len = min(num + (params.max_tokens or facts.max_model_len), facts.max_model_len)
         needed = -(-max_len // facts.block_size)
         if needed > facts.num_kv_blocks:
-            raise ValueError(f"the request may need {needed} KV blocks ({max_len} tokens), but the cache has "
-                             f"{facts.num_kv_blocks}; lower max_tokens or raise num_kv_blocks")
+            raise ValueError(
+                f"the request may need {needed} KV blocks ({max_len} tokens), but the cache has "
+                f"{facts.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
+            )

@@ -22,8 +22,14 @@ class LLM:
     running `python -m engine_core` daemon instead of spawning a core; `multiprocess=False` runs the
     core in this process."""
 
-    def __init__(self, model: str | None = None, *, multiprocess: bool = True, core_address: str | None = None,
-                 **engine_args) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        multiprocess: bool = True,
+        core_address: str | None = None,
+        **engine_args,
+    ) -> None:
         self.config = make_config(model, engine_args)
         self.tokenizer = load_tokenizer(self.config.model)
         fingerprint = tokenizer_fingerprint(self.config.model)
@@ -40,8 +46,10 @@ class LLM:
         return self.tokenizer
 
     def generate(
-        self, prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Completions in input order. All prompts are validated before any is sent."""
         prompts = _as_list(prompts)
@@ -87,7 +95,9 @@ class LLM:
 
 
 def _as_list(prompts) -> list:
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
         return [prompts]
     if isinstance(prompts, dict):
         return [prompts]

@@ -21,7 +21,9 @@ def to_position_dicts(arrays: LogprobsArrays, table: TokenTable) -> list[Positio
         entry = {chosen: Logprob(values[0], rank, decoded[chosen] if chosen < num_decoded else "")}
         for top_rank, (token_id, value) in enumerate(zip(token_ids[1:], values[1:]), start=1):
             if token_id not in entry:
-                entry[token_id] = Logprob(value, top_rank, decoded[token_id] if token_id < num_decoded else "")
+                entry[token_id] = Logprob(
+                    value, top_rank, decoded[token_id] if token_id < num_decoded else ""
+                )
         positions.append(entry)
     return positions
 

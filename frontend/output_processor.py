@@ -31,7 +31,7 @@ class CompletionState:
 
     @property
     def text(self) -> str:
-        return self.detokenizer.text if self.text_end is None else self.detokenizer.text[:self.text_end]
+        return self.detokenizer.text if self.text_end is None else self.detokenizer.text[: self.text_end]
 
     @property
     def token_ids(self) -> list[int]:
@@ -61,18 +61,29 @@ class OutputProcessor:
         self.owner_of: dict[str, RequestState] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
         is_delta: bool = False,
     ) -> list[tuple[str, SamplingParams]]:
         """Registers a user request; returns the (core request id, params) of each of its completions."""
         children = child_params(request_id, params)
         completions = [
-            CompletionState(core_id, i, p, IncrementalDetokenizer(self.table, p.skip_special_tokens),
-                            [] if p.logprobs is not None else None, 0.0 if p.logprobs is not None else None)
+            CompletionState(
+                core_id,
+                i,
+                p,
+                IncrementalDetokenizer(self.table, p.skip_special_tokens),
+                [] if p.logprobs is not None else None,
+                0.0 if p.logprobs is not None else None,
+            )
             for i, (core_id, p) in enumerate(children)
         ]
-        state = RequestState(request_id, prompt, prompt_token_ids, completions, is_delta,
-                             metrics={"arrival_time": time.time()})
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, completions, is_delta, metrics={"arrival_time": time.time()}
+        )
         self.requests[request_id] = state
         for completion in completions:
             self.completion_of[completion.core_req_id] = completion
@@ -131,9 +142,13 @@ class OutputProcessor:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason
             completion.error = output.error
-        return self._check_stop_strings(completion, num_chars_before, is_core_done=output.finish_reason is not None)
+        return self._check_stop_strings(
+            completion, num_chars_before, is_core_done=output.finish_reason is not None
+        )
 
-    def _check_stop_strings(self, completion: CompletionState, num_chars_before: int, is_core_done: bool) -> bool:
+    def _check_stop_strings(
+        self, completion: CompletionState, num_chars_before: int, is_core_done: bool
+    ) -> bool:
         params = completion.params
         if not params.stop or completion.finish_reason == "error":
             return False
@@ -160,7 +175,9 @@ def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
     children = []
     for i in range(params.n):
         child = msgspec.structs.replace(
-            params, n=1, seed=None if params.seed is None else params.seed + i,
+            params,
+            n=1,
+            seed=None if params.seed is None else params.seed + i,
             prompt_logprobs=params.prompt_logprobs if i == 0 else None,
         )
         children.append((f"{request_id}#{i}", child))
@@ -170,20 +187,41 @@ def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
 def make_request_output(state: RequestState) -> RequestOutput:
     completions = [_completion_output(c, state.is_delta) for c in state.completions]
     prompt_logprobs = state.prompt_logprobs
-    return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, prompt_logprobs,
-                         completions, state.finished, dict(state.metrics))
+    return RequestOutput(
+        state.request_id,
+        state.prompt,
+        state.prompt_token_ids,
+        prompt_logprobs,
+        completions,
+        state.finished,
+        dict(state.metrics),
+    )
 
 
 def _completion_output(c: CompletionState, is_delta: bool) -> CompletionOutput:
     if not is_delta:
-        return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
+        return CompletionOutput(
+            c.index,
+            c.text,
+            list(c.token_ids),
+            c.cumulative_logprob,
+            list(c.logprobs) if c.logprobs is not None else None,
+            c.finish_reason,
+            c.stop_reason,
+        )
     text = c.text
     if c.finish_reason is None and c.params.stop:  # hold back what could still become a stop string
-        text = text[:max(c.num_sent_chars, len(text) - max(len(s) for s in c.params.stop) + 1)]
-    token_ids = c.token_ids[c.num_sent_tokens:]
-    logprobs = c.logprobs[c.num_sent_tokens:] if c.logprobs is not None else None
-    delta = CompletionOutput(c.index, text[c.num_sent_chars:], token_ids, c.cumulative_logprob, logprobs,
-                             c.finish_reason, c.stop_reason)
+        text = text[: max(c.num_sent_chars, len(text) - max(len(s) for s in c.params.stop) + 1)]
+    token_ids = c.token_ids[c.num_sent_tokens :]
+    logprobs = c.logprobs[c.num_sent_tokens :] if c.logprobs is not None else None
+    delta = CompletionOutput(
+        c.index,
+        text[c.num_sent_chars :],
+        token_ids,
+        c.cumulative_logprob,
+        logprobs,
+        c.finish_reason,
+        c.stop_reason,
+    )
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
     return delta

@@ -15,7 +15,11 @@ import functools
 @functools.lru_cache(maxsize=1)
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's reversible map from bytes to printable characters, inverted."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = list(printable), 0
     for byte in range(256):
         if byte not in printable:
@@ -78,7 +82,7 @@ class IncrementalDetokenizer:
     def append(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
         if self._utf8 is None:
-            new_text = self._full_decode()[len(self.text):]
+            new_text = self._full_decode()[len(self.text) :]
         else:
             keep = [t for t in token_ids if not (self.skip_special and t in self.table.special_ids)]
             new_text = self._utf8.decode(b"".join(self.table.token_bytes[t] for t in keep))
@@ -90,7 +94,9 @@ class IncrementalDetokenizer:
         if self._utf8 is not None:
             tail = self._utf8.decode(b"", final=True)
         else:
-            tail = self.table.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special)[len(self.text):]
+            tail = self.table.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special)[
+                len(self.text) :
+            ]
         self.text += tail
         return tail
 

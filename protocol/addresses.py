@@ -10,7 +10,7 @@ def split_address(address: str) -> tuple[str, str]:
     if address.startswith("ipc://"):
         return address + ".in", address + ".out"
     if address.startswith("tcp://"):
-        host, _, port = address[len("tcp://"):].rpartition(":")
+        host, _, port = address[len("tcp://") :].rpartition(":")
         if not port.isdigit():
             raise ValueError(f"a tcp address needs a port: {address!r}")
         return f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}"
@@ -20,7 +20,7 @@ def split_address(address: str) -> tuple[str, str]:
 def is_loopback(address: str) -> bool:
     if address.startswith("ipc://"):
         return True
-    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
     if host == "localhost":
         return True
     try:

@@ -17,7 +17,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length sequences, capped by kv_cache_gib
+    num_kv_blocks: int | None = (
+        None  # None: enough for max_num_seqs full-length sequences, capped by kv_cache_gib
+    )
     kv_cache_gib: float = 4.0
     seed: int = 0
     max_logprobs: int = 20  # -1: the whole vocabulary may be asked for

@@ -50,16 +50,35 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                0.0 < self.repetition_penalty <= 2.0,
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
             (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or self.logprobs >= -1, f"logprobs must be -1, 0 or positive, got {self.logprobs}"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= -1,
-             f"prompt_logprobs must be -1, 0 or positive, got {self.prompt_logprobs}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or self.logprobs >= -1,
+                f"logprobs must be -1, 0 or positive, got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+                f"prompt_logprobs must be -1, 0 or positive, got {self.prompt_logprobs}",
+            ),
             (not self.stop or all(self.stop), "stop strings must not be empty"),
         ]
         for ok, message in checks:

@@ -68,7 +68,11 @@ def _prefill_attention(
         mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]  # [Tq, L]
         is_causal = False
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-        attn_mask=mask, is_causal=is_causal, enable_gqa=True,
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=is_causal,
+        enable_gqa=True,
     )  # [Hq, Tq, D]
     return out.transpose(0, 1)

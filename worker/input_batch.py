@@ -32,9 +32,16 @@ class RequestState:
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
         return cls(
-            data.req_id, list(data.token_ids), data.num_prompt_tokens, data.sampling_params,
-            list(data.block_ids), data.num_computed_tokens, data.prompt_logprobs_k, data.logprobs_k,
-            data.logprobs_mode == "processed", data.eos_token_ids,
+            data.req_id,
+            list(data.token_ids),
+            data.num_prompt_tokens,
+            data.sampling_params,
+            list(data.block_ids),
+            data.num_computed_tokens,
+            data.prompt_logprobs_k,
+            data.logprobs_k,
+            data.logprobs_mode == "processed",
+            data.eos_token_ids,
         )
 
     @property
@@ -71,7 +78,7 @@ def build_step_inputs(
         start = state.num_computed_tokens
         pos = np.arange(start, start + num)
         table = np.asarray(state.block_ids, dtype=np.int64)
-        ids.append(state.token_ids[start:start + num])
+        ids.append(state.token_ids[start : start + num])
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
         if num == 1 and start > 0:
@@ -88,14 +95,16 @@ def build_step_inputs(
             sampled_req_ids.append(state.req_id)
         if state.prompt_logprobs_k is not None and start < state.num_prompt_tokens - 1:
             end = min(start + num, state.num_prompt_tokens - 1)
-            jobs.append(PromptLogprobsJob(
-                state.req_id, slice(row, row + end - start), state.token_ids[start + 1:end + 1],
-                state.prompt_logprobs_k,
-            ))
+            jobs.append(
+                PromptLogprobsJob(
+                    state.req_id,
+                    slice(row, row + end - start),
+                    state.token_ids[start + 1 : end + 1],
+                    state.prompt_logprobs_k,
+                )
+            )
         row += num
-    attn = AttentionMetadata(
-        torch.from_numpy(np.concatenate(slots)).to(device), None, None, None, prefills
-    )
+    attn = AttentionMetadata(torch.from_numpy(np.concatenate(slots)).to(device), None, None, None, prefills)
     if decode_rows:
         attn.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
         attn.decode_slots, attn.decode_mask = _decode_slots(decode_states, block_size, device)

@@ -29,7 +29,10 @@ def gather_logprobs(
 
 
 def prompt_logprobs(
-    hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden: [P, H] states of the positions before each target; targets: [P] next prompt tokens.
 
@@ -51,13 +54,17 @@ def copy_to_host(tensors: list[torch.Tensor]) -> list:
 
     if not tensors:
         return []
-    flat = [t.contiguous().view(torch.int32).reshape(-1) if t.dtype == torch.float32 else t.to(torch.int32).reshape(-1)
-            for t in tensors]
+    flat = [
+        t.contiguous().view(torch.int32).reshape(-1)
+        if t.dtype == torch.float32
+        else t.to(torch.int32).reshape(-1)
+        for t in tensors
+    ]
     host = torch.cat(flat).cpu().numpy()
     out, offset = [], 0
     for tensor in tensors:
         size = tensor.numel()
-        chunk = host[offset:offset + size].reshape(tuple(tensor.shape))
+        chunk = host[offset : offset + size].reshape(tuple(tensor.shape))
         out.append(chunk.view(np.float32) if tensor.dtype == torch.float32 else chunk)
         offset += size
     return out

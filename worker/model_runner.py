@@ -46,9 +46,15 @@ class ModelRunner:
         a = self.model.args
         shape = (2, num_blocks * self.block_size, a.num_kv_heads, a.head_dim)
         # Zeroed: padded decode slots are masked, but 0 * NaN garbage would still poison the output.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)]
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * self.bytes_per_block() / 2**20)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.bytes_per_block() / 2**20,
+        )
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -73,7 +79,9 @@ class ModelRunner:
                 logprob_req_ids = [s.req_id for s in sampling_states if s.logprobs_k is not None]
         for job in inputs.prompt_jobs:
             targets = torch.tensor(job.target_ids, dtype=torch.int64, device=self.device)
-            device_tensors += prompt_logprobs(hidden[job.hidden_rows], targets, job.k, self.model.compute_logits)
+            device_tensors += prompt_logprobs(
+                hidden[job.hidden_rows], targets, job.k, self.model.compute_logits
+            )
         host = copy_to_host(device_tensors)
         return self._to_output(inputs, sampling_states, logprob_req_ids, host)
 
@@ -86,7 +94,7 @@ class ModelRunner:
             output.logprobs.append(HostLogprobs(*host[:3]))
             del host[:3]
         for i, job in enumerate(inputs.prompt_jobs):
-            output.prompt_logprobs[job.req_id] = HostLogprobs(*host[3 * i:3 * i + 3])
+            output.prompt_logprobs[job.req_id] = HostLogprobs(*host[3 * i : 3 * i + 3])
         return output
 
     def _apply_diffs(self, scheduler_output: SchedulerOutput) -> None:
@@ -97,4 +105,7 @@ class ModelRunner:
         for data in scheduler_output.cached_reqs:
             state = self.states[data.req_id]
             state.block_ids.extend(data.new_block_ids)
-            assert state.num_computed_tokens == data.num_computed_tokens, (data.req_id, state.num_computed_tokens)
+            assert state.num_computed_tokens == data.num_computed_tokens, (
+                data.req_id,
+                state.num_computed_tokens,
+            )

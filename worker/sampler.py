@@ -93,7 +93,9 @@ class Sampler:
                 noise[row].exponential_(generator=generator)
         unseeded = [row for row, g in enumerate(meta.generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1])).exponential_(generator=self.generator)
+            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1])).exponential_(
+                generator=self.generator
+            )
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(meta.is_greedy, greedy, sampled)
 

@@ -10,7 +10,9 @@ from worker.sampler import Penalties, SamplingMetadata
 _SEED_MIX = 0x9E3779B97F4A7C15
 
 
-def build_sampling_metadata(states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+def build_sampling_metadata(
+    states: list[RequestState], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
     params = [s.params for s in states]
     is_greedy = [p.is_greedy for p in params]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -25,14 +27,20 @@ def build_sampling_metadata(states: list[RequestState], vocab_size: int, device:
         is_greedy=tensor(is_greedy, torch.bool),
         all_greedy=all(is_greedy),
         top_k=tensor(top_k, torch.int64) if min(top_k) < vocab_size else None,
-        top_p=tensor([p.top_p for p in params], torch.float32) if any(p.top_p < 1.0 for p in params) else None,
-        min_p=tensor([p.min_p for p in params], torch.float32) if any(p.min_p > 0.0 for p in params) else None,
+        top_p=tensor([p.top_p for p in params], torch.float32)
+        if any(p.top_p < 1.0 for p in params)
+        else None,
+        min_p=tensor([p.min_p for p in params], torch.float32)
+        if any(p.min_p > 0.0 for p in params)
+        else None,
         penalties=_penalties(states, vocab_size, device),
         generators=[_generator(s, device) for s in states],
         banned=_banned(states),
         logprob_rows=tensor(logprob_rows, torch.int64) if logprob_rows else None,
         num_logprobs=-1 if -1 in ks else max(ks, default=0),
-        is_processed=tensor([states[i].is_processed for i in logprob_rows], torch.bool) if logprob_rows else None,
+        is_processed=tensor([states[i].is_processed for i in logprob_rows], torch.bool)
+        if logprob_rows
+        else None,
     )
 
 
@@ -57,12 +65,14 @@ def _banned(states: list[RequestState]) -> list[tuple[int, list[int]]]:
 
 def _penalties(states: list[RequestState], vocab_size: int, device: torch.device) -> Penalties | None:
     params = [s.params for s in states]
-    if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params):
+    if all(
+        p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params
+    ):
         return None
     counts = torch.zeros((len(states), vocab_size), dtype=torch.float32, device=device)
     seen = torch.zeros((len(states), vocab_size), dtype=torch.bool, device=device)
     for row, state in enumerate(states):
-        output = torch.tensor(state.token_ids[state.num_prompt_tokens:], dtype=torch.int64, device=device)
+        output = torch.tensor(state.token_ids[state.num_prompt_tokens :], dtype=torch.int64, device=device)
         counts[row].scatter_add_(0, output, torch.ones_like(output, dtype=torch.float32))
         seen[row, torch.tensor(state.token_ids, dtype=torch.int64, device=device)] = True
     return Penalties(

@@ -121,7 +121,11 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[torch.Tensor],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)

@@ -17,7 +17,9 @@ def read_config(model_dir: str) -> dict:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     architectures = set(config.get("architectures") or [])
     if not architectures & SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {sorted(architectures)}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {sorted(architectures)}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
     return config
 
 
@@ -31,7 +33,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Llam
     missing = set(model.state_dict()) - set(state)
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
-    model.rotary.__init__(args.head_dim, args.max_position_embeddings, args.rope_theta)  # buffers were on meta
+    model.rotary.__init__(
+        args.head_dim, args.max_position_embeddings, args.rope_theta
+    )  # buffers were on meta
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -63,6 +67,8 @@ def _fuse(args: LlamaArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         if args.qkv_bias:
             state[dst + "qkv_proj.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
         state[dst + "o_proj.weight"] = hf[attn + "o_proj.weight"]
-        state[dst + "gate_up_proj.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+        state[dst + "gate_up_proj.weight"] = torch.cat(
+            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+        )
         state[dst + "down_proj.weight"] = hf[src + "mlp.down_proj.weight"]
     return state
