@@ -22,7 +22,9 @@ from protocol.addresses import split_address
 from protocol.codec import Codec
 from protocol.messages import (
     AbortRequests,
+    AddRequests,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineError,
     Goodbye,
     HandshakeReply,
@@ -118,10 +120,11 @@ class CoreServer:
         elif isinstance(message, Goodbye):
             self.core.abort_client(client)
             self.last_seen.pop(client, None)
-        elif not isinstance(message, Heartbeat):
-            refusal = self.core.add_request(client, message)
-            if refusal is not None:
-                self.outputs.put((client, EngineCoreOutputs([refusal], time.time())))
+        elif isinstance(message, AddRequests | EngineCoreRequest):
+            requests = message.requests if isinstance(message, AddRequests) else [message]
+            refusals = [r for r in (self.core.add_request(client, req) for req in requests) if r is not None]
+            if refusals:
+                self.outputs.put((client, EngineCoreOutputs(refusals, time.time())))
 
     def _check_liveness(self) -> None:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:

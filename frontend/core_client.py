@@ -26,6 +26,7 @@ from protocol.codec import Codec
 from protocol.config import EngineConfig
 from protocol.messages import (
     AbortRequests,
+    AddRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -98,9 +99,9 @@ class MPClient:
         self.shutdown()
         raise EngineDeadError(f"the engine core did not answer within {timeout_s:.0f} s")
 
-    def send(self, request: EngineCoreRequest) -> None:
+    def send(self, requests: list[EngineCoreRequest]) -> None:
         self._raise_if_dead()
-        self.in_socket.send(self.codec.encode(request), copy=False)
+        self.in_socket.send(self.codec.encode(AddRequests(requests)), copy=False)
 
     def abort(self, req_ids: list[str]) -> None:
         if req_ids and self.error is None:
@@ -209,10 +210,11 @@ class InprocClient:
         self.client_id = b""
         self.pending: list[EngineCoreOutput] = []
 
-    def send(self, request: EngineCoreRequest) -> None:
-        refusal = self.core.add_request(self.client_id, request)
-        if refusal is not None:
-            self.pending.append(refusal)
+    def send(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            refusal = self.core.add_request(self.client_id, request)
+            if refusal is not None:
+                self.pending.append(refusal)
 
     def abort(self, req_ids: list[str]) -> None:
         self.core.abort_requests(self.client_id, req_ids)

@@ -59,9 +59,11 @@ class LLM:
             text, token_ids = self.input_processor.tokenize(prompt)
             self.input_processor.validate(token_ids, p)
             requests.append((str(next(self._ids)), text, token_ids, p))
+        core_requests = []
         for request_id, text, token_ids, p in requests:
             for core_id, child in self.output_processor.add_request(request_id, text, token_ids, p):
-                self.client.send(self.input_processor.make_request(core_id, token_ids, child))
+                core_requests.append(self.input_processor.make_request(core_id, token_ids, child))
+        self.client.send(core_requests)
         return self._run([r[0] for r in requests], use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -38,6 +38,12 @@ class EngineCoreRequest(msgspec.Struct, tag="req", array_like=True, gc=False):
     arrival_time: float
 
 
+class AddRequests(msgspec.Struct, tag="add", array_like=True, gc=False):
+    """Requests added together arrive together: the core schedules them as one batch."""
+
+    requests: list[EngineCoreRequest]
+
+
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     req_ids: list[str]
 
@@ -50,7 +56,7 @@ class Goodbye(msgspec.Struct, tag="bye", array_like=True):
     """The client is leaving: abort whatever it still has in flight."""
 
 
-ClientMessage = Hello | EngineCoreRequest | AbortRequests | Heartbeat | Goodbye
+ClientMessage = Hello | AddRequests | EngineCoreRequest | AbortRequests | Heartbeat | Goodbye
 
 
 # ---- core -> frontend ---------------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""The scheduler with no model and no sockets: hand-built runner outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.request import Request
+from engine_core.scheduler import Scheduler
+from protocol.messages import FinishReason
+from protocol.sampling_params import SamplingParams
+from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
+
+
+def make_request(req_id: str, num_prompt: int, **params) -> Request:
+    sampling = SamplingParams(**{"max_tokens": 4, **params})
+    return Request(req_id, b"c", req_id, list(range(1, num_prompt + 1)), sampling, 0.0, [0], "raw")
+
+
+def make_scheduler(num_blocks=16, block_size=4, budget=32, max_num_seqs=8) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, budget, max_model_len=64)
+
+
+def runner_output(out: SchedulerOutput, scheduler: Scheduler, token_id: int = 7, k: int | None = None):
+    """Samples `token_id` for every request whose scheduled tokens reach its end."""
+    sampled = [
+        rid for rid, n in out.num_scheduled_tokens.items()
+        if rid in scheduler.requests and scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens
+    ]
+    result = ModelRunnerOutput(sampled, np.full((len(sampled), 1), token_id, dtype=np.int32))
+    if k is not None:
+        result.logprob_req_ids = sampled
+        ids = np.tile(np.arange(k + 1, dtype=np.int32), (len(sampled), 1))
+        result.logprobs = [HostLogprobs(ids, -ids.astype(np.float32), np.ones(len(sampled), dtype=np.int32))]
+    return result
+
+
+def test_chunks_a_long_prompt_under_the_token_budget():
+    scheduler = make_scheduler(budget=8)
+    scheduler.add_request(make_request("a", 20))
+    chunks = []
+    for _ in range(3):
+        out = scheduler.schedule()
+        chunks.append(out.num_scheduled_tokens["a"])
+        outputs = scheduler.update_from_output(out, runner_output(out, scheduler))
+    assert chunks == [8, 8, 4]
+    assert outputs[b"c"].outputs[0].new_token_ids == [7]  # only the last chunk samples
+
+
+def test_new_requests_join_running_ones_each_step():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 4))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner_output(out, scheduler))
+    scheduler.add_request(make_request("b", 4))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert [r.req_id for r in out.new_reqs] == ["b"] and [r.req_id for r in out.cached_reqs] == ["a"]
+
+
+def test_respects_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add_request(make_request(name, 2))
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["a", "b"]
+
+
+def test_preempts_newest_request_when_out_of_blocks():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    scheduler.add_request(make_request("old", 8, max_tokens=20))
+    scheduler.add_request(make_request("new", 8, max_tokens=20))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner_output(out, scheduler))  # both at 9 tokens: 3 blocks each needed
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["old"]
+    assert "new" in out.finished_req_ids and scheduler.num_preemptions == 1
+    assert scheduler.requests["new"].num_computed_tokens == 0
+    assert scheduler.waiting[0].req_id == "new"
+
+
+def test_finishes_on_max_tokens_and_frees_blocks():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 3, max_tokens=2))
+    reasons = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        for o in scheduler.update_from_output(out, runner_output(out, scheduler))[b"c"].outputs:
+            reasons.append(o.finish_reason)
+    assert reasons == [None, FinishReason.LENGTH]
+    assert scheduler.kv_cache.num_free_blocks == 16
+
+
+def test_eos_respects_min_tokens_and_ignore_eos():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 3, max_tokens=5, min_tokens=2))
+    scheduler.add_request(make_request("b", 3, max_tokens=2, ignore_eos=True))
+    num_tokens, reasons = {"a": 0, "b": 0}, {}
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        for o in scheduler.update_from_output(out, runner_output(out, scheduler, token_id=0))[b"c"].outputs:
+            num_tokens[o.req_id] += len(o.new_token_ids)
+            reasons[o.req_id] = o.finish_reason
+    assert num_tokens == {"a": 2, "b": 2}
+    assert reasons == {"a": FinishReason.STOP, "b": FinishReason.LENGTH}
+
+
+def test_logprob_rows_are_trimmed_to_each_requests_k():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 3, logprobs=1))
+    scheduler.add_request(make_request("b", 3, logprobs=4))
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, runner_output(out, scheduler, k=4))[b"c"].outputs
+    widths = {o.req_id: o.new_logprobs.token_ids_np().shape for o in outputs}
+    assert widths == {"a": (1, 2), "b": (1, 5)}
+
+
+def test_abort_frees_blocks_and_tells_the_worker():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 6))
+    scheduler.add_request(make_request("b", 6))
+    scheduler.schedule()
+    scheduler.abort_requests(["a", "b", "unknown"])
+    assert scheduler.kv_cache.num_free_blocks == 16
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.schedule().finished_req_ids == {"a", "b"}
