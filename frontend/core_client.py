@@ -100,8 +100,10 @@ class MPClient:
         raise EngineDeadError(f"the engine core did not answer within {timeout_s:.0f} s")
 
     def send(self, requests: list[EngineCoreRequest]) -> None:
-        self._raise_if_dead()
+        self._raise_if_dead(is_waiting=False)
         self.in_socket.send(self.codec.encode(AddRequests(requests)), copy=False)
+        # Silence while we were idle proves nothing; from this send on the core owes us heartbeats.
+        self.last_heard = max(self.last_heard, time.monotonic())
 
     def abort(self, req_ids: list[str]) -> None:
         if req_ids and self.error is None:
@@ -111,7 +113,7 @@ class MPClient:
         """Waits up to `timeout_s` for outputs; raises EngineDeadError when the core is gone."""
         deadline = time.monotonic() + timeout_s
         while True:
-            self._raise_if_dead()
+            self._raise_if_dead(is_waiting=True)
             now = time.monotonic()
             if now - self.last_beat_sent >= HEARTBEAT_EVERY_S:
                 self.in_socket.send(self.codec.encode(Heartbeat()))
@@ -133,18 +135,15 @@ class MPClient:
             flags = zmq.NOBLOCK
         return outputs
 
-    def _check_process(self) -> None:
+    def _check_process(self, is_waiting: bool = False) -> None:
+        """A spawned core that exited is dead; so is any core silent for dead_after_s while we wait on it."""
         if self.proc is not None and self.proc.poll() is not None:
             self.error = f"the engine core process exited with code {self.proc.returncode}"
-        elif (
-            time.monotonic() - self.last_heard > self.dead_after_s
-            and self.error is None
-            and hasattr(self, "facts")
-        ):
+        elif is_waiting and self.error is None and time.monotonic() - self.last_heard > self.dead_after_s:
             self.error = f"no word from the engine core for {self.dead_after_s:.0f} s"
 
-    def _raise_if_dead(self) -> None:
-        self._check_process()
+    def _raise_if_dead(self, is_waiting: bool) -> None:
+        self._check_process(is_waiting)
         if self.error is not None:
             raise EngineDeadError(self.error)
 

@@ -20,9 +20,12 @@ def main() -> None:
             completion = output.outputs[0]
             print(f"\nprompt:     {output.prompt!r}")
             print(f"completion: {completion.text!r}")
-            print(f"finish: {completion.finish_reason}, cumulative logprob: {completion.cumulative_logprob:.3f}")
+            print(
+                f"finish: {completion.finish_reason}, cumulative logprob: {completion.cumulative_logprob:.3f}"
+            )
             first = ", ".join(
-                f"{lp.decoded_token!r}: {lp.logprob:.3f} (rank {lp.rank})" for lp in completion.logprobs[0].values()
+                f"{lp.decoded_token!r}: {lp.logprob:.3f} (rank {lp.rank})"
+                for lp in completion.logprobs[0].values()
             )
             print(f"first token candidates: {first}")
     print("\n(the built-in model has random weights: the text is fluent nonsense by design)")

@@ -14,7 +14,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from frontend.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
 
 QWEN_SPEC = ModelSpec(
-    architecture="qwen2", num_layers=3, hidden_size=192, num_heads=6, num_kv_heads=3, intermediate_size=512, seed=7
+    architecture="qwen2",
+    num_layers=3,
+    hidden_size=192,
+    num_heads=6,
+    num_kv_heads=3,
+    intermediate_size=512,
+    seed=7,
 )
 
 PROMPTS = [
@@ -112,6 +118,3 @@ def copy_model_with_eos(src: str, dst: Path, eos_token_id: int) -> str:
 def free_blocks_are_all(llm) -> bool:
     core = llm.client.core
     return core.kv_cache.num_free_blocks == core.num_kv_blocks
-
-
-

@@ -42,7 +42,9 @@ def all_imports(path: Path) -> set[str]:
 def test_imports_run_one_way(package):
     for path in (ROOT / package).rglob("*.py"):
         project = module_level_imports(path) & set(PACKAGES)
-        assert project <= ALLOWED[package], f"{path.relative_to(ROOT)} imports {sorted(project - ALLOWED[package])}"
+        assert project <= ALLOWED[package], (
+            f"{path.relative_to(ROOT)} imports {sorted(project - ALLOWED[package])}"
+        )
         assert not module_level_imports(path) & NEVER_AT_MODULE_LEVEL.get(package, set()), path
 
 

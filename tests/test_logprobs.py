@@ -24,12 +24,17 @@ def check_position(entry: dict, chosen: int, reference: torch.Tensor, tokenizer,
     high = int((reference > chosen_lp - TOL).sum()) + 1
     assert low <= entry[chosen].rank <= high
     top = reference.topk(k)
-    engine_top = [t for t in ids if entry[t].rank <= k and t != chosen or (t == chosen and entry[t].rank <= k)]
+    engine_top = [
+        t for t in ids if entry[t].rank <= k and t != chosen or (t == chosen and entry[t].rank <= k)
+    ]
     for place, (hf_value, hf_id) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
         if hf_id in entry:
             assert entry[hf_id].logprob == pytest.approx(hf_value, abs=TOL)
             if hf_id != chosen:
-                assert entry[hf_id].rank == place or abs(reference[hf_id] - top.values[entry[hf_id].rank - 1]) < TOL
+                assert (
+                    entry[hf_id].rank == place
+                    or abs(reference[hf_id] - top.values[entry[hf_id].rank - 1]) < TOL
+                )
         else:  # only a tie at the boundary may swap which token is listed
             assert any(abs(entry[t].logprob - hf_value) < TOL for t in engine_top), (place, hf_id)
     for token_id, logprob in entry.items():
@@ -55,7 +60,9 @@ def test_sample_logprobs_match_hf(llm_inproc, hf_tiny, tokenizer, temperature):
         assert len(completion.logprobs) == len(completion.token_ids) == 10
         reference = hf_logprobs(hf_tiny, output.prompt_token_ids + completion.token_ids)
         for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            check_position(entry, token_id, reference[len(output.prompt_token_ids) - 1 + step].float(), tokenizer, 5)
+            check_position(
+                entry, token_id, reference[len(output.prompt_token_ids) - 1 + step].float(), tokenizer, 5
+            )
         chosen = [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)]
         assert completion.cumulative_logprob == pytest.approx(math.fsum(chosen), abs=1e-4)
 
@@ -87,7 +94,10 @@ def test_prompt_logprobs_do_not_depend_on_chunking_or_batch(llm_inproc, llm_chun
 def test_no_logprobs_means_none_and_zero_means_one_entry(llm_inproc):
     none, zero = llm_inproc.generate(
         [PROMPTS[0], PROMPTS[0]],
-        [SamplingParams(temperature=0.0, max_tokens=5), SamplingParams(temperature=0.0, max_tokens=5, logprobs=0)],
+        [
+            SamplingParams(temperature=0.0, max_tokens=5),
+            SamplingParams(temperature=0.0, max_tokens=5, logprobs=0),
+        ],
         use_tqdm=False,
     )
     assert none.outputs[0].logprobs is None and none.outputs[0].cumulative_logprob is None
@@ -106,7 +116,9 @@ def test_processed_mode_is_log_softmax_of_scaled_logits_over_survivors(llm_inpro
     with torch.no_grad():
         logits = hf_tiny(torch.tensor([tokens])).logits[0].double() / 0.5
     for step, entry in enumerate(completion.logprobs):
-        reference = survivors_log_softmax(logits[len(output.prompt_token_ids) - 1 + step], top_k=10, top_p=0.9)
+        reference = survivors_log_softmax(
+            logits[len(output.prompt_token_ids) - 1 + step], top_k=10, top_p=0.9
+        )
         assert completion.token_ids[step] in entry
         for token_id, logprob in entry.items():
             expected = reference[token_id].item()

@@ -9,7 +9,12 @@ import pytest
 from protocol.arrays import LogprobsArrays
 from protocol.codec import Codec
 from protocol.messages import (
-    AddRequests, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, Heartbeat,
+    AddRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Heartbeat,
 )
 from protocol.sampling_params import SamplingParams
 

@@ -24,8 +24,10 @@ def make_scheduler(num_blocks=16, block_size=4, budget=32, max_num_seqs=8) -> Sc
 def runner_output(out: SchedulerOutput, scheduler: Scheduler, token_id: int = 7, k: int | None = None):
     """Samples `token_id` for every request whose scheduled tokens reach its end."""
     sampled = [
-        rid for rid, n in out.num_scheduled_tokens.items()
-        if rid in scheduler.requests and scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens
+        rid
+        for rid, n in out.num_scheduled_tokens.items()
+        if rid in scheduler.requests
+        and scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens
     ]
     result = ModelRunnerOutput(sampled, np.full((len(sampled), 1), token_id, dtype=np.int32))
     if k is not None:

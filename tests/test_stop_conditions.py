@@ -13,7 +13,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def reference(llm_inproc):
     """A greedy run with no stop conditions, to choose stops from."""
-    return llm_inproc.generate(PROMPTS[0], SamplingParams(max_tokens=20, logprobs=1, **GREEDY), use_tqdm=False)[0]
+    return llm_inproc.generate(
+        PROMPTS[0], SamplingParams(max_tokens=20, logprobs=1, **GREEDY), use_tqdm=False
+    )[0]
 
 
 def test_max_tokens_gives_exactly_that_many_with_reason_length(llm_inproc):
@@ -27,7 +29,9 @@ def test_max_tokens_gives_exactly_that_many_with_reason_length(llm_inproc):
 def test_stop_token_id_ends_on_that_token(llm_inproc, reference):
     stop_id = reference.outputs[0].token_ids[5]
     first = reference.outputs[0].token_ids.index(stop_id)
-    out = llm_inproc.generate(PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)
+    out = llm_inproc.generate(
+        PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False
+    )
     completion = out[0].outputs[0]
     assert completion.token_ids == reference.outputs[0].token_ids[: first + 1]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
@@ -62,7 +66,9 @@ def eos_llm(tiny_path, reference, tmp_path_factory):
 def test_eos_stops_with_reason_stop_and_no_stop_reason(eos_llm, reference):
     llm, eos = eos_llm
     first = reference.outputs[0].token_ids.index(eos)
-    completion = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    completion = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert completion.token_ids == reference.outputs[0].token_ids[: first + 1]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", None)
 
