@@ -1,8 +1,17 @@
 """The user-facing side of coreserve: LLM, SamplingParams and the output types (frontend process)."""
 
+from frontend.async_llm import AsyncLLM
 from frontend.errors import EngineDeadError
 from frontend.llm import LLM
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from protocol.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineDeadError", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "AsyncLLM",
+    "LLM",
+    "CompletionOutput",
+    "EngineDeadError",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -109,8 +110,9 @@ class MPClient:
         if req_ids and self.error is None:
             self.in_socket.send(self.codec.encode(AbortRequests(req_ids)))
 
-    def get_outputs(self, timeout_s: float) -> list[EngineCoreOutput]:
-        """Waits up to `timeout_s` for outputs; raises EngineDeadError when the core is gone."""
+    def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:
+        """Waits up to `timeout_s` for outputs, or until `wake_fd` (a pipe) becomes readable; raises
+        EngineDeadError when the core is gone."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._raise_if_dead(is_waiting=True)
@@ -118,21 +120,33 @@ class MPClient:
             if now - self.last_beat_sent >= HEARTBEAT_EVERY_S:
                 self.in_socket.send(self.codec.encode(Heartbeat()))
                 self.last_beat_sent = now
-            outputs = self._receive(min(POLL_MS, max(0, int((deadline - now) * 1000))))
-            if outputs or time.monotonic() >= deadline:
+            is_woken = self._wait(min(POLL_MS, max(0, int((deadline - now) * 1000))), wake_fd)
+            outputs = self._drain()
+            if outputs or is_woken or time.monotonic() >= deadline:
                 return outputs
 
-    def _receive(self, wait_ms: int) -> list[EngineCoreOutput]:
+    def _wait(self, wait_ms: int, wake_fd: int | None) -> bool:
+        """Blocks until a frame arrives, `wake_fd` is readable, or `wait_ms` pass; True when woken."""
+        if wake_fd is None:
+            self.out_socket.poll(wait_ms)
+            return False
+        poller = zmq.Poller()
+        poller.register(self.out_socket, zmq.POLLIN)
+        poller.register(wake_fd, zmq.POLLIN)
+        if wake_fd in dict(poller.poll(wait_ms)):
+            os.read(wake_fd, 4096)
+            return True
+        return False
+
+    def _drain(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        flags = 0
-        while self.out_socket.poll(wait_ms if flags == 0 else 0):
+        while self.out_socket.poll(0):
             message = self.codec.decode_core(self.out_socket.recv(copy=False).buffer)
             self.last_heard = time.monotonic()
             if isinstance(message, EngineCoreOutputs):
                 outputs.extend(message.outputs)
             elif isinstance(message, EngineError):
                 self.error = message.message
-            flags = zmq.NOBLOCK
         return outputs
 
     def _check_process(self, is_waiting: bool = False) -> None:
@@ -218,8 +232,12 @@ class InprocClient:
     def abort(self, req_ids: list[str]) -> None:
         self.core.abort_requests(self.client_id, req_ids)
 
-    def get_outputs(self, timeout_s: float) -> list[EngineCoreOutput]:
+    def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:
         outputs, self.pending = self.pending, []
+        if not outputs and not self.core.has_unfinished_requests():
+            if wake_fd is not None and select.select([wake_fd], [], [], timeout_s)[0]:
+                os.read(wake_fd, 4096)
+            return outputs
         if self.core.has_unfinished_requests():
             for batch in self.core.step().values():
                 outputs.extend(batch.outputs)

@@ -5,13 +5,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from frontend.core_client import InprocClient, MPClient
-from frontend.engine_args import load_tokenizer, make_config
-from frontend.input_processor import InputProcessor, PromptType
-from frontend.output_processor import OutputProcessor
+from frontend.engine_parts import build_engine_parts
+from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
-from frontend.token_text import TokenTable
-from protocol.model_facts import tokenizer_fingerprint
 from protocol.sampling_params import SamplingParams
 
 OUTPUT_POLL_S = 0.05
@@ -30,16 +26,10 @@ class LLM:
         core_address: str | None = None,
         **engine_args,
     ) -> None:
-        self.config = make_config(model, engine_args)
-        self.tokenizer = load_tokenizer(self.config.model)
-        fingerprint = tokenizer_fingerprint(self.config.model)
-        if multiprocess or core_address:
-            self.client = MPClient(self.config, fingerprint, core_address)
-        else:
-            self.client = InprocClient(self.config, fingerprint)
+        parts = build_engine_parts(model, multiprocess, core_address, engine_args)
+        self.config, self.tokenizer, self.client = parts.config, parts.tokenizer, parts.client
         self.facts = self.client.facts
-        self.input_processor = InputProcessor(self.tokenizer, self.facts)
-        self.output_processor = OutputProcessor(TokenTable(self.tokenizer))
+        self.input_processor, self.output_processor = parts.inputs, parts.outputs
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -20,7 +20,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_blocks: int | None = (
         None  # None: enough for max_num_seqs full-length sequences, capped by kv_cache_gib
     )
-    kv_cache_gib: float = 4.0
+    kv_cache_gib: float = 2.0
     seed: int = 0
     max_logprobs: int = 20  # -1: the whole vocabulary may be asked for
     logprobs_mode: LogprobsMode = "raw"

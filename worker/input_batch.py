@@ -13,7 +13,7 @@ import torch
 
 from protocol.sampling_params import SamplingParams
 from protocol.step import NewRequestData
-from worker.attention import AttentionMetadata, PrefillSpan
+from worker.attention import AttentionMetadata, SeqSpan
 
 
 @dataclass
@@ -71,25 +71,16 @@ def build_step_inputs(
     states: list[RequestState], num_tokens: list[int], block_size: int, device: torch.device
 ) -> StepInputs:
     """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch."""
-    ids, positions, slots, sample_rows, sampled_req_ids, jobs = [], [], [], [], [], []
-    decode_rows, decode_states, prefills = [], [], []
+    ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []
     row = 0
     for state, num in zip(states, num_tokens):
         start = state.num_computed_tokens
         pos = np.arange(start, start + num)
         table = np.asarray(state.block_ids, dtype=np.int64)
-        ids.append(state.token_ids[start : start + num])
+        ids.extend(state.token_ids[start : start + num])
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
-        if num == 1 and start > 0:
-            decode_rows.append(row)
-            decode_states.append(state)
-        else:
-            context = None
-            if start > 0:
-                all_pos = np.arange(start + num)
-                context = torch.from_numpy(table[all_pos // block_size] * block_size + all_pos % block_size)
-            prefills.append(PrefillSpan(row, num, None if context is None else context.to(device)))
+        seqs.append(SeqSpan(row, num, start + num, slot_runs(state.block_ids, start + num, block_size)))
         if start + num == len(state.token_ids):
             sample_rows.append(row + num - 1)
             sampled_req_ids.append(state.req_id)
@@ -104,30 +95,25 @@ def build_step_inputs(
                 )
             )
         row += num
-    attn = AttentionMetadata(torch.from_numpy(np.concatenate(slots)).to(device), None, None, None, prefills)
-    if decode_rows:
-        attn.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
-        attn.decode_slots, attn.decode_mask = _decode_slots(decode_states, block_size, device)
     return StepInputs(
-        torch.tensor([t for chunk in ids for t in chunk], dtype=torch.int64, device=device),
+        torch.tensor(ids, dtype=torch.int64, device=device),
         torch.from_numpy(np.concatenate(positions)).to(device),
-        attn,
+        AttentionMetadata(torch.from_numpy(np.concatenate(slots)).to(device), seqs),
         torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sampled_req_ids,
         jobs,
     )
 
 
-def _decode_slots(
-    states: list[RequestState], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[D, max_blocks * block_size] slots of each decode row's context, and its mask [D, 1, 1, L]."""
-    context_lens = np.array([s.num_computed_tokens + 1 for s in states])
-    max_blocks = int(-(-context_lens.max() // block_size))
-    table = np.zeros((len(states), max_blocks), dtype=np.int64)
-    for i, state in enumerate(states):
-        used = -(-int(context_lens[i]) // block_size)
-        table[i, :used] = state.block_ids[:used]
-    slots = (table[:, :, None] * block_size + np.arange(block_size)).reshape(len(states), -1)
-    mask = np.arange(slots.shape[1])[None, :] < context_lens[:, None]
-    return (torch.from_numpy(slots).to(device), torch.from_numpy(mask)[:, None, None, :].to(device))
+def slot_runs(block_ids: list[int], num_tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """The slots of positions 0..num_tokens - 1 as (first slot, count) runs of adjacent blocks."""
+    runs: list[list[int]] = []
+    remaining = num_tokens
+    for block in block_ids[: -(-num_tokens // block_size)]:
+        count = min(block_size, remaining)
+        if runs and runs[-1][0] + runs[-1][1] == block * block_size:
+            runs[-1][1] += count
+        else:
+            runs.append([block * block_size, count])
+        remaining -= count
+    return [(first, count) for first, count in runs]

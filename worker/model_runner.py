@@ -44,8 +44,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         a = self.model.args
-        shape = (2, num_blocks * self.block_size, a.num_kv_heads, a.head_dim)
-        # Zeroed: padded decode slots are masked, but 0 * NaN garbage would still poison the output.
+        shape = (2, a.num_kv_heads, num_blocks * self.block_size, a.head_dim)
+        # Zeroed, so the memory is committed now: a cache too large fails at start, not mid-run.
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
         ]

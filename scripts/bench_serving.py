@@ -1,0 +1,202 @@
+"""Serving benchmark in the shape of vLLM's: a seeded ShareGPT-like workload sent to AsyncLLM at a
+request rate; prints throughput and TTFT / TPOT / ITL (mean, median, P99), writes JSON and a PNG.
+
+    python scripts/bench_serving.py --num-requests 100 --logprobs 5
+    python scripts/bench_serving.py --compare "" "--logprobs 5"      # alternated, ratio of every row
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np  # noqa: E402
+from bench_common import machine, prompts_of_lengths, sharegpt_like_lengths, write_json  # noqa: E402
+
+from frontend import AsyncLLM, SamplingParams  # noqa: E402
+
+ENGINE_ARGS = ("model", "num_scheduler_steps", "max_num_seqs", "max_num_batched_tokens", "dtype", "inproc")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="builtin:small")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson rate per second; inf: all at once"
+    )
+    p.add_argument("--max-output-len", type=int, default=512)
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--prompt-logprobs", type=int, default=None)
+    p.add_argument("--num-scheduler-steps", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--inproc", action="store_true", help="run the core in this process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="with --compare: alternations of A and B")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two sets of these options, alternated")
+    p.add_argument("--out", default="bench_out/serving")
+    return p
+
+
+async def run_workload(engine: AsyncLLM, args, prompts, output_lens) -> dict:
+    rng = np.random.default_rng(args.seed)
+    records = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=output_lens[i],
+            ignore_eos=True,
+            logprobs=args.logprobs,
+            prompt_logprobs=args.prompt_logprobs,
+        )
+        start, times, num_tokens = time.perf_counter(), [], 0
+        async for out in engine.generate(prompts[i], params, f"r{i}-{start}"):
+            times.append(time.perf_counter())
+            num_tokens += len(out.outputs[0].token_ids)
+        records[i] = {
+            "start": start,
+            "times": times,
+            "output_tokens": num_tokens,
+            "input_tokens": len(prompts[i]),
+        }
+
+    tasks, began = [], time.perf_counter()
+    for i in range(len(prompts)):
+        tasks.append(asyncio.create_task(one(i)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+    await asyncio.gather(*tasks)
+    return summarize(records, time.perf_counter() - began)
+
+
+def summarize(records: list[dict], duration: float) -> dict:
+    ttft = [(r["times"][0] - r["start"]) * 1e3 for r in records]
+    tpot = [
+        (r["times"][-1] - r["times"][0]) * 1e3 / (r["output_tokens"] - 1)
+        for r in records
+        if r["output_tokens"] > 1
+    ]
+    itl = [(b - a) * 1e3 for r in records for a, b in zip(r["times"], r["times"][1:])]
+    out_tokens = sum(r["output_tokens"] for r in records)
+    in_tokens = sum(r["input_tokens"] for r in records)
+    result = {
+        "successful_requests": len(records),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_generated_tokens": out_tokens,
+        "request_throughput": len(records) / duration,
+        "input_token_throughput": in_tokens / duration,
+        "output_token_throughput": out_tokens / duration,
+    }
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
+        result[f"mean_{name}"] = float(np.mean(values))
+        result[f"median_{name}"] = float(np.median(values))
+        result[f"p99_{name}"] = float(np.percentile(values, 99))
+    result["_samples"] = {"ttft_ms": ttft, "tpot_ms": tpot, "itl_ms": itl}
+    return result
+
+
+def print_result(title: str, result: dict, other: dict | None = None) -> None:
+    print(f"{'=' * 20} {title} {'=' * 20}")
+    for key, value in result.items():
+        if key.startswith("_"):
+            continue
+        line = f"{key:<28}{value:>14.2f}" if isinstance(value, float) else f"{key:<28}{value:>14}"
+        if other is not None:
+            line += f"{other[key]:>14.2f}" if isinstance(other[key], float) else f"{other[key]:>14}"
+            line += f"{other[key] / value:>10.3f}" if value else ""
+        print(line)
+
+
+def plot(path: str, results: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for label, result in results.items():
+        for ax, name in zip(axes[:3], ("ttft_ms", "tpot_ms", "itl_ms")):
+            ax.hist(result["_samples"][name], bins=40, alpha=0.5, label=label)
+            ax.set_title(name.replace("_ms", " (ms)").upper())
+    axes[3].bar(list(results), [r["output_token_throughput"] for r in results.values()])
+    axes[3].set_title("output tokens/s")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def make_engine(args) -> AsyncLLM:
+    return AsyncLLM(
+        args.model,
+        multiprocess=not args.inproc,
+        num_scheduler_steps=args.num_scheduler_steps,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+    )
+
+
+def main() -> None:
+    args = parser().parse_args()
+    configs = {"run": args}
+    if args.compare:
+        configs = {
+            label: parser().parse_args(sys.argv[1:1] + shlex.split(spec))
+            for label, spec in zip("AB", args.compare)
+        }
+    engines: dict[tuple, AsyncLLM] = {}
+    results: dict[str, list[dict]] = {label: [] for label in configs}
+    rounds = args.rounds if args.compare else 1
+    for _ in range(rounds):
+        for label, config in configs.items():
+            key = tuple(getattr(config, name) for name in ENGINE_ARGS)
+            if key not in engines:
+                engines[key] = make_engine(config)
+            engine = engines[key]
+            input_lens, output_lens = sharegpt_like_lengths(
+                config.num_requests, config.seed, max_output=config.max_output_len
+            )
+            prompts = prompts_of_lengths(engine.get_tokenizer(), input_lens, config.seed)
+            asyncio.run(run_workload(engine, config, prompts[:4], [4] * 4))  # warm-up
+            results[label].append(asyncio.run(run_workload(engine, config, prompts, output_lens)))
+            print(
+                f"  {label}: {results[label][-1]['output_token_throughput']:.1f} output tokens/s", flush=True
+            )
+    for engine in engines.values():
+        engine.shutdown()
+    best = {label: median_result(runs) for label, runs in results.items()}
+    if args.compare:
+        print_result(f"A: {args.compare[0]!r} | B: {args.compare[1]!r} | B/A", best["A"], best["B"])
+    else:
+        print_result("Serving Benchmark Result", best["run"])
+    plot(args.out + ".png", best)
+    clean = {label: {k: v for k, v in r.items() if not k.startswith("_")} for label, r in best.items()}
+    write_json(args.out + ".json", {"argv": sys.argv[1:], "machine": machine(), "results": clean})
+
+
+def median_result(runs: list[dict]) -> dict:
+    """Per row, the median over rounds (samples from the median-throughput round)."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = {
+        k: float(np.median([r[k] for r in runs])) if isinstance(runs[0][k], float) else runs[0][k]
+        for k in runs[0]
+        if not k.startswith("_")
+    }
+    ordered = sorted(runs, key=lambda r: r["output_token_throughput"])
+    merged["_samples"] = ordered[len(ordered) // 2]["_samples"]
+    return merged
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""AsyncLLM streaming over a real core process: deltas, cancellation, many concurrent streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import PROMPTS
+
+from frontend import AsyncLLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    with AsyncLLM(tiny_path, num_kv_blocks=2048, max_num_seqs=256) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def engine_inproc(tiny_path):
+    with AsyncLLM(tiny_path, multiprocess=False, num_kv_blocks=512) as engine:
+        yield engine
+
+
+async def collect(engine, prompt, params, request_id):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+@pytest.mark.parametrize("engine_fixture", ["engine", "engine_inproc"])
+def test_deltas_concatenate_to_the_non_streamed_output(engine_fixture, request, llm_inproc):
+    engine = request.getfixturevalue(engine_fixture)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, logprobs=3, prompt_logprobs=2, stop=[" the"], ignore_eos=True
+    )
+    deltas = asyncio.run(collect(engine, PROMPTS[5], params, "stream-1"))
+    expected = llm_inproc.generate(PROMPTS[5], params, use_tqdm=False)[0]
+    assert len(deltas) > 1 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    completion = expected.outputs[0]
+    assert "".join(d.outputs[0].text for d in deltas) == completion.text
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == completion.token_ids
+    assert [lp for d in deltas for lp in d.outputs[0].logprobs] == completion.logprobs
+    assert deltas[-1].outputs[0].finish_reason == completion.finish_reason
+    assert deltas[-1].outputs[0].cumulative_logprob == pytest.approx(completion.cumulative_logprob)
+    assert deltas[0].prompt_logprobs == expected.prompt_logprobs
+
+
+def test_breaking_out_of_a_stream_aborts_it_and_frees_its_blocks(tiny_path):
+    async def main(engine):
+        params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+        count = 0
+        async for _ in engine.generate(PROMPTS[0], params, "to-cancel"):
+            count += 1
+            if count == 3:
+                break
+        task = asyncio.create_task(collect(engine, PROMPTS[1], params, "to-cancel-2"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)
+
+    with AsyncLLM(tiny_path, multiprocess=False, num_kv_blocks=128) as engine:
+        asyncio.run(main(engine))
+        core = engine._parts.client.core
+        assert not core.has_unfinished_requests()
+        assert core.kv_cache.num_free_blocks == core.num_kv_blocks
+
+
+def test_two_hundred_concurrent_streams_all_finish_with_the_right_counts(engine):
+    async def main():
+        lengths = [5 + i % 17 for i in range(200)]
+        tasks = [
+            collect(
+                engine,
+                PROMPTS[i % len(PROMPTS)],
+                SamplingParams(max_tokens=n, ignore_eos=True, seed=i),
+                f"c{i}",
+            )
+            for i, n in enumerate(lengths)
+        ]
+        results = await asyncio.gather(*tasks)
+        return lengths, results
+
+    lengths, results = asyncio.run(main())
+    for n, deltas in zip(lengths, results):
+        assert deltas[-1].finished
+        assert sum(len(d.outputs[0].token_ids) for d in deltas) == n
+
+
+def test_duplicate_request_id_is_a_value_error(engine):
+    async def main():
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        first = engine.generate(PROMPTS[0], params, "dup")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="already in flight"):
+            await engine.generate(PROMPTS[0], params, "dup").__anext__()
+        await first.aclose()
+
+    asyncio.run(main())
