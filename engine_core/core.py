@@ -38,7 +38,11 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv_cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.num_scheduler_steps,
         )
         self.eos_token_ids = eos_token_ids(config.model)
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)

@@ -17,9 +17,15 @@ from protocol.step import CachedRequestData, ModelRunnerOutput, NewRequestData, 
 
 class Scheduler:
     def __init__(
-        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.kv_cache = kv_cache
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -79,7 +85,29 @@ class Scheduler:
             output.new_reqs.append(self._new_request_data(req, new_blocks))
             self._commit(req, num_new, output)
             budget -= num_new
+        if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs:
+            self._extend_to_window(output)
         return output
+
+    def _extend_to_window(self, output: SchedulerOutput) -> None:
+        """A decode-only batch runs up to num_scheduler_steps model steps before the scheduler looks
+        again; blocks for the whole window are reserved now. Tokens past a stop are dropped later."""
+        reqs = [self.requests[data.req_id] for data in output.cached_reqs]
+        if not reqs or any(n != 1 for n in output.num_scheduled_tokens.values()):
+            return
+        if any(r.num_output_tokens == 0 for r in reqs):
+            return  # a prefill finishing this step: prefill steps run single
+        num_steps = min(self.num_scheduler_steps, min(self.max_model_len - r.num_tokens + 1 for r in reqs))
+        if num_steps < 2:
+            return
+        for req, data in zip(reqs, output.cached_reqs):
+            new_blocks = self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_steps - 1)
+            if new_blocks is None:
+                return  # short of blocks: run this step single (blocks reserved so far stay reported)
+            data.new_block_ids.extend(new_blocks)
+        for req in reqs:
+            req.num_computed_tokens += num_steps - 1
+        output.num_steps = num_steps
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
         output.num_scheduled_tokens[req.req_id] = num_new

@@ -28,5 +28,6 @@ def to_position_dicts(arrays: LogprobsArrays, table: TokenTable) -> list[Positio
     return positions
 
 
-def sum_chosen(arrays: LogprobsArrays) -> float:
-    return float(arrays.logprobs_np()[:, 0].astype("float64").sum()) if arrays.num_rows else 0.0
+def sum_chosen(arrays: LogprobsArrays, num_rows: int) -> float:
+    """The chosen tokens' logprobs of the first `num_rows` rows, summed in float64."""
+    return float(arrays.logprobs_np()[:num_rows, 0].astype("float64").sum()) if arrays.num_rows else 0.0

@@ -132,23 +132,39 @@ class OutputProcessor:
             state.metrics["first_token_time"] = time.time()
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + to_position_dicts(output.prompt_logprobs, self.table)
+        is_core_done = output.finish_reason is not None
+        num_kept, is_stopped = self._append_text(completion, output.new_token_ids, is_core_done)
         if output.new_logprobs is not None and completion.logprobs is not None:
-            completion.logprobs.extend(to_position_dicts(output.new_logprobs, self.table))
-            completion.cumulative_logprob += sum_chosen(output.new_logprobs)
-        num_chars_before = len(completion.detokenizer.text)
-        completion.detokenizer.append(output.new_token_ids)
-        if output.finish_reason is not None:
-            completion.detokenizer.flush()
+            completion.logprobs.extend(to_position_dicts(output.new_logprobs, self.table)[:num_kept])
+            completion.cumulative_logprob += sum_chosen(output.new_logprobs, num_kept)
+        if is_core_done and not is_stopped:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason
             completion.error = output.error
-        return self._check_stop_strings(
-            completion, num_chars_before, is_core_done=output.finish_reason is not None
-        )
+        return is_stopped and not is_core_done
 
-    def _check_stop_strings(
-        self, completion: CompletionState, num_chars_before: int, is_core_done: bool
-    ) -> bool:
+    def _append_text(
+        self, completion: CompletionState, token_ids: list[int], is_core_done: bool
+    ) -> tuple[int, bool]:
+        """Detokenizes new tokens; with stop strings, one token at a time so that tokens after the one
+        completing a stop string (several arrive at once under multi-step) are dropped with their
+        logprobs. Returns (tokens kept, whether a stop string ended the completion)."""
+        detokenizer = completion.detokenizer
+        if not completion.params.stop:
+            detokenizer.append(token_ids)
+            if is_core_done:
+                detokenizer.flush()
+            return len(token_ids), False
+        for num, token_id in enumerate(token_ids, start=1):
+            num_chars_before = len(detokenizer.text)
+            detokenizer.append([token_id])
+            if is_core_done and num == len(token_ids):
+                detokenizer.flush()
+            if self._check_stop_strings(completion, num_chars_before):
+                return num, True
+        return len(token_ids), False
+
+    def _check_stop_strings(self, completion: CompletionState, num_chars_before: int) -> bool:
         params = completion.params
         if not params.stop or completion.finish_reason == "error":
             return False
@@ -163,7 +179,7 @@ class OutputProcessor:
         pos, stop = min(hits)
         completion.text_end = pos + len(stop) if params.include_stop_str_in_output else pos
         completion.finish_reason, completion.stop_reason = str(FinishReason.STOP), stop
-        return not is_core_done
+        return True
 
 
 def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

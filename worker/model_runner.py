@@ -13,10 +13,12 @@ from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
 from worker.input_batch import RequestState, build_step_inputs
 from worker.logprobs import copy_to_host, prompt_logprobs
 from worker.models.loader import load_model
-from worker.sampler import Sampler
+from worker.sampler import Sampler, advance_penalties
 from worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
+
+_PLACEHOLDER = -1  # a token sampled on the device whose value the host has not seen yet
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +64,8 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], np.zeros((0, 1), dtype=np.int32))
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
+        if scheduler_output.num_steps > 1:
+            return self._execute_window(states, scheduler_output.num_steps)
         inputs = build_step_inputs(
             states, list(scheduler_output.num_scheduled_tokens.values()), self.block_size, self.device
         )
@@ -73,7 +77,7 @@ class ModelRunner:
         if sampling_states:
             meta = build_sampling_metadata(sampling_states, self.vocab_size, self.device)
             out = self.sampler(self.model.compute_logits(hidden[inputs.sample_rows]), meta)
-            device_tensors.append(out.sampled)
+            device_tensors.append(out.sampled.unsqueeze(1))
             if out.logprobs is not None:
                 device_tensors += [out.logprob_token_ids, out.logprobs, out.ranks]
                 logprob_req_ids = [s.req_id for s in sampling_states if s.logprobs_k is not None]
@@ -83,18 +87,51 @@ class ModelRunner:
                 hidden[job.hidden_rows], targets, job.k, self.model.compute_logits
             )
         host = copy_to_host(device_tensors)
-        return self._to_output(inputs, sampling_states, logprob_req_ids, host)
-
-    def _to_output(self, inputs, sampling_states, logprob_req_ids, host) -> ModelRunnerOutput:
-        sampled = host.pop(0) if sampling_states else np.zeros(0, dtype=np.int32)
-        for state, token_id in zip(sampling_states, sampled.tolist()):
-            state.token_ids.append(token_id)
-        output = ModelRunnerOutput(inputs.sampled_req_ids, sampled.reshape(-1, 1), logprob_req_ids)
-        if logprob_req_ids:
-            output.logprobs.append(HostLogprobs(*host[:3]))
-            del host[:3]
+        sampled = host.pop(0) if sampling_states else np.zeros((0, 1), dtype=np.int32)
+        output = self._sampled_output(sampling_states, sampled, logprob_req_ids, host, num_steps=1)
         for i, job in enumerate(inputs.prompt_jobs):
             output.prompt_logprobs[job.req_id] = HostLogprobs(*host[3 * i : 3 * i + 3])
+        return output
+
+    def _execute_window(self, states: list[RequestState], num_steps: int) -> ModelRunnerOutput:
+        """Decode-only multi-step: each step's sampled tokens feed the next on the device; tokens and
+        logprobs of all steps come to the host in one copy at the end. Until then each request's token
+        list holds placeholders, so positions, seeds and min_tokens advance exactly as with one step."""
+        sampled_steps, device_tensors, penalties, input_ids = [], [], None, None
+        has_logprobs = any(s.logprobs_k is not None for s in states)
+        for _ in range(num_steps):
+            inputs = build_step_inputs(states, [1] * len(states), self.block_size, self.device)
+            if input_ids is not None:
+                inputs.input_ids = input_ids
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+            meta = build_sampling_metadata(states, self.vocab_size, self.device, penalties)
+            out = self.sampler(self.model.compute_logits(hidden), meta)
+            penalties = advance_penalties(meta.penalties, out.sampled)
+            for state in states:
+                state.num_computed_tokens += 1
+                state.token_ids.append(_PLACEHOLDER)
+            input_ids = out.sampled
+            sampled_steps.append(out.sampled)
+            if has_logprobs:
+                device_tensors += [out.logprob_token_ids, out.logprobs, out.ranks]
+        host = copy_to_host([torch.stack(sampled_steps, dim=1), *device_tensors])
+        sampled = host.pop(0)  # [num_reqs, num_steps]
+        for state, tokens in zip(states, sampled.tolist()):
+            state.token_ids[-num_steps:] = tokens
+            state.token_ids.pop()  # _sampled_output appends the last one, as after a single step
+        logprob_req_ids = [s.req_id for s in states if s.logprobs_k is not None]
+        return self._sampled_output(states, sampled, logprob_req_ids, host, num_steps)
+
+    def _sampled_output(self, states, sampled: np.ndarray, logprob_req_ids, host: list, num_steps: int):
+        """Appends each request's last sampled token and packs the runner output; consumes the
+        logprob arrays (three per step) from the front of `host`."""
+        for state, token_id in zip(states, sampled[:, -1].tolist()):
+            state.token_ids.append(token_id)
+        output = ModelRunnerOutput([s.req_id for s in states], sampled, logprob_req_ids)
+        if logprob_req_ids:
+            for _ in range(num_steps):
+                output.logprobs.append(HostLogprobs(*host[:3]))
+                del host[:3]
         return output
 
     def _apply_diffs(self, scheduler_output: SchedulerOutput) -> None:

@@ -11,8 +11,10 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 
 
 def build_sampling_metadata(
-    states: list[RequestState], vocab_size: int, device: torch.device
+    states: list[RequestState], vocab_size: int, device: torch.device, penalties: Penalties | None = None
 ) -> SamplingMetadata:
+    """`penalties`: counts carried on the device through a multi-step window (the host's token lists
+    hold placeholders there)."""
     params = [s.params for s in states]
     is_greedy = [p.is_greedy for p in params]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -33,7 +35,7 @@ def build_sampling_metadata(
         min_p=tensor([p.min_p for p in params], torch.float32)
         if any(p.min_p > 0.0 for p in params)
         else None,
-        penalties=_penalties(states, vocab_size, device),
+        penalties=penalties if penalties is not None else _penalties(states, vocab_size, device),
         generators=[_generator(s, device) for s in states],
         banned=_banned(states),
         logprob_rows=tensor(logprob_rows, torch.int64) if logprob_rows else None,

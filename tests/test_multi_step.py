@@ -1,0 +1,104 @@
+"""Multi-step scheduling: N decode steps per scheduler pass give the same outputs as N = 1."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PROMPTS, free_blocks_are_all
+
+from frontend import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def reference_run(llm_inproc):
+    """Stops chosen from an N = 1 run, so that requests stop at different points inside a window."""
+    base = llm_inproc.generate(
+        PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )
+    stop_id = base[0].outputs[0].token_ids[9]  # EOS-like: a stop token id mid-window
+    text = base[1].outputs[0].text
+    stop_string = text[len(text) // 3 : len(text) // 3 + 4]
+    return stop_id, stop_string
+
+
+def workload(stop_id: int, stop_string: str) -> tuple[list[str], list[SamplingParams]]:
+    greedy = dict(temperature=0.0, logprobs=5)
+    sampled = dict(temperature=0.9, top_p=0.95, seed=17, logprobs=5)
+    params = [
+        SamplingParams(max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True, **greedy),
+        SamplingParams(max_tokens=30, stop=[stop_string], ignore_eos=True, **greedy),
+        SamplingParams(max_tokens=13, ignore_eos=True, **greedy),  # not a multiple of 4 or 8
+        SamplingParams(
+            max_tokens=21, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, **sampled
+        ),
+        SamplingParams(max_tokens=19, min_tokens=5, ignore_eos=False, **sampled),
+        SamplingParams(max_tokens=3, **greedy),
+    ]
+    return PROMPTS[: len(params)], params
+
+
+def summary(outputs) -> list[tuple]:
+    """Everything exact but the logprob values, which are compared apart (see assert_same)."""
+    rows = []
+    for output in outputs:
+        c = output.outputs[0]
+        ids_and_ranks = [[(t, lp.rank) for t, lp in d.items()] for d in c.logprobs]
+        values = [lp.logprob for d in c.logprobs for lp in d.values()]
+        rows.append(
+            (
+                (c.token_ids, c.text, c.finish_reason, c.stop_reason, ids_and_ranks),
+                values,
+                c.cumulative_logprob,
+            )
+        )
+    return rows
+
+
+def assert_same(got: list[tuple], expected: list[tuple]) -> None:
+    """Tokens, text, reasons, logprob ids and ranks identical; values equal to fp32 round-off (a window
+    keeps stopped rows in the batch until it ends, and other matrix shapes round differently)."""
+    for (exact, values, cumulative), (exact_ref, values_ref, cumulative_ref) in zip(
+        got, expected, strict=True
+    ):
+        assert exact == exact_ref
+        assert values == pytest.approx(values_ref, abs=1e-4)
+        assert cumulative == pytest.approx(cumulative_ref, abs=1e-4)
+
+
+@pytest.mark.parametrize("num_steps", [4, 8])
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_multi_step_outputs_equal_single_step(tiny_path, llm_inproc, reference_run, num_steps, multiprocess):
+    prompts, params = workload(*reference_run)
+    expected = summary(llm_inproc.generate(prompts, params, use_tqdm=False))
+    with LLM(tiny_path, multiprocess=multiprocess, num_scheduler_steps=num_steps, num_kv_blocks=512) as llm:
+        got = summary(llm.generate(prompts, params, use_tqdm=False))
+        if not multiprocess:
+            assert free_blocks_are_all(llm)
+    assert_same(got, expected)
+    assert expected[0][0][2:4] == ("stop", reference_run[0]) and expected[1][0][3] == reference_run[1]
+    assert len(expected[2][0][0]) == 13 and len(expected[5][0][0]) == 3
+
+
+def test_windows_actually_run_and_nothing_passes_a_stop(tiny_path, reference_run):
+    prompts, params = workload(*reference_run)
+    with LLM(tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=512) as llm:
+        steps = []
+        scheduler = llm.client.core.scheduler
+        original = scheduler.schedule
+
+        def recording_schedule():
+            out = original()
+            steps.append(out.num_steps)
+            return out
+
+        scheduler.schedule = recording_schedule
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert free_blocks_are_all(llm)
+    assert 8 in steps and steps[0] == 1  # prefill single, decode in windows
+    first = outputs[0].outputs[0]
+    assert first.token_ids[-1] == reference_run[0] and reference_run[0] not in first.token_ids[:-1]
+    assert all(len(o.outputs[0].token_ids) <= p.max_tokens for o, p in zip(outputs, params))
+
+
+def test_num_scheduler_steps_below_one_is_a_value_error():
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        LLM(num_scheduler_steps=0)
