@@ -96,6 +96,10 @@ class EngineCore:
         for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if k is not None and limit != -1 and (k == -1 or k > limit):
                 return f"{name}={k} is more than max_logprobs={limit}"
+            if k is not None and k > self.vocab_size:
+                return f"{name}={k} is more than the vocabulary ({self.vocab_size} tokens)"
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids or ()):
+            return f"stop token ids must be in [0, {self.vocab_size})"
         if core_req_id(client_id, request.req_id) in self.scheduler.requests:
             return f"request id {request.req_id!r} is already in flight"
         max_len = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
@@ -107,10 +111,11 @@ class EngineCore:
     def abort_requests(self, client_id: bytes, req_ids: list[str]) -> None:
         self.scheduler.abort_requests([core_req_id(client_id, r) for r in req_ids])
 
-    def abort_client(self, client_id: bytes) -> None:
-        self.scheduler.abort_requests(
-            [r.req_id for r in self.scheduler.requests.values() if r.client_id == client_id]
-        )
+    def abort_client(self, client_id: bytes) -> list[str]:
+        """Aborts everything a client has in flight; returns the client's ids of those requests."""
+        reqs = [r for r in self.scheduler.requests.values() if r.client_id == client_id]
+        self.scheduler.abort_requests([r.req_id for r in reqs])
+        return [r.client_req_id for r in reqs]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

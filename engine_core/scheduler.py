@@ -95,8 +95,8 @@ class Scheduler:
         reqs = [self.requests[data.req_id] for data in output.cached_reqs]
         if not reqs or any(n != 1 for n in output.num_scheduled_tokens.values()):
             return
-        if any(r.num_output_tokens == 0 for r in reqs):
-            return  # a prefill finishing this step: prefill steps run single
+        if any(r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens for r in reqs):
+            return  # a prefill (a first one, or a recompute after preemption) is in the batch: run single
         num_steps = min(self.num_scheduler_steps, min(self.max_model_len - r.num_tokens + 1 for r in reqs))
         if num_steps < 2:
             return

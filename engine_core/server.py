@@ -23,9 +23,11 @@ from protocol.codec import Codec
 from protocol.messages import (
     AbortRequests,
     AddRequests,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineError,
+    FinishReason,
     Goodbye,
     HandshakeReply,
     Heartbeat,
@@ -35,12 +37,13 @@ from protocol.messages import (
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+HANG_AFTER_S = 15.0  # a busy loop stuck this long stops the heartbeats, so clients declare it dead
 POLL_MS = 100
 
 
 class CoreServer:
     def __init__(
-        self, core: EngineCore, address: str, parent_pid: int | None = None, client_timeout_s: float = 10.0
+        self, core: EngineCore, address: str, parent_pid: int | None = None, client_timeout_s: float = 30.0
     ) -> None:
         self.core = core
         self.parent_pid = parent_pid
@@ -55,6 +58,7 @@ class CoreServer:
         self.outputs: queue.Queue = queue.Queue()
         self.last_seen: dict[bytes, float] = {}  # client -> monotonic time of its last frame
         self.is_stopping = threading.Event()
+        self.last_progress = time.monotonic()  # the busy loop's last turn; heartbeats vouch for it
 
     def _bind(self, kind: int, address: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -93,6 +97,7 @@ class CoreServer:
     def _busy_loop(self) -> None:
         next_check = 0.0
         while not self.is_stopping.is_set():
+            self.last_progress = time.monotonic()
             self._drain_inputs(block=not self.core.has_unfinished_requests())
             if self.core.has_unfinished_requests():
                 for client, outputs in self.core.step().items():
@@ -134,8 +139,11 @@ class CoreServer:
         for client, seen in list(self.last_seen.items()):
             if seen < deadline:
                 logger.warning("client %s went silent; aborting its requests", client.hex())
-                self.core.abort_client(client)
+                aborted = self.core.abort_client(client)
                 del self.last_seen[client]
+                if aborted:  # if it is only slow, it learns what happened instead of waiting forever
+                    outputs = [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in aborted]
+                    self.outputs.put((client, EngineCoreOutputs(outputs, time.time())))
 
     # ---- input thread --------------------------------------------------------------------------------
 
@@ -181,7 +189,8 @@ class CoreServer:
             if item:
                 client, message = item
                 self._send(client, codec.encode(message))
-            if time.monotonic() >= next_beat:  # on a clock, so a busy core still proves it is alive
+            is_alive = time.monotonic() - self.last_progress < HANG_AFTER_S  # heartbeats vouch for the loop
+            if time.monotonic() >= next_beat and is_alive:
                 for client in list(self.last_seen):
                     self._send(client, beat)
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S

@@ -63,6 +63,8 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if self._is_stopping.is_set():
+            raise EngineDeadError("the engine was shut down")
         text, token_ids = self._parts.inputs.tokenize(prompt)
         self._parts.inputs.validate(token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
@@ -85,12 +87,17 @@ class AsyncLLM:
         self._submit(("abort", request_id))
 
     def shutdown(self) -> None:
+        if self._is_stopping.is_set():
+            return
         self._is_stopping.set()
-        self._submit(("stop",))
+        os.write(self._wake_write, b"\0")
         self._thread.join(timeout=30)
         self._parts.client.shutdown()
         os.close(self._wake_read)
         os.close(self._wake_write)
+        if self._error is None:  # streams still open learn that the engine is gone
+            self._error = EngineDeadError("the engine was shut down")
+            self._deliver(self._error)
 
     def __enter__(self) -> AsyncLLM:
         return self
@@ -99,6 +106,8 @@ class AsyncLLM:
         self.shutdown()
 
     def _submit(self, command: tuple) -> None:
+        if self._is_stopping.is_set():
+            return
         self._commands.put(command)
         os.write(self._wake_write, b"\0")
 
@@ -133,7 +142,10 @@ class AsyncLLM:
                     [self._parts.inputs.make_request(core_id, token_ids, p) for core_id, p in children]
                 )
             elif command[0] == "abort":
-                client.abort(processor.abort(command[1]))
+                core_ids, last_output = processor.abort(command[1])
+                client.abort(core_ids)
+                if last_output is not None:  # a stream still listening ends with finish_reason "abort"
+                    self._deliver([last_output])
 
     def _deliver(self, results) -> None:
         if self._loop is not None and not self._loop.is_closed():

@@ -89,6 +89,9 @@ class MPClient:
                 self.in_socket.send(self.codec.encode(Hello(PROTOCOL_VERSION, fingerprint)))
                 next_hello = time.monotonic() + 0.5
             self._check_process()
+            if self.error is not None:
+                self.shutdown()
+                raise EngineDeadError(f"the engine core failed to start: {self.error}")
             if self.out_socket.poll(POLL_MS):
                 message = self.codec.decode_core(self.out_socket.recv())
                 if isinstance(message, HandshakeReply):
@@ -193,7 +196,7 @@ def _cleanup(
     ctx: zmq.Context, sockets: list[zmq.Socket], proc: subprocess.Popen | None, tmpdir: str | None
 ) -> None:
     for sock in sockets:
-        sock.close(linger=0)
+        sock.close(linger=500)  # long enough for a goodbye to reach a daemon, never a hang
     ctx.term()
     if proc is not None and proc.poll() is None:
         proc.terminate()

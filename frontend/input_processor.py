@@ -60,6 +60,8 @@ class InputProcessor:
                     f"{name}={asked} asks for more than max_logprobs={facts.max_logprobs}; "
                     "ask for fewer or raise the engine's max_logprobs"
                 )
+            if k is not None and k > facts.vocab_size:
+                raise ValueError(f"{name}={k} is more than the vocabulary ({facts.vocab_size} tokens)")
         bad_stop = [t for t in params.stop_token_ids or () if not 0 <= t < facts.vocab_size]
         if bad_stop:
             raise ValueError(f"stop token id {bad_stop[0]} is out of vocabulary")

@@ -72,7 +72,7 @@ class LLM:
             except BaseException:  # KeyboardInterrupt or a dead core: leave nothing running
                 for request_id in request_ids:
                     if request_id not in finished:
-                        self.client.abort(self.output_processor.abort(request_id))
+                        self.client.abort(self.output_processor.abort(request_id)[0])
                 raise
         return [finished[request_id] for request_id in request_ids]
 

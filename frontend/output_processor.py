@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +14,8 @@ from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from frontend.token_text import IncrementalDetokenizer, TokenTable
 from protocol.messages import EngineCoreOutput, FinishReason
 from protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +63,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.completion_of: dict[str, CompletionState] = {}  # core req id -> completion
         self.owner_of: dict[str, RequestState] = {}
+        self._serials = itertools.count()
 
     def add_request(
         self,
@@ -68,8 +73,12 @@ class OutputProcessor:
         params: SamplingParams,
         is_delta: bool = False,
     ) -> list[tuple[str, SamplingParams]]:
-        """Registers a user request; returns the (core request id, params) of each of its completions."""
-        children = child_params(request_id, params)
+        """Registers a user request; returns the (core request id, params) of each of its completions.
+        Core ids are unique per submission, so late outputs of an aborted request can never reach a
+        new request that reuses its id."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        children = child_params(f"{request_id}@{next(self._serials)}", params)
         completions = [
             CompletionState(
                 core_id,
@@ -112,19 +121,23 @@ class OutputProcessor:
             if state.finished:
                 del self.requests[state.request_id]
                 state.metrics["finished_time"] = time.time()
-            results.append(make_request_output(state))
+            if state.is_delta or state.finished:  # a whole output per step would cost O(length^2)
+                results.append(make_request_output(state))
         return results, to_abort
 
-    def abort(self, request_id: str) -> list[str]:
-        """Forgets a user request; returns its unfinished core request ids."""
+    def abort(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
+        """Finishes a user request as aborted; returns its unfinished core request ids and its last output."""
         state = self.requests.pop(request_id, None)
         if state is None:
-            return []
+            return [], None
         ids = [c.core_req_id for c in state.completions if c.finish_reason is None]
+        for completion in state.completions:
+            if completion.finish_reason is None:
+                completion.finish_reason = str(FinishReason.ABORT)
         for core_id in ids:
             self.completion_of.pop(core_id, None)
             self.owner_of.pop(core_id, None)
-        return ids
+        return ids, make_request_output(state)
 
     def _apply(self, state: RequestState, completion: CompletionState, output: EngineCoreOutput) -> bool:
         """Returns True when a stop string finished a completion the core is still running."""
@@ -141,6 +154,8 @@ class OutputProcessor:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason
             completion.error = output.error
+            if output.error:
+                logger.warning("the engine core refused request %s: %s", state.request_id, output.error)
         return is_stopped and not is_core_done
 
     def _append_text(

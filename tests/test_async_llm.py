@@ -97,3 +97,38 @@ def test_duplicate_request_id_is_a_value_error(engine):
         await first.aclose()
 
     asyncio.run(main())
+
+
+def test_abort_ends_the_stream_with_finish_reason_abort(engine):
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        outputs = []
+        async for out in engine.generate(PROMPTS[0], params, "to-abort"):
+            outputs.append(out)
+            if len(outputs) == 2:
+                await engine.abort("to-abort")
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) < 400
+
+
+def test_shutdown_ends_open_streams_with_engine_dead_error(tiny_path):
+    from frontend import EngineDeadError
+
+    async def main(engine):
+        params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+
+        async def consume():
+            async for _ in engine.generate(PROMPTS[0], params, "open"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(1.0)
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(task, timeout=10)
+
+    engine = AsyncLLM(tiny_path, multiprocess=False, num_kv_blocks=256)
+    asyncio.run(main(engine))

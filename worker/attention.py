@@ -50,7 +50,8 @@ def paged_attention(
             start, length = seq.runs[0]
             end = start + length
             scores = torch.bmm(grouped_q[row], key_cache[:, start:end].transpose(1, 2))  # [Hkv, G, L]
-            torch.bmm(scores.softmax(dim=-1), value_cache[:, start:end], out=grouped_out[row])
+            weights = scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)  # fp32, as SDPA does
+            torch.bmm(weights, value_cache[:, start:end], out=grouped_out[row])
             continue
         rows = slice(row, row + seq.num_tokens)
         if seq.context_len == seq.num_tokens:  # the whole context is this chunk: plain causal attention

@@ -10,22 +10,25 @@ PROMPT_LOGITS_SLICE_ROWS = 256  # prompt positions per lm_head slice: bounds mem
 
 
 def gather_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+    scores: torch.Tensor, chosen: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logprobs: [R, V] float32; chosen: [R] int64; k: top-k to add (-1: whole vocabulary).
+    """scores: [R, V] float32 logits (log_softmax is applied here); chosen: [R] int64; k: top-k to add
+    (-1: whole vocabulary).
 
-    Returns token_ids [R, k + 1] int32, values [R, k + 1] float32, ranks [R] int32 where rank is
-    1 + the number of tokens with a strictly higher logprob than the chosen one.
+    Returns token_ids [R, k + 1] int32, values [R, k + 1] float32 logprobs, ranks [R] int32 where rank
+    is 1 + the number of tokens with a strictly higher logprob than the chosen one. Only the returned
+    entries are normalized (score - logsumexp): no [R, V] logprob tensor is written.
     """
-    k = logprobs.shape[-1] if k == -1 else k
+    k = scores.shape[-1] if k == -1 else k
+    log_normalizer = torch.logsumexp(scores, dim=-1, keepdim=True)  # [R, 1]
     chosen = chosen.unsqueeze(-1)
-    chosen_logprob = logprobs.gather(-1, chosen)  # [R, 1]
-    ranks = (logprobs > chosen_logprob).sum(-1, dtype=torch.int32) + 1
+    chosen_score = scores.gather(-1, chosen)  # [R, 1]
+    ranks = (scores > chosen_score).sum(-1, dtype=torch.int32) + 1
     if k == 0:
-        return chosen.to(torch.int32), chosen_logprob, ranks
-    top = logprobs.topk(k, dim=-1)
+        return chosen.to(torch.int32), chosen_score - log_normalizer, ranks
+    top = scores.topk(k, dim=-1)
     token_ids = torch.cat((chosen, top.indices), dim=-1).to(torch.int32)
-    return token_ids, torch.cat((chosen_logprob, top.values), dim=-1), ranks
+    return token_ids, torch.cat((chosen_score, top.values), dim=-1) - log_normalizer, ranks
 
 
 def prompt_logprobs(
@@ -41,8 +44,7 @@ def prompt_logprobs(
     parts = []
     for start in range(0, hidden.shape[0], PROMPT_LOGITS_SLICE_ROWS):
         rows = slice(start, start + PROMPT_LOGITS_SLICE_ROWS)
-        logprobs = torch.log_softmax(compute_logits(hidden[rows]), dim=-1)
-        parts.append(gather_logprobs(logprobs, targets[rows], k))
+        parts.append(gather_logprobs(compute_logits(hidden[rows]), targets[rows], k))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(column) for column in zip(*parts))

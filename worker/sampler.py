@@ -33,6 +33,7 @@ class SamplingMetadata:
     logprob_rows: torch.Tensor | None  # [R'] int64 rows that asked for logprobs
     num_logprobs: int  # largest k among them; -1: whole vocabulary
     is_processed: torch.Tensor | None  # [R'] bool, row wants logprobs after processing
+    is_all_rows: bool = False  # every row asked for logprobs: no row gather needed
 
 
 @dataclass
@@ -51,20 +52,25 @@ class Sampler:
         """logits: [R, V] float32 (not modified)."""
         from worker.logprobs import gather_logprobs
 
-        rows = meta.logprob_rows
-        raw = torch.log_softmax(logits[rows], dim=-1) if rows is not None else None
+        raw = logits
         logits = self._process(logits, meta)
         sampled = self._sample(logits, meta)
+        rows = meta.logprob_rows
         if rows is None:
             return SamplerOutput(sampled, None, None, None)
-        chosen = raw
+        scores = raw if meta.is_all_rows else raw[rows]
         if meta.is_processed is not None and bool(meta.is_processed.any()):
-            processed = torch.log_softmax(logits[rows], dim=-1)
-            chosen = torch.where(meta.is_processed[:, None], processed, raw)
-        token_ids, values, ranks = gather_logprobs(chosen, sampled[rows], meta.num_logprobs)
+            processed = logits if meta.is_all_rows else logits[rows]
+            scores = torch.where(meta.is_processed[:, None], processed, scores)
+        token_ids, values, ranks = gather_logprobs(scores, sampled[rows], meta.num_logprobs)
         return SamplerOutput(sampled, token_ids, values, ranks)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Penalties, min_tokens bans, temperature, min-p, top-k, top-p; a copy, or `logits` itself
+        when nothing applies (greedy rows with no penalties: the common case, spared a [R, V] copy)."""
+        is_filtered = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
+        if meta.all_greedy and meta.penalties is None and not meta.banned and not is_filtered:
+            return logits
         logits = logits.clone()
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)

@@ -40,6 +40,7 @@ def build_sampling_metadata(
         banned=_banned(states),
         logprob_rows=tensor(logprob_rows, torch.int64) if logprob_rows else None,
         num_logprobs=-1 if -1 in ks else max(ks, default=0),
+        is_all_rows=len(logprob_rows) == len(states),
         is_processed=tensor([states[i].is_processed for i in logprob_rows], torch.bool)
         if logprob_rows
         else None,
