@@ -141,7 +141,9 @@ class CoreServer:
                 aborted = self.core.abort_client(client)
                 del self.last_seen[client]
                 if aborted:  # if it is only slow, it learns what happened instead of waiting forever
-                    logger.warning("client %s went silent; aborted its %d requests", client.hex(), len(aborted))
+                    logger.warning(
+                        "client %s went silent; aborted its %d requests", client.hex(), len(aborted)
+                    )
                     outputs = [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in aborted]
                     self.outputs.put((client, EngineCoreOutputs(outputs, time.time())))
 

@@ -10,25 +10,31 @@ PROMPT_LOGITS_SLICE_ROWS = 256  # prompt positions per lm_head slice: bounds mem
 
 
 def gather_logprobs(
-    scores: torch.Tensor, chosen: torch.Tensor, k: int
+    logprobs: torch.Tensor, chosen: torch.Tensor, k: int, top=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scores: [R, V] float32 logits (log_softmax is applied here); chosen: [R] int64; k: top-k to add
-    (-1: whole vocabulary).
+    """logprobs: [R, V] float32 log_softmax rows; chosen: [R] int64; k: top-k to add (-1: whole
+    vocabulary); `top`: `logprobs.topk(max(k, 1))` when the caller has it already.
 
-    Returns token_ids [R, k + 1] int32, values [R, k + 1] float32 logprobs, ranks [R] int32 where rank
-    is 1 + the number of tokens with a strictly higher logprob than the chosen one. Only the returned
-    entries are normalized (score - logsumexp): no [R, V] logprob tensor is written.
+    Returns token_ids [R, k + 1] int32, values [R, k + 1] float32, ranks [R] int32 where rank is
+    1 + the number of tokens with a strictly higher logprob than the chosen one.
     """
-    k = scores.shape[-1] if k == -1 else k
-    log_normalizer = torch.logsumexp(scores, dim=-1, keepdim=True)  # [R, 1]
+    k = logprobs.shape[-1] if k == -1 else k
+    top = logprobs.topk(max(k, 1), dim=-1) if top is None else top
     chosen = chosen.unsqueeze(-1)
-    chosen_score = scores.gather(-1, chosen)  # [R, 1]
-    ranks = (scores > chosen_score).sum(-1, dtype=torch.int32) + 1
-    if k == 0:
-        return chosen.to(torch.int32), chosen_score - log_normalizer, ranks
-    top = scores.topk(k, dim=-1)
-    token_ids = torch.cat((chosen, top.indices), dim=-1).to(torch.int32)
-    return token_ids, torch.cat((chosen_score, top.values), dim=-1) - log_normalizer, ranks
+    chosen_logprob = logprobs.gather(-1, chosen)  # [R, 1]
+    ranks = _ranks(logprobs, top.values, chosen_logprob)
+    token_ids = torch.cat((chosen, top.indices[:, :k]), dim=-1).to(torch.int32)
+    return token_ids, torch.cat((chosen_logprob, top.values[:, :k]), dim=-1), ranks
+
+
+def _ranks(logprobs: torch.Tensor, top_values: torch.Tensor, chosen_logprob: torch.Tensor) -> torch.Tensor:
+    """1 + tokens strictly above the chosen one. Every such token is in the top-k when the chosen
+    logprob reaches the k-th value, so the top-k alone answers (the usual case: greedy rows, most
+    sampled ones); otherwise a full pass over the vocabulary. The shortcut's test is a host sync, so
+    it is taken on the CPU only, where a sync is free and the full pass is not."""
+    if logprobs.device.type == "cpu" and bool((chosen_logprob >= top_values[:, -1:]).all()):
+        return (top_values > chosen_logprob).sum(-1, dtype=torch.int32) + 1
+    return (logprobs > chosen_logprob).sum(-1, dtype=torch.int32) + 1
 
 
 def prompt_logprobs(
@@ -44,7 +50,8 @@ def prompt_logprobs(
     parts = []
     for start in range(0, hidden.shape[0], PROMPT_LOGITS_SLICE_ROWS):
         rows = slice(start, start + PROMPT_LOGITS_SLICE_ROWS)
-        parts.append(gather_logprobs(compute_logits(hidden[rows]), targets[rows], k))
+        logprobs = torch.log_softmax(compute_logits(hidden[rows]), dim=-1)
+        parts.append(gather_logprobs(logprobs, targets[rows], k))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(column) for column in zip(*parts))

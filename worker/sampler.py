@@ -52,17 +52,22 @@ class Sampler:
         """logits: [R, V] float32 (not modified)."""
         from worker.logprobs import gather_logprobs
 
-        raw = logits
-        logits = self._process(logits, meta)
-        sampled = self._sample(logits, meta)
+        processed = self._process(logits, meta)
         rows = meta.logprob_rows
         if rows is None:
-            return SamplerOutput(sampled, None, None, None)
-        scores = raw if meta.is_all_rows else raw[rows]
+            return SamplerOutput(self._sample(processed, meta), None, None, None)
+        scores = logits if meta.is_all_rows else logits[rows]
         if meta.is_processed is not None and bool(meta.is_processed.any()):
-            processed = logits if meta.is_all_rows else logits[rows]
-            scores = torch.where(meta.is_processed[:, None], processed, scores)
-        token_ids, values, ranks = gather_logprobs(scores, sampled[rows], meta.num_logprobs)
+            chosen_scores = processed if meta.is_all_rows else processed[rows]
+            scores = torch.where(meta.is_processed[:, None], chosen_scores, scores)
+        logprobs = torch.log_softmax(scores, dim=-1)
+        k = logprobs.shape[-1] if meta.num_logprobs == -1 else meta.num_logprobs
+        top = logprobs.topk(max(k, 1), dim=-1)
+        if processed is logits and meta.all_greedy and meta.is_all_rows:
+            sampled = top.indices[:, 0]  # greedy and unprocessed: the top-1 is the argmax, no extra pass
+        else:
+            sampled = self._sample(processed, meta)
+        token_ids, values, ranks = gather_logprobs(logprobs, sampled[rows], k, top)
         return SamplerOutput(sampled, token_ids, values, ranks)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
