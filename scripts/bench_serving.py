@@ -2,7 +2,8 @@
 request rate; prints throughput and TTFT / TPOT / ITL (mean, median, P99), writes JSON and a PNG.
 
     python scripts/bench_serving.py --num-requests 100 --logprobs 5
-    python scripts/bench_serving.py --compare "" "--logprobs 5"      # alternated, ratio of every row
+    python scripts/bench_serving.py --compare "" "logprobs=5"      # alternated, ratio of every row
+    python scripts/bench_serving.py --compare "inproc" ""          # an in-process core against a spawned one
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inproc", action="store_true", help="run the core in this process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2, help="with --compare: alternations of A and B")
-    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two sets of these options, alternated")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="two sets of these options, each written name=value without dashes, alternated",
+    )
     p.add_argument("--out", default="bench_out/serving")
     return p
 
@@ -150,9 +156,9 @@ def main() -> None:
     args = parser().parse_args()
     configs = {"run": args}
     if args.compare:
+        base = _without_compare(sys.argv[1:])
         configs = {
-            label: parser().parse_args(sys.argv[1:1] + shlex.split(spec))
-            for label, spec in zip("AB", args.compare)
+            label: parser().parse_args(base + _as_options(spec)) for label, spec in zip("AB", args.compare)
         }
     engines: dict[tuple, AsyncLLM] = {}
     results: dict[str, list[dict]] = {label: [] for label in configs}
@@ -182,6 +188,21 @@ def main() -> None:
     plot(args.out + ".png", best)
     clean = {label: {k: v for k, v in r.items() if not k.startswith("_")} for label, r in best.items()}
     write_json(args.out + ".json", {"argv": sys.argv[1:], "machine": machine(), "results": clean})
+
+
+def _without_compare(argv: list[str]) -> list[str]:
+    index = argv.index("--compare")
+    return argv[:index] + argv[index + 3 :]
+
+
+def _as_options(spec: str) -> list[str]:
+    """'logprobs=5 inproc' -> ['--logprobs', '5', '--inproc'] (no leading dashes, so argparse cannot
+    mistake a configuration for an option of its own)."""
+    options = []
+    for item in shlex.split(spec):
+        name, _, value = item.partition("=")
+        options += ["--" + name.replace("_", "-")] + ([value] if value else [])
+    return options
 
 
 def median_result(runs: list[dict]) -> dict:
