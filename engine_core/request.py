@@ -41,7 +41,6 @@ class Request:
         self.max_tokens = params.max_tokens
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.prompt_logprob_parts: list[LogprobsArrays] = []  # chunks until the first sampled token
@@ -77,7 +76,6 @@ class Request:
         """Preempted: its KV is gone; prompt logprob chunks not yet sent are computed again."""
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_preemptions += 1
         if not self.has_sent_prompt_logprobs:
             self.prompt_logprob_parts.clear()
 

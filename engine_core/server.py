@@ -25,7 +25,6 @@ from protocol.messages import (
     AddRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
-    EngineCoreRequest,
     EngineError,
     FinishReason,
     Goodbye,
@@ -125,8 +124,8 @@ class CoreServer:
         elif isinstance(message, Goodbye):
             self.core.abort_client(client)
             self.last_seen.pop(client, None)
-        elif isinstance(message, AddRequests | EngineCoreRequest):
-            requests = message.requests if isinstance(message, AddRequests) else [message]
+        elif isinstance(message, AddRequests):
+            requests = message.requests
             refusals = [r for r in (self.core.add_request(client, req) for req in requests) if r is not None]
             if refusals:
                 self.outputs.put((client, EngineCoreOutputs(refusals, time.time())))

@@ -241,9 +241,8 @@ class InprocClient:
             if wake_fd is not None and select.select([wake_fd], [], [], timeout_s)[0]:
                 os.read(wake_fd, 4096)
             return outputs
-        if self.core.has_unfinished_requests():
-            for batch in self.core.step().values():
-                outputs.extend(batch.outputs)
+        for batch in self.core.step().values():
+            outputs.extend(batch.outputs)
         return outputs
 
     def shutdown(self) -> None:

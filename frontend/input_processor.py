@@ -35,7 +35,7 @@ class InputProcessor:
     def make_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> EngineCoreRequest:
-        self.validate(prompt_token_ids, params)
+        """Callers validate once per user request (`validate`) before making its core requests."""
         return EngineCoreRequest(req_id, prompt_token_ids, params, time.time())
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

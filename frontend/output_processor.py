@@ -29,7 +29,6 @@ class CompletionState:
     text_end: int | None = None  # where a stop string cut the text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    error: str | None = None
     num_sent_tokens: int = 0  # streaming: what earlier deltas already carried
     num_sent_chars: int = 0
 
@@ -153,7 +152,6 @@ class OutputProcessor:
         if is_core_done and not is_stopped:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason
-            completion.error = output.error
             if output.error:
                 logger.warning("the engine core refused request %s: %s", state.request_id, output.error)
         return is_stopped and not is_core_done

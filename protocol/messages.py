@@ -31,7 +31,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     tokenizer_fingerprint: str
 
 
-class EngineCoreRequest(msgspec.Struct, tag="req", array_like=True, gc=False):
+class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     req_id: str  # unique within the sending client
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -56,7 +56,7 @@ class Goodbye(msgspec.Struct, tag="bye", array_like=True):
     """The client is leaving: abort whatever it still has in flight."""
 
 
-ClientMessage = Hello | AddRequests | EngineCoreRequest | AbortRequests | Heartbeat | Goodbye
+ClientMessage = Hello | AddRequests | AbortRequests | Heartbeat | Goodbye
 
 
 # ---- core -> frontend ---------------------------------------------------------------------------------

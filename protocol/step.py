@@ -42,10 +42,6 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished or preempted since the last step: the worker drops them
     num_steps: int = 1  # > 1 only for decode-only batches (multi-step)
 
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
 
 @dataclass
 class HostLogprobs:

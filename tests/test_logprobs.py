@@ -24,9 +24,7 @@ def check_position(entry: dict, chosen: int, reference: torch.Tensor, tokenizer,
     high = int((reference > chosen_lp - TOL).sum()) + 1
     assert low <= entry[chosen].rank <= high
     top = reference.topk(k)
-    engine_top = [
-        t for t in ids if entry[t].rank <= k and t != chosen or (t == chosen and entry[t].rank <= k)
-    ]
+    engine_top = [t for t in ids if entry[t].rank <= k]
     for place, (hf_value, hf_id) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
         if hf_id in entry:
             assert entry[hf_id].logprob == pytest.approx(hf_value, abs=TOL)

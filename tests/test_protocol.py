@@ -56,7 +56,8 @@ def test_malformed_or_misdirected_frames_are_rejected(frame):
 
 def test_a_frame_with_invalid_sampling_values_is_rejected():
     codec = Codec()
-    good = codec.encode(EngineCoreRequest("r", [1], SamplingParams(), 0.0))
+    good = codec.encode(AddRequests([EngineCoreRequest("r", [1], SamplingParams(), 0.0)]))
+    assert codec.decode_client(good).requests[0].sampling_params == SamplingParams()
     bad = good.replace(codec.encode(SamplingParams()), codec.encode({"temperature": -3.0}))
     with pytest.raises(msgspec.ValidationError, match="temperature"):
         codec.decode_client(bad)
