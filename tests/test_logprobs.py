@@ -85,7 +85,10 @@ def test_prompt_logprobs_do_not_depend_on_chunking_or_batch(llm_inproc, llm_chun
     assert len(alone) == len(chunked)
     for a, b in zip(alone[1:], chunked[1:]):
         assert list(a) == list(b)
-        assert [x.rank for x in a.values()] == [x.rank for x in b.values()]
+        for x, y in zip(a.values(), b.values()):
+            # Deep in the tail neighbours lie closer than float rounding (batch shapes round GEMMs and
+            # attention differently), so a swap with a neighbour is allowed there, nowhere else.
+            assert x.rank == y.rank or (abs(x.rank - y.rank) <= 2 and min(x.rank, y.rank) > 1000)
         assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=TOL)
 
 

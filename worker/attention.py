@@ -9,9 +9,13 @@ memory bandwidth, and copying the context every layer of every step cost more th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from worker.cpu_kernels import decode_attention
 
 
 @dataclass
@@ -23,9 +27,21 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeRows:
+    """Single-token rows attended by the C kernel in one call per layer (host arrays, CPU only)."""
+
+    kernel: Any  # the ctypes function from cpu_kernels.load_decode_attention
+    block_size: int
+    rows: np.ndarray  # [R] int64, the rows of the flattened batch
+    block_tables: np.ndarray  # [R, max_blocks] int32, each request's blocks, zero padded
+    context_lens: np.ndarray  # [R] int32, tokens attended to, this step's included
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
-    seqs: list[SeqSpan]
+    seqs: list[SeqSpan]  # requests attended by the torch path
+    decode: DecodeRows | None = None
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -40,6 +56,21 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D]."""
     out = torch.empty_like(q)
     num_tokens, num_kv_heads, head_dim = q.shape[0], k.shape[1], k.shape[2]
+    if meta.decode is not None:
+        rows = meta.decode
+        decode_attention(
+            rows.kernel,
+            q,
+            out,
+            cache,
+            rows.rows,
+            rows.block_tables,
+            rows.context_lens,
+            rows.block_size,
+            head_dim**-0.5,
+        )
+    if not meta.seqs:
+        return out
     group = q.shape[1] // num_kv_heads
     grouped_q = (q * head_dim**-0.5).view(num_tokens, num_kv_heads, group, head_dim)  # query heads by KV head
     grouped_out = out.view(num_tokens, num_kv_heads, group, head_dim)

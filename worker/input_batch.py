@@ -7,13 +7,14 @@ tokens here, so token lists are never sent back down.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from protocol.sampling_params import SamplingParams
 from protocol.step import NewRequestData
-from worker.attention import AttentionMetadata, SeqSpan
+from worker.attention import AttentionMetadata, DecodeRows, SeqSpan
 
 
 @dataclass
@@ -28,6 +29,18 @@ class RequestState:
     logprobs_k: int | None
     is_processed: bool
     eos_token_ids: list[int]
+    _table: np.ndarray | None = None  # block_ids as an array, rebuilt when blocks are added
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self.block_ids.extend(block_ids)
+            self._table = None
+
+    def block_table(self) -> np.ndarray:
+        """[num_blocks] int32 view of block_ids, built once per change."""
+        if self._table is None:
+            self._table = np.asarray(self.block_ids, dtype=np.int32)
+        return self._table
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
@@ -68,41 +81,72 @@ class StepInputs:
 
 
 def build_step_inputs(
-    states: list[RequestState], num_tokens: list[int], block_size: int, device: torch.device
+    states: list[RequestState],
+    num_tokens: list[int],
+    block_size: int,
+    device: torch.device,
+    decode_kernel: Any = None,
 ) -> StepInputs:
-    """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch."""
+    """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch. With a
+    `decode_kernel`, single-token rows with context go to it; the rest to the torch attention path."""
     ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []
+    decode_rows, decode_tables, decode_lens = [], [], []
     row = 0
     for state, num in zip(states, num_tokens):
         start = state.num_computed_tokens
-        pos = np.arange(start, start + num)
-        table = np.asarray(state.block_ids, dtype=np.int64)
-        ids.extend(state.token_ids[start : start + num])
-        positions.append(pos)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-        seqs.append(SeqSpan(row, num, start + num, slot_runs(state.block_ids, start + num, block_size)))
-        if start + num == len(state.token_ids):
+        end = start + num
+        ids.extend(state.token_ids[start:end])
+        positions.extend(range(start, end))
+        if num == 1:
+            slots.append(state.block_ids[start // block_size] * block_size + start % block_size)
+        else:
+            pos = np.arange(start, end)
+            slots.extend((state.block_table()[pos // block_size] * block_size + pos % block_size).tolist())
+        if decode_kernel is not None and num == 1 and start > 0:
+            decode_rows.append(row)
+            decode_tables.append(state.block_table())
+            decode_lens.append(end)
+        else:
+            seqs.append(SeqSpan(row, num, end, slot_runs(state.block_ids, end, block_size)))
+        if end == len(state.token_ids):
             sample_rows.append(row + num - 1)
             sampled_req_ids.append(state.req_id)
         if state.prompt_logprobs_k is not None and start < state.num_prompt_tokens - 1:
-            end = min(start + num, state.num_prompt_tokens - 1)
+            last = min(end, state.num_prompt_tokens - 1)
             jobs.append(
                 PromptLogprobsJob(
                     state.req_id,
-                    slice(row, row + end - start),
-                    state.token_ids[start + 1 : end + 1],
+                    slice(row, row + last - start),
+                    state.token_ids[start + 1 : last + 1],
                     state.prompt_logprobs_k,
                 )
             )
         row += num
+    decode = None
+    if decode_rows:
+        decode = DecodeRows(
+            decode_kernel,
+            block_size,
+            np.asarray(decode_rows, dtype=np.int64),
+            _stack_tables(decode_tables),
+            np.asarray(decode_lens, dtype=np.int32),
+        )
     return StepInputs(
         torch.tensor(ids, dtype=torch.int64, device=device),
-        torch.from_numpy(np.concatenate(positions)).to(device),
-        AttentionMetadata(torch.from_numpy(np.concatenate(slots)).to(device), seqs),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+        AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), seqs, decode),
         torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sampled_req_ids,
         jobs,
     )
+
+
+def _stack_tables(tables: list[np.ndarray]) -> np.ndarray:
+    """[R, max_blocks] int32, each row a request's block ids, zero padded."""
+    stacked = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for i, table in enumerate(tables):
+        stacked[i, : len(table)] = table
+    return stacked
 
 
 def slot_runs(block_ids: list[int], num_tokens: int, block_size: int) -> list[tuple[int, int]]:

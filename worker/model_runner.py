@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
+from worker.cpu_kernels import load_decode_attention
 from worker.input_batch import RequestState, build_step_inputs
 from worker.logprobs import copy_to_host, prompt_logprobs
 from worker.models.loader import load_model
@@ -39,6 +40,9 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # Decode attention in C on the CPU (float32); the torch path elsewhere, or without a compiler.
+        is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.decode_kernel = load_decode_attention() if is_cpu_fp32 else None
 
     def bytes_per_block(self) -> int:
         a = self.model.args
@@ -67,7 +71,11 @@ class ModelRunner:
         if scheduler_output.num_steps > 1:
             return self._execute_window(states, scheduler_output.num_steps)
         inputs = build_step_inputs(
-            states, list(scheduler_output.num_scheduled_tokens.values()), self.block_size, self.device
+            states,
+            list(scheduler_output.num_scheduled_tokens.values()),
+            self.block_size,
+            self.device,
+            self.decode_kernel,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         for state, num in zip(states, scheduler_output.num_scheduled_tokens.values()):
@@ -100,7 +108,9 @@ class ModelRunner:
         sampled_steps, device_tensors, penalties, input_ids = [], [], None, None
         has_logprobs = any(s.logprobs_k is not None for s in states)
         for _ in range(num_steps):
-            inputs = build_step_inputs(states, [1] * len(states), self.block_size, self.device)
+            inputs = build_step_inputs(
+                states, [1] * len(states), self.block_size, self.device, self.decode_kernel
+            )
             if input_ids is not None:
                 inputs.input_ids = input_ids
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
@@ -141,7 +151,7 @@ class ModelRunner:
             self.states[data.req_id] = RequestState.from_new(data)
         for data in scheduler_output.cached_reqs:
             state = self.states[data.req_id]
-            state.block_ids.extend(data.new_block_ids)
+            state.add_blocks(data.new_block_ids)
             assert state.num_computed_tokens == data.num_computed_tokens, (
                 data.req_id,
                 state.num_computed_tokens,

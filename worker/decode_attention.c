@@ -1,0 +1,89 @@
+/* Decode attention over the paged, head-major KV cache, for the CPU (engine-core process).
+ *
+ * One call per layer covers every decode row of the step: each (row, KV head) task reads that head's
+ * keys, then its values, block by block, straight from the cache (no gather copy), for all the query
+ * heads that share it (grouped-query attention). Softmax in float32, as the torch path does.
+ * Built by worker/cpu_kernels.py with the OpenMP runtime torch already loaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static float dot(const float *a, const float *b, int n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static void axpy(float *y, float w, const float *x, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) y[i] += w * x[i];
+}
+
+/* One (row, KV head) task. scores: [group, context_len] scratch; acc: [group, head_dim] scratch. */
+static void attend_one(const float *q, float *out, const float *keys, const float *values,
+                       const int32_t *table, int context_len, int group, int head_dim, int block_size,
+                       float scale, float *scores, float *acc) {
+    float scaled_q[group * head_dim];
+    for (int i = 0; i < group * head_dim; i++) scaled_q[i] = q[i] * scale;
+    for (int pos = 0; pos < context_len; pos += block_size) {
+        const int count = context_len - pos < block_size ? context_len - pos : block_size;
+        const float *key = keys + (int64_t)table[pos / block_size] * block_size * head_dim;
+        for (int t = 0; t < count; t++, key += head_dim)
+            for (int g = 0; g < group; g++)
+                scores[g * context_len + pos + t] = dot(scaled_q + g * head_dim, key, head_dim);
+    }
+    float totals[group];
+    for (int g = 0; g < group; g++) {
+        float *row = scores + g * context_len, top = row[0], total = 0.0f;
+        for (int pos = 1; pos < context_len; pos++) top = row[pos] > top ? row[pos] : top;
+        for (int pos = 0; pos < context_len; pos++) {
+            row[pos] = expf(row[pos] - top);
+            total += row[pos];
+        }
+        totals[g] = total;
+    }
+    memset(acc, 0, sizeof(float) * group * head_dim);
+    for (int pos = 0; pos < context_len; pos += block_size) {
+        const int count = context_len - pos < block_size ? context_len - pos : block_size;
+        const float *value = values + (int64_t)table[pos / block_size] * block_size * head_dim;
+        for (int t = 0; t < count; t++, value += head_dim)
+            for (int g = 0; g < group; g++)
+                axpy(acc + g * head_dim, scores[g * context_len + pos + t], value, head_dim);
+    }
+    for (int g = 0; g < group; g++)
+        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] = acc[g * head_dim + d] / totals[g];
+}
+
+/* q, out: [num_tokens, num_q_heads, head_dim]; key_cache, value_cache: [num_kv_heads, num_slots,
+ * head_dim]; rows: [num_rows] the token rows to attend; block_tables: [num_rows, max_blocks];
+ * context_lens: [num_rows]. Returns 0, or -1 when scratch memory could not be allocated. */
+int decode_attention(const float *q, float *out, const float *key_cache, const float *value_cache,
+                     int64_t num_slots, const int64_t *rows, const int32_t *block_tables,
+                     int32_t max_blocks, const int32_t *context_lens, int32_t num_rows,
+                     int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                     float scale, int32_t num_threads) {
+    const int group = num_q_heads / num_kv_heads;
+    int max_len = 1, failed = 0;
+    for (int i = 0; i < num_rows; i++) max_len = context_lens[i] > max_len ? context_lens[i] : max_len;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * group * (max_len + head_dim));
+        if (!scores) failed = 1;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int i = 0; i < num_rows; i++)
+            for (int h = 0; h < num_kv_heads; h++) {
+                if (!scores) continue;
+                const int64_t q_offset = (rows[i] * num_q_heads + (int64_t)h * group) * head_dim;
+                const int64_t head_offset = (int64_t)h * num_slots * head_dim;
+                attend_one(q + q_offset, out + q_offset, key_cache + head_offset,
+                           value_cache + head_offset, block_tables + (int64_t)i * max_blocks,
+                           context_lens[i], group, head_dim, block_size, scale, scores,
+                           scores + group * max_len);
+            }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
