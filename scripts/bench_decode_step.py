@@ -1,6 +1,9 @@
 """One decode step at a batch of B requests against the time of that step's matrix products alone
-(the same weights and shapes, measured in the same run): how far the engine is from this machine's
-limit for the model's matmuls.
+(the same shapes and dtype, measured in the same run): how far the engine is from this machine's limit.
+
+The step's matrix products are the linear layers (lm_head included) and attention's two per layer
+(scores = Q K^T and scores V, run here as one batched product per layer over contiguous copies of
+the same shapes). Both ratios are printed: against all of them, and against the linear layers alone.
 
     python scripts/bench_decode_step.py --model builtin:small --batch 64 --context 256
 """
@@ -37,23 +40,43 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def interleaved_times(core: EngineCore, batch: int, steps: int) -> tuple[float, float]:
-    """Median time of a decode step and of its matrix products alone, measured turn about so that the
-    machine's drifting speed affects both alike."""
+def attention_operands(model: torch.nn.Module, batch: int, context: int) -> list[tuple]:
+    """Per layer, random q [B * Hkv, G, D], keys and values [B * Hkv, L, D]: attention's products as one
+    batched matmul each, over as many bytes as the step reads from its KV cache."""
+    a = model.args
+    group = a.num_heads // a.num_kv_heads
+    operands = []
+    for _ in range(a.num_layers):
+        keys = torch.randn(batch * a.num_kv_heads, context, a.head_dim)
+        operands.append(
+            (torch.randn(batch * a.num_kv_heads, group, a.head_dim), keys, torch.randn_like(keys))
+        )
+    return operands
+
+
+def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, float]:
+    """Median times (s) of a decode step, of its linear layers alone and of its attention products
+    alone, measured turn about so that the machine's drifting speed affects all alike."""
     model = core.runner.model
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
-    step_times, matmul_times = [], []
+    context = round(sum(r.num_tokens for r in core.scheduler.requests.values()) / batch) + steps // 2
+    attention = attention_operands(model, batch, context)
+    times: dict[str, list[float]] = {"step": [], "linear": [], "attention": []}
     for _ in range(steps):
         start = time.perf_counter()
         core.step()
-        step_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
+        times["step"].append(time.perf_counter() - start)
         with torch.inference_mode():
+            start = time.perf_counter()
             for x, w in zip(inputs, weights):
                 F.linear(x, w)
-        matmul_times.append(time.perf_counter() - start)
-    return sorted(step_times)[steps // 2], sorted(matmul_times)[steps // 2]
+            times["linear"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for q, keys, values in attention:
+                torch.bmm(torch.bmm(q, keys.transpose(1, 2)), values)
+            times["attention"].append(time.perf_counter() - start)
+    return {name: sorted(values)[steps // 2] for name, values in times.items()}
 
 
 def main() -> None:
@@ -73,10 +96,13 @@ def main() -> None:
         with torch.profiler.profile() as prof:
             core.step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-    step, matmul = interleaved_times(core, args.batch, args.steps)
+    times = interleaved_times(core, args.batch, args.steps)
+    step, linear, attention = times["step"], times["linear"], times["attention"]
     print(
         f"batch {args.batch}, context ~{args.context}: decode step {step * 1e3:.1f} ms, "
-        f"its matmuls {matmul * 1e3:.1f} ms, ratio {step / matmul:.2f}"
+        f"linear layers {linear * 1e3:.1f} ms, attention products {attention * 1e3:.1f} ms\n"
+        f"step / all matrix products: {step / (linear + attention):.2f}   "
+        f"step / linear layers: {step / linear:.2f}"
     )
     write_json(
         args.json,
@@ -84,8 +110,10 @@ def main() -> None:
             "args": vars(args),
             "machine": machine(),
             "step_ms": step * 1e3,
-            "matmul_ms": matmul * 1e3,
-            "ratio": step / matmul,
+            "linear_ms": linear * 1e3,
+            "attention_products_ms": attention * 1e3,
+            "ratio": step / (linear + attention),
+            "ratio_linear_only": step / linear,
         },
     )
 

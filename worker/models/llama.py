@@ -60,6 +60,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # one fused op, the same arithmetic as the lines below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -74,19 +76,24 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [T, 1, D] of this step's positions, looked up once for all layers."""
+        half = self.cos.shape[-1] // 2
+        sin = self.sin[positions]
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return self.cos[positions].unsqueeze(1).to(dtype), signed_sin.unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]. HF's x * cos + rotate_half(x) * sin, with rotate_half's minus folded into sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: Rotary) -> None:
+    def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.args, self.rotary = args, rotary
+        self.args = args
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -96,12 +103,12 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, x: torch.Tensor, rope: tuple, cache: torch.Tensor, meta: AttentionMetadata):
         num_tokens, a = x.shape[0], self.args
         qkv = self.qkv_proj(self.input_layernorm(x))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary(q.view(num_tokens, a.num_heads, a.head_dim), positions)
-        k = self.rotary(k.view(num_tokens, a.num_kv_heads, a.head_dim), positions)
+        q = apply_rotary(q.view(num_tokens, a.num_heads, a.head_dim), *rope)
+        k = apply_rotary(k.view(num_tokens, a.num_kv_heads, a.head_dim), *rope)
         v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
         write_kv(cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, cache, meta).reshape(num_tokens, self.q_size)
@@ -116,7 +123,7 @@ class LlamaModel(nn.Module):
         self.args = args
         self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, self.rotary) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -129,8 +136,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, positions, cache, meta)
+            x = layer(x, rope, cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
