@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from bench_common import machine, prompts_of_lengths, write_json  # noqa: E402
 
 from engine_core.core import EngineCore  # noqa: E402
 from frontend.engine_args import load_tokenizer, make_config  # noqa: E402
 from protocol.messages import EngineCoreRequest  # noqa: E402
 from protocol.sampling_params import SamplingParams  # noqa: E402
+from worker.models.llama import linear  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,8 +58,8 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
     """Median times (s) of a decode step, of its linear layers alone and of its attention products
     alone, measured turn about so that the machine's drifting speed affects all alike."""
     model = core.runner.model
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(batch, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in layers]
     context = round(sum(r.num_tokens for r in core.scheduler.requests.values()) / batch) + steps // 2
     attention = attention_operands(model, batch, context)
     times: dict[str, list[float]] = {"step": [], "linear": [], "attention": []}
@@ -69,8 +69,8 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
         times["step"].append(time.perf_counter() - start)
         with torch.inference_mode():
             start = time.perf_counter()
-            for x, w in zip(inputs, weights):
-                F.linear(x, w)
+            for x, layer in zip(inputs, layers):
+                linear(layer, x)  # the engine's own matmul call
             times["linear"].append(time.perf_counter() - start)
             start = time.perf_counter()
             for q, keys, values in attention:
