@@ -8,7 +8,7 @@ import torch
 
 from protocol.sampling_params import SamplingParams
 from worker.attention import paged_attention
-from worker.cpu_kernels import load_decode_attention
+from worker.cpu_kernels import load_cpu_kernels
 from worker.input_batch import RequestState, build_step_inputs
 
 BLOCK_SIZE = 8
@@ -16,7 +16,7 @@ BLOCK_SIZE = 8
 
 @pytest.fixture(scope="module")
 def kernel():
-    function = load_decode_attention()
+    function = load_cpu_kernels()
     assert function is not None, "this machine has a C compiler: the kernel must build"
     return function
 

@@ -2,38 +2,66 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from worker.logprobs import gather_logprobs
+from worker.cpu_kernels import load_cpu_kernels
+from worker.logprobs import gather_logprobs, top_logprobs
+
+
+@pytest.fixture(scope="module", params=["torch", "kernel"])
+def kernels(request):
+    """Both paths: log_softmax + topk, and the C pass (this machine has a compiler: it must build)."""
+    if request.param == "torch":
+        return None
+    loaded = load_cpu_kernels()
+    assert loaded is not None
+    return loaded
 
 
 def brute_force_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> list[int]:
     return [int((row > row[c]).sum()) + 1 for row, c in zip(logprobs, chosen.tolist())]
 
 
-def test_ranks_match_a_full_count_inside_and_outside_the_top_k():
+def test_ranks_match_a_full_count_inside_and_outside_the_top_k(kernels):
     torch.manual_seed(0)
-    logprobs = torch.log_softmax(torch.randn(6, 1000) * 3, dim=-1)
+    scores = torch.randn(6, 1000) * 3
+    logprobs = torch.log_softmax(scores, dim=-1)
     order = logprobs.argsort(dim=-1, descending=True)
     for place in (0, 2, 4, 5, 300):  # within the top-5, at its edge, and far below it
         chosen = order[:, place]
-        token_ids, values, ranks = gather_logprobs(logprobs, chosen, 5)
+        token_ids, values, ranks = gather_logprobs(top_logprobs(scores, 5, kernels), chosen, 5)
         assert ranks.tolist() == brute_force_ranks(logprobs, chosen) == [place + 1] * 6
         assert token_ids[:, 0].tolist() == chosen.tolist()
         assert token_ids[:, 1:].tolist() == order[:, :5].tolist()
-        assert torch.equal(values[:, 0], logprobs.gather(-1, chosen[:, None])[:, 0])
+        torch.testing.assert_close(
+            values[:, 0], logprobs.gather(-1, chosen[:, None])[:, 0], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(values[:, 1:], logprobs.gather(-1, order[:, :5]), atol=1e-5, rtol=0)
 
 
-def test_ties_at_the_edge_of_the_top_k_count_only_strictly_higher_tokens():
-    logprobs = torch.log_softmax(torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0]]), dim=-1)
-    _, _, ranks = gather_logprobs(logprobs, torch.tensor([4]), 2)
+def test_ties_at_the_edge_of_the_top_k_count_only_strictly_higher_tokens(kernels):
+    scores = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0]])
+    top = top_logprobs(scores, 2, kernels)
+    _, _, ranks = gather_logprobs(top, torch.tensor([4]), 2)
     assert ranks.tolist() == [3]
+
+
+def test_kernel_keeps_the_lower_token_id_first_among_equals_as_argmax_does():
+    kernels = load_cpu_kernels()
+    scores = torch.randn(3, 5000)
+    scores[:, [4100, 17, 2500]] = 30.0  # a three-way tie at the top, listed out of order
+    scores[1, 2600:4000] = float("-inf")  # masked tokens (top-k/top-p processing) are allowed
+    top = top_logprobs(scores, 4, kernels)
+    assert top.ids[:, :3].tolist() == [[17, 2500, 4100]] * 3
+    assert top.ids[:, 0].tolist() == scores.argmax(dim=-1).tolist()
+    torch.testing.assert_close(top.lse, torch.logsumexp(scores, dim=-1, keepdim=True))
 
 
 def test_zero_and_whole_vocabulary():
     logprobs = torch.log_softmax(torch.randn(2, 50), dim=-1)
     chosen = torch.tensor([7, 9])
-    token_ids, _, _ = gather_logprobs(logprobs, chosen, 0)
+    token_ids, _, _ = gather_logprobs(top_logprobs(logprobs, 1), chosen, 0)
     assert token_ids.tolist() == [[7], [9]]
-    token_ids, values, _ = gather_logprobs(logprobs, chosen, -1)
+    token_ids, values, _ = gather_logprobs(top_logprobs(logprobs, 50), chosen, -1)
     assert token_ids.shape == (2, 51) and torch.allclose(values[:, 1:].exp().sum(-1), torch.ones(2))

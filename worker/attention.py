@@ -9,13 +9,12 @@ memory bandwidth, and copying the context every layer of every step cost more th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.cpu_kernels import decode_attention
+from worker.cpu_kernels import CpuKernels, decode_attention
 
 
 @dataclass
@@ -30,7 +29,7 @@ class SeqSpan:
 class DecodeRows:
     """Single-token rows attended by the C kernel in one call per layer (host arrays, CPU only)."""
 
-    kernel: Any  # the ctypes function from cpu_kernels.load_decode_attention
+    kernels: CpuKernels
     block_size: int
     rows: np.ndarray  # [R] int64, the rows of the flattened batch
     block_tables: np.ndarray  # [R, max_blocks] int32, each request's blocks, zero padded
@@ -59,7 +58,7 @@ def paged_attention(
     if meta.decode is not None:
         rows = meta.decode
         decode_attention(
-            rows.kernel,
+            rows.kernels,
             q,
             out,
             cache,

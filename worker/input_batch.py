@@ -7,7 +7,6 @@ tokens here, so token lists are never sent back down.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +14,7 @@ import torch
 from protocol.sampling_params import SamplingParams
 from protocol.step import NewRequestData
 from worker.attention import AttentionMetadata, DecodeRows, SeqSpan
+from worker.cpu_kernels import CpuKernels
 
 
 @dataclass
@@ -85,10 +85,10 @@ def build_step_inputs(
     num_tokens: list[int],
     block_size: int,
     device: torch.device,
-    decode_kernel: Any = None,
+    kernels: CpuKernels | None = None,
 ) -> StepInputs:
     """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch. With a
-    `decode_kernel`, single-token rows with context go to it; the rest to the torch attention path."""
+    `kernels`, single-token rows with context go to the C decode attention; the rest to torch."""
     ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []
     decode_rows, decode_tables, decode_lens = [], [], []
     row = 0
@@ -102,7 +102,7 @@ def build_step_inputs(
         else:
             pos = np.arange(start, end)
             slots.extend((state.block_table()[pos // block_size] * block_size + pos % block_size).tolist())
-        if decode_kernel is not None and num == 1 and start > 0:
+        if kernels is not None and num == 1 and start > 0:
             decode_rows.append(row)
             decode_tables.append(state.block_table())
             decode_lens.append(end)
@@ -125,7 +125,7 @@ def build_step_inputs(
     decode = None
     if decode_rows:
         decode = DecodeRows(
-            decode_kernel,
+            kernels,
             block_size,
             np.asarray(decode_rows, dtype=np.int64),
             _stack_tables(decode_tables),

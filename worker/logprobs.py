@@ -3,38 +3,60 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+from worker.cpu_kernels import CpuKernels, logprob_rows
 
 PROMPT_LOGITS_SLICE_ROWS = 256  # prompt positions per lm_head slice: bounds memory to rows x vocab floats
 
 
-def gather_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, k: int, top=None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logprobs: [R, V] float32 log_softmax rows; chosen: [R] int64; k: top-k to add (-1: whole
-    vocabulary); `top`: `logprobs.topk(max(k, 1))` when the caller has it already.
+KERNEL_MAX_K = 64  # the C pass keeps the top k in a sorted array: fast for the k users ask for
+
+
+@dataclass
+class TopLogprobs:
+    values: torch.Tensor  # [R, K] float32 logprobs, largest first
+    ids: torch.Tensor  # [R, K] int64 their token ids
+    scores: torch.Tensor  # [R, V] float32 the rows they come from: logprobs, or raw when `lse` is set
+    lse: torch.Tensor | None  # [R, 1] float32 log-sum-exp of `scores`; None when they are logprobs
+
+
+def top_logprobs(scores: torch.Tensor, num: int, kernels: CpuKernels | None = None) -> TopLogprobs:
+    """The `num` largest logprobs of each row of `scores` [R, V]: on the CPU one C pass (k up to
+    KERNEL_MAX_K) that never writes the [R, V] logprobs; elsewhere log_softmax and topk."""
+    if kernels is not None and scores.device.type == "cpu" and num <= KERNEL_MAX_K:
+        values, ids, lse = logprob_rows(kernels, scores.contiguous(), num)
+        return TopLogprobs(values, ids, scores, lse)
+    logprobs = torch.log_softmax(scores, dim=-1)
+    top = logprobs.topk(num, dim=-1)
+    return TopLogprobs(top.values, top.indices, logprobs, None)
+
+
+def gather_logprobs(top: TopLogprobs, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """chosen: [R] int64; k: top-k to add (-1: whole vocabulary; `top` must hold at least k).
 
     Returns token_ids [R, k + 1] int32, values [R, k + 1] float32, ranks [R] int32 where rank is
     1 + the number of tokens with a strictly higher logprob than the chosen one.
     """
-    k = logprobs.shape[-1] if k == -1 else k
-    top = logprobs.topk(max(k, 1), dim=-1) if top is None else top
+    k = top.scores.shape[-1] if k == -1 else k
     chosen = chosen.unsqueeze(-1)
-    chosen_logprob = logprobs.gather(-1, chosen)  # [R, 1]
-    ranks = _ranks(logprobs, top.values, chosen_logprob)
-    token_ids = torch.cat((chosen, top.indices[:, :k]), dim=-1).to(torch.int32)
+    chosen_score = top.scores.gather(-1, chosen)  # [R, 1]
+    chosen_logprob = chosen_score if top.lse is None else chosen_score - top.lse
+    ranks = _ranks(top, chosen_logprob, chosen_score)
+    token_ids = torch.cat((chosen, top.ids[:, :k]), dim=-1).to(torch.int32)
     return token_ids, torch.cat((chosen_logprob, top.values[:, :k]), dim=-1), ranks
 
 
-def _ranks(logprobs: torch.Tensor, top_values: torch.Tensor, chosen_logprob: torch.Tensor) -> torch.Tensor:
+def _ranks(top: TopLogprobs, chosen_logprob: torch.Tensor, chosen_score: torch.Tensor) -> torch.Tensor:
     """1 + tokens strictly above the chosen one. Every such token is in the top-k when the chosen
     logprob reaches the k-th value, so the top-k alone answers (the usual case: greedy rows, most
     sampled ones); otherwise a full pass over the vocabulary. The shortcut's test is a host sync, so
     it is taken on the CPU only, where a sync is free and the full pass is not."""
-    if logprobs.device.type == "cpu" and bool((chosen_logprob >= top_values[:, -1:]).all()):
-        return (top_values > chosen_logprob).sum(-1, dtype=torch.int32) + 1
-    return (logprobs > chosen_logprob).sum(-1, dtype=torch.int32) + 1
+    if top.scores.device.type == "cpu" and bool((chosen_logprob >= top.values[:, -1:]).all()):
+        return (top.values > chosen_logprob).sum(-1, dtype=torch.int32) + 1
+    return (top.scores > chosen_score).sum(-1, dtype=torch.int32) + 1
 
 
 def prompt_logprobs(
@@ -42,6 +64,7 @@ def prompt_logprobs(
     targets: torch.Tensor,
     k: int,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    kernels: CpuKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden: [P, H] states of the positions before each target; targets: [P] next prompt tokens.
 
@@ -50,8 +73,9 @@ def prompt_logprobs(
     parts = []
     for start in range(0, hidden.shape[0], PROMPT_LOGITS_SLICE_ROWS):
         rows = slice(start, start + PROMPT_LOGITS_SLICE_ROWS)
-        logprobs = torch.log_softmax(compute_logits(hidden[rows]), dim=-1)
-        parts.append(gather_logprobs(logprobs, targets[rows], k))
+        logits = compute_logits(hidden[rows])
+        top = top_logprobs(logits, logits.shape[-1] if k == -1 else max(k, 1), kernels)
+        parts.append(gather_logprobs(top, targets[rows], k))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(column) for column in zip(*parts))

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
-from worker.cpu_kernels import load_decode_attention
+from worker.cpu_kernels import load_cpu_kernels
 from worker.input_batch import RequestState, build_step_inputs
 from worker.logprobs import copy_to_host, prompt_logprobs
 from worker.models.loader import load_model
@@ -37,12 +37,12 @@ class ModelRunner:
         self.block_size = block_size
         self.model = load_model(model_dir, self.dtype, self.device)
         self.vocab_size = self.model.args.vocab_size
-        self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         # Decode attention in C on the CPU (float32); the torch path elsewhere, or without a compiler.
         is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.decode_kernel = load_decode_attention() if is_cpu_fp32 else None
+        self.cpu_kernels = load_cpu_kernels() if is_cpu_fp32 else None
+        self.sampler = Sampler(torch.Generator().manual_seed(seed), self.cpu_kernels)
 
     def bytes_per_block(self) -> int:
         a = self.model.args
@@ -75,7 +75,7 @@ class ModelRunner:
             list(scheduler_output.num_scheduled_tokens.values()),
             self.block_size,
             self.device,
-            self.decode_kernel,
+            self.cpu_kernels,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         for state, num in zip(states, scheduler_output.num_scheduled_tokens.values()):
@@ -92,7 +92,7 @@ class ModelRunner:
         for job in inputs.prompt_jobs:
             targets = torch.tensor(job.target_ids, dtype=torch.int64, device=self.device)
             device_tensors += prompt_logprobs(
-                hidden[job.hidden_rows], targets, job.k, self.model.compute_logits
+                hidden[job.hidden_rows], targets, job.k, self.model.compute_logits, self.cpu_kernels
             )
         host = copy_to_host(device_tensors)
         sampled = host.pop(0) if sampling_states else np.zeros((0, 1), dtype=np.int32)
@@ -109,7 +109,7 @@ class ModelRunner:
         has_logprobs = any(s.logprobs_k is not None for s in states)
         for _ in range(num_steps):
             inputs = build_step_inputs(
-                states, [1] * len(states), self.block_size, self.device, self.decode_kernel
+                states, [1] * len(states), self.block_size, self.device, self.cpu_kernels
             )
             if input_ids is not None:
                 inputs.input_ids = input_ids

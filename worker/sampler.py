@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.cpu_kernels import CpuKernels
+from worker.logprobs import gather_logprobs, top_logprobs
+
 
 @dataclass
 class Penalties:
@@ -45,13 +48,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, engine_generator: torch.Generator) -> None:
+    def __init__(self, engine_generator: torch.Generator, kernels: CpuKernels | None = None) -> None:
         self.generator = engine_generator
+        self.kernels = kernels  # the C logprob pass, on the CPU in fp32
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] float32 (not modified)."""
-        from worker.logprobs import gather_logprobs
-
         processed = self._process(logits, meta)
         rows = meta.logprob_rows
         if rows is None:
@@ -60,14 +62,13 @@ class Sampler:
         if meta.is_processed is not None and bool(meta.is_processed.any()):
             chosen_scores = processed if meta.is_all_rows else processed[rows]
             scores = torch.where(meta.is_processed[:, None], chosen_scores, scores)
-        logprobs = torch.log_softmax(scores, dim=-1)
-        k = logprobs.shape[-1] if meta.num_logprobs == -1 else meta.num_logprobs
-        top = logprobs.topk(max(k, 1), dim=-1)
+        k = scores.shape[-1] if meta.num_logprobs == -1 else meta.num_logprobs
+        top = top_logprobs(scores, max(k, 1), self.kernels)
         if processed is logits and meta.all_greedy and meta.is_all_rows:
-            sampled = top.indices[:, 0]  # greedy and unprocessed: the top-1 is the argmax, no extra pass
+            sampled = top.ids[:, 0]  # greedy and unprocessed: the top-1 is the argmax, no extra pass
         else:
             sampled = self._sample(processed, meta)
-        token_ids, values, ranks = gather_logprobs(logprobs, sampled[rows], k, top)
+        token_ids, values, ranks = gather_logprobs(top, sampled[rows], k)
         return SamplerOutput(sampled, token_ids, values, ranks)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

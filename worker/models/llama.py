@@ -53,6 +53,7 @@ class LlamaArgs:
 
 
 _FEW_ROWS = 128  # up to here the transposed product wins on this CPU; past it the copy back costs more
+_OUT_CHUNK = 4096  # output features per product, so the transpose back reads from cache (lm_head: 2x)
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -65,11 +66,16 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     padded_rows = _padded_rows(num_rows)
     if padded_rows > num_rows:
         x = torch.cat((x, x.new_zeros(padded_rows - num_rows, x.shape[1])))
-    if layer.bias is None:
-        out = torch.mm(layer.weight, x.t())  # [out, rows]
-    else:
-        out = torch.addmm(layer.bias.unsqueeze(1), layer.weight, x.t())
-    return out[:, :num_rows].t().contiguous()
+    weight, bias, x_t = layer.weight, layer.bias, x.t()
+    out = torch.empty(num_rows, weight.shape[0], dtype=x.dtype)
+    for start in range(0, weight.shape[0], _OUT_CHUNK):
+        features = slice(start, start + _OUT_CHUNK)
+        if bias is None:
+            part = torch.mm(weight[features], x_t)  # [chunk, padded rows]
+        else:
+            part = torch.addmm(bias[features].unsqueeze(1), weight[features], x_t)
+        out[:, features] = part[:, :num_rows].t()
+    return out
 
 
 def _padded_rows(num_rows: int) -> int:
