@@ -25,13 +25,50 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--core-only",
+        action="store_true",
+        help="time EngineCore.step alone (no frontend, no sockets): N=1 and N=8 cores turn about",
+    )
     parser.add_argument("--json", default="bench_out/multi_step.json")
     return parser.parse_args()
 
 
+def core_only(args: argparse.Namespace) -> None:
+    """Per-token step time of an N=1 core and an N=steps core on the same requests, in this process:
+    what a window can save is at most what a single step spends outside the model."""
+    from engine_core.core import EngineCore
+    from frontend.engine_args import load_tokenizer, make_config
+    from protocol.messages import EngineCoreRequest
+
+    for k in (None, 5):
+        cores = {}
+        for n in (1, args.steps):
+            config = make_config(args.model, {"max_num_seqs": args.num_requests, "num_scheduler_steps": n})
+            prompts = prompts_of_lengths(load_tokenizer(config.model), [args.input_len] * args.num_requests)
+            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=k)
+            cores[n] = EngineCore(config)
+            for i, prompt in enumerate(prompts):
+                cores[n].add_request(b"", EngineCoreRequest(str(i), prompt, params, 0.0))
+            cores[n].step()  # prefill
+        per_token: dict[int, list[float]] = {n: [] for n in cores}
+        for _ in range(min(10, args.output_len // args.steps - 1)):
+            for n, core in cores.items():
+                seconds, _ = timed(lambda core=core, n=n: [core.step() for _ in range(args.steps // n)])
+                per_token[n].append(seconds / args.steps)
+        one, many = median(per_token[1]), median(per_token[args.steps])
+        print(
+            f"core only, logprobs={k}: ms per step N=1 {one * 1e3:.2f}, N={args.steps} {many * 1e3:.2f}, "
+            f"N={args.steps}/N=1 throughput {one / many:.3f}"
+        )
+
+
 def main() -> None:
     args = parse_args()
+    if args.core_only:
+        core_only(args)
+        return
     engines = {
         n: LLM(args.model, num_scheduler_steps=n, max_num_seqs=args.num_requests) for n in (1, args.steps)
     }
@@ -40,8 +77,8 @@ def main() -> None:
     times: dict[tuple, list[float]] = {c: [] for c in configs}
     for llm in engines.values():
         llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    for _ in range(args.rounds):
-        for n, k in configs:
+    for round_index in range(args.rounds):
+        for n, k in configs if round_index % 2 == 0 else configs[::-1]:  # ABBA: drift hits all alike
             params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=k)
             seconds, _ = timed(lambda n=n, p=params: engines[n].generate(prompts, p, use_tqdm=False))
             times[(n, k)].append(seconds)
@@ -49,14 +86,18 @@ def main() -> None:
     for llm in engines.values():
         llm.shutdown()
     total = args.num_requests * args.output_len
-    rate = {c: total / median(times[c]) for c in configs}
+
+    def paired(a: tuple, b: tuple) -> float:
+        """Median over rounds of time(b) / time(a): the throughput of a over b, pair by pair."""
+        return median([tb / ta for ta, tb in zip(times[a], times[b])])
+
     rows = [
         {
             "num_scheduler_steps": n,
             "logprobs": k,
-            "tokens_per_s": rate[(n, k)],
-            "vs_steps_1": rate[(n, k)] / rate[(1, k)],
-            "vs_no_logprobs": rate[(n, k)] / rate[(n, None)],
+            "tokens_per_s": total / median(times[(n, k)]),
+            "vs_steps_1": paired((n, k), (1, k)),
+            "vs_no_logprobs": paired((n, k), (n, None)),
         }
         for n, k in configs
     ]

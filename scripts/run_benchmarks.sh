@@ -12,5 +12,6 @@ run decode_step scripts/bench_decode_step.py --model builtin:small --batch 64 --
 run throughput_hf scripts/bench_throughput.py --configs engine,hf --rounds 1 --max-output-len 512 --json bench_out/throughput_hf.json
 run throughput_logprobs scripts/bench_throughput.py --configs engine,engine-lp5,engine-lp20,engine-plp5 --rounds 4 --max-output-len 96 --json bench_out/throughput_logprobs.json
 run multi_step scripts/bench_multi_step.py --model builtin:tiny --num-requests 64 --output-len 256 --steps 8
+run multi_step_core scripts/bench_multi_step.py --model builtin:tiny --num-requests 64 --output-len 256 --steps 8 --core-only
 run serving_logprobs scripts/bench_serving.py --num-requests 32 --max-output-len 256 --compare "" "logprobs=5" --out bench_out/serving_logprobs
 run serving_mp scripts/bench_serving.py --num-requests 32 --max-output-len 256 --compare "inproc" "" --out bench_out/serving_mp
