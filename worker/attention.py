@@ -41,6 +41,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
     seqs: list[SeqSpan]  # requests attended by the torch path
     decode: DecodeRows | None = None
+    kernels: CpuKernels | None = None  # the CPU kernels for the layer's fused steps (fp32 on the CPU)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "logprob_rows.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.c", "logprob_rows.c", "fused_ops.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -32,6 +32,11 @@ _SIGNATURES = {
     "decode_attention": [_P, _P, _P, _P, _I64, _P, _P, _I32, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
     # scores, num_rows, vocab, row_stride, k, values, ids, lse, num_threads
     "logprob_rows": [_P, _I64, _I64, _I64, _I32, _P, _P, _P, _I32],
+    # qkv, cos, signed_sin, slots, num_tokens, num_q_heads, num_kv_heads, head_dim, q_out, k_out,
+    # key_cache, value_cache, num_slots, num_threads
+    "rope_write_kv": [_P, _P, _P, _P, _I64, _I32, _I32, _I32, _P, _P, _P, _P, _I64, _I32],
+    # gate_up, num_tokens, intermediate, out, num_threads
+    "silu_mul": [_P, _I64, _I64, _P, _I32],
 }
 
 
@@ -39,6 +44,8 @@ _SIGNATURES = {
 class CpuKernels:
     decode_attention: ctypes._CFuncPtr
     logprob_rows: ctypes._CFuncPtr
+    rope_write_kv: ctypes._CFuncPtr
+    silu_mul: ctypes._CFuncPtr
 
 
 def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
@@ -47,24 +54,35 @@ def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
     if compiler is None:
         logger.warning("no C compiler found: attention and logprobs run on the slower torch paths")
         return None
-    digest = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_signature())
+    try:
+        library = _library_path(compiler, cache_dir)
+        if not library.exists():
+            _compile(compiler, library)
+        try:
+            loaded = ctypes.CDLL(str(library))
+        except OSError:  # a damaged cached build: rebuild it once
+            library.unlink(missing_ok=True)
+            _compile(compiler, library)
+            loaded = ctypes.CDLL(str(library))
+        functions = {name: getattr(loaded, name) for name in _SIGNATURES}
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)
+        return None
+    for name, function in functions.items():
+        function.argtypes = _SIGNATURES[name]
+        function.restype = ctypes.c_int if name == "decode_attention" else None
+    return CpuKernels(**functions)
+
+
+def _library_path(compiler: str, cache_dir: Path | None) -> Path:
+    """Keyed by the sources, the flags, the compiler's version and the CPU's features (the build
+    uses -march=native, so a home shared between machines must not share builds)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
+    digest = hashlib.sha256(" ".join(_FLAGS).encode() + version + _cpu_signature())
     for source in _SOURCES:
         digest.update(source.read_bytes())
     folder = cache_dir or Path.home() / ".cache" / "coreserve" / "kernels"
-    library = folder / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
-    try:
-        if not library.exists():
-            _compile(compiler, library)
-        loaded = ctypes.CDLL(str(library))
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)
-        return None
-    functions = {}
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(loaded, name)
-        function.argtypes, function.restype = argtypes, ctypes.c_int if name == "decode_attention" else None
-        functions[name] = function
-    return CpuKernels(**functions)
+    return folder / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def _compile(compiler: str, library: Path) -> None:
@@ -79,6 +97,7 @@ def _compile(compiler: str, library: Path) -> None:
             capture_output=True,
             timeout=120,
         )
+        os.chmod(tmp, 0o755)
         os.replace(tmp, library)
     finally:
         if os.path.exists(tmp):
@@ -86,12 +105,13 @@ def _compile(compiler: str, library: Path) -> None:
 
 
 def _cpu_signature() -> bytes:
-    """-march=native code is only valid on the CPU it was built for: key the build by its flags."""
+    """The CPU's feature list (x86 `flags`, arm `Features`), or its machine name where there is none."""
     try:
-        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
-        return (flags[0] if flags else platform.processor()).encode()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.machine().encode()
+        lines = []
+    features = [line for line in lines if line.startswith(("flags", "Features"))]
+    return (features[0] if features else f"{platform.machine()} {platform.processor()}").encode()
 
 
 def decode_attention(
@@ -145,3 +165,39 @@ def logprob_rows(kernels: CpuKernels, scores: torch.Tensor, k: int) -> tuple[tor
         values.data_ptr(), ids.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return values, ids, lse
+
+
+def rope_write_kv(
+    kernels: CpuKernels,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slots: torch.Tensor,
+    num_q_heads: int,
+    cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [T, (Hq + 2 Hkv) D] float32; cos, signed_sin: [T, 1, D]; slots: [T] int64; cache:
+    [2, Hkv, slots, D]. Rotates q and k, writes k and v to the cache; returns q [T, Hq, D],
+    k [T, Hkv, D] and v [T, Hkv, D] (a view of qkv)."""
+    num_tokens, (num_kv_heads, num_slots, head_dim) = qkv.shape[0], cache.shape[1:]
+    assert (
+        qkv.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous() and cache.is_contiguous()
+    )
+    q = torch.empty(num_tokens, num_q_heads, head_dim)
+    k = torch.empty(num_tokens, num_kv_heads, head_dim)
+    kernels.rope_write_kv(
+        qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), num_tokens,
+        num_q_heads, num_kv_heads, head_dim, q.data_ptr(), k.data_ptr(), cache[0].data_ptr(),
+        cache[1].data_ptr(), num_slots, torch.get_num_threads(),
+    )  # fmt: skip
+    v = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    return q, k, v
+
+
+def silu_mul(kernels: CpuKernels, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 I] float32 contiguous -> silu(gate) * up [T, I]."""
+    assert gate_up.is_contiguous() and gate_up.dtype == torch.float32
+    num_tokens, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(num_tokens, intermediate)
+    kernels.silu_mul(gate_up.data_ptr(), num_tokens, intermediate, out.data_ptr(), torch.get_num_threads())
+    return out

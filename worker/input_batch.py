@@ -29,7 +29,7 @@ class RequestState:
     logprobs_k: int | None
     is_processed: bool
     eos_token_ids: list[int]
-    _table: np.ndarray | None = None  # block_ids as an array, rebuilt when blocks are added
+    _table: np.ndarray | None = field(default=None, repr=False, compare=False)  # block_ids, cached
 
     def add_blocks(self, block_ids: list[int]) -> None:
         if block_ids:
@@ -101,7 +101,8 @@ def build_step_inputs(
             slots.append(state.block_ids[start // block_size] * block_size + start % block_size)
         else:
             pos = np.arange(start, end)
-            slots.extend((state.block_table()[pos // block_size] * block_size + pos % block_size).tolist())
+            blocks = state.block_table()[pos // block_size].astype(np.int64)
+            slots.extend((blocks * block_size + pos % block_size).tolist())
         if kernels is not None and num == 1 and start > 0:
             decode_rows.append(row)
             decode_tables.append(state.block_table())
@@ -134,7 +135,7 @@ def build_step_inputs(
     return StepInputs(
         torch.tensor(ids, dtype=torch.int64, device=device),
         torch.tensor(positions, dtype=torch.int64, device=device),
-        AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), seqs, decode),
+        AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), seqs, decode, kernels),
         torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sampled_req_ids,
         jobs,

@@ -26,6 +26,7 @@ class TopLogprobs:
 def top_logprobs(scores: torch.Tensor, num: int, kernels: CpuKernels | None = None) -> TopLogprobs:
     """The `num` largest logprobs of each row of `scores` [R, V]: on the CPU one C pass (k up to
     KERNEL_MAX_K) that never writes the [R, V] logprobs; elsewhere log_softmax and topk."""
+    num = min(num, scores.shape[-1])
     if kernels is not None and scores.device.type == "cpu" and num <= KERNEL_MAX_K:
         values, ids, lse = logprob_rows(kernels, scores.contiguous(), num)
         return TopLogprobs(values, ids, scores, lse)
@@ -44,18 +45,21 @@ def gather_logprobs(top: TopLogprobs, chosen: torch.Tensor, k: int) -> tuple[tor
     chosen = chosen.unsqueeze(-1)
     chosen_score = top.scores.gather(-1, chosen)  # [R, 1]
     chosen_logprob = chosen_score if top.lse is None else chosen_score - top.lse
-    ranks = _ranks(top, chosen_logprob, chosen_score)
+    ranks = _ranks(top, chosen_score)
     token_ids = torch.cat((chosen, top.ids[:, :k]), dim=-1).to(torch.int32)
     return token_ids, torch.cat((chosen_logprob, top.values[:, :k]), dim=-1), ranks
 
 
-def _ranks(top: TopLogprobs, chosen_logprob: torch.Tensor, chosen_score: torch.Tensor) -> torch.Tensor:
+def _ranks(top: TopLogprobs, chosen_score: torch.Tensor) -> torch.Tensor:
     """1 + tokens strictly above the chosen one. Every such token is in the top-k when the chosen
     logprob reaches the k-th value, so the top-k alone answers (the usual case: greedy rows, most
     sampled ones); otherwise a full pass over the vocabulary. The shortcut's test is a host sync, so
     it is taken on the CPU only, where a sync is free and the full pass is not."""
-    if top.scores.device.type == "cpu" and bool((chosen_logprob >= top.values[:, -1:]).all()):
-        return (top.values > chosen_logprob).sum(-1, dtype=torch.int32) + 1
+    # Compared in the space of `scores`, both ways: two raw scores can round to one logprob, and a
+    # row's rank must not depend on which way the rest of the batch sent it.
+    top_scores = top.values if top.lse is None else top.scores.gather(-1, top.ids)
+    if top.scores.device.type == "cpu" and bool((chosen_score >= top_scores[:, -1:]).all()):
+        return (top_scores > chosen_score).sum(-1, dtype=torch.int32) + 1
     return (top.scores > chosen_score).sum(-1, dtype=torch.int32) + 1
 
 

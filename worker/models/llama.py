@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention, write_kv
+from worker.cpu_kernels import rope_write_kv, silu_mul
 
 
 @dataclass(frozen=True)
@@ -141,14 +142,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple, cache: torch.Tensor, meta: AttentionMetadata):
         num_tokens, a = x.shape[0], self.args
         qkv = linear(self.qkv_proj, self.input_layernorm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, a.num_heads, a.head_dim), *rope)
-        k = apply_rotary(k.view(num_tokens, a.num_kv_heads, a.head_dim), *rope)
-        v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
-        write_kv(cache, k, v, meta.slot_mapping)
+        if meta.kernels is not None:  # CPU fp32: rotation and the cache write in one call
+            q, k, v = rope_write_kv(meta.kernels, qkv, *rope, meta.slot_mapping, a.num_heads, cache)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(num_tokens, a.num_heads, a.head_dim), *rope)
+            k = apply_rotary(k.view(num_tokens, a.num_kv_heads, a.head_dim), *rope)
+            v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
+            write_kv(cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, cache, meta).reshape(num_tokens, self.q_size)
         x = x + linear(self.o_proj, attn)
-        gate, up = linear(self.gate_up_proj, self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        gate_up = linear(self.gate_up_proj, self.post_attention_layernorm(x))
+        if meta.kernels is not None:
+            return x + linear(self.down_proj, silu_mul(meta.kernels, gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return x + linear(self.down_proj, F.silu(gate) * up)
 
 
