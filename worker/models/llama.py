@@ -62,7 +62,10 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     than x @ W^T at 2-4 rows, ~25% faster at 16-64 (scripts/bench_decode_step.py measures the
     step with this same function); the same products, summed in another order."""
     num_rows = x.shape[0]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or num_rows > _FEW_ROWS:
+    # The vocabulary-wide lm_head keeps winning up to 256 rows (a prompt-logprob slice): 146 ms
+    # against 187 at 256 rows for the small preset; the layers' smaller products stop at 128.
+    few_rows = 2 * _FEW_ROWS if layer.out_features > 4 * _OUT_CHUNK else _FEW_ROWS
+    if x.device.type != "cpu" or x.dtype != torch.float32 or num_rows > few_rows:
         return layer(x)
     padded_rows = _padded_rows(num_rows)
     if padded_rows > num_rows:
