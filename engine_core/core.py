@@ -28,7 +28,14 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.dtype, config.device, config.block_size, config.seed)
+        self.runner = ModelRunner(
+            config.model,
+            config.dtype,
+            config.device,
+            config.block_size,
+            config.seed,
+            config.can_use_cpu_kernels,
+        )
         args = self.runner.model.args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(

@@ -28,6 +28,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     num_scheduler_steps: int = 1
     num_threads: int | None = None  # torch intra-op threads in the core; None: torch's default
+    # The C kernels (decode attention, logprob rows, fused layer steps) on the CPU in fp32, built with
+    # the system cc; False: torch's ops only (the CUDA path), e.g. to rule the kernels out of a bug.
+    can_use_cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         positive = {

@@ -158,3 +158,30 @@ def test_whole_vocabulary_when_max_logprobs_allows(tiny_path, hf_tiny):
     assert all(len(d) == vocab for d in output.prompt_logprobs[1:])
     total = math.fsum(math.exp(x.logprob) for x in output.outputs[0].logprobs[0].values())
     assert total == pytest.approx(1.0, abs=1e-4)
+
+
+def test_torch_paths_match_the_cpu_kernels(llm_inproc, tiny_path):
+    """can_use_cpu_kernels=False runs torch's ops only (the CUDA path): same tokens, same logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+    with LLM(
+        tiny_path,
+        multiprocess=False,
+        max_num_batched_tokens=256,
+        num_kv_blocks=512,
+        can_use_cpu_kernels=False,
+    ) as llm_torch:
+        assert llm_torch.client.core.runner.cpu_kernels is None
+        assert llm_inproc.client.core.runner.cpu_kernels is not None
+        torch_outputs = llm_torch.generate(PROMPTS[:8], params, use_tqdm=False)
+    kernel_outputs = llm_inproc.generate(PROMPTS[:8], params, use_tqdm=False)
+    for ours, theirs in zip(kernel_outputs, torch_outputs):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        positions = list(zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs))
+        positions += list(zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]))
+        for a, b in positions:
+            assert list(a)[0] == list(b)[0]  # the chosen token
+            for token_id in set(a) & set(b):
+                assert a[token_id].logprob == pytest.approx(b[token_id].logprob, abs=TOL)
+                # Deep in the tail neighbours lie closer than float rounding (see the chunking test).
+                rank_a, rank_b = a[token_id].rank, b[token_id].rank
+                assert rank_a == rank_b or (abs(rank_a - rank_b) <= 2 and min(rank_a, rank_b) > 1000)

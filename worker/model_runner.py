@@ -31,7 +31,15 @@ def pick_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, dtype: str, device: str, block_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str,
+        device: str,
+        block_size: int,
+        seed: int,
+        can_use_cpu_kernels: bool = True,
+    ) -> None:
         self.device = pick_device(device)
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
@@ -41,7 +49,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # Decode attention in C on the CPU (float32); the torch path elsewhere, or without a compiler.
         is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.cpu_kernels = load_cpu_kernels() if is_cpu_fp32 else None
+        self.cpu_kernels = load_cpu_kernels() if is_cpu_fp32 and can_use_cpu_kernels else None
         self.sampler = Sampler(torch.Generator().manual_seed(seed), self.cpu_kernels)
 
     def bytes_per_block(self) -> int:
