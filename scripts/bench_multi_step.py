@@ -42,12 +42,15 @@ def core_only(args: argparse.Namespace) -> None:
     from frontend.engine_args import load_tokenizer, make_config
     from protocol.messages import EngineCoreRequest
 
+    configs = {
+        n: make_config(args.model, {"max_num_seqs": args.num_requests, "num_scheduler_steps": n})
+        for n in (1, args.steps)
+    }
+    prompts = prompts_of_lengths(load_tokenizer(configs[1].model), [args.input_len] * args.num_requests)
     for k in (None, 5):
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=k)
         cores = {}
-        for n in (1, args.steps):
-            config = make_config(args.model, {"max_num_seqs": args.num_requests, "num_scheduler_steps": n})
-            prompts = prompts_of_lengths(load_tokenizer(config.model), [args.input_len] * args.num_requests)
-            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=k)
+        for n, config in configs.items():
             cores[n] = EngineCore(config)
             for i, prompt in enumerate(prompts):
                 cores[n].add_request(b"", EngineCoreRequest(str(i), prompt, params, 0.0))

@@ -16,10 +16,10 @@ BLOCK_SIZE = 8
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    function = load_cpu_kernels()
-    assert function is not None, "this machine has a C compiler: the kernel must build"
-    return function
+def kernels():
+    loaded = load_cpu_kernels()
+    assert loaded is not None, "this machine has a C compiler: the kernels must build"
+    return loaded
 
 
 def make_state(req_id: str, num_tokens: int, block_ids: list[int], num_computed: int) -> RequestState:
@@ -30,7 +30,7 @@ def make_state(req_id: str, num_tokens: int, block_ids: list[int], num_computed:
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 2), (4, 4), (6, 3)])
-def test_kernel_matches_torch_path_on_fragmented_blocks_in_a_mixed_batch(kernel, num_q_heads, num_kv_heads):
+def test_kernel_matches_torch_path_on_fragmented_blocks_in_a_mixed_batch(kernels, num_q_heads, num_kv_heads):
     generator = np.random.default_rng(num_q_heads)
     free_blocks = generator.permutation(200).tolist()  # shuffled: requests' blocks are not adjacent
     states, num_tokens = [], []
@@ -44,7 +44,7 @@ def test_kernel_matches_torch_path_on_fragmented_blocks_in_a_mixed_batch(kernel,
     q = torch.randn(num_rows, num_q_heads, 32)
     unused_kv = torch.zeros(num_rows, num_kv_heads, 32)  # already in the cache: the paths read it there
 
-    with_kernel = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"), kernel)
+    with_kernel = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"), kernels)
     torch_only = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
     assert with_kernel.attn.decode is not None and len(with_kernel.attn.decode.rows) == 4
     assert torch_only.attn.decode is None
@@ -54,13 +54,13 @@ def test_kernel_matches_torch_path_on_fragmented_blocks_in_a_mixed_batch(kernel,
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_attends_exactly_the_context_length(kernel):
+def test_kernel_attends_exactly_the_context_length(kernels):
     """Slots past the context (reserved for later steps) hold garbage that must not be read."""
     cache = torch.randn(2, 2, 64 * BLOCK_SIZE, 16)
     state = make_state("r", 13, [5, 9, 2], 12)  # block 2 reserved ahead, positions 13.. unused
     q = torch.randn(1, 4, 16)
     kv = torch.zeros(1, 2, 16)
-    inputs = build_step_inputs([state], [1], BLOCK_SIZE, torch.device("cpu"), kernel)
+    inputs = build_step_inputs([state], [1], BLOCK_SIZE, torch.device("cpu"), kernels)
     before = paged_attention(q, kv, kv, cache, inputs.attn)
     cache[:, :, 9 * BLOCK_SIZE + 5 :] = float("nan")  # past position 12, in block 9, and everything after
     cache[:, :, 2 * BLOCK_SIZE : 3 * BLOCK_SIZE] = float("nan")
@@ -68,18 +68,18 @@ def test_kernel_attends_exactly_the_context_length(kernel):
     assert torch.isfinite(before).all()
 
 
-def test_model_forward_with_kernels_matches_torch_paths(kernel, tiny_path):
+def test_model_forward_with_kernels_matches_torch_paths(kernels, tiny_path):
     """Prefill then two decode steps of the built-in model, once through the CPU kernels (fused RoPE and
     cache write, SiLU-and-multiply, decode attention) and once through the torch paths."""
     model = load_model(tiny_path, torch.float32, torch.device("cpu"))
     a = model.args
     hidden = {}
-    for name, kernels in (("kernels", kernel), ("torch", None)):
+    for name, which in (("kernels", kernels), ("torch", None)):
         caches = [torch.zeros(2, a.num_kv_heads, 8 * BLOCK_SIZE, a.head_dim) for _ in range(a.num_layers)]
         state = make_state("r", 22, [3, 0, 6, 1], 0)  # out of order: the slot arithmetic is exercised
         outputs = []
         for num in (20, 1, 1):  # the prompt's first 20 tokens, then one token at a time
-            inputs = build_step_inputs([state], [num], BLOCK_SIZE, torch.device("cpu"), kernels)
+            inputs = build_step_inputs([state], [num], BLOCK_SIZE, torch.device("cpu"), which)
             with torch.inference_mode():
                 outputs.append(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
             state.num_computed_tokens += num

@@ -61,7 +61,7 @@ def test_kernel_keeps_the_lower_token_id_first_among_equals_as_argmax_does():
 def test_zero_and_whole_vocabulary():
     logprobs = torch.log_softmax(torch.randn(2, 50), dim=-1)
     chosen = torch.tensor([7, 9])
-    token_ids, _, _ = gather_logprobs(top_logprobs(logprobs, 1), chosen, 0)
+    token_ids, _, _ = gather_logprobs(top_logprobs(logprobs, 0), chosen, 0)
     assert token_ids.tolist() == [[7], [9]]
-    token_ids, values, _ = gather_logprobs(top_logprobs(logprobs, 50), chosen, -1)
+    token_ids, values, _ = gather_logprobs(top_logprobs(logprobs, -1), chosen, -1)
     assert token_ids.shape == (2, 51) and torch.allclose(values[:, 1:].exp().sum(-1), torch.ones(2))

@@ -29,7 +29,6 @@ class SeqSpan:
 class DecodeRows:
     """Single-token rows attended by the C kernel in one call per layer (host arrays, CPU only)."""
 
-    kernels: CpuKernels
     block_size: int
     rows: np.ndarray  # [R] int64, the rows of the flattened batch
     block_tables: np.ndarray  # [R, max_blocks] int32, each request's blocks, zero padded
@@ -40,8 +39,8 @@ class DecodeRows:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
     seqs: list[SeqSpan]  # requests attended by the torch path
-    decode: DecodeRows | None = None
-    kernels: CpuKernels | None = None  # the CPU kernels for the layer's fused steps (fp32 on the CPU)
+    decode: DecodeRows | None = None  # set only with `kernels`
+    kernels: CpuKernels | None = None  # the CPU kernels (fp32 on the CPU): decode attention, fused steps
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -59,7 +58,7 @@ def paged_attention(
     if meta.decode is not None:
         rows = meta.decode
         decode_attention(
-            rows.kernels,
+            meta.kernels,
             q,
             out,
             cache,

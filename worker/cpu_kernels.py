@@ -1,5 +1,5 @@
-"""Builds and loads the C kernels for the CPU: decode attention and top-k logprob rows (engine-core
-process).
+"""Builds and loads the C kernels for the CPU: decode attention, top-k logprob rows and the fused
+layer steps (RoPE with the KV write, SiLU-and-multiply) (engine-core process).
 
 The kernels are compiled once per source, compiler and CPU into `~/.cache/coreserve/kernels/` and
 loaded with ctypes after torch, so their OpenMP pragmas run on the runtime torch already loaded.
@@ -19,11 +19,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.c", "logprob_rows.c", "fused_ops.c")]
+_HEADERS = [Path(__file__).with_name("vector_exp.h")]  # part of the build key, included by the sources
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -79,7 +81,7 @@ def _library_path(compiler: str, cache_dir: Path | None) -> Path:
     uses -march=native, so a home shared between machines must not share builds)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
     digest = hashlib.sha256(" ".join(_FLAGS).encode() + version + _cpu_signature())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     folder = cache_dir or Path.home() / ".cache" / "coreserve" / "kernels"
     return folder / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
@@ -119,9 +121,9 @@ def decode_attention(
     q: torch.Tensor,
     out: torch.Tensor,
     cache: torch.Tensor,
-    rows,
-    block_tables,
-    context_lens,
+    rows: np.ndarray,
+    block_tables: np.ndarray,
+    context_lens: np.ndarray,
     block_size: int,
     scale: float,
 ) -> None:
@@ -151,10 +153,10 @@ def decode_attention(
         raise MemoryError("decode attention could not allocate its scratch memory")
 
 
-def logprob_rows(kernels: CpuKernels, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores: [R, V] float32 with unit column stride. Returns the k largest as logprobs [R, k] float32
-    (largest first, lower token id first among equals) with their ids [R, k] int64, and the rows'
-    log-sum-exp [R, 1] float32."""
+def logprob_rows(kernels: CpuKernels, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """scores: [R, V] float32 with unit column stride. Returns the k largest scores [R, k] float32
+    (largest first, lower token id first among equals), their ids [R, k] int64, and the rows'
+    log-sum-exp [R, 1] float32 (logprob = score - lse)."""
     assert scores.dtype == torch.float32 and scores.stride(1) == 1 and k >= 1
     num_rows, vocab = scores.shape
     values = torch.empty(num_rows, k, dtype=torch.float32)

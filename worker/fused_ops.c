@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vector_exp.h"
+
 #define SMALL_WORK 262144 /* elements below which waking the other threads costs more than it saves */
 
 /* q and k rotated as HF does (x * cos + rotate_half(x) * sin, the minus folded into signed_sin),
@@ -38,26 +40,6 @@ void rope_write_kv(const float *qkv, const float *cos, const float *signed_sin, 
             memcpy(value_cache + ((int64_t)h * num_slots + slots[t]) * head_dim,
                    row + (num_q_heads + num_kv_heads + h) * head_dim, sizeof(float) * head_dim);
     }
-}
-
-typedef float float8 __attribute__((vector_size(32)));
-typedef int32_t int8x32 __attribute__((vector_size(32)));
-
-/* exp(d) for d <= 0 on 8 lanes, within 2 ulp (the same routine as logprob_rows.c). */
-static inline float8 exp_nonpositive(float8 d) {
-    const float8 floor_at = (float8){0} - 87.0f;
-    const int8x32 low = d < floor_at;
-    d = (float8)(((int8x32)d & ~low) | ((int8x32)floor_at & low));
-    const int8x32 whole = __builtin_convertvector(d * 1.44269504088896341f - 0.5f, int8x32);
-    const float8 n = __builtin_convertvector(whole, float8);
-    const float8 r = (d - n * 0.693359375f) - n * -2.12194440e-4f;
-    float8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (float8)((whole + 127) << 23);
 }
 
 /* silu(g) * u on 8 lanes: sigmoid from exp(-|g|), so exp never sees a positive argument. */

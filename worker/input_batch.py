@@ -126,7 +126,6 @@ def build_step_inputs(
     decode = None
     if decode_rows:
         decode = DecodeRows(
-            kernels,
             block_size,
             np.asarray(decode_rows, dtype=np.int64),
             _stack_tables(decode_tables),

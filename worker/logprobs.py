@@ -17,19 +17,24 @@ KERNEL_MAX_K = 64  # the C pass keeps the top k in a sorted array: fast for the 
 
 @dataclass
 class TopLogprobs:
-    values: torch.Tensor  # [R, K] float32 logprobs, largest first
+    top_scores: torch.Tensor  # [R, K] float32 the K largest of `scores`, largest first
     ids: torch.Tensor  # [R, K] int64 their token ids
     scores: torch.Tensor  # [R, V] float32 the rows they come from: logprobs, or raw when `lse` is set
     lse: torch.Tensor | None  # [R, 1] float32 log-sum-exp of `scores`; None when they are logprobs
 
+    def logprobs(self, scores: torch.Tensor) -> torch.Tensor:
+        """Values taken from `self.scores` as logprobs."""
+        return scores if self.lse is None else scores - self.lse
 
-def top_logprobs(scores: torch.Tensor, num: int, kernels: CpuKernels | None = None) -> TopLogprobs:
-    """The `num` largest logprobs of each row of `scores` [R, V]: on the CPU one C pass (k up to
-    KERNEL_MAX_K) that never writes the [R, V] logprobs; elsewhere log_softmax and topk."""
-    num = min(num, scores.shape[-1])
+
+def top_logprobs(scores: torch.Tensor, k: int, kernels: CpuKernels | None = None) -> TopLogprobs:
+    """The top-k (-1: the whole vocabulary; 0 keeps one, for the argmax) of each row of `scores`
+    [R, V]: on the CPU one C pass (k up to KERNEL_MAX_K) that never writes the [R, V] logprobs;
+    elsewhere log_softmax and topk."""
+    num = scores.shape[-1] if k == -1 else min(max(k, 1), scores.shape[-1])
     if kernels is not None and scores.device.type == "cpu" and num <= KERNEL_MAX_K:
-        values, ids, lse = logprob_rows(kernels, scores.contiguous(), num)
-        return TopLogprobs(values, ids, scores, lse)
+        top_scores, ids, lse = logprob_rows(kernels, scores.contiguous(), num)
+        return TopLogprobs(top_scores, ids, scores, lse)
     logprobs = torch.log_softmax(scores, dim=-1)
     top = logprobs.topk(num, dim=-1)
     return TopLogprobs(top.values, top.indices, logprobs, None)
@@ -44,10 +49,9 @@ def gather_logprobs(top: TopLogprobs, chosen: torch.Tensor, k: int) -> tuple[tor
     k = top.scores.shape[-1] if k == -1 else k
     chosen = chosen.unsqueeze(-1)
     chosen_score = top.scores.gather(-1, chosen)  # [R, 1]
-    chosen_logprob = chosen_score if top.lse is None else chosen_score - top.lse
     ranks = _ranks(top, chosen_score)
     token_ids = torch.cat((chosen, top.ids[:, :k]), dim=-1).to(torch.int32)
-    return token_ids, torch.cat((chosen_logprob, top.values[:, :k]), dim=-1), ranks
+    return token_ids, top.logprobs(torch.cat((chosen_score, top.top_scores[:, :k]), dim=-1)), ranks
 
 
 def _ranks(top: TopLogprobs, chosen_score: torch.Tensor) -> torch.Tensor:
@@ -57,9 +61,8 @@ def _ranks(top: TopLogprobs, chosen_score: torch.Tensor) -> torch.Tensor:
     it is taken on the CPU only, where a sync is free and the full pass is not."""
     # Compared in the space of `scores`, both ways: two raw scores can round to one logprob, and a
     # row's rank must not depend on which way the rest of the batch sent it.
-    top_scores = top.values if top.lse is None else top.scores.gather(-1, top.ids)
-    if top.scores.device.type == "cpu" and bool((chosen_score >= top_scores[:, -1:]).all()):
-        return (top_scores > chosen_score).sum(-1, dtype=torch.int32) + 1
+    if top.scores.device.type == "cpu" and bool((chosen_score >= top.top_scores[:, -1:]).all()):
+        return (top.top_scores > chosen_score).sum(-1, dtype=torch.int32) + 1
     return (top.scores > chosen_score).sum(-1, dtype=torch.int32) + 1
 
 
@@ -77,8 +80,7 @@ def prompt_logprobs(
     parts = []
     for start in range(0, hidden.shape[0], PROMPT_LOGITS_SLICE_ROWS):
         rows = slice(start, start + PROMPT_LOGITS_SLICE_ROWS)
-        logits = compute_logits(hidden[rows])
-        top = top_logprobs(logits, logits.shape[-1] if k == -1 else max(k, 1), kernels)
+        top = top_logprobs(compute_logits(hidden[rows]), k, kernels)
         parts.append(gather_logprobs(top, targets[rows], k))
     if len(parts) == 1:
         return parts[0]

@@ -47,7 +47,7 @@ class ModelRunner:
         self.vocab_size = self.model.args.vocab_size
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        # Decode attention in C on the CPU (float32); the torch path elsewhere, or without a compiler.
+        # C kernels on the CPU in fp32 (docs/decisions.md); torch's ops elsewhere, or without a compiler.
         is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.cpu_kernels = load_cpu_kernels() if is_cpu_fp32 and can_use_cpu_kernels else None
         self.sampler = Sampler(torch.Generator().manual_seed(seed), self.cpu_kernels)

@@ -62,13 +62,12 @@ class Sampler:
         if meta.is_processed is not None and bool(meta.is_processed.any()):
             chosen_scores = processed if meta.is_all_rows else processed[rows]
             scores = torch.where(meta.is_processed[:, None], chosen_scores, scores)
-        k = scores.shape[-1] if meta.num_logprobs == -1 else meta.num_logprobs
-        top = top_logprobs(scores, max(k, 1), self.kernels)
+        top = top_logprobs(scores, meta.num_logprobs, self.kernels)
         if processed is logits and meta.all_greedy and meta.is_all_rows:
             sampled = top.ids[:, 0]  # greedy and unprocessed: the top-1 is the argmax, no extra pass
         else:
             sampled = self._sample(processed, meta)
-        token_ids, values, ranks = gather_logprobs(top, sampled[rows], k)
+        token_ids, values, ranks = gather_logprobs(top, sampled[rows], meta.num_logprobs)
         return SamplerOutput(sampled, token_ids, values, ranks)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
