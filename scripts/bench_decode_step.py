@@ -36,6 +36,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--logprobs", type=int, default=None)
     parser.add_argument("--profile", action="store_true", help="print a torch profiler table of one step")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--no-cpu-kernels", action="store_true", help="torch's ops only (the path CUDA takes)"
+    )
     parser.add_argument("--json", default="bench_out/decode_step.json")
     return parser.parse_args()
 
@@ -47,9 +51,10 @@ def attention_operands(model: torch.nn.Module, batch: int, context: int) -> list
     group = a.num_heads // a.num_kv_heads
     operands = []
     for _ in range(a.num_layers):
-        keys = torch.randn(batch * a.num_kv_heads, context, a.head_dim)
+        dtype = model.lm_head.weight.dtype
+        keys = torch.randn(batch * a.num_kv_heads, context, a.head_dim, dtype=dtype)
         operands.append(
-            (torch.randn(batch * a.num_kv_heads, group, a.head_dim), keys, torch.randn_like(keys))
+            (torch.randn(batch * a.num_kv_heads, group, a.head_dim, dtype=dtype), keys, torch.randn_like(keys))
         )
     return operands
 
@@ -81,7 +86,15 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
 
 def main() -> None:
     args = parse_args()
-    config = make_config(args.model, {"max_num_seqs": args.batch, "max_num_batched_tokens": 4096})
+    config = make_config(
+        args.model,
+        {
+            "max_num_seqs": args.batch,
+            "max_num_batched_tokens": 4096,
+            "can_use_cpu_kernels": not args.no_cpu_kernels,
+            "dtype": args.dtype,
+        },
+    )
     core = EngineCore(config)
     prompts = prompts_of_lengths(load_tokenizer(config.model), [args.context] * args.batch)
     params = SamplingParams(

@@ -42,30 +42,60 @@ def test_kernel_matches_torch_path_on_fragmented_blocks_in_a_mixed_batch(kernels
     cache = torch.randn(2, num_kv_heads, 200 * BLOCK_SIZE, 32)
     num_rows = sum(num_tokens)
     q = torch.randn(num_rows, num_q_heads, 32)
-    unused_kv = torch.zeros(num_rows, num_kv_heads, 32)  # already in the cache: the paths read it there
 
     with_kernel = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"), kernels)
     torch_only = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
-    assert with_kernel.attn.decode is not None and len(with_kernel.attn.decode.rows) == 4
-    assert torch_only.attn.decode is None
+    for inputs in (with_kernel, torch_only):
+        assert inputs.attn.decode is not None and len(inputs.attn.decode.rows) == 4
+        assert len(inputs.attn.seqs) == 2  # the 12-token chunk and the 1-token prompt
+    assert with_kernel.attn.decode.gather is None and torch_only.attn.decode.gather is not None
     assert torch.equal(with_kernel.attn.slot_mapping, torch_only.attn.slot_mapping)
-    expected = paged_attention(q, unused_kv, unused_kv, cache, torch_only.attn)
-    actual = paged_attention(q, unused_kv, unused_kv, cache, with_kernel.attn)
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    slots = torch_only.attn.slot_mapping  # this step's K and V, as the layer has just written them
+    k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
+    expected = reference_attention(q, cache, states, num_tokens)
+    for inputs in (with_kernel, torch_only):
+        actual = paged_attention(q, k, v, cache, inputs.attn)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_attends_exactly_the_context_length(kernels):
-    """Slots past the context (reserved for later steps) hold garbage that must not be read."""
+def reference_attention(q, cache, states, num_tokens) -> torch.Tensor:
+    """Each query row attends to its own positions 0..position, looked up slot by slot in float64."""
+    group = q.shape[1] // cache.shape[1]
+    rows = []
+    for state, num in zip(states, num_tokens):
+        for position in range(state.num_computed_tokens, state.num_computed_tokens + num):
+            slots = [
+                state.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(position + 1)
+            ]
+            keys = cache[0][:, slots].double().repeat_interleave(group, dim=0)  # [Hq, L, D]
+            values = cache[1][:, slots].double().repeat_interleave(group, dim=0)
+            query = q[len(rows)].double()[:, None, :] * q.shape[2] ** -0.5  # [Hq, 1, D]
+            weights = (query @ keys.transpose(1, 2)).softmax(dim=-1)
+            rows.append((weights @ values)[:, 0])
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_decode_attends_exactly_the_context_length(kernels, path):
+    """Slots past the context (reserved for later steps, or padding up to a longer row's context) hold
+    garbage that must not be read."""
     cache = torch.randn(2, 2, 64 * BLOCK_SIZE, 16)
-    state = make_state("r", 13, [5, 9, 2], 12)  # block 2 reserved ahead, positions 13.. unused
-    q = torch.randn(1, 4, 16)
-    kv = torch.zeros(1, 2, 16)
-    inputs = build_step_inputs([state], [1], BLOCK_SIZE, torch.device("cpu"), kernels)
+    short = make_state("r", 13, [5, 9, 2], 12)  # block 2 reserved ahead, positions 13.. unused
+    long = make_state("s", 40, [20, 21, 22, 23, 24], 39)  # pads the short row's gather to 40 slots
+    q = torch.randn(2, 4, 16)
+    kv = torch.zeros(2, 2, 16)
+    inputs = build_step_inputs(
+        [short, long], [1, 1], BLOCK_SIZE, torch.device("cpu"), kernels if path == "kernel" else None
+    )
     before = paged_attention(q, kv, kv, cache, inputs.attn)
-    cache[:, :, 9 * BLOCK_SIZE + 5 :] = float("nan")  # past position 12, in block 9, and everything after
+    cache[:, :, 9 * BLOCK_SIZE + 5 : 20 * BLOCK_SIZE] = float("nan")  # past position 12, in block 9, ...
     cache[:, :, 2 * BLOCK_SIZE : 3 * BLOCK_SIZE] = float("nan")
+    cache[:, :, 0:BLOCK_SIZE] = float("nan")  # block 0: where the padding of a short row's table points
     torch.testing.assert_close(paged_attention(q, kv, kv, cache, inputs.attn), before)
     assert torch.isfinite(before).all()
+    torch.testing.assert_close(
+        before, reference_attention(q, cache, [short, long], [1, 1]), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_model_forward_with_kernels_matches_torch_paths(kernels, tiny_path):

@@ -1,9 +1,11 @@
-"""Paged attention over a head-major slot cache, in torch (engine-core process).
+"""Paged attention over a head-major slot cache (engine-core process).
 
 Each layer's cache is `[2, num_kv_heads, num_slots, head_dim]`, slot = block_id * block_size + offset.
-The KV manager places each request's blocks in contiguous runs where it can, so a request's context
-is usually one run: a view of the cache, read in place with no gather copy. This CPU is short of
-memory bandwidth, and copying the context every layer of every step cost more than the attention.
+Decode rows (one new token with context) are attended together in one call per layer: by the C
+kernel on the CPU in fp32, reading the blocks in place; elsewhere by torch, one gather of every
+row's context and two batched products (no per-request loop, no per-request kernel launches).
+Prefill chunks go one request at a time through SDPA; the KV manager places a request's blocks in
+contiguous runs where it can, so a chunk's context is usually a view of the cache, not a copy.
 """
 
 from __future__ import annotations
@@ -26,20 +28,46 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeGather:
+    """The torch path's view of the decode rows, on the model's device: every row's context gathered
+    in one indexing op per layer, padded to the longest context and masked."""
+
+    rows: torch.Tensor  # [R] int64, the rows of the flattened batch
+    slots: torch.Tensor  # [R, max_len] int64, the cache slot of each context position; padding: the first
+    mask: torch.Tensor  # [1, R, 1, max_len] bool, True for positions inside the row's context
+
+
+@dataclass
 class DecodeRows:
-    """Single-token rows attended by the C kernel in one call per layer (host arrays, CPU only)."""
+    """Single-token rows with context, attended together in one call per layer: by the C kernel from
+    the host arrays, or (no kernels: CUDA, bf16) by torch through `gather`."""
 
     block_size: int
     rows: np.ndarray  # [R] int64, the rows of the flattened batch
     block_tables: np.ndarray  # [R, max_blocks] int32, each request's blocks, zero padded
     context_lens: np.ndarray  # [R] int32, tokens attended to, this step's included
+    gather: DecodeGather | None = None  # set for the torch path
+
+
+def decode_gather(rows: DecodeRows, device: torch.device) -> DecodeGather:
+    """Built once per step: three small host-to-device copies, the slot arithmetic on the device."""
+    max_len = int(rows.context_lens.max())
+    tables = torch.from_numpy(rows.block_tables).to(device=device, dtype=torch.int64)
+    offsets = torch.arange(rows.block_size, dtype=torch.int64, device=device)
+    slots = (tables[:, :, None] * rows.block_size + offsets).flatten(1)[:, :max_len]
+    lens = torch.from_numpy(rows.context_lens).to(device=device, dtype=torch.int64)
+    mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+    # Padding reads the row's own first slot: never another request's blocks, whose stale values
+    # (a NaN, say) would survive a zero weight.
+    slots = torch.where(mask, slots, slots[:, :1])
+    return DecodeGather(torch.from_numpy(rows.rows).to(device), slots, mask[None, :, None, :])
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
     seqs: list[SeqSpan]  # requests attended by the torch path
-    decode: DecodeRows | None = None  # set only with `kernels`
+    decode: DecodeRows | None = None  # single-token rows with context (decode), attended in one call
     kernels: CpuKernels | None = None  # the CPU kernels (fp32 on the CPU): decode attention, fused steps
 
 
@@ -54,8 +82,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D]."""
     out = torch.empty_like(q)
-    num_tokens, num_kv_heads, head_dim = q.shape[0], k.shape[1], k.shape[2]
-    if meta.decode is not None:
+    head_dim = k.shape[2]
+    if meta.decode is not None and meta.decode.gather is not None:
+        _decode_torch(q, out, cache, meta.decode.gather)
+    elif meta.decode is not None:
         rows = meta.decode
         decode_attention(
             meta.kernels,
@@ -68,22 +98,8 @@ def paged_attention(
             rows.block_size,
             head_dim**-0.5,
         )
-    if not meta.seqs:
-        return out
-    group = q.shape[1] // num_kv_heads
-    grouped_q = (q * head_dim**-0.5).view(num_tokens, num_kv_heads, group, head_dim)  # query heads by KV head
-    grouped_out = out.view(num_tokens, num_kv_heads, group, head_dim)
-    key_cache, value_cache = cache[0], cache[1]
     for seq in meta.seqs:
-        row = seq.token_start
-        if seq.num_tokens == 1 and seq.context_len > 1 and len(seq.runs) == 1:  # decode: read in place
-            start, length = seq.runs[0]
-            end = start + length
-            scores = torch.bmm(grouped_q[row], key_cache[:, start:end].transpose(1, 2))  # [Hkv, G, L]
-            weights = scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)  # fp32, as SDPA does
-            torch.bmm(weights, value_cache[:, start:end], out=grouped_out[row])
-            continue
-        rows = slice(row, row + seq.num_tokens)
+        rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         if seq.context_len == seq.num_tokens:  # the whole context is this chunk: plain causal attention
             out[rows] = _sdpa(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), None, True)
         else:
@@ -92,6 +108,20 @@ def paged_attention(
             mask = torch.arange(seq.context_len, device=q.device)[None, :] <= positions[:, None]  # [Tq, L]
             out[rows] = _sdpa(q[rows], keys, values, mask, False)
     return out
+
+
+def _decode_torch(q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, gather: DecodeGather) -> None:
+    """Writes the decode rows of `out`: one gather of every row's keys and values, two batched products
+    over (KV head, row), the padding masked. Scores in the model's dtype, softmax in fp32 as SDPA does."""
+    num_rows, (_, num_kv_heads, _, head_dim) = len(gather.rows), cache.shape
+    group = q.shape[1] // num_kv_heads
+    keys, values = cache[0][:, gather.slots], cache[1][:, gather.slots]  # [Hkv, R, L, D]
+    grouped_q = (q[gather.rows] * head_dim**-0.5).view(num_rows, num_kv_heads, group, head_dim)
+    scores = torch.matmul(grouped_q.transpose(0, 1), keys.transpose(2, 3))  # [Hkv, R, G, L]
+    scores.masked_fill_(~gather.mask, float("-inf"))
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
+    attended = torch.matmul(weights, values)  # [Hkv, R, G, D]
+    out[gather.rows] = attended.transpose(0, 1).reshape(num_rows, -1, head_dim)
 
 
 def _context(cache: torch.Tensor, runs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 
 from protocol.sampling_params import SamplingParams
 from protocol.step import NewRequestData
-from worker.attention import AttentionMetadata, DecodeRows, SeqSpan
+from worker.attention import AttentionMetadata, DecodeRows, SeqSpan, decode_gather
 from worker.cpu_kernels import CpuKernels
 
 
@@ -88,7 +88,8 @@ def build_step_inputs(
     kernels: CpuKernels | None = None,
 ) -> StepInputs:
     """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch. With a
-    `kernels`, single-token rows with context go to the C decode attention; the rest to torch."""
+    Single-token rows with context (decode) are attended together, by the C kernel with `kernels`,
+    else by torch's batched gather; the rest (prefill chunks) one request at a time."""
     ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []
     decode_rows, decode_tables, decode_lens = [], [], []
     row = 0
@@ -103,7 +104,7 @@ def build_step_inputs(
             pos = np.arange(start, end)
             blocks = state.block_table()[pos // block_size].astype(np.int64)
             slots.extend((blocks * block_size + pos % block_size).tolist())
-        if kernels is not None and num == 1 and start > 0:
+        if num == 1 and start > 0:
             decode_rows.append(row)
             decode_tables.append(state.block_table())
             decode_lens.append(end)
@@ -131,6 +132,8 @@ def build_step_inputs(
             _stack_tables(decode_tables),
             np.asarray(decode_lens, dtype=np.int32),
         )
+        if kernels is None:
+            decode.gather = decode_gather(decode, device)
     return StepInputs(
         torch.tensor(ids, dtype=torch.int64, device=device),
         torch.tensor(positions, dtype=torch.int64, device=device),
