@@ -54,7 +54,11 @@ def attention_operands(model: torch.nn.Module, batch: int, context: int) -> list
         dtype = model.lm_head.weight.dtype
         keys = torch.randn(batch * a.num_kv_heads, context, a.head_dim, dtype=dtype)
         operands.append(
-            (torch.randn(batch * a.num_kv_heads, group, a.head_dim, dtype=dtype), keys, torch.randn_like(keys))
+            (
+                torch.randn(batch * a.num_kv_heads, group, a.head_dim, dtype=dtype),
+                keys,
+                torch.randn_like(keys),
+            )
         )
     return operands
 
