@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(slots=True)
-class Logprob:
+
+class Logprob(msgspec.Struct, gc=False):
     """One candidate token at one position. `rank` is 1-based: 1 + tokens with a strictly higher logprob
     (for the top-k entries, their place in the top-k). `decoded_token` is the token's own text; for a
     token whose bytes are not valid UTF-8 on their own, undecodable bytes are kept as surrogate escapes:
-    `decoded_token.encode("utf-8", "surrogateescape")` gives the raw bytes back."""
+    `decoded_token.encode("utf-8", "surrogateescape")` gives the raw bytes back.
+
+    Built like vLLM's dataclass (positional or keyword, same fields, repr and equality), but a struct
+    the cyclic garbage collector does not track: it holds no references that could form a cycle, and
+    tracking ~100,000 of them per generate call made the collector the largest cost of logprobs=5 in
+    the frontend (docs/decisions.md). `msgspec.structs.asdict` stands in for `dataclasses.asdict`."""
 
     logprob: float
     rank: int | None = None

@@ -185,3 +185,24 @@ def test_torch_paths_match_the_cpu_kernels(llm_inproc, tiny_path):
                 # Deep in the tail neighbours lie closer than float rounding (see the chunking test).
                 rank_a, rank_b = a[token_id].rank, b[token_id].rank
                 assert rank_a == rank_b or (abs(rank_a - rank_b) <= 2 and min(rank_a, rank_b) > 1000)
+
+
+def test_logprob_objects_behave_like_vllms_and_stay_out_of_the_cyclic_gc(llm_inproc):
+    """vLLM's dataclass API (positional or keyword, defaults, equality, repr, pickling), and untracked by
+    the collector: tracked, the ~100,000 of them in a long logprobs=5 batch made collections the
+    frontend's largest cost."""
+    import gc
+    import pickle
+
+    from frontend import Logprob
+
+    entry = Logprob(-0.25, 1, "a")
+    assert entry == Logprob(logprob=-0.25, rank=1, decoded_token="a")
+    assert Logprob(-1.0) == Logprob(-1.0, None, None)
+    assert repr(entry) == "Logprob(logprob=-0.25, rank=1, decoded_token='a')"
+    assert pickle.loads(pickle.dumps(entry)) == entry
+    entry.rank = 2  # mutable, as vLLM's
+    assert entry.rank == 2
+    outputs = llm_inproc.generate(["Hello, my name is"], SamplingParams(max_tokens=4, logprobs=3))
+    for position in outputs[0].outputs[0].logprobs:
+        assert all(type(v) is Logprob and not gc.is_tracked(v) for v in position.values())
