@@ -78,6 +78,20 @@ def test_multi_step_outputs_equal_single_step(tiny_path, llm_inproc, reference_r
     assert len(expected[2][0][0]) == 13 and len(expected[5][0][0]) == 3
 
 
+def test_windows_on_the_torch_path_equal_single_step(tiny_path, llm_inproc, reference_run):
+    """Without the CPU kernels (the CUDA path) a window derives each step's slots, context lengths and
+    attention gather from the step before, on the device."""
+    prompts, params = workload(*reference_run)
+    expected = summary(llm_inproc.generate(prompts, params, use_tqdm=False))
+    with LLM(
+        tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=512, can_use_cpu_kernels=False
+    ) as llm:
+        assert llm.client.core.runner.cpu_kernels is None
+        got = summary(llm.generate(prompts, params, use_tqdm=False))
+        assert free_blocks_are_all(llm)
+    assert_same(got, expected)
+
+
 def test_windows_actually_run_and_nothing_passes_a_stop(tiny_path, reference_run):
     prompts, params = workload(*reference_run)
     with LLM(tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=512) as llm:

@@ -35,6 +35,20 @@ class DecodeGather:
     rows: torch.Tensor  # [R] int64, the rows of the flattened batch
     slots: torch.Tensor  # [R, max_len] int64, the cache slot of each context position; padding: the first
     mask: torch.Tensor  # [1, R, 1, max_len] bool, True for positions inside the row's context
+    tables: torch.Tensor  # [R, max_blocks] int64 block tables, kept to derive a window's next step
+    lens: torch.Tensor  # [R] int64 context lengths
+
+
+def _gather_indices(
+    rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int, max_len: int
+) -> DecodeGather:
+    offsets = torch.arange(block_size, dtype=torch.int64, device=tables.device)
+    slots = (tables[:, :, None] * block_size + offsets).flatten(1)[:, :max_len]
+    mask = torch.arange(max_len, device=tables.device)[None, :] < lens[:, None]
+    # Padding reads the row's own first slot: never another request's blocks, whose stale values
+    # (a NaN, say) would survive a zero weight.
+    slots = torch.where(mask, slots, slots[:, :1])
+    return DecodeGather(rows, slots, mask[None, :, None, :], tables, lens)
 
 
 @dataclass
@@ -48,19 +62,34 @@ class DecodeRows:
     context_lens: np.ndarray  # [R] int32, tokens attended to, this step's included
     gather: DecodeGather | None = None  # set for the torch path
 
+    def next_step(self) -> DecodeRows:
+        """The same rows one token further on, as in the next step of a multi-step window (whose
+        blocks are reserved up front, so the tables already cover it): no host-to-device copy."""
+        gather = self.gather
+        if gather is not None:
+            lens = gather.lens + 1
+            gather = _gather_indices(
+                gather.rows, gather.tables, lens, self.block_size, gather.slots.shape[1] + 1
+            )
+        return DecodeRows(self.block_size, self.rows, self.block_tables, self.context_lens + 1, gather)
+
+    def next_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """[R] cache slots of `positions` (one per row, in row order), looked up in the block tables."""
+        tables = self.gather.tables if self.gather is not None else torch.from_numpy(self.block_tables)
+        blocks = tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
+        return blocks.to(torch.int64) * self.block_size + positions % self.block_size
+
 
 def decode_gather(rows: DecodeRows, device: torch.device) -> DecodeGather:
-    """Built once per step: three small host-to-device copies, the slot arithmetic on the device."""
-    max_len = int(rows.context_lens.max())
-    tables = torch.from_numpy(rows.block_tables).to(device=device, dtype=torch.int64)
-    offsets = torch.arange(rows.block_size, dtype=torch.int64, device=device)
-    slots = (tables[:, :, None] * rows.block_size + offsets).flatten(1)[:, :max_len]
-    lens = torch.from_numpy(rows.context_lens).to(device=device, dtype=torch.int64)
-    mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
-    # Padding reads the row's own first slot: never another request's blocks, whose stale values
-    # (a NaN, say) would survive a zero weight.
-    slots = torch.where(mask, slots, slots[:, :1])
-    return DecodeGather(torch.from_numpy(rows.rows).to(device), slots, mask[None, :, None, :])
+    """Built once per step (once per window): three small host-to-device copies, the slot arithmetic
+    on the device."""
+    return _gather_indices(
+        torch.from_numpy(rows.rows).to(device),
+        torch.from_numpy(rows.block_tables).to(device=device, dtype=torch.int64),
+        torch.from_numpy(rows.context_lens).to(device=device, dtype=torch.int64),
+        rows.block_size,
+        int(rows.context_lens.max()),
+    )
 
 
 @dataclass

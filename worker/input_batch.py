@@ -144,6 +144,17 @@ def build_step_inputs(
     )
 
 
+def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:
+    """The inputs of a decode-only window's next step, derived on the device from this step's: every
+    row one position further, fed the tokens just sampled. No per-request Python, no host copy."""
+    decode = inputs.attn.decode
+    assert decode is not None and len(decode.rows) == len(inputs.positions) and not inputs.attn.seqs
+    positions = inputs.positions + 1
+    decode = decode.next_step()
+    attn = AttentionMetadata(decode.next_slots(positions), [], decode, inputs.attn.kernels)
+    return StepInputs(input_ids, positions, attn, inputs.sample_rows, inputs.sampled_req_ids)
+
+
 def _stack_tables(tables: list[np.ndarray]) -> np.ndarray:
     """[R, max_blocks] int32, each row a request's block ids, zero padded."""
     stacked = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)

@@ -11,11 +11,11 @@ import torch
 
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
 from worker.cpu_kernels import load_cpu_kernels
-from worker.input_batch import RequestState, build_step_inputs
+from worker.input_batch import RequestState, build_step_inputs, next_window_step
 from worker.logprobs import copy_to_host, prompt_logprobs
 from worker.models.loader import load_model
 from worker.sampler import Sampler, advance_penalties
-from worker.sampling_metadata import build_sampling_metadata
+from worker.sampling_metadata import build_sampling_metadata, next_sampling_step
 
 logger = logging.getLogger(__name__)
 
@@ -113,22 +113,19 @@ class ModelRunner:
         """Decode-only multi-step: each step's sampled tokens feed the next on the device; tokens and
         logprobs of all steps come to the host in one copy at the end. Until then each request's token
         list holds placeholders, so positions, seeds and min_tokens advance exactly as with one step."""
-        sampled_steps, device_tensors, penalties, input_ids = [], [], None, None
+        sampled_steps, device_tensors = [], []
         has_logprobs = any(s.logprobs_k is not None for s in states)
-        for _ in range(num_steps):
-            inputs = build_step_inputs(
-                states, [1] * len(states), self.block_size, self.device, self.cpu_kernels
-            )
-            if input_ids is not None:
-                inputs.input_ids = input_ids
+        inputs = build_step_inputs(states, [1] * len(states), self.block_size, self.device, self.cpu_kernels)
+        meta = build_sampling_metadata(states, self.vocab_size, self.device)
+        for step in range(num_steps):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-            meta = build_sampling_metadata(states, self.vocab_size, self.device, penalties)
             out = self.sampler(self.model.compute_logits(hidden), meta)
-            penalties = advance_penalties(meta.penalties, out.sampled)
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
-            input_ids = out.sampled
+            if step + 1 < num_steps:  # the next step's inputs, derived on the device from this one's
+                inputs = next_window_step(inputs, out.sampled)
+                meta = next_sampling_step(meta, states, advance_penalties(meta.penalties, out.sampled))
             sampled_steps.append(out.sampled)
             if has_logprobs:
                 device_tensors += [out.logprob_token_ids, out.logprobs, out.ranks]

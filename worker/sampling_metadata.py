@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from worker.input_batch import RequestState
@@ -11,10 +13,8 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 
 
 def build_sampling_metadata(
-    states: list[RequestState], vocab_size: int, device: torch.device, penalties: Penalties | None = None
+    states: list[RequestState], vocab_size: int, device: torch.device
 ) -> SamplingMetadata:
-    """`penalties`: counts carried on the device through a multi-step window (the host's token lists
-    hold placeholders there)."""
     params = [s.params for s in states]
     is_greedy = [p.is_greedy for p in params]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -35,7 +35,7 @@ def build_sampling_metadata(
         min_p=tensor([p.min_p for p in params], torch.float32)
         if any(p.min_p > 0.0 for p in params)
         else None,
-        penalties=penalties if penalties is not None else _penalties(states, vocab_size, device),
+        penalties=_penalties(states, vocab_size, device),
         generators=[_generator(s, device) for s in states],
         banned=_banned(states),
         logprob_rows=tensor(logprob_rows, torch.int64) if logprob_rows else None,
@@ -44,6 +44,20 @@ def build_sampling_metadata(
         is_processed=tensor([states[i].is_processed for i in logprob_rows], torch.bool)
         if logprob_rows
         else None,
+    )
+
+
+def next_sampling_step(
+    meta: SamplingMetadata, states: list[RequestState], penalties: Penalties | None
+) -> SamplingMetadata:
+    """The next step of a multi-step window: the same rows and parameters; what depends on the output
+    position (seeded noise, min_tokens bans) is redone, and `penalties` carries the token counts
+    advanced on the device (the host's token lists hold placeholders until the window ends)."""
+    return replace(
+        meta,
+        penalties=penalties,
+        generators=[_generator(s, meta.temperature.device) for s in states],
+        banned=_banned(states),
     )
 
 
