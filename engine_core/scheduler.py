@@ -97,17 +97,37 @@ class Scheduler:
             return
         if any(r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens for r in reqs):
             return  # a prefill (a first one, or a recompute after preemption) is in the batch: run single
-        num_steps = min(self.num_scheduler_steps, min(self.max_model_len - r.num_tokens + 1 for r in reqs))
+        num_steps = min(
+            self.num_scheduler_steps,
+            max(self._tokens_left(r) for r in reqs),  # no longer than the batch needs
+            min(self.max_model_len - r.num_tokens + 1 for r in reqs),
+        )
+        # Every request's blocks or none: a window that does not fit is halved, down to a single step,
+        # so that it never holds blocks for later steps while another request goes short.
+        while num_steps >= 2 and self._window_blocks(reqs, num_steps) > self.kv_cache.num_free_blocks:
+            num_steps //= 2
         if num_steps < 2:
             return
         for req, data in zip(reqs, output.cached_reqs):
             new_blocks = self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_steps - 1)
-            if new_blocks is None:
-                return  # short of blocks: run this step single (blocks reserved so far stay reported)
+            assert new_blocks is not None  # counted above
             data.new_block_ids.extend(new_blocks)
         for req in reqs:
             req.num_computed_tokens += num_steps - 1
         output.num_steps = num_steps
+
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens `req` may still generate before max_tokens (the model's length is capped apart)."""
+        return self.num_scheduler_steps if req.max_tokens is None else req.max_tokens - req.num_output_tokens
+
+    def _window_blocks(self, reqs: list[Request], num_steps: int) -> int:
+        """New blocks a window of `num_steps` needs. Every row of a window writes its KV each step, even
+        past its own stop, so each request holds blocks for all of the window's positions."""
+        kv = self.kv_cache
+        return sum(
+            max(0, kv.num_blocks_needed(r.num_computed_tokens + num_steps - 1) - len(kv.blocks_of(r.req_id)))
+            for r in reqs
+        )
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
         output.num_scheduled_tokens[req.req_id] = num_new

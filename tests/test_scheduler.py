@@ -125,3 +125,42 @@ def test_abort_frees_blocks_and_tells_the_worker():
     assert scheduler.kv_cache.num_free_blocks == 16
     assert not scheduler.has_unfinished_requests()
     assert scheduler.schedule().finished_req_ids == {"a", "b"}
+
+
+def run_to_the_end(scheduler: Scheduler) -> list[int]:
+    """Drives the scheduler with a runner that samples token 7 for every row of every step (windows
+    included) until nothing is left; returns each pass's num_steps."""
+    passes = []
+    while scheduler.requests:
+        out = scheduler.schedule()
+        passes.append(out.num_steps)
+        if out.num_steps == 1:
+            result = runner_output(out, scheduler)
+        else:
+            rows = list(out.num_scheduled_tokens)
+            result = ModelRunnerOutput(rows, np.full((len(rows), out.num_steps), 7, dtype=np.int32))
+        scheduler.update_from_output(out, result)
+    return passes
+
+
+def test_a_window_is_no_longer_than_its_batch_needs_and_never_costs_a_preemption():
+    """Two requests that just fit six 16-token blocks: a window must not reserve blocks past what
+    the batch can use and push the other request out (found in review: N=8 preempted, N=1 did not)."""
+    preemptions, all_passes = {}, {}
+    for num_steps in (1, 8):
+        scheduler = Scheduler(
+            KVCacheManager(6, 16), 8, 2048, max_model_len=2048, num_scheduler_steps=num_steps
+        )
+        for req_id, num_prompt in (("a", 12), ("b", 31)):
+            scheduler.add_request(make_request(req_id, num_prompt, max_tokens=20, ignore_eos=True))
+        all_passes[num_steps] = run_to_the_end(scheduler)
+        preemptions[num_steps] = scheduler.num_preemptions
+        assert scheduler.kv_cache.num_free_blocks == 6
+    assert preemptions == {1: 0, 8: 0}
+    assert 8 in all_passes[8] and sum(all_passes[8]) < 21  # windows ran; no step past the last token
+
+
+def test_a_window_shrinks_to_the_tokens_left():
+    scheduler = Scheduler(KVCacheManager(16, 4), 8, 64, max_model_len=64, num_scheduler_steps=8)
+    scheduler.add_request(make_request("a", 4, max_tokens=4, ignore_eos=True))
+    assert run_to_the_end(scheduler) == [1, 3]  # prefill samples 1, then one window of the 3 left
