@@ -58,6 +58,7 @@ class CoreServer:
         self.last_seen: dict[bytes, float] = {}  # client -> monotonic time of its last frame
         self.is_stopping = threading.Event()
         self.last_progress = time.monotonic()  # the busy loop's last turn; heartbeats vouch for it
+        core.runner.on_model_step = self._mark_progress  # a window's steps count as turns
 
     def _bind(self, kind: int, address: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -88,6 +89,9 @@ class CoreServer:
             self.out_socket.close()
             self.ctx.term()
 
+    def _mark_progress(self) -> None:
+        self.last_progress = time.monotonic()
+
     def stop(self) -> None:
         self.is_stopping.set()
 
@@ -96,7 +100,7 @@ class CoreServer:
     def _busy_loop(self) -> None:
         next_check = 0.0
         while not self.is_stopping.is_set():
-            self.last_progress = time.monotonic()
+            self._mark_progress()
             self._drain_inputs(block=not self.core.has_unfinished_requests())
             if self.core.has_unfinished_requests():
                 for client, outputs in self.core.step().items():

@@ -28,6 +28,10 @@ def to_position_dicts(arrays: LogprobsArrays, table: TokenTable) -> list[Positio
     return positions
 
 
-def sum_chosen(arrays: LogprobsArrays, num_rows: int) -> float:
-    """The chosen tokens' logprobs of the first `num_rows` rows, summed in float64."""
-    return float(arrays.logprobs_np()[:num_rows, 0].astype("float64").sum()) if arrays.num_rows else 0.0
+def add_chosen(total: float, arrays: LogprobsArrays, num_rows: int) -> float:
+    """`total` plus the chosen tokens' logprobs of the first `num_rows` rows, added one at a time in
+    float64: the same bits whether the tokens came one per output or N per multi-step window."""
+    if arrays.num_rows:
+        for value in arrays.logprobs_np()[:num_rows, 0].tolist():
+            total += value
+    return total

@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from frontend.logprob_rows import sum_chosen, to_position_dicts
+from frontend.logprob_rows import add_chosen, to_position_dicts
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from frontend.token_text import IncrementalDetokenizer, TokenTable
 from protocol.messages import EngineCoreOutput, FinishReason
@@ -148,7 +148,9 @@ class OutputProcessor:
         num_kept, is_stopped = self._append_text(completion, output.new_token_ids, is_core_done)
         if output.new_logprobs is not None and completion.logprobs is not None:
             completion.logprobs.extend(to_position_dicts(output.new_logprobs, self.table)[:num_kept])
-            completion.cumulative_logprob += sum_chosen(output.new_logprobs, num_kept)
+            completion.cumulative_logprob = add_chosen(
+                completion.cumulative_logprob, output.new_logprobs, num_kept
+            )
         if is_core_done and not is_stopped:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason

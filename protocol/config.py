@@ -8,6 +8,18 @@ import msgspec
 
 from protocol.sampling_params import LogprobsMode
 
+_INTEGER_FIELDS = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_kv_blocks",
+    "seed",
+    "max_logprobs",
+    "num_scheduler_steps",
+    "num_threads",
+)
+
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Engine arguments; names follow vLLM's engine args where vLLM has one."""
@@ -33,6 +45,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     can_use_cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
+        # msgspec checks types when it decodes, not when Python code builds the struct: 2.5 steps
+        # would otherwise reach the scheduler.
+        for name in _INTEGER_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         positive = {
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,

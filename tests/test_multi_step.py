@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import PROMPTS, free_blocks_are_all
+import asyncio
 
-from frontend import LLM, SamplingParams
+import pytest
+from conftest import PROMPTS, copy_model_with_eos, free_blocks_are_all
+
+from frontend import LLM, AsyncLLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +16,7 @@ def reference_run(llm_inproc):
     base = llm_inproc.generate(
         PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False
     )
-    stop_id = base[0].outputs[0].token_ids[9]  # EOS-like: a stop token id mid-window
+    stop_id = base[0].outputs[0].token_ids[11]  # EOS-like: a stop token id mid-window (prefill samples 0)
     text = base[1].outputs[0].text
     stop_string = text[len(text) // 3 : len(text) // 3 + 4]
     return stop_id, stop_string
@@ -26,7 +28,7 @@ def workload(stop_id: int, stop_string: str) -> tuple[list[str], list[SamplingPa
     params = [
         SamplingParams(max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True, **greedy),
         SamplingParams(max_tokens=30, stop=[stop_string], ignore_eos=True, **greedy),
-        SamplingParams(max_tokens=13, ignore_eos=True, **greedy),  # not a multiple of 4 or 8
+        SamplingParams(max_tokens=14, ignore_eos=True, **greedy),  # 1 + 13: ends inside a window of 4 or 8
         SamplingParams(
             max_tokens=21, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, **sampled
         ),
@@ -75,7 +77,7 @@ def test_multi_step_outputs_equal_single_step(tiny_path, llm_inproc, reference_r
             assert free_blocks_are_all(llm)
     assert_same(got, expected)
     assert expected[0][0][2:4] == ("stop", reference_run[0]) and expected[1][0][3] == reference_run[1]
-    assert len(expected[2][0][0]) == 13 and len(expected[5][0][0]) == 3
+    assert len(expected[2][0][0]) == 14 and len(expected[5][0][0]) == 3
 
 
 def test_windows_on_the_torch_path_equal_single_step(tiny_path, llm_inproc, reference_run):
@@ -105,14 +107,66 @@ def test_windows_actually_run_and_nothing_passes_a_stop(tiny_path, reference_run
             return out
 
         scheduler.schedule = recording_schedule
+        model_steps = []
+        llm.client.core.runner.on_model_step = lambda: model_steps.append(1)  # what the server hears
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert free_blocks_are_all(llm)
     assert 8 in steps and steps[0] == 1  # prefill single, decode in windows
+    assert len(model_steps) == sum(n for n in steps if n > 1)  # each step of a window reports progress
     first = outputs[0].outputs[0]
     assert first.token_ids[-1] == reference_run[0] and reference_run[0] not in first.token_ids[:-1]
     assert all(len(o.outputs[0].token_ids) <= p.max_tokens for o, p in zip(outputs, params))
 
 
-def test_num_scheduler_steps_below_one_is_a_value_error():
+def test_min_tokens_and_a_real_eos_inside_windows(tiny_path, llm_inproc, tmp_path):
+    """EOS set to a token greedy decoding emits early: min_tokens must ban it (and a stop token id)
+    step by step inside a window, then let it stop the request, exactly as with N = 1."""
+    base = (
+        llm_inproc.generate(
+            PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    eos, stop_id = base[2], base[4]
+    path = copy_model_with_eos(tiny_path, tmp_path / "eos", eos)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=6, logprobs=5),
+        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=6, stop_token_ids=[stop_id], logprobs=5),
+        SamplingParams(temperature=0.0, max_tokens=20, logprobs=5),  # stops at its first EOS
+    ]
+    results = {}
+    for num_steps in (1, 8):
+        with LLM(path, multiprocess=False, num_scheduler_steps=num_steps, num_kv_blocks=128) as llm:
+            results[num_steps] = summary(llm.generate([PROMPTS[0]] * 3, params, use_tqdm=False))
+            assert free_blocks_are_all(llm)
+    assert_same(results[8], results[1])
+    banned_then_stopped = [row[0][0] for row in results[1]]
+    assert banned_then_stopped[2] == base[:3]  # EOS at index 2 without min_tokens
+    for token_ids in banned_then_stopped[:2]:
+        assert len(token_ids) >= 6 and eos not in token_ids[:6] and stop_id not in token_ids[:6]
+
+
+def test_streamed_windows_carry_up_to_n_tokens_per_delta(tiny_path, llm_inproc):
+    params = SamplingParams(temperature=0.0, max_tokens=23, logprobs=2, stop=[" the"], ignore_eos=True)
+    expected = llm_inproc.generate(PROMPTS[5], params, use_tqdm=False)[0].outputs[0]
+
+    async def collect(engine):
+        return [out async for out in engine.generate(PROMPTS[5], params, "stream")]
+
+    with AsyncLLM(tiny_path, multiprocess=False, num_scheduler_steps=4, num_kv_blocks=256) as engine:
+        deltas = asyncio.run(collect(engine))
+    sizes = [len(d.outputs[0].token_ids) for d in deltas]
+    assert max(sizes) == 4 and all(n <= 4 for n in sizes)
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == expected.token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == expected.text
+    assert [list(lp) for d in deltas for lp in d.outputs[0].logprobs] == [
+        list(lp) for lp in expected.logprobs
+    ]
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == expected.finish_reason
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4", True])
+def test_num_scheduler_steps_not_a_positive_integer_is_a_value_error(bad):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
-        LLM(num_scheduler_steps=0)
+        LLM(num_scheduler_steps=bad)

@@ -5,6 +5,7 @@ ModelRunnerOutput with one device-to-host copy per step (engine-core process).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -51,6 +52,9 @@ class ModelRunner:
         is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.cpu_kernels = load_cpu_kernels() if is_cpu_fp32 and can_use_cpu_kernels else None
         self.sampler = Sampler(torch.Generator().manual_seed(seed), self.cpu_kernels)
+        # Called after each model step of a multi-step window: the core server counts it as progress,
+        # so a long window is not taken for a hung loop.
+        self.on_model_step: Callable[[], None] | None = None
 
     def bytes_per_block(self) -> int:
         a = self.model.args
@@ -123,6 +127,8 @@ class ModelRunner:
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
+            if self.on_model_step is not None:
+                self.on_model_step()
             if step + 1 < num_steps:  # the next step's inputs, derived on the device from this one's
                 inputs = next_window_step(inputs, out.sampled)
                 meta = next_sampling_step(meta, states, advance_penalties(meta.penalties, out.sampled))
