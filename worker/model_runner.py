@@ -51,7 +51,8 @@ class ModelRunner:
         # C kernels on the CPU in fp32 (docs/decisions.md); torch's ops elsewhere, or without a compiler.
         is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.cpu_kernels = load_cpu_kernels() if is_cpu_fp32 and can_use_cpu_kernels else None
-        self.sampler = Sampler(torch.Generator().manual_seed(seed), self.cpu_kernels)
+        # On the model's device: unseeded rows' noise is drawn there, not on the host and copied over.
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed), self.cpu_kernels)
         # Called after each model step of a multi-step window: the core server counts it as progress,
         # so a long window is not taken for a hung loop.
         self.on_model_step: Callable[[], None] | None = None

@@ -28,6 +28,7 @@ class SamplingMetadata:
     is_greedy: torch.Tensor  # [R] bool
     all_greedy: bool
     top_k: torch.Tensor | None  # [R] int64, vocab size where disabled; None when no row filters
+    max_top_k: int  # the largest of top_k, known on the host (no device sync to size the topk)
     top_p: torch.Tensor | None  # [R] float32
     min_p: torch.Tensor | None  # [R] float32
     penalties: Penalties | None
@@ -35,7 +36,7 @@ class SamplingMetadata:
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked until min_tokens are generated
     logprob_rows: torch.Tensor | None  # [R'] int64 rows that asked for logprobs
     num_logprobs: int  # largest k among them; -1: whole vocabulary
-    is_processed: torch.Tensor | None  # [R'] bool, row wants logprobs after processing
+    is_processed: torch.Tensor | None  # [R'] bool, row wants logprobs after processing; None: no row does
     is_all_rows: bool = False  # every row asked for logprobs: no row gather needed
 
 
@@ -59,7 +60,7 @@ class Sampler:
         if rows is None:
             return SamplerOutput(self._sample(processed, meta), None, None, None)
         scores = logits if meta.is_all_rows else logits[rows]
-        if meta.is_processed is not None and bool(meta.is_processed.any()):
+        if meta.is_processed is not None:
             chosen_scores = processed if meta.is_all_rows else processed[rows]
             scores = torch.where(meta.is_processed[:, None], chosen_scores, scores)
         top = top_logprobs(scores, meta.num_logprobs, self.kernels)
@@ -88,7 +89,7 @@ class Sampler:
             threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p[:, None]
             logits.masked_fill_(probs < threshold, float("-inf"))
         if meta.top_k is not None:
-            logits = apply_top_k(logits, meta.top_k)
+            logits = apply_top_k(logits, meta.top_k, meta.max_top_k)
         if meta.top_p is not None:
             logits = apply_top_p(logits, meta.top_p)
         return logits
@@ -104,7 +105,7 @@ class Sampler:
                 noise[row].exponential_(generator=generator)
         unseeded = [row for row, g in enumerate(meta.generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1])).exponential_(
+            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_(
                 generator=self.generator
             )
         sampled = (probs / noise).argmax(dim=-1)
@@ -120,8 +121,7 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     return logits
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    max_k = int(top_k.max())
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
     kth_values = logits.topk(max_k, dim=-1).values.gather(-1, (top_k - 1).clamp(max=max_k - 1)[:, None])
     return logits.masked_fill(logits < kth_values, float("-inf"))
 

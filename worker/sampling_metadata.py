@@ -29,6 +29,7 @@ def build_sampling_metadata(
         is_greedy=tensor(is_greedy, torch.bool),
         all_greedy=all(is_greedy),
         top_k=tensor(top_k, torch.int64) if min(top_k) < vocab_size else None,
+        max_top_k=max(top_k),
         top_p=tensor([p.top_p for p in params], torch.float32)
         if any(p.top_p < 1.0 for p in params)
         else None,
@@ -42,7 +43,7 @@ def build_sampling_metadata(
         num_logprobs=-1 if -1 in ks else max(ks, default=0),
         is_all_rows=len(logprob_rows) == len(states),
         is_processed=tensor([states[i].is_processed for i in logprob_rows], torch.bool)
-        if logprob_rows
+        if any(states[i].is_processed for i in logprob_rows)
         else None,
     )
 
