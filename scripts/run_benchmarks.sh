@@ -9,6 +9,7 @@ mkdir -p bench_out
 run() { local name=$1; shift; echo "== $name: $*"; "$PY" "$@" 2>&1 | grep --line-buffered -v "Loading weights" | tee "bench_out/$name.log"; }
 run wire scripts/bench_wire.py
 run decode_step scripts/bench_decode_step.py --model builtin:small --batch 64 --context 256 --steps 12
+run decode_step_torch_bf16 scripts/bench_decode_step.py --model builtin:small --batch 64 --context 256 --steps 12 --dtype bfloat16 --json bench_out/decode_step_torch_bf16.json
 run throughput_hf scripts/bench_throughput.py --configs engine,hf --rounds 1 --max-output-len 512 --json bench_out/throughput_hf.json
 run throughput_logprobs scripts/bench_throughput.py --configs engine,engine-lp5,engine-lp20,engine-plp5 --rounds 4 --max-output-len 96 --json bench_out/throughput_logprobs.json
 run multi_step scripts/bench_multi_step.py --model builtin:tiny --num-requests 64 --output-len 256 --steps 8
