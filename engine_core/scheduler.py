@@ -100,7 +100,7 @@ class Scheduler:
         num_steps = min(
             self.num_scheduler_steps,
             max(self._tokens_left(r) for r in reqs),  # no longer than the batch needs
-            min(self.max_model_len - r.num_tokens + 1 for r in reqs),
+            min(self.max_model_len - r.num_tokens for r in reqs),  # tokens the model's length allows
         )
         # Every request's blocks or none: a window that does not fit is halved, down to a single step,
         # so that it never holds blocks for later steps while another request goes short.

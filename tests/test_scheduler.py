@@ -164,3 +164,25 @@ def test_a_window_shrinks_to_the_tokens_left():
     scheduler = Scheduler(KVCacheManager(16, 4), 8, 64, max_model_len=64, num_scheduler_steps=8)
     scheduler.add_request(make_request("a", 4, max_tokens=4, ignore_eos=True))
     assert run_to_the_end(scheduler) == [1, 3]  # prefill samples 1, then one window of the 3 left
+
+
+def test_a_window_that_does_not_fit_is_halved_not_half_reserved():
+    """Four 4-token blocks for two requests: the first window (8 steps) needs more blocks than are
+    free, so it shrinks to 4, with every request's blocks taken or none; no more preemptions than
+    single steps cause, and every block free at the end."""
+    preemptions = {}
+    for num_steps in (1, 8):
+        scheduler = Scheduler(KVCacheManager(4, 4), 8, 256, max_model_len=256, num_scheduler_steps=num_steps)
+        for req_id in ("a", "b"):
+            scheduler.add_request(make_request(req_id, 3, max_tokens=12, ignore_eos=True))
+        passes = run_to_the_end(scheduler)
+        preemptions[num_steps] = scheduler.num_preemptions
+        assert scheduler.kv_cache.num_free_blocks == 4
+    assert passes[:2] == [1, 4]  # prefill, then a window of 8 halved to 4
+    assert preemptions[8] <= preemptions[1]
+
+
+def test_a_window_stops_at_the_models_length():
+    scheduler = Scheduler(KVCacheManager(16, 4), 8, 64, max_model_len=20, num_scheduler_steps=8)
+    scheduler.add_request(make_request("a", 10, max_tokens=None, ignore_eos=True))
+    assert run_to_the_end(scheduler) == [1, 8, 1]  # 11 tokens, 19, then the 20th alone: no wasted step

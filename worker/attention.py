@@ -30,11 +30,12 @@ class SeqSpan:
 @dataclass
 class DecodeGather:
     """The torch path's view of the decode rows, on the model's device: every row's context gathered
-    in one indexing op per layer, padded to the longest context and masked."""
+    in one indexing op per layer, padded to the longest context and masked. Its size is rows x the
+    longest context (not the sum of contexts): one long request makes every row's copy that long."""
 
     rows: torch.Tensor  # [R] int64, the rows of the flattened batch
-    slots: torch.Tensor  # [R, max_len] int64, the cache slot of each context position; padding: the first
-    mask: torch.Tensor  # [1, R, 1, max_len] bool, True for positions inside the row's context
+    slots: torch.Tensor  # [R, max_len] int64, each context position's cache slot (padding: the row's first)
+    is_padding: torch.Tensor  # [1, R, 1, max_len] bool, True past the row's context
     tables: torch.Tensor  # [R, max_blocks] int64 block tables, kept to derive a window's next step
     lens: torch.Tensor  # [R] int64 context lengths
 
@@ -48,7 +49,7 @@ def _gather_indices(
     # Padding reads the row's own first slot: never another request's blocks, whose stale values
     # (a NaN, say) would survive a zero weight.
     slots = torch.where(mask, slots, slots[:, :1])
-    return DecodeGather(rows, slots, mask[None, :, None, :], tables, lens)
+    return DecodeGather(rows, slots, ~mask[None, :, None, :], tables, lens)
 
 
 @dataclass
@@ -95,7 +96,7 @@ def decode_gather(rows: DecodeRows, device: torch.device) -> DecodeGather:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
-    seqs: list[SeqSpan]  # requests attended by the torch path
+    seqs: list[SeqSpan]  # prefill chunks (rows with more than one token, or no context yet), one by one
     decode: DecodeRows | None = None  # single-token rows with context (decode), attended in one call
     kernels: CpuKernels | None = None  # the CPU kernels (fp32 on the CPU): decode attention, fused steps
 
@@ -147,7 +148,7 @@ def _decode_torch(q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, gathe
     keys, values = cache[0][:, gather.slots], cache[1][:, gather.slots]  # [Hkv, R, L, D]
     grouped_q = (q[gather.rows] * head_dim**-0.5).view(num_rows, num_kv_heads, group, head_dim)
     scores = torch.matmul(grouped_q.transpose(0, 1), keys.transpose(2, 3))  # [Hkv, R, G, L]
-    scores.masked_fill_(~gather.mask, float("-inf"))
+    scores.masked_fill_(gather.is_padding, float("-inf"))
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
     attended = torch.matmul(weights, values)  # [Hkv, R, G, D]
     out[gather.rows] = attended.transpose(0, 1).reshape(num_rows, -1, head_dim)

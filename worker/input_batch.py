@@ -87,7 +87,7 @@ def build_step_inputs(
     device: torch.device,
     kernels: CpuKernels | None = None,
 ) -> StepInputs:
-    """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch. With a
+    """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch.
     Single-token rows with context (decode) are attended together, by the C kernel with `kernels`,
     else by torch's batched gather; the rest (prefill chunks) one request at a time."""
     ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []

@@ -116,8 +116,9 @@ class ModelRunner:
 
     def _execute_window(self, states: list[RequestState], num_steps: int) -> ModelRunnerOutput:
         """Decode-only multi-step: each step's sampled tokens feed the next on the device; tokens and
-        logprobs of all steps come to the host in one copy at the end. Until then each request's token
-        list holds placeholders, so positions, seeds and min_tokens advance exactly as with one step."""
+        logprobs of all steps come to the host in one copy at the end. Positions, slots and context
+        lengths advance on the device; each request's token list holds placeholders until the end, so
+        that seeds and min_tokens bans (per output position) advance exactly as with one step."""
         sampled_steps, device_tensors = [], []
         has_logprobs = any(s.logprobs_k is not None for s in states)
         inputs = build_step_inputs(states, [1] * len(states), self.block_size, self.device, self.cpu_kernels)

@@ -100,14 +100,11 @@ class Sampler:
             return greedy
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)  # exponential race: argmax(p / q), q ~ Exp(1), samples from p
+        if any(g is None for g in meta.generators):  # whole rows from the engine's generator: no index
+            noise.exponential_(generator=self.generator)  # tensor to copy to the device
         for row, generator in enumerate(meta.generators):
-            if generator is not None:
+            if generator is not None:  # a seeded row's own noise, the same in any batch
                 noise[row].exponential_(generator=generator)
-        unseeded = [row for row, g in enumerate(meta.generators) if g is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_(
-                generator=self.generator
-            )
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(meta.is_greedy, greedy, sampled)
 
