@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from frontend.builtin_model import builtin_model_path
 from protocol.config import EngineConfig
 
@@ -15,10 +17,10 @@ def make_config(model: str | None, engine_args: dict) -> EngineConfig:
     path = builtin_model_path("tiny") if model is None else model
     if model is not None and model.startswith("builtin:"):
         path = builtin_model_path(model.split(":", 1)[1])
-    try:
-        return EngineConfig(model=path, **engine_args)
-    except TypeError as exc:
-        raise ValueError(str(exc)) from exc
+    try:  # convert, not the constructor: it checks every field's type (msgspec's __init__ does not)
+        return msgspec.convert({"model": path, **engine_args}, EngineConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad engine arguments: {exc}") from exc
 
 
 def load_tokenizer(model_dir: str):

@@ -8,18 +8,6 @@ import msgspec
 
 from protocol.sampling_params import LogprobsMode
 
-_INTEGER_FIELDS = (
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "num_kv_blocks",
-    "seed",
-    "max_logprobs",
-    "num_scheduler_steps",
-    "num_threads",
-)
-
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Engine arguments; names follow vLLM's engine args where vLLM has one."""
@@ -45,12 +33,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     can_use_cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
-        # msgspec checks types when it decodes, not when Python code builds the struct: 2.5 steps
-        # would otherwise reach the scheduler.
-        for name in _INTEGER_FIELDS:
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
         positive = {
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -61,6 +43,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

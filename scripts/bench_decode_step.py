@@ -50,17 +50,24 @@ def attention_operands(model: torch.nn.Module, batch: int, context: int) -> list
     a = model.args
     group = a.num_heads // a.num_kv_heads
     operands = []
+    like = {"dtype": model.lm_head.weight.dtype, "device": model.lm_head.weight.device}
     for _ in range(a.num_layers):
-        dtype = model.lm_head.weight.dtype
-        keys = torch.randn(batch * a.num_kv_heads, context, a.head_dim, dtype=dtype)
+        keys = torch.randn(batch * a.num_kv_heads, context, a.head_dim, **like)
         operands.append(
             (
-                torch.randn(batch * a.num_kv_heads, group, a.head_dim, dtype=dtype),
+                torch.randn(batch * a.num_kv_heads, group, a.head_dim, **like),
                 keys,
                 torch.randn_like(keys),
             )
         )
     return operands
+
+
+def wait(model: torch.nn.Module) -> None:
+    """On a GPU the products are queued: wait for them before reading the clock. (A step waits by
+    itself: it copies its sampled tokens to the host.)"""
+    if model.lm_head.weight.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, float]:
@@ -80,10 +87,12 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
             start = time.perf_counter()
             for x, layer in zip(inputs, layers):
                 linear(layer, x)  # the engine's own matmul call
+            wait(model)
             times["linear"].append(time.perf_counter() - start)
             start = time.perf_counter()
             for q, keys, values in attention:
                 torch.bmm(torch.bmm(q, keys.transpose(1, 2)), values)
+            wait(model)
             times["attention"].append(time.perf_counter() - start)
     return {name: sorted(values)[steps // 2] for name, values in times.items()}
 

@@ -3,7 +3,7 @@
 # venv): the multi-step benchmark on the GPU (issue 5's N=8 / N=1 target), then the whole test suite
 # with the engine on the GPU (device="auto" picks CUDA; Hugging Face references stay on the CPU).
 # Fetch the missing wheels here first (bash scripts/device_wheels.sh); then, through the device tool:
-#     bash scripts/device_check.sh        (carry: .device; about 6 minutes)
+#     bash scripts/device_check.sh        (carry: .device; at most 9 minutes, timeout_s 600)
 # Logs and JSON go to $OUT (the device tool's folder), else bench_out/device. Every step runs even if
 # an earlier one fails; the exit status is the test suite's.
 set -uo pipefail
@@ -23,10 +23,10 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
   nvidia-smi -L 2>&1 || true
 } | tee "$OUT/env.txt"
 
-timeout 100 "$PY" scripts/bench_multi_step.py --core-only 2>&1 | tee "$OUT/multi_step_core.log"
-timeout 200 "$PY" scripts/bench_multi_step.py --rounds 2 --json "$OUT/multi_step.json" 2>&1 \
+timeout 80 "$PY" scripts/bench_multi_step.py --core-only 2>&1 | tee "$OUT/multi_step_core.log"
+timeout 170 "$PY" scripts/bench_multi_step.py --rounds 2 --json "$OUT/multi_step.json" 2>&1 \
   | tee "$OUT/multi_step.log"
-timeout 330 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --timeout 120 tests 2>&1 \
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --timeout 120 tests 2>&1 \
   | tee "$OUT/tests.log"
 status=${PIPESTATUS[0]}
 echo "tests exit status: $status"

@@ -60,6 +60,23 @@ def test_a_bad_prompt_in_a_batch_sends_nothing(llm_inproc):
     assert free_blocks_are_all(llm_inproc)
 
 
+@pytest.mark.parametrize(
+    "engine_args, field",
+    [
+        ({"dtype": "fp16"}, "dtype"),
+        ({"num_scheduler_steps": 2.5}, "num_scheduler_steps"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"can_use_cpu_kernels": "no"}, "can_use_cpu_kernels"),
+        ({"num_threads": 0}, "num_threads"),
+        ({"device": 0}, "device"),
+    ],
+)
+def test_engine_argument_of_the_wrong_type_or_range_is_a_value_error_naming_it(engine_args, field):
+    """Checked before any process starts: not a KeyError in the core, nor a core that dies at start."""
+    with pytest.raises(ValueError, match=field):
+        LLM(**engine_args)
+
+
 def test_unknown_engine_argument_is_a_value_error():
     with pytest.raises(ValueError, match="max_num_sequences"):
         LLM(max_num_sequences=4)

@@ -206,3 +206,32 @@ def test_logprob_objects_behave_like_vllms_and_stay_out_of_the_cyclic_gc(llm_inp
     outputs = llm_inproc.generate(["Hello, my name is"], SamplingParams(max_tokens=4, logprobs=3))
     for position in outputs[0].outputs[0].logprobs:
         assert all(type(v) is Logprob and not gc.is_tracked(v) for v in position.values())
+
+
+def test_cumulative_logprob_has_the_same_bits_one_token_or_a_window_at_a_time():
+    """A multi-step output carries N tokens; its sum must be N = 1's, which adds one value at a time."""
+    import numpy as np
+
+    from frontend.logprob_rows import add_chosen
+    from protocol.arrays import LogprobsArrays
+
+    # 24 positions from near-certain (-1e-9) to unlikely (-30): float32 values whose float64 partial
+    # sums round, so grouping them by window (a numpy sum per output, say) would change the bits.
+    chosen = (-(10.0 ** np.random.default_rng(0).uniform(-9, 1.5, 24))).astype(np.float32)
+    values = np.repeat(chosen[:, None], 3, axis=1)
+    ids = np.zeros((24, 3), dtype=np.int32)
+    ranks = np.ones(24, dtype=np.int32)
+    one_at_a_time = 0.0
+    for row in range(24):
+        one_at_a_time = add_chosen(
+            one_at_a_time,
+            LogprobsArrays.from_numpy(ids[row : row + 1], values[row : row + 1], ranks[row : row + 1]),
+            1,
+        )
+    windows = 0.0
+    for start in range(0, 24, 8):
+        part = slice(start, start + 8)
+        windows = add_chosen(windows, LogprobsArrays.from_numpy(ids[part], values[part], ranks[part]), 8)
+    assert windows == one_at_a_time  # exact, not approximately
+    trimmed = add_chosen(0.0, LogprobsArrays.from_numpy(ids[:8], values[:8], ranks[:8]), 5)  # a stop at 5
+    assert trimmed == add_chosen(0.0, LogprobsArrays.from_numpy(ids[:5], values[:5], ranks[:5]), 5)
