@@ -16,6 +16,7 @@ from protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineStats,
     FinishReason,
     HandshakeReply,
 )
@@ -58,6 +59,16 @@ class EngineCore:
         per_seq = -(-self.max_model_len // self.config.block_size)
         budget = int(self.config.kv_cache_gib * 2**30 // self.runner.bytes_per_block())
         return max(1, min(self.config.max_num_seqs * per_seq, budget))
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            len(scheduler.running),
+            len(scheduler.waiting),
+            self.kv_cache.num_free_blocks,
+            self.num_kv_blocks,
+            scheduler.num_preemptions,
+        )
 
     def facts(self) -> HandshakeReply:
         return HandshakeReply(

@@ -29,7 +29,6 @@ from protocol.messages import (
     FinishReason,
     Goodbye,
     HandshakeReply,
-    Heartbeat,
     Hello,
 )
 
@@ -182,7 +181,6 @@ class CoreServer:
 
     def _output_loop(self) -> None:
         codec = Codec()
-        beat = codec.encode(Heartbeat())
         next_beat = time.monotonic()
         while True:
             try:
@@ -196,6 +194,7 @@ class CoreServer:
                 self._send(client, codec.encode(message))
             is_alive = time.monotonic() - self.last_progress < HANG_AFTER_S  # heartbeats vouch for the loop
             if time.monotonic() >= next_beat and is_alive:
+                beat = codec.encode(self.core.stats())  # read across threads: counts, a moment's view
                 for client in list(self.last_seen):
                     self._send(client, beat)
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S

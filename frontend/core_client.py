@@ -32,6 +32,7 @@ from protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineError,
+    EngineStats,
     Goodbye,
     HandshakeReply,
     Heartbeat,
@@ -73,6 +74,9 @@ class MPClient:
         )
         self.last_heard = time.monotonic()
         self.last_beat_sent = 0.0
+        self.stats: EngineStats | None = None  # from the core's latest heartbeat
+        self.num_stats = 0
+        self.pending: list[EngineCoreOutput] = []  # drained while waiting for stats
         self.facts = self._handshake(fingerprint, startup_timeout_s)
 
     def _connect(self, kind: int, address: str) -> zmq.Socket:
@@ -141,13 +145,31 @@ class MPClient:
             return True
         return False
 
+    def get_stats(self, timeout_s: float = 5.0) -> EngineStats:
+        """The core's state from its next heartbeat, sent at most HEARTBEAT_INTERVAL_S after this call
+        (so after every output this client has already received). Not for AsyncLLM, whose output
+        loop owns the socket."""
+        self._raise_if_dead(is_waiting=False)
+        self.in_socket.send(self.codec.encode(Heartbeat()))  # the core beats only to clients it has heard
+        self.last_heard = max(self.last_heard, time.monotonic())
+        seen, deadline = self.num_stats, time.monotonic() + timeout_s
+        while self.num_stats == seen:
+            self._raise_if_dead(is_waiting=True)
+            if time.monotonic() >= deadline:
+                raise EngineDeadError(f"no heartbeat from the engine core within {timeout_s:.0f} s")
+            self.out_socket.poll(POLL_MS)
+            self.pending.extend(self._drain())
+        return self.stats
+
     def _drain(self) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self.pending = self.pending, []
         while self.out_socket.poll(0):
             message = self.codec.decode_core(self.out_socket.recv(copy=False).buffer)
             self.last_heard = time.monotonic()
             if isinstance(message, EngineCoreOutputs):
                 outputs.extend(message.outputs)
+            elif isinstance(message, EngineStats):
+                self.stats, self.num_stats = message, self.num_stats + 1
             elif isinstance(message, EngineError):
                 self.error = message.message
         return outputs
@@ -234,6 +256,9 @@ class InprocClient:
 
     def abort(self, req_ids: list[str]) -> None:
         self.core.abort_requests(self.client_id, req_ids)
+
+    def get_stats(self, timeout_s: float = 5.0) -> EngineStats:
+        return self.core.stats()
 
     def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:
         outputs, self.pending = self.pending, []

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from frontend.engine_parts import build_engine_parts
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
+from protocol.messages import EngineStats
 from protocol.sampling_params import SamplingParams
 
 OUTPUT_POLL_S = 0.05
@@ -75,6 +76,11 @@ class LLM:
                         self.client.abort(self.output_processor.abort(request_id)[0])
                 raise
         return [finished[request_id] for request_id in request_ids]
+
+    def get_engine_stats(self) -> EngineStats:
+        """The engine core's state now, engine-wide (a daemon's other clients included): running and
+        waiting requests, free and total KV blocks, preemptions so far. At idle every block is free."""
+        return self.client.get_stats()
 
     def shutdown(self) -> None:
         self.client.shutdown()

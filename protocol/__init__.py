@@ -2,6 +2,6 @@
 
 from protocol.sampling_params import LogprobsMode, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the core's heartbeats carry EngineStats
 
 __all__ = ["PROTOCOL_VERSION", "LogprobsMode", "SamplingParams"]

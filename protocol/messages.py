@@ -90,10 +90,21 @@ class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
     block_size: int
 
 
+class EngineStats(msgspec.Struct, tag="stats", array_like=True):
+    """The core's heartbeat to its clients: alive, and its state at that moment, engine-wide (every
+    client's requests). At idle every KV block is free or the prefix cache's (DESIGN.md)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+    num_preemptions: int  # since the core started
+
+
 class EngineError(msgspec.Struct, tag="fatal", array_like=True):
     """The core hit an error it cannot recover from; the frontend raises EngineDeadError."""
 
     message: str
 
 
-CoreMessage = EngineCoreOutputs | HandshakeReply | Heartbeat | EngineError
+CoreMessage = EngineCoreOutputs | HandshakeReply | EngineStats | EngineError

@@ -116,5 +116,6 @@ def copy_model_with_eos(src: str, dst: Path, eos_token_id: int) -> str:
 
 
 def free_blocks_are_all(llm) -> bool:
-    core = llm.client.core
-    return core.kv_cache.num_free_blocks == core.num_kv_blocks
+    """Idle and every KV block free, as the core reports it (in process or across the socket)."""
+    stats = llm.get_engine_stats()
+    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == stats.num_waiting == 0

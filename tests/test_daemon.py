@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, free_blocks_are_all
 
 from frontend import LLM, SamplingParams
 
@@ -63,12 +63,14 @@ def test_two_frontends_share_a_daemon_and_get_only_their_own_outputs(daemon, tin
         assert [o.prompt for o in outputs] == PROMPTS[2 * i : 2 * i + 2]
         for output in outputs:
             assert output.outputs[0].token_ids == expected[output.prompt]
+    assert free_blocks_are_all(clients[0])  # engine-wide: the other client's requests are done too
     for client in clients:
         client.shutdown()
     with LLM(tiny_path, core_address=daemon) as later:  # the daemon keeps serving after clients leave
         assert (
             later.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids == expected[PROMPTS[0]]
         )
+        assert free_blocks_are_all(later)
 
 
 def test_a_frontend_with_another_tokenizer_is_refused(daemon, tiny_path, tmp_path):
