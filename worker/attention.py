@@ -145,7 +145,9 @@ def _decode_torch(q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, gathe
     over (KV head, row), the padding masked. Scores in the model's dtype, softmax in fp32 as SDPA does."""
     num_rows, (_, num_kv_heads, _, head_dim) = len(gather.rows), cache.shape
     group = q.shape[1] // num_kv_heads
-    keys, values = cache[0][:, gather.slots], cache[1][:, gather.slots]  # [Hkv, R, L, D]
+    shape = (num_kv_heads, num_rows, gather.slots.shape[1], head_dim)  # [Hkv, R, L, D]
+    flat = gather.slots.reshape(-1)  # index_select: 2-5x faster than advanced indexing on the CPU
+    keys, values = cache[0].index_select(1, flat).view(shape), cache[1].index_select(1, flat).view(shape)
     grouped_q = (q[gather.rows] * head_dim**-0.5).view(num_rows, num_kv_heads, group, head_dim)
     scores = torch.matmul(grouped_q.transpose(0, 1), keys.transpose(2, 3))  # [Hkv, R, G, L]
     scores.masked_fill_(gather.is_padding, float("-inf"))
