@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from conftest import PROMPTS, copy_model_with_eos, free_blocks_are_all
@@ -146,6 +147,29 @@ def test_min_tokens_and_a_real_eos_inside_windows(tiny_path, llm_inproc, tmp_pat
         assert len(token_ids) >= 6 and eos not in token_ids[:6] and stop_id not in token_ids[:6]
 
 
+def test_n_completions_and_prompt_logprobs_under_windows(tiny_path, llm_inproc):
+    """n = 2 seeded completions (seed + i each) and prompt logprobs: the prefill runs single, the
+    completions decode in windows, and everything equals N = 1."""
+    params = SamplingParams(
+        n=2, temperature=0.8, seed=5, max_tokens=18, logprobs=3, prompt_logprobs=3, ignore_eos=True
+    )
+    expected = llm_inproc.generate(PROMPTS[:2], params, use_tqdm=False)
+    with LLM(tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=256) as llm:
+        got = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        assert free_blocks_are_all(llm)
+    for output, reference in zip(got, expected, strict=True):
+        assert [list(p or {}) for p in output.prompt_logprobs] == [
+            list(p or {}) for p in reference.prompt_logprobs
+        ]
+        assert len(output.outputs) == 2 and output.outputs[0].token_ids != output.outputs[1].token_ids
+        for completion, ref in zip(output.outputs, reference.outputs, strict=True):
+            assert completion.token_ids == ref.token_ids and completion.text == ref.text
+            assert [[(t, lp.rank) for t, lp in d.items()] for d in completion.logprobs] == [
+                [(t, lp.rank) for t, lp in d.items()] for d in ref.logprobs
+            ]
+            assert completion.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
+
+
 def test_streamed_windows_carry_up_to_n_tokens_per_delta(tiny_path, llm_inproc):
     params = SamplingParams(temperature=0.0, max_tokens=23, logprobs=2, stop=[" the"], ignore_eos=True)
     expected = llm_inproc.generate(PROMPTS[5], params, use_tqdm=False)[0].outputs[0]
@@ -163,6 +187,28 @@ def test_streamed_windows_carry_up_to_n_tokens_per_delta(tiny_path, llm_inproc):
         list(lp) for lp in expected.logprobs
     ]
     assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == expected.finish_reason
+
+
+def test_an_abort_between_windows_ends_the_stream_and_frees_its_blocks(tiny_path):
+    async def main(engine):
+        params = SamplingParams(temperature=0.0, max_tokens=400, logprobs=2, ignore_eos=True)
+        outputs = []
+        async for out in engine.generate(PROMPTS[0], params, "to-abort"):
+            outputs.append(out)
+            if len(outputs) == 2:
+                await engine.abort("to-abort")
+        return outputs
+
+    with AsyncLLM(tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=256) as engine:
+        outputs = asyncio.run(main(engine))
+        core = engine._parts.client.core  # stepped by the engine's thread, which handles the abort
+        deadline = time.monotonic() + 5
+        while core.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.kv_cache.num_free_blocks == core.num_kv_blocks and not core.has_unfinished_requests()
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    streamed = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert streamed < 400 and streamed == sum(len(o.outputs[0].logprobs) for o in outputs)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "4", True])
