@@ -60,9 +60,10 @@ class EngineCore:
         budget = int(self.config.kv_cache_gib * 2**30 // self.runner.bytes_per_block())
         return max(1, min(self.config.max_num_seqs * per_seq, budget))
 
-    def stats(self) -> EngineStats:
+    def stats(self, nonce: int = 0) -> EngineStats:
         scheduler = self.scheduler
         return EngineStats(
+            nonce,
             len(scheduler.running),
             len(scheduler.waiting),
             self.kv_cache.num_free_blocks,

@@ -27,8 +27,10 @@ from protocol.messages import (
     EngineCoreOutputs,
     EngineError,
     FinishReason,
+    GetStats,
     Goodbye,
     HandshakeReply,
+    Heartbeat,
     Hello,
 )
 
@@ -124,6 +126,8 @@ class CoreServer:
     def _handle(self, client: bytes, message) -> None:
         if isinstance(message, AbortRequests):
             self.core.abort_requests(client, message.req_ids)
+        elif isinstance(message, GetStats):  # here, in order after this client's earlier messages
+            self.outputs.put((client, self.core.stats(message.nonce)))
         elif isinstance(message, Goodbye):
             self.core.abort_client(client)
             self.last_seen.pop(client, None)
@@ -181,6 +185,7 @@ class CoreServer:
 
     def _output_loop(self) -> None:
         codec = Codec()
+        beat = codec.encode(Heartbeat())
         next_beat = time.monotonic()
         while True:
             try:
@@ -194,7 +199,6 @@ class CoreServer:
                 self._send(client, codec.encode(message))
             is_alive = time.monotonic() - self.last_progress < HANG_AFTER_S  # heartbeats vouch for the loop
             if time.monotonic() >= next_beat and is_alive:
-                beat = codec.encode(self.core.stats())  # read across threads: counts, a moment's view
                 for client in list(self.last_seen):
                     self._send(client, beat)
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S

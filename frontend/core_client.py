@@ -33,6 +33,7 @@ from protocol.messages import (
     EngineCoreRequest,
     EngineError,
     EngineStats,
+    GetStats,
     Goodbye,
     HandshakeReply,
     Heartbeat,
@@ -74,9 +75,9 @@ class MPClient:
         )
         self.last_heard = time.monotonic()
         self.last_beat_sent = 0.0
-        self.stats: EngineStats | None = None  # from the core's latest heartbeat
-        self.num_stats = 0
-        self.pending: list[EngineCoreOutput] = []  # drained while waiting for stats
+        self.stats: EngineStats | None = None  # the latest answer to GetStats
+        self.stats_nonce = 0
+        self.pending: list[EngineCoreOutput] = []  # outputs drained while waiting for stats
         self.facts = self._handshake(fingerprint, startup_timeout_s)
 
     def _connect(self, kind: int, address: str) -> zmq.Socket:
@@ -97,7 +98,10 @@ class MPClient:
                 self.shutdown()
                 raise EngineDeadError(f"the engine core failed to start: {self.error}")
             if self.out_socket.poll(POLL_MS):
-                message = self.codec.decode_core(self.out_socket.recv())
+                try:
+                    message = self.codec.decode_core(self.out_socket.recv())
+                except msgspec.DecodeError:  # a core of another protocol version: its reply says so
+                    continue
                 if isinstance(message, HandshakeReply):
                     if message.error:
                         self.shutdown()
@@ -120,6 +124,9 @@ class MPClient:
     def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:
         """Waits up to `timeout_s` for outputs, or until `wake_fd` (a pipe) becomes readable; raises
         EngineDeadError when the core is gone."""
+        if self.pending:  # drained while waiting for stats: delivered first, at once
+            outputs, self.pending = self.pending, []
+            return outputs
         deadline = time.monotonic() + timeout_s
         while True:
             self._raise_if_dead(is_waiting=True)
@@ -145,20 +152,19 @@ class MPClient:
             return True
         return False
 
-    def get_stats(self, timeout_s: float = 5.0) -> EngineStats:
-        """The core's state from its next heartbeat, sent at most HEARTBEAT_INTERVAL_S after this call
-        (so after every output this client has already received). Not for AsyncLLM, whose output
-        loop owns the socket."""
+    def get_stats(self) -> EngineStats:
+        """The core's state after everything this client sent before (its aborts included), taken by
+        the core between two steps; waits as long as the core is alive (a window or a long prefill
+        delays the answer). Not thread-safe, like the rest of this client: not while another thread
+        is in get_outputs."""
         self._raise_if_dead(is_waiting=False)
-        self.in_socket.send(self.codec.encode(Heartbeat()))  # the core beats only to clients it has heard
+        self.stats_nonce += 1
+        self.in_socket.send(self.codec.encode(GetStats(self.stats_nonce)))
         self.last_heard = max(self.last_heard, time.monotonic())
-        seen, deadline = self.num_stats, time.monotonic() + timeout_s
-        while self.num_stats == seen:
+        while self.stats is None or self.stats.nonce != self.stats_nonce:
             self._raise_if_dead(is_waiting=True)
-            if time.monotonic() >= deadline:
-                raise EngineDeadError(f"no heartbeat from the engine core within {timeout_s:.0f} s")
             self.out_socket.poll(POLL_MS)
-            self.pending.extend(self._drain())
+            self.pending = self._drain()  # _drain starts from the pending outputs: none is dropped
         return self.stats
 
     def _drain(self) -> list[EngineCoreOutput]:
@@ -169,7 +175,7 @@ class MPClient:
             if isinstance(message, EngineCoreOutputs):
                 outputs.extend(message.outputs)
             elif isinstance(message, EngineStats):
-                self.stats, self.num_stats = message, self.num_stats + 1
+                self.stats = message
             elif isinstance(message, EngineError):
                 self.error = message.message
         return outputs
@@ -257,7 +263,7 @@ class InprocClient:
     def abort(self, req_ids: list[str]) -> None:
         self.core.abort_requests(self.client_id, req_ids)
 
-    def get_stats(self, timeout_s: float = 5.0) -> EngineStats:
+    def get_stats(self) -> EngineStats:
         return self.core.stats()
 
     def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:

@@ -78,8 +78,10 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
     def get_engine_stats(self) -> EngineStats:
-        """The engine core's state now, engine-wide (a daemon's other clients included): running and
-        waiting requests, free and total KV blocks, preemptions so far. At idle every block is free."""
+        """The engine core's state, engine-wide (a daemon's other clients included): running and
+        waiting requests, free and total KV blocks, preemptions so far. Taken by the core after all
+        this LLM sent before (so after the aborts of its finished requests), between two steps. At
+        idle every block is free. Like generate, not to be called from two threads at once."""
         return self.client.get_stats()
 
     def shutdown(self) -> None:

@@ -2,6 +2,6 @@
 
 from protocol.sampling_params import LogprobsMode, SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: the core's heartbeats carry EngineStats
+PROTOCOL_VERSION = 2  # 2: GetStats / EngineStats
 
 __all__ = ["PROTOCOL_VERSION", "LogprobsMode", "SamplingParams"]

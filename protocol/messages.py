@@ -52,11 +52,18 @@ class Heartbeat(msgspec.Struct, tag="beat", array_like=True):
     pass
 
 
+class GetStats(msgspec.Struct, tag="getstats", array_like=True):
+    """Asks for an EngineStats, answered by the core's busy loop after everything this client sent
+    before it (its aborts included), between two steps."""
+
+    nonce: int
+
+
 class Goodbye(msgspec.Struct, tag="bye", array_like=True):
     """The client is leaving: abort whatever it still has in flight."""
 
 
-ClientMessage = Hello | AddRequests | AbortRequests | Heartbeat | Goodbye
+ClientMessage = Hello | AddRequests | AbortRequests | Heartbeat | GetStats | Goodbye
 
 
 # ---- core -> frontend ---------------------------------------------------------------------------------
@@ -91,9 +98,10 @@ class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
 
 
 class EngineStats(msgspec.Struct, tag="stats", array_like=True):
-    """The core's heartbeat to its clients: alive, and its state at that moment, engine-wide (every
-    client's requests). At idle every KV block is free or the prefix cache's (DESIGN.md)."""
+    """The answer to GetStats: the core's state between two steps, engine-wide (every client's
+    requests). At idle every KV block is free or the prefix cache's (DESIGN.md)."""
 
+    nonce: int  # the GetStats it answers
     num_running: int
     num_waiting: int
     num_free_kv_blocks: int
@@ -107,4 +115,4 @@ class EngineError(msgspec.Struct, tag="fatal", array_like=True):
     message: str
 
 
-CoreMessage = EngineCoreOutputs | HandshakeReply | EngineStats | EngineError
+CoreMessage = EngineCoreOutputs | HandshakeReply | Heartbeat | EngineStats | EngineError

@@ -21,14 +21,16 @@ def assert_greedy_matches_hf(hf_model, outputs) -> None:
             assert row[token_id] >= row.max() - TOLERANCE, (output.prompt, step, token_id, int(row.argmax()))
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_path", "qwen_path"])
-def test_greedy_matches_hf_under_chunked_prefill_and_preemption(model_fixture, request):
+@pytest.mark.parametrize("model_fixture, multiprocess", [("tiny_path", True), ("qwen_path", False)])
+def test_greedy_matches_hf_under_chunked_prefill_and_preemption(model_fixture, multiprocess, request):
     path = request.getfixturevalue(model_fixture)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     # 16-token chunks force chunked prefill; 20 blocks of 16 tokens cannot hold 17 sequences of ~45 tokens.
-    with LLM(path, multiprocess=False, max_num_batched_tokens=16, num_kv_blocks=20, block_size=16) as llm:
+    config = dict(max_num_batched_tokens=16, num_kv_blocks=20, block_size=16)
+    with LLM(path, multiprocess=multiprocess, **config) as llm:
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-        assert llm.client.core.scheduler.num_preemptions > 0
+        stats = llm.get_engine_stats()  # across the socket for the spawned core
+        assert stats.num_preemptions > 0 and stats.num_kv_blocks == 20
         assert free_blocks_are_all(llm)
     assert [o.prompt for o in outputs] == PROMPTS
     assert all(len(o.outputs[0].token_ids) == 32 for o in outputs)

@@ -68,7 +68,7 @@ def test_sample_logprobs_match_hf(llm_inproc, hf_tiny, tokenizer, temperature):
 def test_prompt_logprobs_match_hf_through_chunks_and_preemption(llm_chunked, hf_tiny, tokenizer):
     params = SamplingParams(temperature=0.0, max_tokens=24, prompt_logprobs=4, ignore_eos=True)
     outputs = llm_chunked.generate(PROMPTS[:8], params, use_tqdm=False)
-    assert llm_chunked.client.core.scheduler.num_preemptions > 0
+    assert llm_chunked.get_engine_stats().num_preemptions > 0
     assert free_blocks_are_all(llm_chunked)
     for output in outputs:
         prompt = output.prompt_token_ids

@@ -13,7 +13,9 @@ from protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineStats,
     FinishReason,
+    GetStats,
     Heartbeat,
 )
 from protocol.sampling_params import SamplingParams
@@ -72,6 +74,13 @@ def test_wire_message_of_64_rows_by_21_logprobs_is_within_15_percent_of_raw_byte
     rows = [random_logprobs(1, 21, seed) for seed in range(64)]
     step = EngineCoreOutputs([EngineCoreOutput(str(i), [i], rows[i]) for i in range(64)], 1.0)
     assert len(codec.encode(step)) <= 1.15 * sum(r.num_bytes for r in rows)
+
+
+def test_stats_request_and_answer_round_trip():
+    codec = Codec()
+    assert codec.decode_client(codec.encode(GetStats(7))) == GetStats(7)
+    stats = EngineStats(7, 3, 1, 90, 128, 2)
+    assert codec.decode_core(codec.encode(stats)) == stats
 
 
 def test_heartbeat_is_a_few_bytes():
