@@ -164,11 +164,11 @@ class MPClient:
         while self.stats is None or self.stats.nonce != self.stats_nonce:
             self._raise_if_dead(is_waiting=True)
             self.out_socket.poll(POLL_MS)
-            self.pending = self._drain()  # _drain starts from the pending outputs: none is dropped
+            self.pending.extend(self._drain())  # handed out by the next get_outputs
         return self.stats
 
     def _drain(self) -> list[EngineCoreOutput]:
-        outputs, self.pending = self.pending, []
+        outputs: list[EngineCoreOutput] = []
         while self.out_socket.poll(0):
             message = self.codec.decode_core(self.out_socket.recv(copy=False).buffer)
             self.last_heard = time.monotonic()

@@ -115,6 +115,16 @@ def copy_model_with_eos(src: str, dst: Path, eos_token_id: int) -> str:
     return str(dst)
 
 
+async def stream_then_abort(engine, params, request_id: str, after: int = 2) -> list:
+    """Streams PROMPTS[0] and aborts the request once `after` deltas have arrived; returns every delta."""
+    outputs = []
+    async for out in engine.generate(PROMPTS[0], params, request_id):
+        outputs.append(out)
+        if len(outputs) == after:
+            await engine.abort(request_id)
+    return outputs
+
+
 def free_blocks_are_all(llm) -> bool:
     """Idle and every KV block free, as the core reports it (in process or across the socket)."""
     stats = llm.get_engine_stats()

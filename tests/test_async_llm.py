@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, stream_then_abort
 
 from frontend import AsyncLLM, SamplingParams
 
@@ -100,16 +100,8 @@ def test_duplicate_request_id_is_a_value_error(engine):
 
 
 def test_abort_ends_the_stream_with_finish_reason_abort(engine):
-    async def main():
-        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        outputs = []
-        async for out in engine.generate(PROMPTS[0], params, "to-abort"):
-            outputs.append(out)
-            if len(outputs) == 2:
-                await engine.abort("to-abort")
-        return outputs
-
-    outputs = asyncio.run(main())
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    outputs = asyncio.run(stream_then_abort(engine, params, "to-abort"))
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     assert sum(len(o.outputs[0].token_ids) for o in outputs) < 400
 

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import PROMPTS, copy_model_with_eos, free_blocks_are_all
+from conftest import PROMPTS, copy_model_with_eos, free_blocks_are_all, stream_then_abort
 
 from frontend import LLM, AsyncLLM, SamplingParams
 
@@ -197,17 +197,9 @@ def test_streamed_windows_carry_up_to_n_tokens_per_delta(tiny_path, llm_inproc):
 
 
 def test_an_abort_between_windows_ends_the_stream_and_frees_its_blocks(tiny_path):
-    async def main(engine):
-        params = SamplingParams(temperature=0.0, max_tokens=2000, logprobs=2, ignore_eos=True)
-        outputs = []
-        async for out in engine.generate(PROMPTS[0], params, "to-abort"):
-            outputs.append(out)
-            if len(outputs) == 2:
-                await engine.abort("to-abort")
-        return outputs
-
+    params = SamplingParams(temperature=0.0, max_tokens=2000, logprobs=2, ignore_eos=True)
     with AsyncLLM(tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=256) as engine:
-        outputs = asyncio.run(main(engine))
+        outputs = asyncio.run(stream_then_abort(engine, params, "to-abort"))
         core = engine._parts.client.core  # stepped by the engine's thread, which handles the abort
         deadline = time.monotonic() + 2  # 2,000 tokens alone would take the core 8 s or more
         while core.has_unfinished_requests() and time.monotonic() < deadline:

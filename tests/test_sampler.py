@@ -65,3 +65,23 @@ def test_zero_and_whole_vocabulary():
     assert token_ids.tolist() == [[7], [9]]
     token_ids, values, _ = gather_logprobs(top_logprobs(logprobs, -1), chosen, -1)
     assert token_ids.shape == (2, 51) and torch.allclose(values[:, 1:].exp().sum(-1), torch.ones(2))
+
+
+def test_penalty_counts_advanced_on_the_device_equal_counts_rebuilt_from_the_tokens():
+    """A multi-step window advances the penalties' counts in place; after each step they must be what
+    N = 1 rebuilds from the real token lists (output counts, and the seen mask over prompt + output)."""
+    from protocol.sampling_params import SamplingParams
+    from worker.input_batch import RequestState
+    from worker.sampler import advance_penalties
+    from worker.sampling_metadata import build_sampling_metadata
+
+    params = SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4)
+    states = [RequestState(str(i), [3, 9, 4 + i], 2, params, [0], 3, None, None, False, []) for i in range(3)]
+    meta = build_sampling_metadata(states, 50, torch.device("cpu"))
+    for sampled in ([7, 7, 1], [7, 2, 1], [9, 9, 9]):
+        advance_penalties(meta.penalties, torch.tensor(sampled))
+        for state, token in zip(states, sampled):
+            state.token_ids.append(token)
+        rebuilt = build_sampling_metadata(states, 50, torch.device("cpu")).penalties
+        assert torch.equal(meta.penalties.output_counts, rebuilt.output_counts)
+        assert torch.equal(meta.penalties.seen_mask, rebuilt.seen_mask)

@@ -133,7 +133,8 @@ class ModelRunner:
                 self.on_model_step()
             if step + 1 < num_steps:  # the next step's inputs, derived on the device from this one's
                 inputs = next_window_step(inputs, out.sampled)
-                meta = next_sampling_step(meta, states, advance_penalties(meta.penalties, out.sampled))
+                advance_penalties(meta.penalties, out.sampled)
+                meta = next_sampling_step(meta, states)
             sampled_steps.append(out.sampled)
             if has_logprobs:
                 device_tensors += [out.logprob_token_ids, out.logprobs, out.ranks]

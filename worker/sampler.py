@@ -132,11 +132,10 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def advance_penalties(penalties: Penalties | None, sampled: torch.Tensor) -> Penalties | None:
-    """Counts the tokens just sampled (on the device), for the next step of a multi-step window."""
+def advance_penalties(penalties: Penalties | None, sampled: torch.Tensor) -> None:
+    """Counts the tokens just sampled, in place on the device, for the next step of a multi-step window."""
     if penalties is None:
-        return None
+        return
     index = sampled.unsqueeze(1)
     penalties.output_counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     penalties.seen_mask.scatter_(1, index, True)
-    return penalties

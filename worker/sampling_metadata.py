@@ -48,15 +48,12 @@ def build_sampling_metadata(
     )
 
 
-def next_sampling_step(
-    meta: SamplingMetadata, states: list[RequestState], penalties: Penalties | None
-) -> SamplingMetadata:
-    """The next step of a multi-step window: the same rows and parameters; what depends on the output
-    position (seeded noise, min_tokens bans) is redone, and `penalties` carries the token counts
-    advanced on the device (the host's token lists hold placeholders until the window ends)."""
+def next_sampling_step(meta: SamplingMetadata, states: list[RequestState]) -> SamplingMetadata:
+    """The next step of a multi-step window: the same rows, parameters and penalties (their counts
+    advanced in place on the device, since the host's token lists hold placeholders until the window
+    ends); what depends on the output position (seeded noise, min_tokens bans) is redone."""
     return replace(
         meta,
-        penalties=penalties,
         generators=[_generator(s, meta.temperature.device) for s in states],
         banned=_banned(states),
     )
