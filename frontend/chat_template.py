@@ -1,0 +1,56 @@
+"""Chat messages to one prompt string through a Jinja chat template (frontend process).
+
+Shared by the HTTP server's /v1/chat/completions and `LLM.chat`: the template is the caller's (a file
+given to `coreserve serve --chat-template`) or else the tokenizer's own; a model without one cannot chat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+TEXT_PART_SEPARATOR = "\n"  # vLLM's "string" content format joins a message's text parts this way
+
+
+def render_chat(
+    tokenizer,
+    messages: Sequence[Mapping],
+    chat_template: str | None,
+    add_generation_prompt: bool,
+) -> str:
+    """The prompt text for `messages` (each {"role", "content"}, content a string or a list of
+    {"type": "text", "text"} parts). Raises ValueError when neither a template nor the tokenizer's own
+    is there, or when a message is malformed."""
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(
+            "this model has no chat template: start the server with --chat-template FILE "
+            "(or pass chat_template) to use chat"
+        )
+    if not messages:
+        raise ValueError("messages must hold at least one message")
+    flat = [_flatten(i, message) for i, message in enumerate(messages)]
+    return tokenizer.apply_chat_template(
+        flat, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _flatten(index: int, message: Mapping) -> dict:
+    """A message with its content as one string; other keys (name, ...) pass through to the template."""
+    if "role" not in message:
+        raise ValueError(f"messages[{index}] has no role")
+    content = message.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        text = TEXT_PART_SEPARATOR.join(_part_text(index, part) for part in content)
+    return {**{k: v for k, v in message.items() if v is not None}, "content": text}
+
+
+def _part_text(index: int, part: Mapping) -> str:
+    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        raise ValueError(
+            f"messages[{index}].content: only {{'type': 'text', 'text': ...}} parts are supported"
+        )
+    return part["text"]

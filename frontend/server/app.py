@@ -1,0 +1,122 @@
+"""The FastAPI application of one server: its routes, API-key check and error handlers (frontend
+process, HTTP server). `build_app(ServerState)` makes it; nothing is global, so tests may build several.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from frontend.chat_template import render_chat
+from frontend.errors import EngineDeadError
+from frontend.server.chat import create_chat_completion
+from frontend.server.completions import create_completion
+from frontend.server.errors import APIError, error_response, install_error_handlers
+from frontend.server.json_response import JSONBytesResponse
+from frontend.server.schemas import DetokenizeRequest, TokenizeRequest
+from frontend.server.state import ServerState
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_app(server: ServerState) -> FastAPI:
+    app = FastAPI(title="coreserve", docs_url=None, redoc_url=None, default_response_class=JSONBytesResponse)
+    app.state.server = server
+    install_error_handlers(app)
+    if server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+    app.post("/v1/completions")(create_completion)
+    app.post("/v1/chat/completions")(create_chat_completion)
+    app.get("/v1/models")(list_models)
+    app.get("/health")(health)
+    app.get("/metrics")(metrics)
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(detokenize)
+    return app
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on every /v1 route (as vLLM: /health, /metrics and /tokenize stay open)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                message = (
+                    "Incorrect API key provided."
+                    if given
+                    else "Missing API key: send Authorization: Bearer KEY."
+                )
+                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def list_models(request: Request) -> Response:
+    server: ServerState = request.app.state.server
+    model = {
+        "id": server.served_model_name,
+        "object": "model",
+        "created": server.started_at,
+        "owned_by": "coreserve",
+        "root": server.engine.config.model,
+        "max_model_len": server.facts.max_model_len,
+    }
+    return JSONBytesResponse({"object": "list", "data": [model]})
+
+
+async def health(request: Request) -> Response:
+    engine = request.app.state.server.engine
+    if engine.is_dead:
+        return error_response(503, f"the engine is not running: {engine.dead_reason}", code="engine_dead")
+    return Response(status_code=200)
+
+
+async def metrics(request: Request) -> Response:
+    server: ServerState = request.app.state.server
+    try:
+        text = await server.metrics.render(server.engine)
+    except EngineDeadError:  # counters and histograms stay readable; the core's gauges keep their last values
+        text = server.metrics.render_local()
+    return Response(text, media_type=PROMETHEUS_TEXT)
+
+
+async def tokenize(request: Request, body: TokenizeRequest) -> Response:
+    """vLLM's shape: {"prompt"} or {"messages"} in; {"count", "max_model_len", "tokens"} out."""
+    server: ServerState = request.app.state.server
+    server.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = render_chat(server.tokenizer, messages, server.chat_template, body.add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from exc
+        token_ids = server.tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        token_ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+    return JSONBytesResponse(
+        {"count": len(token_ids), "max_model_len": server.facts.max_model_len, "tokens": list(token_ids)}
+    )
+
+
+async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
+    server: ServerState = request.app.state.server
+    server.check_model(body.model)
+    vocab_size = server.facts.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400, f"tokens: token id {bad} is out of vocabulary (valid ids are 0..{vocab_size - 1})", "tokens"
+        )
+    return JSONBytesResponse({"prompt": server.tokenizer.decode(body.tokens)})

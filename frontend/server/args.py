@@ -1,0 +1,74 @@
+"""`coreserve serve`'s command line: server flags and the engine arguments under vLLM's spellings
+(frontend process, entry point). Only this module and `launch` read the environment (CORESERVE_API_KEY).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from protocol.config import ENGINE_ARG_HELP
+
+DEFAULT_MODEL = "builtin:tiny"
+
+# engine argument -> (type, choices); each becomes --flag-with-dashes, passed on only when given
+_ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
+    "max_model_len": (int, None),
+    "max_num_seqs": (int, None),
+    "max_num_batched_tokens": (int, None),
+    "block_size": (int, None),
+    "num_kv_blocks": (int, None),
+    "kv_cache_gib": (float, None),
+    "max_logprobs": (int, None),
+    "logprobs_mode": (str, ("raw", "processed")),
+    "num_scheduler_steps": (int, None),
+    "dtype": (str, ("auto", "float32", "bfloat16", "float16")),
+    "seed": (int, None),
+}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", nargs="?", default=None,
+        help=f"a Hugging Face model folder, builtin:tiny or builtin:small (default {DEFAULT_MODEL})",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    parser.add_argument(
+        "--api-key", default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CORESERVE_API_KEY; unset: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chat-template", metavar="FILE", help="a Jinja chat template (default: the tokenizer's)"
+    )
+    parser.add_argument(
+        "--core-address", metavar="ADDR",
+        help="attach to a running `python -m engine_core` daemon at ADDR instead of spawning a core",
+    )  # fmt: skip
+    parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    engine = parser.add_argument_group("engine arguments (vLLM's names)")
+    for name, (kind, choices) in _ENGINE_FLAGS.items():
+        engine.add_argument(
+            "--" + name.replace("_", "-"), type=kind, choices=choices, help=ENGINE_ARG_HELP[name]
+        )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine arguments that were given, as AsyncLLM keyword arguments."""
+    return {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or args.model or DEFAULT_MODEL
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key if args.api_key is not None else os.environ.get("CORESERVE_API_KEY") or None
+
+
+def read_chat_template(args: argparse.Namespace) -> str | None:
+    if args.chat_template is None:
+        return None
+    with open(args.chat_template, encoding="utf-8") as f:
+        return f.read()

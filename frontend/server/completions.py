@@ -1,0 +1,187 @@
+"""POST /v1/completions: OpenAI's legacy completions with vLLM's extensions (frontend process, HTTP).
+
+`echo` puts the prompt (its tokens and prompt logprobs) before the completion; `max_tokens: 0` with
+echo scores the prompt without generating: the engine needs max_tokens >= 1, so it runs with 1 and the
+token is dropped (completion_tokens 0). Streamed chunks are built by the same code as the whole
+response, so they concatenate to it exactly.
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend.outputs import CompletionOutput, PositionLogprobs
+from frontend.server.errors import APIError
+from frontend.server.generation import Generation, PromptInput
+from frontend.server.inputs import (
+    check_logprobs,
+    check_prompts,
+    completion_prompts,
+    sampling_params,
+    start_checked,
+)
+from frontend.server.json_response import JSONBytesResponse
+from frontend.server.logprob_json import LegacyLogprobs, vllm_prompt_logprobs
+from frontend.server.schemas import CompletionRequest
+from frontend.server.state import ServerState
+from frontend.server.transport import sse_response, until_disconnected
+
+
+async def create_completion(request: Request, body: CompletionRequest) -> Response:
+    server: ServerState = request.app.state.server
+    server.check_model(body.model)
+    prompts = completion_prompts(server.tokenizer, body.prompt)
+    generation = Generation(
+        server.engine, server.new_request_id("cmpl"), prompts, _params(server, body, prompts), server.metrics
+    )
+    response = CompletionResponse(server, body, generation)
+    if body.stream:
+        await start_checked(generation, body)
+        return sse_response(response.chunks(), generation.close)
+    return await until_disconnected(request, response.whole())
+
+
+def _params(server: ServerState, body: CompletionRequest, prompts: list[PromptInput]):
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens=0 is only allowed with echo=true (scoring the prompt)", "max_tokens")
+    check_prompts(prompts, server.facts, max(body.max_tokens, 1) if body.max_tokens is not None else None)
+    check_logprobs("logprobs", body.logprobs, server.facts)
+    check_logprobs("prompt_logprobs", body.prompt_logprobs, server.facts)
+    echo_k = body.logprobs if body.echo else None
+    asked = [k for k in (echo_k, body.prompt_logprobs) if k is not None]
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    return sampling_params(body, max_tokens, body.logprobs, max(asked) if asked else None)
+
+
+class CompletionResponse:
+    def __init__(self, server: ServerState, body: CompletionRequest, generation: Generation) -> None:
+        self.server, self.body, self.generation = server, body, generation
+        self.created = int(time.time())
+        n = body.n
+        self.choices = [
+            CompletionChoice(i * n + j, prompt, body, server)
+            for i, prompt in enumerate(generation.prompts)
+            for j in range(n)
+        ]
+        self.prompt_positions: list[list[PositionLogprobs | None] | None] = [None] * len(generation.prompts)
+
+    async def whole(self) -> Response:
+        try:
+            await start_checked(self.generation, self.body)
+            merged: dict[int, dict] = {}
+            async for piece in self._pieces():
+                _merge(merged, piece)
+        finally:
+            await self.generation.close()
+        body = self._envelope([merged[c.index] for c in self.choices])
+        body["usage"] = self._usage()
+        return JSONBytesResponse(body)
+
+    async def chunks(self):
+        async for piece in self._pieces():
+            yield self._envelope([piece])
+        if self.body.include_usage:
+            yield {**self._envelope([]), "usage": self._usage()}
+
+    async def _pieces(self):
+        n = self.body.n
+        async for prompt_index, out in self.generation.deltas():
+            if out.prompt_logprobs is not None and self.prompt_positions[prompt_index] is None:
+                self.prompt_positions[prompt_index] = out.prompt_logprobs
+            for completion in out.outputs:
+                choice = self.choices[prompt_index * n + completion.index]
+                piece = choice.piece(completion, self.prompt_positions[prompt_index])
+                if piece is not None:
+                    yield piece
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        return {
+            "id": self.generation.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.server.served_model_name,
+            "choices": choices,
+        }
+
+    def _usage(self) -> dict:
+        num_prompt = sum(len(p.token_ids) for p in self.generation.prompts)
+        num_completion = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+        }
+
+
+class CompletionChoice:
+    """One choice's text and logprobs as its deltas arrive; `piece()` is what a delta adds to it."""
+
+    def __init__(self, index: int, prompt: PromptInput, body: CompletionRequest, server: ServerState) -> None:
+        self.index, self.prompt, self.body = index, prompt, body
+        self.is_scoring = body.max_tokens == 0
+        self.logprobs = (
+            LegacyLogprobs(server.table, body.skip_special_tokens) if body.logprobs is not None else None
+        )
+        self.tokenizer = server.tokenizer
+        self.is_started = False
+        self.num_tokens = 0
+        self._held: list[CompletionOutput] = []  # deltas that came before the prompt's logprobs
+
+    def piece(self, completion: CompletionOutput, prompt_positions) -> dict | None:
+        needs_prompt = self.body.echo and self.logprobs is not None or self.body.prompt_logprobs is not None
+        if not self.is_started and needs_prompt and prompt_positions is None:
+            self._held.append(completion)
+            return None
+        piece = {
+            "index": self.index,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
+        if not self.is_started:
+            self._start(piece, prompt_positions)
+        for held in [*self._held, completion]:
+            self._add(piece, held)
+        self._held = []
+        if self.logprobs is not None:
+            piece["logprobs"] = self.logprobs.take()
+        if piece["text"] or piece["finish_reason"] or (piece["logprobs"] and piece["logprobs"]["tokens"]):
+            return piece
+        return piece if "prompt_logprobs" in piece else None
+
+    def _start(self, piece: dict, prompt_positions) -> None:
+        self.is_started = True
+        if self.body.prompt_logprobs is not None:
+            piece["prompt_logprobs"] = vllm_prompt_logprobs(prompt_positions, self.body.prompt_logprobs)
+        if not self.body.echo:
+            return
+        prompt = self.prompt
+        piece["text"] = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+        if self.logprobs is not None:
+            self.logprobs.add(prompt.token_ids, prompt_positions, self.body.logprobs, is_prompt=True)
+
+    def _add(self, piece: dict, completion: CompletionOutput) -> None:
+        if completion.finish_reason is not None:
+            piece["finish_reason"] = "length" if self.is_scoring else completion.finish_reason
+            piece["stop_reason"] = None if self.is_scoring else completion.stop_reason
+        if self.is_scoring:
+            return
+        piece["text"] += completion.text
+        self.num_tokens += len(completion.token_ids)
+        if self.logprobs is not None and completion.logprobs is not None:
+            self.logprobs.add(completion.token_ids, completion.logprobs, self.body.logprobs)
+
+
+def _merge(merged: dict[int, dict], piece: dict) -> None:
+    into = merged.setdefault(piece["index"], {**piece, "text": "", "logprobs": None})
+    into["text"] += piece["text"]
+    into["finish_reason"], into["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
+    if piece["logprobs"] is not None:
+        if into["logprobs"] is None:
+            into["logprobs"] = {key: [] for key in piece["logprobs"]}
+        for key, values in piece["logprobs"].items():
+            into["logprobs"][key].extend(values)

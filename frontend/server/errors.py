@@ -1,0 +1,90 @@
+"""OpenAI's error body for every failure the server answers (frontend process, HTTP server).
+
+Every invalid request is a 400 `{"error": {"message", "type", "param", "code"}}` naming the field; a bad
+API key 401, an unknown model 404, a dead engine 503. FastAPI's own 422 never reaches a client.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from frontend.errors import EngineDeadError
+from frontend.server.json_response import JSONBytesResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
+_LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?(?:the )?([a-z_]+)\b")
+
+
+class APIError(Exception):
+    """A request the server refuses, with the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None):
+    return JSONBytesResponse(error_body(status, message, param, code), status_code=status)
+
+
+def bad_request_from_value_error(exc: ValueError, field_names: frozenset[str]) -> APIError:
+    """The engine's and SamplingParams' messages start with the field they are about ("max_tokens must
+    be ...", "SamplingParams.temperature=-1.0 is invalid ..."): that name is the param when it is a
+    request field."""
+    message = str(exc)
+    match = _LEADING_NAME.match(message)
+    param = match.group(1) if match and match.group(1) in field_names else None
+    if param is None and "prompt" in message:
+        param = "prompt"
+    return APIError(400, message, param)
+
+
+def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) for pydantic's first complaint, e.g. ("max_tokens: Input should be ...", ...)."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    if not loc:
+        return f"the request body is invalid: {first.get('msg')}", None
+    field = ".".join(loc)
+    return f"{field}: {first.get('msg')}", loc[0]
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = describe_validation_error(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,103 @@
+"""One HTTP request's engine requests, started and ended together (frontend process, HTTP server).
+
+A completions request may carry several prompts; each is one `AsyncLLM.generate` stream (its n
+completions inside). `start()` waits for every stream's first output, so that a request the engine
+refuses is a 400 before any byte of the response is sent; `deltas()` merges the streams; `close()`
+aborts whatever is unfinished (client gone, error, cancel) and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from frontend.outputs import RequestOutput
+from frontend.server.metrics import RequestTimer, ServerMetrics
+from protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class PromptInput:
+    text: str | None  # the prompt as the client wrote it (None: given as token ids)
+    token_ids: list[int]
+
+
+class Generation:
+    def __init__(
+        self,
+        engine,
+        request_id: str,
+        prompts: list[PromptInput],
+        params: SamplingParams,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.metrics = metrics
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._timers: list[RequestTimer] = []
+        self._firsts: list[RequestOutput] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Submits every prompt; raises the engine's ValueError (after aborting the others) when one is
+        refused."""
+        for i, prompt in enumerate(self.prompts):
+            self._streams.append(
+                self.engine.generate(prompt.token_ids, self.params, f"{self.request_id}-{i}")
+            )
+            self._timers.append(self.metrics.timer(len(prompt.token_ids), self.params.n))
+        firsts = await asyncio.gather(*(_first(s) for s in self._streams), return_exceptions=True)
+        errors = [item for item in firsts if isinstance(item, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+        self._firsts = firsts
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) in arrival order; every stream's first delta first."""
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, first in enumerate(self._firsts):
+            self._account(i, first)
+            yield i, first
+            if not first.finished:
+                self._tasks.append(asyncio.create_task(self._pump(i, queue)))
+        num_open = len(self._tasks)
+        while num_open:
+            item = await queue.get()
+            if item is None:
+                num_open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                self._account(*item)
+                yield item
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for stream in self._streams:
+            await stream.aclose()  # an unfinished stream aborts its request as it closes
+
+    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
+        try:
+            async for out in self._streams[index]:
+                queue.put_nowait((index, out))
+        except Exception as exc:  # the engine died: the consumer raises it
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    def _account(self, index: int, out: RequestOutput) -> None:
+        timer = self._timers[index]
+        timer.on_tokens(sum(len(c.token_ids) for c in out.outputs))
+        if out.finished:
+            timer.on_finish([c.finish_reason for c in out.outputs])
+
+
+async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    return await stream.__anext__()

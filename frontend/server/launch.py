@@ -1,0 +1,27 @@
+"""Starts one server: an AsyncLLM (spawned core or a daemon) and uvicorn in front of it (frontend
+process, entry point)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from frontend.async_llm import AsyncLLM
+from frontend.server.app import build_app
+from frontend.server.args import api_key, engine_kwargs, read_chat_template, served_model_name
+from frontend.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def serve(args: argparse.Namespace) -> None:
+    chat_template = read_chat_template(args)  # a bad path fails before the engine starts
+    engine = AsyncLLM(args.model, core_address=args.core_address, **engine_kwargs(args))
+    try:
+        state = ServerState(engine, served_model_name(args), chat_template, api_key(args))
+        logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)
+        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,135 @@
+"""Logprobs in the JSON shapes OpenAI clients know (frontend process, HTTP server).
+
+Legacy completions: `tokens`, `token_logprobs`, `top_logprobs` (one {token text: logprob} per position,
+the sampled token included) and `text_offset`. Chat: `content` entries {token, logprob, bytes,
+top_logprobs}. A token that is not valid UTF-8 on its own (a piece of a multi-byte character) is
+written "bytes:\\xe6\\x97" (every byte escaped, OpenAI's form) wherever text is expected; `bytes` stays
+exact. -inf (and NaN, which the engine never makes) becomes -9999.0, OpenAI's value: JSON has neither.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+
+from frontend.outputs import Logprob, PositionLogprobs
+from frontend.token_text import TokenTable
+
+NO_LOGPROB = -9999.0
+
+
+def finite(value: float) -> float:
+    return value if math.isfinite(value) else NO_LOGPROB
+
+
+def token_bytes(decoded: str) -> bytes:
+    return decoded.encode("utf-8", "surrogateescape")
+
+
+def token_text(decoded: str) -> str:
+    """The token's text for JSON: itself, or "bytes:\\xNN..." when its bytes are not valid UTF-8 alone."""
+    try:
+        decoded.encode("utf-8")
+    except UnicodeEncodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in token_bytes(decoded))
+    return decoded
+
+
+def top_entries(position: PositionLogprobs, k: int) -> list[Logprob]:
+    """The top-k candidates in rank order (the sampled token among them only if it ranks within k)."""
+    return sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= k), key=_rank)
+
+
+def _rank(logprob: Logprob) -> int:
+    return logprob.rank
+
+
+class LegacyLogprobs:
+    """One completions choice's `logprobs`, built position by position; `take()` returns what was added
+    since the last call, so a stream's chunks concatenate to the whole. Offsets count characters of the
+    choice's text, the echoed prompt included, as the UTF-8 decoder produces them."""
+
+    def __init__(self, table: TokenTable, skip_special_tokens: bool) -> None:
+        self.table = table
+        self.skip_special = skip_special_tokens
+        self.offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._piece = _empty_piece()
+
+    def add(
+        self,
+        token_ids: list[int],
+        positions: list[PositionLogprobs | None],
+        k: int,
+        is_prompt: bool = False,
+    ) -> None:
+        piece = self._piece
+        for token_id, position in zip(token_ids, positions):
+            piece["text_offset"].append(self.offset)
+            self._advance(token_id, is_prompt)
+            if position is None:  # the prompt's first token: nothing before it to condition on
+                piece["tokens"].append(token_text(self.table.decode_token(token_id)))
+                piece["token_logprobs"].append(None)
+                piece["top_logprobs"].append(None)
+                continue
+            chosen = position[token_id]
+            piece["tokens"].append(token_text(chosen.decoded_token or ""))
+            piece["token_logprobs"].append(finite(chosen.logprob))
+            top = {token_text(lp.decoded_token or ""): finite(lp.logprob) for lp in top_entries(position, k)}
+            top.setdefault(token_text(chosen.decoded_token or ""), finite(chosen.logprob))
+            piece["top_logprobs"].append(top)
+
+    def take(self) -> dict:
+        piece, self._piece = self._piece, _empty_piece()
+        return piece
+
+    def _advance(self, token_id: int, is_prompt: bool) -> None:
+        if not is_prompt and self.skip_special and token_id in self.table.special_ids:
+            return
+        self.offset += len(self._utf8.decode(token_bytes(self.table.decode_token(token_id))))
+
+
+def _empty_piece() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def chat_content(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> list[dict]:
+    """`choices[i].logprobs.content`: per generated token its text, logprob, exact bytes, and the top k."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position[token_id]
+        entry = _chat_entry(chosen)
+        entry["top_logprobs"] = [_chat_entry(lp) for lp in top_entries(position, k)]
+        content.append(entry)
+    return content
+
+
+def _chat_entry(logprob: Logprob) -> dict:
+    decoded = logprob.decoded_token or ""
+    return {
+        "token": token_text(decoded),
+        "logprob": finite(logprob.logprob),
+        "bytes": list(token_bytes(decoded)),
+    }
+
+
+def vllm_prompt_logprobs(positions: list[PositionLogprobs | None], k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position {token id: {logprob, rank, decoded_token}}, the prompt
+    token first, then the top k."""
+    rows: list[dict | None] = []
+    for position in positions:
+        if position is None:
+            rows.append(None)
+            continue
+        rows.append(
+            {
+                token_id: {
+                    "logprob": finite(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": token_text(lp.decoded_token or ""),
+                }
+                for n, (token_id, lp) in enumerate(position.items())
+                if n == 0 or (lp.rank is not None and lp.rank <= k)
+            }
+        )
+    return rows

@@ -1,0 +1,44 @@
+"""What every handler of one server shares: the engine, the served name, the template, metrics
+(frontend process, HTTP server). Built once by `launch` (or a test) and kept on `app.state.server`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from frontend.server.errors import APIError
+from frontend.server.metrics import ServerMetrics
+from frontend.token_text import TokenTable
+
+
+@dataclass
+class ServerState:
+    engine: object  # AsyncLLM
+    served_model_name: str
+    chat_template: str | None = None
+    api_key: str | None = None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    table: TokenTable | None = None
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    _serials: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        if self.table is None:
+            self.table = TokenTable(self.engine.tokenizer)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def facts(self):
+        """The core's HandshakeReply: vocab_size, max_model_len, max_logprobs, ..."""
+        return self.engine.facts
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.started_at:x}{next(self._serials):06d}"
