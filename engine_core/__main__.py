@@ -1,6 +1,7 @@
 """Runs the engine core alone: `python -m engine_core --model DIR --address ADDR`.
 
-The frontend also starts it this way (with --config-json) when it spawns its own core.
+The frontend also starts it this way (with --config-json) when it spawns its own core. Every mistake on
+the command line is one line on stderr and exit code 2; a core that fails later exits non-zero.
 """
 
 from __future__ import annotations
@@ -12,45 +13,79 @@ import sys
 
 import msgspec
 
-from protocol.addresses import is_loopback
-from protocol.config import EngineConfig
+from protocol.addresses import is_loopback, split_address
+from protocol.config import ENGINE_ARG_HELP, EngineConfig
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine_core", description=__doc__)
-    parser.add_argument("--model", help="a Hugging Face model folder")
+    parser.add_argument("--model", help="a Hugging Face model folder, or builtin:tiny / builtin:small")
     parser.add_argument(
-        "--address", required=True, help="ipc://PATH or tcp://127.0.0.1:PORT (uses PORT and PORT+1)"
+        "--address",
+        required=True,
+        help="ipc://PATH (the folder is created) or tcp://HOST:PORT (uses PORT and PORT+1; "
+        "IPv6 as tcp://[::1]:PORT)",
     )
     parser.add_argument("--config-json", help="a whole EngineConfig as JSON (used by a spawning frontend)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process is no longer the parent")
     parser.add_argument("--allow-remote", action="store_true", help="allow binding beyond loopback")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     for field in EngineConfig.__struct_fields__:
         if field != "model":
-            parser.add_argument("--" + field.replace("_", "-"), dest=field, default=None)
-    return parser.parse_args(argv)
+            flag = "--" + field.replace("_", "-")
+            parser.add_argument(flag, dest=field, default=None, help=ENGINE_ARG_HELP.get(field, ""))
+    return parser
 
 
-def build_config(args: argparse.Namespace) -> EngineConfig:
-    if args.config_json:
-        return msgspec.json.decode(args.config_json, type=EngineConfig)
-    if not args.model:
-        raise SystemExit("--model is required")
-    values = {
-        f: getattr(args, f)
-        for f in EngineConfig.__struct_fields__
-        if f != "model" and getattr(args, f) is not None
-    }
-    return msgspec.convert({"model": args.model, **values}, EngineConfig, strict=False)
+def build_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+    """The config from the flags; a value of the wrong type or range exits with one line naming it."""
+    try:
+        if args.config_json:
+            return msgspec.json.decode(args.config_json, type=EngineConfig)
+        if not args.model:
+            parser.error("--model is required")
+        values = {
+            f: getattr(args, f)
+            for f in EngineConfig.__struct_fields__
+            if f != "model" and getattr(args, f) is not None
+        }
+        return msgspec.convert({"model": resolve_model(args.model), **values}, EngineConfig, strict=False)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        parser.error(_flag_error(str(exc)))
+
+
+def resolve_model(model: str) -> str:
+    """`builtin:NAME` is the project's own model, made on first use, as the Python API accepts it."""
+    if not model.startswith("builtin:"):
+        return model
+    from protocol.builtin_model import builtin_model_path
+
+    return builtin_model_path(model.split(":", 1)[1])
+
+
+def _flag_error(message: str) -> str:
+    """msgspec names a field as `$.max_model_len`; the user typed --max-model-len."""
+    if "$." in message:
+        name = message.rsplit("$.", 1)[1].split()[0].strip("`'")
+        return f"--{name.replace('_', '-')}: {message.rsplit(' - at ', 1)[0]}"
+    return message
+
+
+def check_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    try:
+        split_address(args.address)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not is_loopback(args.address) and not args.allow_remote:
+        parser.error(f"refusing to listen on {args.address}: not loopback (pass --allow-remote)")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    check_address(parser, args)
+    config = build_config(parser, args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s core %(levelname)s %(name)s: %(message)s")
-    if not is_loopback(args.address) and not args.allow_remote:
-        raise SystemExit(f"refusing to listen on {args.address}: not loopback (pass --allow-remote)")
-    config = build_config(args)
     if config.num_threads:
         import torch
 
@@ -58,7 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     from engine_core.core import EngineCore
     from engine_core.server import CoreServer
 
-    server = CoreServer(EngineCore(config), args.address, parent_pid=args.parent_pid)
+    core = EngineCore(config)
+    try:
+        server = CoreServer(core, args.address, parent_pid=args.parent_pid)
+    except ValueError as exc:  # the address is taken, or cannot be listened on
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     logging.getLogger(__name__).info("engine core serving %s on %s", config.model, args.address)

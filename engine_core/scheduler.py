@@ -5,12 +5,13 @@ its token count, a budget's worth at a time.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.outputs import make_output
 from engine_core.request import Request, RequestStatus
 from engine_core.stop import check_stop
+from engine_core.waiting_queue import WaitingQueue
 from protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from protocol.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -30,7 +31,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()  # round-robin across clients, FCFS within one
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(): the worker drops them
         self.num_preemptions = 0  # since start, for stats and tests

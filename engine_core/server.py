@@ -1,8 +1,10 @@
 """The core's ZeroMQ face (engine-core process): an input thread decodes client frames, the busy loop
 steps the engine, an output thread encodes and sends. Each socket is used by exactly one thread.
 
-Clients are told apart by their routing id; each receives only its own outputs. A client silent for
-longer than `client_timeout_s` (no heartbeat) has its requests aborted and their KV blocks freed.
+Clients are told apart by their routing id; each receives only its own outputs, and only after its
+handshake succeeded. A client silent for longer than `client_timeout_s` (no heartbeat) has its
+requests aborted and their KV blocks freed. A thread that dies stops the core, which tells its clients
+why and exits non-zero: no thread dies silently while the others go on.
 """
 
 from __future__ import annotations
@@ -12,26 +14,24 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
-import msgspec
 import zmq
 
 from engine_core.core import EngineCore
-from protocol import PROTOCOL_VERSION
-from protocol.addresses import split_address
+from engine_core.endpoints import Endpoints
+from engine_core.inbound import DecodedRequests, FrameReader
 from protocol.codec import Codec
 from protocol.messages import (
     AbortRequests,
-    AddRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineError,
     FinishReason,
     GetStats,
     Goodbye,
-    HandshakeReply,
     Heartbeat,
-    Hello,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,46 +49,54 @@ class CoreServer:
         self.parent_pid = parent_pid
         self.client_timeout_s = client_timeout_s
         self.ctx = zmq.Context()
-        in_address, out_address = split_address(address)
-        self.in_socket = self._bind(zmq.ROUTER, in_address)
-        self.out_socket = self._bind(zmq.ROUTER, out_address)
-        self.out_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a silent drop
-        self.out_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow client's outputs
+        try:
+            self.endpoints = Endpoints(self.ctx, address)
+        except BaseException:
+            self.ctx.term()
+            raise
+        self.in_socket, self.out_socket = self.endpoints.in_socket, self.endpoints.out_socket
+        self.reader = FrameReader(core.facts, core.tokenizer_fingerprint)
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
-        self.last_seen: dict[bytes, float] = {}  # client -> monotonic time of its last frame
+        self.last_seen: dict[bytes, float] = {}  # greeted client -> monotonic time of its last frame
         self.is_stopping = threading.Event()
+        self.thread_failure: str | None = None  # why a thread of the core died, if one did
         self.last_progress = time.monotonic()  # the busy loop's last turn; heartbeats vouch for it
         core.runner.on_model_step = self._mark_progress  # a window's steps count as turns
 
-    def _bind(self, kind: int, address: str) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(address)
-        return sock
-
     def serve_forever(self) -> None:
         threads = [
-            threading.Thread(target=self._input_loop, name="core-input", daemon=True),
-            threading.Thread(target=self._output_loop, name="core-output", daemon=True),
+            threading.Thread(target=self._guard(self._input_loop), name="core-input", daemon=True),
+            threading.Thread(target=self._guard(self._output_loop), name="core-output", daemon=True),
         ]
         for thread in threads:
             thread.start()
         try:
             self._busy_loop()
-        except Exception as exc:  # a bug or a device failure: tell every client, then exit
+        except Exception as exc:  # a bug, a device failure or a dead thread: tell every client, then exit
             logger.exception("engine core failed")
             for client in list(self.last_seen):
-                self.outputs.put((client, EngineError(f"engine core failed: {exc!r}")))
+                self.outputs.put((client, EngineError(f"engine core failed: {exc}")))
             raise
         finally:
             self.is_stopping.set()
-            self.outputs.put(None)
+            self.outputs.put(None)  # queued after the error messages: they are sent first
             for thread in threads:
                 thread.join(timeout=5)
-            self.in_socket.close()
-            self.out_socket.close()
+            self.endpoints.close()  # lingers a moment so that those last frames leave
             self.ctx.term()
+
+    def _guard(self, loop: Callable[[], None]) -> Callable[[], None]:
+        """A thread's loop that, if it dies, makes the busy loop stop the core with the reason."""
+
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as exc:
+                logger.exception("thread %s died", threading.current_thread().name)
+                self.thread_failure = f"thread {threading.current_thread().name} died: {exc!r}"
+
+        return run
 
     def _mark_progress(self) -> None:
         self.last_progress = time.monotonic()
@@ -101,6 +109,8 @@ class CoreServer:
     def _busy_loop(self) -> None:
         next_check = 0.0
         while not self.is_stopping.is_set():
+            if self.thread_failure is not None:
+                raise RuntimeError(self.thread_failure)
             self._mark_progress()
             self._drain_inputs(block=not self.core.has_unfinished_requests())
             if self.core.has_unfinished_requests():
@@ -124,6 +134,13 @@ class CoreServer:
                 return
 
     def _handle(self, client: bytes, message) -> None:
+        """One message; an unexpected error while handling it drops it alone (logged), never the core."""
+        try:
+            self._handle_one(client, message)
+        except Exception:
+            logger.exception("could not handle a %s from client %s", type(message).__name__, client.hex())
+
+    def _handle_one(self, client: bytes, message) -> None:
         if isinstance(message, AbortRequests):
             self.core.abort_requests(client, message.req_ids)
         elif isinstance(message, GetStats):  # here, in order after this client's earlier messages
@@ -131,11 +148,18 @@ class CoreServer:
         elif isinstance(message, Goodbye):
             self.core.abort_client(client)
             self.last_seen.pop(client, None)
-        elif isinstance(message, AddRequests):
-            requests = message.requests
-            refusals = [r for r in (self.core.add_request(client, req) for req in requests) if r is not None]
+        elif isinstance(message, DecodedRequests):
+            refusals = [r for r in (self._add(client, req) for req in message.requests) if r is not None]
             if refusals:
                 self.outputs.put((client, EngineCoreOutputs(refusals, time.time())))
+
+    def _add(self, client: bytes, request: EngineCoreRequest) -> EngineCoreOutput | None:
+        try:
+            return self.core.add_request(client, request)
+        except Exception as exc:  # a bug: this request is refused, with the reason, and the rest go on
+            logger.exception("could not add request %s", request.req_id)
+            error = f"the engine core could not take the request: {exc!r}"
+            return EngineCoreOutput(request.req_id, [], finish_reason=FinishReason.ERROR, error=error)
 
     def _check_liveness(self) -> None:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -145,7 +169,7 @@ class CoreServer:
         for client, seen in list(self.last_seen.items()):
             if seen < deadline:
                 aborted = self.core.abort_client(client)
-                del self.last_seen[client]
+                self.last_seen.pop(client, None)
                 if aborted:  # if it is only slow, it learns what happened instead of waiting forever
                     logger.warning(
                         "client %s went silent; aborted its %d requests", client.hex(), len(aborted)
@@ -156,30 +180,18 @@ class CoreServer:
     # ---- input thread --------------------------------------------------------------------------------
 
     def _input_loop(self) -> None:
-        codec = Codec()
         while not self.is_stopping.is_set():
             if not self.in_socket.poll(POLL_MS):
                 continue
             frames = self.in_socket.recv_multipart(copy=False)
             client = bytes(frames[0].buffer)
-            try:
-                message = codec.decode_client(frames[-1].buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("dropped a malformed frame from client %s: %s", client.hex(), exc)
-                continue
-            self.last_seen[client] = time.monotonic()
-            if isinstance(message, Hello):
-                self.outputs.put((client, self._handshake(message)))
-            else:
-                self.inputs.put((client, message))
-
-    def _handshake(self, hello: Hello) -> HandshakeReply:
-        reply = self.core.facts()
-        if hello.protocol_version != PROTOCOL_VERSION:
-            reply.error = f"protocol version {hello.protocol_version} != the core's {PROTOCOL_VERSION}"
-        elif hello.tokenizer_fingerprint != self.core.tokenizer_fingerprint:
-            reply.error = "the frontend's tokenizer does not match the model's tokenizer"
-        return reply
+            inbound = self.reader.read(client, frames[-1].buffer)
+            if client in self.reader.greeted:
+                self.last_seen[client] = time.monotonic()
+            if inbound.reply is not None:
+                self.outputs.put((client, inbound.reply))
+            if inbound.to_core is not None:
+                self.inputs.put((client, inbound.to_core))
 
     # ---- output thread -------------------------------------------------------------------------------
 
@@ -197,11 +209,17 @@ class CoreServer:
             if item:
                 client, message = item
                 self._send(client, codec.encode(message))
+            self._discard_inbound()
             is_alive = time.monotonic() - self.last_progress < HANG_AFTER_S  # heartbeats vouch for the loop
             if time.monotonic() >= next_beat and is_alive:
                 for client in list(self.last_seen):
                     self._send(client, beat)
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+
+    def _discard_inbound(self) -> None:
+        """Nothing legitimate arrives on the output socket: whatever does is read and thrown away."""
+        while self.out_socket.poll(0, zmq.POLLIN):
+            self.out_socket.recv_multipart(copy=False)
 
     def _send(self, client: bytes, frame: bytes) -> None:
         try:

@@ -1,7 +1,7 @@
 """The user-facing side of coreserve: LLM, SamplingParams and the output types (frontend process)."""
 
 from frontend.async_llm import AsyncLLM
-from frontend.errors import EngineDeadError
+from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.llm import LLM
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from protocol.sampling_params import SamplingParams
@@ -12,6 +12,7 @@ __all__ = [
     "CompletionOutput",
     "EngineDeadError",
     "Logprob",
+    "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -3,6 +3,10 @@
 The core client and the output processing (detokenizing, logprob dicts, stop strings) live on one
 engine thread, so the event loop only hands requests over and receives finished RequestOutput deltas;
 a pipe wakes the engine thread when a request or an abort arrives.
+
+Every submission gets its own key (the user's request id plus a serial number): outputs are routed by
+that key, so a request id reused after a cancel never receives the old request's last output. An error
+in one request's command or output fails that request alone; only a dead core fails them all.
 """
 
 from __future__ import annotations
@@ -14,16 +18,24 @@ import os
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from frontend.engine_parts import build_engine_parts
-from frontend.errors import EngineDeadError
+from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
+from protocol.messages import EngineStats, HandshakeReply
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0
+
+
+@dataclass
+class _Stream:
+    request_id: str  # the user's id, put back on every output
+    outputs: asyncio.Queue  # RequestOutput deltas, or the exception that ends the stream
 
 
 class AsyncLLM:
@@ -40,9 +52,12 @@ class AsyncLLM:
     ) -> None:
         self._parts = build_engine_parts(model, multiprocess, core_address, engine_args)
         self.config, self.tokenizer = self._parts.config, self._parts.tokenizer
+        self.facts: HandshakeReply = self._parts.inputs.facts  # the limits requests are checked against
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}  # submission key -> stream
+        self._key_of: dict[str, str] = {}  # user request id -> key of its submission in flight
+        self._serials = itertools.count()
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
@@ -53,38 +68,56 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def is_dead(self) -> bool:
+        """The core died, hung or failed (or the engine was shut down): no request can finish."""
+        return self._error is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self._error is None else str(self._error)
+
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        if self._error is not None:
-            raise EngineDeadError(str(self._error))
+        self._raise_if_dead()
         self._loop = asyncio.get_running_loop()
         params = sampling_params or SamplingParams()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        if request_id in self._streams:
+        if request_id in self._key_of:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if self._is_stopping.is_set():
-            raise EngineDeadError("the engine was shut down")
         text, token_ids = self._parts.inputs.tokenize(prompt)
         self._parts.inputs.validate(token_ids, params)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        key = f"{request_id}@{next(self._serials)}"
+        stream = _Stream(request_id, asyncio.Queue())
+        self._streams[key], self._key_of[request_id] = stream, key
         is_finished = False
         try:
-            self._submit(("add", request_id, text, token_ids, params))
+            self._submit(("add", key, text, token_ids, params))
             while not is_finished:
-                item = await stream.get()
+                item = await stream.outputs.get()
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(str(item)) from item
+                    is_finished = True  # nothing of it is left in the engine to abort
+                    raise item
                 is_finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            del self._streams[key], self._key_of[request_id]
             if not is_finished:
-                self._submit(("abort", request_id))
+                self._submit(("abort", key))
 
     async def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        key = self._key_of.get(request_id)
+        if key is not None:
+            self._submit(("abort", key))
+
+    async def get_engine_stats(self) -> EngineStats:
+        """The core's state (engine-wide), taken between two steps after everything sent before."""
+        self._raise_if_dead()
+        future = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._submit(("stats", future))
+        return await future
 
     def shutdown(self) -> None:
         if self._is_stopping.is_set():
@@ -97,13 +130,17 @@ class AsyncLLM:
         os.close(self._wake_write)
         if self._error is None:  # streams still open learn that the engine is gone
             self._error = EngineDeadError("the engine was shut down")
-            self._deliver(self._error)
+            self._deliver_to_all(self._error)
 
     def __enter__(self) -> AsyncLLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
 
     def _submit(self, command: tuple) -> None:
         if self._is_stopping.is_set():
@@ -119,45 +156,78 @@ class AsyncLLM:
             while not self._is_stopping.is_set():
                 self._run_commands()
                 timeout = 0.05 if processor.has_unfinished() else _IDLE_WAIT_S
-                results, to_abort = processor.process(client.get_outputs(timeout, self._wake_read))
-                client.abort(to_abort)
-                if results:
-                    self._deliver(results)
-        except BaseException as exc:  # the core died: every open stream gets the error
-            self._error = exc
-            self._deliver(exc)
+                processed = processor.process(client.get_outputs(timeout, self._wake_read))
+                client.abort(processed.to_abort)
+                for key, reason in processed.errors.items():
+                    self._deliver(key, RequestFailedError(reason))
+                if processed.outputs:
+                    self._deliver_outputs(processed.outputs)
+        except BaseException as exc:  # the core died or hung (or a bug here): every open stream fails
+            self._error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc))
+            self._deliver_to_all(self._error)
             logger.error("engine thread stopped: %s", exc)
 
     def _run_commands(self) -> None:
-        client, processor = self._parts.client, self._parts.outputs
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, text, token_ids, params = command
-                children = processor.add_request(request_id, text, token_ids, params, is_delta=True)
-                client.send(
-                    [self._parts.inputs.make_request(core_id, token_ids, p) for core_id, p in children]
-                )
+                self._add(*command[1:])
             elif command[0] == "abort":
-                core_ids, last_output = processor.abort(command[1])
-                client.abort(core_ids)
+                core_ids, last_output = self._parts.outputs.abort(command[1])
+                self._parts.client.abort(core_ids)
                 if last_output is not None:  # a stream still listening ends with finish_reason "abort"
-                    self._deliver([last_output])
+                    self._deliver_outputs([last_output])
+            elif command[0] == "stats":
+                self._answer_stats(command[1])
 
-    def _deliver(self, results) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._put_results, results)
-
-    def _put_results(self, results) -> None:
-        """On the event loop: hand each delta to its stream, or an error to every stream."""
-        if isinstance(results, BaseException):
-            for stream in self._streams.values():
-                stream.put_nowait(results)
+    def _add(self, key: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+        """One request's failure (a field changed since validation, a bug) fails that request alone."""
+        parts = self._parts
+        try:
+            parts.inputs.validate(token_ids, params)
+            children = parts.outputs.add_request(key, text, token_ids, params, is_delta=True)
+            requests = [parts.inputs.make_request(core_id, token_ids, p) for core_id, p in children]
+        except Exception as exc:
+            parts.outputs.abort(key)
+            self._deliver(key, exc if isinstance(exc, ValueError) else RequestFailedError(repr(exc)))
             return
-        for result in results:
-            stream = self._streams.get(result.request_id)
+        parts.client.send(requests)  # raises only when the core is dead: that fails every stream
+
+    def _answer_stats(self, future: asyncio.Future) -> None:
+        try:
+            stats = self._parts.client.get_stats()
+        except BaseException as exc:  # a dead core: the caller learns it, then every stream does
+            error = exc
+            self._loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+            raise
+        self._loop.call_soon_threadsafe(lambda: future.done() or future.set_result(stats))
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._put_outputs, outputs)
+
+    def _deliver(self, key: str, error: BaseException) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._put_error, key, error)
+
+    def _deliver_to_all(self, error: BaseException) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._put_error, None, error)
+
+    # ---- event loop ----------------------------------------------------------------------------------
+
+    def _put_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)  # keyed by submission: a closed one is gone
             if stream is not None:
-                stream.put_nowait(result)
+                output.request_id = stream.request_id
+                stream.outputs.put_nowait(output)
+
+    def _put_error(self, key: str | None, error: BaseException) -> None:
+        streams = self._streams.values() if key is None else [self._streams.get(key)]
+        for stream in streams:
+            if stream is not None:
+                stream.outputs.put_nowait(error)

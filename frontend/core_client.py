@@ -27,7 +27,6 @@ from protocol.codec import Codec
 from protocol.config import EngineConfig
 from protocol.messages import (
     AbortRequests,
-    AddRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -44,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 100
 HEARTBEAT_EVERY_S = 1.0
+ATTACH_TIMEOUT_S = 15.0  # a daemon answers a hello at once; a spawned core first loads its model
+MAX_TOKENS_PER_FRAME = 1_000_000  # about 5 MB of prompt ids: well under the core's frame limit
 
 
 class MPClient:
@@ -54,9 +55,12 @@ class MPClient:
         config: EngineConfig,
         fingerprint: str,
         address: str | None = None,
-        startup_timeout_s: float = 300.0,
+        startup_timeout_s: float | None = None,
         dead_after_s: float = 10.0,
     ) -> None:
+        if startup_timeout_s is None:
+            startup_timeout_s = 300.0 if address is None else ATTACH_TIMEOUT_S
+        self.address = address
         self.codec = Codec()
         self.dead_after_s = dead_after_s
         self.error: str | None = None
@@ -70,8 +74,11 @@ class MPClient:
         in_address, out_address = split_address(address)
         self.out_socket = self._connect(zmq.DEALER, out_address)  # outputs arrive here
         self.in_socket = self._connect(zmq.DEALER, in_address)  # requests leave here
+        # At shutdown, garbage collection or interpreter exit: a goodbye, so that a daemon aborts what
+        # this client leaves behind at once instead of after its silence timeout.
         self._finalizer = weakref.finalize(
-            self, _cleanup, self.ctx, [self.in_socket, self.out_socket], self.proc, self.tmpdir
+            self, _cleanup, self.ctx, [self.in_socket, self.out_socket], self.proc, self.tmpdir,
+            self.codec.encode(Goodbye()),
         )
         self.last_heard = time.monotonic()
         self.last_beat_sent = 0.0
@@ -84,6 +91,8 @@ class MPClient:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.client_id)
+        if address.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
         return sock
 
@@ -109,11 +118,21 @@ class MPClient:
                     self.last_heard = time.monotonic()
                     return message
         self.shutdown()
-        raise EngineDeadError(f"the engine core did not answer within {timeout_s:.0f} s")
+        where = f"at {self.address}" if self.address else "it spawned"
+        hint = _silence_hint(self.address) if self.address else ""
+        raise EngineDeadError(f"the engine core {where} did not answer within {timeout_s:.0f} s{hint}")
 
     def send(self, requests: list[EngineCoreRequest]) -> None:
+        """Frames of at most about MAX_TOKENS_PER_FRAME prompt tokens (the core caps a frame's size)."""
         self._raise_if_dead(is_waiting=False)
-        self.in_socket.send(self.codec.encode(AddRequests(requests)), copy=False)
+        start, num_tokens = 0, 0
+        for end, request in enumerate(requests):
+            if num_tokens and num_tokens + len(request.prompt_token_ids) > MAX_TOKENS_PER_FRAME:
+                self.in_socket.send(self.codec.encode_requests(requests[start:end]), copy=False)
+                start, num_tokens = end, 0
+            num_tokens += len(request.prompt_token_ids)
+        if start < len(requests):
+            self.in_socket.send(self.codec.encode_requests(requests[start:]), copy=False)
         # Silence while we were idle proves nothing; from this send on the core owes us heartbeats.
         self.last_heard = max(self.last_heard, time.monotonic())
 
@@ -182,8 +201,10 @@ class MPClient:
 
     def _check_process(self, is_waiting: bool = False) -> None:
         """A spawned core that exited is dead; so is any core silent for dead_after_s while we wait on it."""
-        if self.proc is not None and self.proc.poll() is not None:
-            self.error = f"the engine core process exited with code {self.proc.returncode}"
+        if self.proc is not None and self.error is None and self.proc.poll() is not None:
+            self._drain_quietly()  # its last frame may say why (an EngineError)
+            exited = f"the engine core process exited with code {self.proc.returncode}"
+            self.error = exited if self.error is None else f"{self.error} ({exited})"
         elif is_waiting and self.error is None and time.monotonic() - self.last_heard > self.dead_after_s:
             self.error = f"no word from the engine core for {self.dead_after_s:.0f} s"
 
@@ -192,13 +213,21 @@ class MPClient:
         if self.error is not None:
             raise EngineDeadError(self.error)
 
+    def _drain_quietly(self) -> None:
+        try:
+            self._drain()
+        except (msgspec.DecodeError, zmq.ZMQError):
+            pass
+
     def shutdown(self) -> None:
-        if self._finalizer.alive and self.error is None:
-            try:
-                self.in_socket.send(self.codec.encode(Goodbye()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
         self._finalizer()
+
+
+def _silence_hint(address: str) -> str:
+    in_address = split_address(address)[0]
+    if in_address.startswith("ipc://") and not os.path.exists(in_address[len("ipc://") :]):
+        return f" (no socket file {in_address[len('ipc://'):]}: is python -m engine_core running there?)"
+    return " (is python -m engine_core running there?)"
 
 
 def _spawn_core(config: EngineConfig, address: str) -> subprocess.Popen:
@@ -221,8 +250,16 @@ def _spawn_core(config: EngineConfig, address: str) -> subprocess.Popen:
 
 
 def _cleanup(
-    ctx: zmq.Context, sockets: list[zmq.Socket], proc: subprocess.Popen | None, tmpdir: str | None
+    ctx: zmq.Context,
+    sockets: list[zmq.Socket],
+    proc: subprocess.Popen | None,
+    tmpdir: str | None,
+    goodbye: bytes,
 ) -> None:
+    try:
+        sockets[0].send(goodbye, flags=zmq.NOBLOCK)  # the input socket
+    except zmq.ZMQError:
+        pass
     for sock in sockets:
         sock.close(linger=500)  # long enough for a goodbye to reach a daemon, never a hang
     ctx.term()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from frontend.core_client import InprocClient, MPClient
 from frontend.engine_args import load_tokenizer, make_config
 from frontend.input_processor import InputProcessor
 from frontend.output_processor import OutputProcessor
 from frontend.token_text import TokenTable
 from protocol.config import EngineConfig
+from protocol.messages import HandshakeReply
 from protocol.model_facts import tokenizer_fingerprint
 
 
@@ -26,16 +29,51 @@ def build_engine_parts(
     model: str | None, multiprocess: bool, core_address: str | None, engine_args: dict
 ) -> EngineParts:
     config = make_config(model, engine_args)
+    if core_address:
+        _check_daemon_args(engine_args)
     tokenizer = load_tokenizer(config.model)
     fingerprint = tokenizer_fingerprint(config.model)
     if multiprocess or core_address:
         client = MPClient(config, fingerprint, core_address)
     else:
         client = InprocClient(config, fingerprint)
+    facts = client.facts
+    if core_address:
+        try:
+            facts = _client_limits(facts, engine_args)
+        except ValueError:
+            client.shutdown()
+            raise
     return EngineParts(
         config,
         tokenizer,
         client,
-        InputProcessor(tokenizer, client.facts),
+        InputProcessor(tokenizer, facts, client.facts.max_model_len),
         OutputProcessor(TokenTable(tokenizer)),
     )
+
+
+def _check_daemon_args(engine_args: dict) -> None:
+    """A daemon's engine is built already: only limits this client can apply to itself are accepted."""
+    fixed = sorted(set(engine_args) - set(_CLIENT_LIMITS))
+    if fixed:
+        raise ValueError(
+            f"engine arguments {fixed} belong to the daemon (pass them to python -m engine_core); "
+            f"with core_address only {sorted(_CLIENT_LIMITS)} may be given, to apply to this client"
+        )
+
+
+def _client_limits(facts: HandshakeReply, engine_args: dict) -> HandshakeReply:
+    """The daemon's facts with this client's own, smaller limits; a larger one is a ValueError."""
+    limits = {}
+    for name in _CLIENT_LIMITS:
+        asked, daemon = engine_args.get(name), getattr(facts, name)
+        if asked is None:
+            continue
+        if daemon != -1 and (asked == -1 or asked > daemon):
+            raise ValueError(f"{name}={asked} is more than the daemon's {name}={daemon}")
+        limits[name] = asked
+    return msgspec.structs.replace(facts, **limits)
+
+
+_CLIENT_LIMITS = ("max_model_len", "max_logprobs")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import msgspec
+
 from protocol.messages import EngineCoreRequest, HandshakeReply
 from protocol.sampling_params import SamplingParams
 
@@ -15,9 +17,13 @@ PromptType = str | Sequence[int]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, facts: HandshakeReply) -> None:
+    """`facts` are the core's, with this client's own limits applied (a smaller max_model_len or
+    max_logprobs asked for when attaching to a daemon); `core_max_model_len` is the core's own."""
+
+    def __init__(self, tokenizer, facts: HandshakeReply, core_max_model_len: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.facts = facts
+        self.core_max_model_len = core_max_model_len or facts.max_model_len
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -35,10 +41,18 @@ class InputProcessor:
     def make_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> EngineCoreRequest:
-        """Callers validate once per user request (`validate`) before making its core requests."""
+        """Callers validate once per user request (`validate`) before making its core requests. A
+        client limit below the core's max_model_len caps max_tokens (the core stops there, "length")."""
+        if self.facts.max_model_len < self.core_max_model_len:
+            room = self.facts.max_model_len - len(prompt_token_ids)
+            if params.max_tokens is None or params.max_tokens > room:
+                params = msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         return EngineCoreRequest(req_id, prompt_token_ids, params, time.time())
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: the object may have been changed since it was built
         facts = self.facts
         num = len(prompt_token_ids)
         if num == 0:

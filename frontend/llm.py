@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from frontend.engine_parts import build_engine_parts
+from frontend.errors import RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
 from protocol.messages import EngineStats
@@ -50,31 +51,45 @@ class LLM:
             text, token_ids = self.input_processor.tokenize(prompt)
             self.input_processor.validate(token_ids, p)
             requests.append((str(next(self._ids)), text, token_ids, p))
-        core_requests = []
-        for request_id, text, token_ids, p in requests:
-            for core_id, child in self.output_processor.add_request(request_id, text, token_ids, p):
-                core_requests.append(self.input_processor.make_request(core_id, token_ids, child))
-        self.client.send(core_requests)
-        return self._run([r[0] for r in requests], use_tqdm)
+        request_ids = [r[0] for r in requests]
+        try:
+            core_requests = []
+            for request_id, text, token_ids, p in requests:
+                for core_id, child in self.output_processor.add_request(request_id, text, token_ids, p):
+                    core_requests.append(self.input_processor.make_request(core_id, token_ids, child))
+            self.client.send(core_requests)
+        except BaseException:  # nothing of this call may stay behind in the output processor
+            for request_id in request_ids:
+                self.output_processor.abort(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | None] = {}
+        errors: dict[str, str] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while len(finished) < len(request_ids):
-                    results, to_abort = self.output_processor.process(self.client.get_outputs(OUTPUT_POLL_S))
-                    self.client.abort(to_abort)
-                    for result in results:
-                        if result.finished:
-                            finished[result.request_id] = result
-                            bar.update(1)
+                    processed = self.output_processor.process(self.client.get_outputs(OUTPUT_POLL_S))
+                    self.client.abort(processed.to_abort)
+                    errors.update(processed.errors)
+                    num_before = len(finished)
+                    finished.update({r.request_id: r for r in processed.outputs if r.finished})
+                    finished.update(dict.fromkeys(processed.errors))  # failed: no output to return
+                    bar.update(len(finished) - num_before)
             except BaseException:  # KeyboardInterrupt or a dead core: leave nothing running
                 for request_id in request_ids:
                     if request_id not in finished:
                         self.client.abort(self.output_processor.abort(request_id)[0])
                 raise
+        if errors:  # the others finished normally; nothing of the failed ones is left in the engine
+            request_id, reason = next(iter(errors.items()))
+            raise RequestFailedError(
+                f"{len(errors)} of {len(request_ids)} requests failed; prompt "
+                f"{request_ids.index(request_id)}: {reason}"
+            )
         return [finished[request_id] for request_id in request_ids]
 
     def get_engine_stats(self) -> EngineStats:

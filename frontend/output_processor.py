@@ -49,11 +49,20 @@ class RequestState:
     completions: list[CompletionState]
     is_delta: bool  # streaming: each output carries only what is new
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    has_sent_prompt_logprobs: bool = False  # streaming: they travel in the first delta only
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the core refused the request, or why handling its output failed
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput]  # to hand out: deltas when streaming, else finished requests only
+    to_abort: list[str]  # core request ids to abort (a stop string ended them, or their request failed)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why it failed (it is finished)
 
 
 class OutputProcessor:
@@ -83,7 +92,7 @@ class OutputProcessor:
                 core_id,
                 i,
                 p,
-                IncrementalDetokenizer(self.table, p.skip_special_tokens),
+                IncrementalDetokenizer(self.table, p.skip_special_tokens, p.spaces_between_special_tokens),
                 [] if p.logprobs is not None else None,
                 0.0 if p.logprobs is not None else None,
             )
@@ -101,28 +110,46 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs to hand out and the core requests to abort (stopped by a string)."""
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Applies the core's outputs. A request whose output cannot be handled, or that the core
+        refused, fails alone: it is finished, its other completions aborted, and its error returned."""
         touched: dict[str, RequestState] = {}
-        to_abort = []
+        result = ProcessedOutputs([], [])
         for output in outputs:
             completion = self.completion_of.get(output.req_id)
             if completion is None:
-                continue  # already finished here (stop string) while the core was still running it
+                continue  # already finished here (stop string, failure) while the core was still running it
             state = self.owner_of[output.req_id]
-            if self._apply(state, completion, output):
-                to_abort.append(completion.core_req_id)
-            if completion.finish_reason is not None:
+            try:
+                if self._apply(state, completion, output):
+                    result.to_abort.append(completion.core_req_id)
+            except Exception as exc:  # a bug or an id the tokenizer cannot handle: this request only
+                logger.exception("could not handle an output of request %s", state.request_id)
+                state.error = f"handling the engine's output failed: {exc!r}"
+            if state.error is not None:
+                result.to_abort.extend(self._fail(state))
+                result.errors[state.request_id] = state.error
+            elif completion.finish_reason is not None:
                 del self.completion_of[output.req_id], self.owner_of[output.req_id]
             touched[state.request_id] = state
-        results = []
         for state in touched.values():
             if state.finished:
-                del self.requests[state.request_id]
+                self.requests.pop(state.request_id, None)
                 state.metrics["finished_time"] = time.time()
-            if state.is_delta or state.finished:  # a whole output per step would cost O(length^2)
-                results.append(make_request_output(state))
-        return results, to_abort
+            if state.error is None and (state.is_delta or state.finished):  # whole outputs per step: O(n^2)
+                result.outputs.append(make_request_output(state))
+        return result
+
+    def _fail(self, state: RequestState) -> list[str]:
+        """Finishes every completion of a failed request; returns the core ids still running."""
+        running = []
+        for completion in state.completions:
+            self.completion_of.pop(completion.core_req_id, None)
+            self.owner_of.pop(completion.core_req_id, None)
+            if completion.finish_reason is None:
+                completion.finish_reason = str(FinishReason.ERROR)
+                running.append(completion.core_req_id)
+        return running
 
     def abort(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
         """Finishes a user request as aborted; returns its unfinished core request ids and its last output."""
@@ -154,8 +181,8 @@ class OutputProcessor:
         if is_core_done and not is_stopped:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason
-            if output.error:
-                logger.warning("the engine core refused request %s: %s", state.request_id, output.error)
+            if output.finish_reason == FinishReason.ERROR:
+                state.error = output.error or "the engine core failed the request without a reason"
         return is_stopped and not is_core_done
 
     def _append_text(
@@ -218,6 +245,9 @@ def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
 def make_request_output(state: RequestState) -> RequestOutput:
     completions = [_completion_output(c, state.is_delta) for c in state.completions]
     prompt_logprobs = state.prompt_logprobs
+    if state.is_delta:  # the first delta that has them carries them; later deltas carry None
+        prompt_logprobs = None if state.has_sent_prompt_logprobs else prompt_logprobs
+        state.has_sent_prompt_logprobs = state.has_sent_prompt_logprobs or prompt_logprobs is not None
     return RequestOutput(
         state.request_id,
         state.prompt,

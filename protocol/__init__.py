@@ -2,6 +2,6 @@
 
 from protocol.sampling_params import LogprobsMode, SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: GetStats / EngineStats
+PROTOCOL_VERSION = 3  # 2: GetStats / EngineStats; 3: requests encoded one by one, handshake enforced
 
 __all__ = ["PROTOCOL_VERSION", "LogprobsMode", "SamplingParams"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import ClientMessage, CoreMessage
+from protocol.messages import AddRequests, ClientMessage, CoreMessage, EngineCoreRequest
 
 
 class Codec:
@@ -13,14 +13,22 @@ class Codec:
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._core_decoder = msgspec.msgpack.Decoder(CoreMessage)
 
     def encode(self, message: msgspec.Struct) -> bytes:
         return self._encoder.encode(message)
 
+    def encode_requests(self, requests: list[EngineCoreRequest]) -> bytes:
+        return self._encoder.encode(AddRequests.of(requests, self._encoder))
+
     def decode_client(self, frame: bytes | memoryview) -> ClientMessage:
-        """Raises msgspec.DecodeError / ValidationError for a malformed frame."""
+        """Raises msgspec.DecodeError / ValidationError for a malformed frame (or any error a hostile
+        frame can provoke, such as RecursionError: callers catch Exception)."""
         return self._client_decoder.decode(frame)
+
+    def decode_request(self, raw: msgspec.Raw) -> EngineCoreRequest:
+        return self._request_decoder.decode(raw)
 
     def decode_core(self, frame: bytes | memoryview) -> CoreMessage:
         return self._core_decoder.decode(frame)

@@ -24,7 +24,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     max_logprobs: int = 20  # -1: the whole vocabulary may be asked for
     logprobs_mode: LogprobsMode = "raw"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "auto": the checkpoint's torch_dtype (an fp16 checkpoint runs in fp32 on the CPU; docs/models.md)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     num_scheduler_steps: int = 1
     num_threads: int | None = None  # torch intra-op threads in the core; None: torch's default
@@ -51,3 +52,22 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got {self.max_logprobs}")
+
+
+# One line of help per engine argument, for every command line that takes them (the daemon's, the server's).
+ENGINE_ARG_HELP = {
+    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
+    "max_num_seqs": "most requests running at once (default 128)",
+    "max_num_batched_tokens": "most tokens in one model step, prefill chunks included (default 2048)",
+    "block_size": "tokens per KV-cache block (default 16)",
+    "num_kv_blocks": "KV-cache blocks; default: enough for max_num_seqs full sequences, capped by kv_cache_gib",
+    "kv_cache_gib": "most memory for the KV cache in GiB when num_kv_blocks is not given (default 2.0)",
+    "seed": "seed of the engine's sampling for requests without their own (default 0)",
+    "max_logprobs": "most logprobs a request may ask for; -1: the whole vocabulary (default 20)",
+    "logprobs_mode": "raw: log_softmax of the model's logits; processed: after penalties, temperature, top-k/p",
+    "dtype": "weights and activations: float32, bfloat16 or float16 (default float32)",
+    "device": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda",
+    "num_scheduler_steps": "model steps a decode-only batch runs before the scheduler looks again (default 1)",
+    "num_threads": "torch intra-op threads in the core (default: torch's choice)",
+    "can_use_cpu_kernels": "true: the C kernels on the CPU in fp32; false: torch's ops only",
+}

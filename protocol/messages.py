@@ -39,9 +39,15 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True, gc=False):
-    """Requests added together arrive together: the core schedules them as one batch."""
+    """Requests added together arrive together: the core schedules them as one batch. Each is an
+    encoded EngineCoreRequest that the core decodes on its own, so that a malformed one is refused
+    (with its id, when it has one) while the others of the frame are served."""
 
-    requests: list[EngineCoreRequest]
+    requests: list[msgspec.Raw]
+
+    @classmethod
+    def of(cls, requests: list[EngineCoreRequest], encoder: msgspec.msgpack.Encoder) -> AddRequests:
+        return cls([msgspec.Raw(encoder.encode(r)) for r in requests])
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

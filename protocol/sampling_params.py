@@ -1,12 +1,31 @@
-"""SamplingParams: vLLM's names, validated where they are built (the frontend), carried on the wire."""
+"""SamplingParams: vLLM's names, validated where they are built (the frontend), checked again just before
+they are sent, and checked by the core's typed decoder on arrival.
+
+Every field carries its type and bounds as a msgspec annotation: the same rule for the Python API
+(`validate`, a ValueError naming the field) and the wire (the core's decoder refuses what breaks it).
+Integers fit the wire's int64; floats are finite (NaN and inf fail the bounds).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+import sys
+import typing
+from typing import Annotated, Literal
 
 import msgspec
 
 LogprobsMode = Literal["raw", "processed"]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 1024  # completions per prompt: each is a core request; a bound keeps one call from flooding the core
+_FLOAT_MAX = sys.float_info.max
+
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt64 = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+NonNegativeInt64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+LogprobsK = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]  # -1: the whole vocabulary
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -16,70 +35,55 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     `prompt_logprobs=k` does the same for every prompt token. `logprobs_mode=None` takes the engine's.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k filter
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=_FLOAT_MAX)] = 1.0  # < 1e-5: greedy
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] = 0  # 0 or -1: no top-k filter
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # Logits are divided (or multiplied) by it: below 0.01 a logit of 50 overflows fp16 and NaNs follow.
+    repetition_penalty: Annotated[float, msgspec.Meta(ge=0.01, le=2.0)] = 1.0
+    seed: Int64 | None = None
+    max_tokens: PositiveInt64 | None = 16
+    min_tokens: NonNegativeInt64 = 0
     stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: LogprobsK | None = None
+    prompt_logprobs: LogprobsK | None = None
     logprobs_mode: LogprobsMode | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
+        self.validate()
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """Raises ValueError naming the first field of the wrong type or out of range. Called when the
+        object is built and again before it is sent, so that a field changed afterwards is caught."""
+        for name, annotation in _field_types().items():
+            value = getattr(self, name)
+            try:
+                msgspec.convert(value, annotation, strict=True)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {exc}") from None
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (
-                -2.0 <= self.presence_penalty <= 2.0,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
-            ),
-            (
-                -2.0 <= self.frequency_penalty <= 2.0,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-            ),
-            (
-                0.0 < self.repetition_penalty <= 2.0,
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
-            ),
-            (
-                self.max_tokens is None or self.max_tokens >= 1,
-                f"max_tokens must be at least 1, got {self.max_tokens}",
-            ),
-            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (not self.stop or all(self.stop), "stop strings must not be empty"),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (
-                self.logprobs is None or self.logprobs >= -1,
-                f"logprobs must be -1, 0 or positive, got {self.logprobs}",
+                self.seed is None or self.seed + self.n - 1 <= INT64_MAX,
+                f"seed + n - 1 must fit int64 (the n completions take seeds seed .. seed + n - 1), "
+                f"got seed={self.seed}, n={self.n}",
             ),
-            (
-                self.prompt_logprobs is None or self.prompt_logprobs >= -1,
-                f"prompt_logprobs must be -1, 0 or positive, got {self.prompt_logprobs}",
-            ),
-            (not self.stop or all(self.stop), "stop strings must not be empty"),
         ]
         for ok, message in checks:
             if not ok:
@@ -88,3 +92,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+@functools.cache
+def _field_types() -> dict[str, object]:
+    """Each field's annotation, bounds included (resolved once; the module uses postponed annotations)."""
+    hints = typing.get_type_hints(SamplingParams, include_extras=True)
+    return {name: hints[name] for name in SamplingParams.__struct_fields__}

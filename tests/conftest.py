@@ -125,7 +125,150 @@ async def stream_then_abort(engine, params, request_id: str, after: int = 2) -> 
     return outputs
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_daemon(model: str, address: str, *flags: str, timeout_s: float = 120.0):
+    """`python -m engine_core` on `address`, returned once it listens (its ipc socket file exists)."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_core", "--model", model, "--address", address, *flags],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    path = address[len("ipc://") :] + ".in"
+    deadline = time.monotonic() + timeout_s
+    while address.startswith("ipc://") and not os.path.exists(path):
+        assert proc.poll() is None, f"the daemon exited with code {proc.returncode}"
+        assert time.monotonic() < deadline, "the daemon did not start listening"
+        time.sleep(0.1)
+    return proc
+
+
 def free_blocks_are_all(llm) -> bool:
     """Idle and every KV block free, as the core reports it (in process or across the socket)."""
     stats = llm.get_engine_stats()
     return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == stats.num_waiting == 0
+
+
+# Real model families, scaled down: random weights in a config shaped like each family's (its RoPE
+# scaling, window, norms, tying), with a real tokenizer; RoPE thresholds and windows scaled down so
+# that test prompts cross them. Each maker returns a Hugging Face folder that transformers loads too.
+SHARED_TOKENIZERS = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers"
+_SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+)
+FAMILY_CONFIGS = {
+    "llama2": dict(model_type="llama", tokenizer="llama2", rope_theta=10000.0, tie_word_embeddings=False),
+    "llama3.1": dict(
+        model_type="llama",
+        tokenizer="llama3",
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
+    "llama3.2": dict(
+        model_type="llama",
+        tokenizer="llama3",
+        tie_word_embeddings=True,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
+    "mistral": dict(model_type="mistral", tokenizer="llama2", rope_theta=10000.0, sliding_window=24),
+    "qwen2": dict(
+        model_type="qwen2",
+        tokenizer="llama3",
+        tie_word_embeddings=True,
+        padded_vocab=128 * 1024 + 512,  # Qwen pads its embedding past the tokenizer
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=1000000.0, factor=8.0, original_max_position_embeddings=32
+        ),
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        tokenizer="llama3",
+        tie_word_embeddings=True,
+        head_dim=32,  # explicit: heads x head_dim (128) is not the hidden size (64)
+        padded_vocab=128 * 1024 + 512,
+        rope_parameters=dict(rope_type="linear", rope_theta=1000000.0, factor=2.0),
+    ),
+    "llama-dynamic": dict(
+        model_type="llama",
+        tokenizer="llama2",
+        rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+    ),
+}
+
+
+def write_family_model(
+    folder: Path, family: str, dtype: str = "float32", max_shard_size: str | None = None, seed: int = 0
+) -> str:
+    """Makes a random-weight checkpoint of `family` with its real tokenizer; peaked next-token
+    distributions (logit std of several units) so greedy argmax is never a near-tie."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    spec = dict(FAMILY_CONFIGS[family])
+    tokenizer = AutoTokenizer.from_pretrained(str(SHARED_TOKENIZERS / spec.pop("tokenizer")))
+    vocab = spec.pop("padded_vocab", None) or -(-len(tokenizer) // 64) * 64
+    config = AutoConfig.for_model(
+        **_SMALL, **spec, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(_peaked_init(name, param))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(getattr(torch, dtype)).save_pretrained(str(folder), **kwargs)
+    tokenizer.save_pretrained(str(folder))
+    return str(folder)
+
+
+def _peaked_init(name: str, param):
+    import torch
+
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn_like(param)
+    if name.endswith("bias"):
+        return 0.1 * torch.randn_like(param)
+    if "embed_tokens" in name:
+        return torch.randn_like(param)
+    scale = 5.0 if "lm_head" in name else 0.5 if ("o_proj" in name or "down_proj" in name) else 1.0
+    return scale * param.shape[1] ** -0.5 * torch.randn_like(param)
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    """family_model(name) -> folder of that family's fp32 test model, made once per session."""
+    made: dict[str, str] = {}
+
+    def make(family: str) -> str:
+        if family not in made:
+            made[family] = write_family_model(tmp_path_factory.mktemp(family), family)
+        return made[family]
+
+    return make

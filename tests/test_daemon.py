@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import PROMPTS, free_blocks_are_all
+from conftest import PROMPTS, free_blocks_are_all, start_daemon
 
 from frontend import LLM, SamplingParams
 
@@ -21,23 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def daemon(tiny_path, tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('daemon')}/core"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine_core",
-            "--model",
-            tiny_path,
-            "--address",
-            address,
-            "--num-kv-blocks",
-            "256",
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
+    proc = start_daemon(tiny_path, address, "--num-kv-blocks", "256", "--log-level", "WARNING")
     yield address
     proc.terminate()
     assert proc.wait(timeout=30) == 0

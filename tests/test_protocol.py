@@ -33,9 +33,11 @@ def random_logprobs(rows: int, cols: int, seed: int = 0) -> LogprobsArrays:
 def test_requests_round_trip_with_their_sampling_params():
     codec = Codec()
     params = SamplingParams(temperature=0.5, stop="x", logprobs=3, seed=9)
-    message = AddRequests([EngineCoreRequest("r1", [1, 2, 3], params, 1.5)])
-    decoded = codec.decode_client(codec.encode(message))
-    assert decoded == message and decoded.requests[0].sampling_params.stop == ["x"]
+    request = EngineCoreRequest("r1", [1, 2, 3], params, 1.5)
+    decoded = codec.decode_client(codec.encode_requests([request]))
+    assert isinstance(decoded, AddRequests)
+    assert codec.decode_request(decoded.requests[0]) == request
+    assert codec.decode_request(decoded.requests[0]).sampling_params.stop == ["x"]
 
 
 def test_outputs_round_trip_and_arrays_decode_as_views():
@@ -56,13 +58,14 @@ def test_malformed_or_misdirected_frames_are_rejected(frame):
         Codec().decode_client(frame)
 
 
-def test_a_frame_with_invalid_sampling_values_is_rejected():
+def test_a_request_with_invalid_sampling_values_is_rejected_alone():
     codec = Codec()
-    good = codec.encode(AddRequests([EngineCoreRequest("r", [1], SamplingParams(), 0.0)]))
-    assert codec.decode_client(good).requests[0].sampling_params == SamplingParams()
-    bad = good.replace(codec.encode(SamplingParams()), codec.encode({"temperature": -3.0}))
+    good = codec.encode_requests([EngineCoreRequest("r", [1], SamplingParams(), 0.0)] * 2)
+    bad = good.replace(codec.encode(SamplingParams()), codec.encode({"temperature": -3.0}), 1)
+    frame = codec.decode_client(bad)  # the frame itself is well formed
     with pytest.raises(msgspec.ValidationError, match="temperature"):
-        codec.decode_client(bad)
+        codec.decode_request(frame.requests[0])
+    assert codec.decode_request(frame.requests[1]).sampling_params == SamplingParams()
 
 
 def test_wire_message_of_64_rows_by_21_logprobs_is_within_15_percent_of_raw_bytes():

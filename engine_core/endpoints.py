@@ -1,0 +1,81 @@
+"""The core's two listening sockets (engine-core process): ipc folder and stale-file hygiene, refusal of
+an address a live core holds, ZeroMQ limits on what a peer can make the core buffer, and cleanup.
+
+Limits (docs/decisions.md): a frame on the input socket is at most MAX_INPUT_FRAME_BYTES (a peer that
+sends more is disconnected by ZeroMQ before the bytes are buffered); at most INPUT_HWM frames wait per
+peer. The output socket only sends: a peer that writes to it is cut off at OUTPUT_MAX_INBOUND_BYTES and
+whatever arrives below that is read and thrown away by the output thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+import zmq
+
+from protocol.addresses import split_address
+
+MAX_INPUT_FRAME_BYTES = 64 * 2**20  # the frontend splits larger batches (protocol.limits)
+INPUT_HWM = 64
+OUTPUT_MAX_INBOUND_BYTES = 1024
+CLOSE_LINGER_MS = 1000  # time for the last frames (a fatal error's message) to leave on exit
+
+
+class Endpoints:
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        in_address, out_address = split_address(address)
+        self.ipc_paths = [a[len("ipc://") :] for a in (in_address, out_address) if a.startswith("ipc://")]
+        for path in self.ipc_paths:
+            _prepare_ipc_path(path, address)
+        self.in_socket = _bind(ctx, zmq.ROUTER, in_address, MAX_INPUT_FRAME_BYTES)
+        self.in_socket.setsockopt(zmq.RCVHWM, INPUT_HWM)
+        self.out_socket = _bind(ctx, zmq.ROUTER, out_address, OUTPUT_MAX_INBOUND_BYTES)
+        self.out_socket.setsockopt(zmq.RCVHWM, 1)
+        self.out_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
+        self.out_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow client's outputs
+
+    def close(self) -> None:
+        self.in_socket.close(linger=0)
+        self.out_socket.close(linger=CLOSE_LINGER_MS)
+        for path in self.ipc_paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _bind(ctx: zmq.Context, kind: int, address: str, max_frame_bytes: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"{address} is in use by another process") from None
+        raise ValueError(f"cannot listen on {address}: {exc}") from None
+    return sock
+
+
+def _prepare_ipc_path(path: str, address: str) -> None:
+    """Creates the folder; a socket file a live core answers on is refused, a stale one removed."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # left by a core that did not exit cleanly
+        return
+    except OSError as exc:
+        raise ValueError(f"cannot use {address}: {path} exists and is not a socket ({exc})") from None
+    finally:
+        probe.close()
+    raise ValueError(f"{address} is in use by a running engine core; choose another address")
