@@ -1,0 +1,97 @@
+"""Helpers for the server tests (tests/test_server_*.py): a real `python -m frontend serve` process on a
+free loopback port, and readers of its responses. Each test module starts one server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "sk-test-coreserve"
+MODEL = "builtin:tiny"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(*flags: str, startup_timeout_s: float = 180.0):
+    """`python -m frontend serve builtin:tiny --port P FLAGS` until /health answers; yields (url, process)."""
+    port = free_port()
+    command = [sys.executable, "-m", "frontend", "serve", MODEL, "--port", str(port)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("CORESERVE_API_KEY", None)
+    proc = subprocess.Popen([*command, "--log-level", "warning", *flags], cwd=REPO, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not is_healthy(base):
+            assert proc.poll() is None, f"the server exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def is_healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def chat_template_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("chat") / "chatml.jinja"
+    path.write_text(CHATML)
+    return str(path)
+
+
+def text_of(decoded_token: str) -> str:
+    """A token's text as the server writes it: itself, or bytes:\\xNN... for a piece of a character."""
+    try:
+        decoded_token.encode("utf-8")
+    except UnicodeEncodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in decoded_token.encode("utf-8", "surrogateescape"))
+    return decoded_token
+
+
+def metric_values(http: httpx.Client) -> dict[str, float]:
+    """/metrics samples without labels, by name."""
+    values = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def wait_until_idle(http: httpx.Client, timeout_s: float = 2.0) -> bool:
+    """Every KV block free and nothing running, as /metrics says, within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        values = metric_values(http)
+        is_free = values["coreserve:kv_blocks_free"] == values["coreserve:kv_blocks_total"]
+        if is_free and not values["coreserve:num_requests_running"]:
+            return True
+        time.sleep(0.1)
+    return False

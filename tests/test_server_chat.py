@@ -1,0 +1,101 @@
+"""POST /v1/chat/completions through the official openai client: the chat template, logprobs with
+exact bytes equal to LLM's, streaming, and bad fields as 400s."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_harness import CHATML, chat_template_file, running_server
+
+from frontend import SamplingParams
+from frontend.chat_template import render_chat
+
+SYSTEM, QUESTION = "You are terse.", "Name a colour."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    flags = ["--chat-template", chat_template_file(tmp_path_factory), "--num-kv-blocks", "256"]
+    with running_server(*flags, "--served-model-name", "tiny-chat") as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def messages():
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
+    ]
+
+
+def test_chat_logprobs_equal_llm_with_exact_bytes(client, llm_inproc, tokenizer):
+    result = client.chat.completions.create(
+        model="tiny-chat", messages=messages(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    flat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    ids = tokenizer(render_chat(tokenizer, flat, CHATML, True), add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
+    expected = llm_inproc.generate(ids, params, use_tqdm=False)[0].outputs[0]
+    choice = result.choices[0]
+    assert choice.message.content == expected.text and choice.message.role == "assistant"
+    assert result.usage.prompt_tokens == len(ids) and result.model == "tiny-chat"
+    assert len(choice.logprobs.content) == 8
+    for entry, token_id, position in zip(choice.logprobs.content, expected.token_ids, expected.logprobs):
+        chosen = position[token_id]
+        assert entry.logprob == chosen.logprob
+        assert bytes(entry.bytes) == chosen.decoded_token.encode("utf-8", "surrogateescape")
+        top = sorted((lp for lp in position.values() if lp.rank <= 3), key=lambda lp: lp.rank)
+        assert [t.logprob for t in entry.top_logprobs] == [lp.logprob for lp in top]
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [
+            lp.decoded_token.encode("utf-8", "surrogateescape") for lp in top
+        ]
+
+
+def test_streamed_chat_concatenates_to_the_whole_response(client):
+    request = dict(
+        model="tiny-chat", messages=messages(), max_tokens=10, temperature=0, logprobs=True, top_logprobs=2
+    )
+    whole = client.chat.completions.create(**request).choices[0]
+    chunks = list(
+        client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert choices[0].delta.role == "assistant"
+    assert "".join(c.delta.content or "" for c in choices) == whole.message.content
+    assert [e for c in choices if c.logprobs for e in c.logprobs.content] == whole.logprobs.content
+    assert choices[-1].finish_reason == whole.finish_reason == "length"
+
+
+def test_n_completions_each_with_their_own_logprobs(client):
+    result = client.chat.completions.create(
+        model="tiny-chat", messages=messages(), max_tokens=5, n=3, seed=11, logprobs=True
+    )
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert all(len(c.logprobs.content) == 5 for c in result.choices)
+    assert all(c.logprobs.content[0].top_logprobs == [] for c in result.choices)  # top_logprobs 0
+    assert result.usage.completion_tokens == 15
+
+
+BAD_FIELDS = [
+    ({"messages": []}, "messages"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages"),
+    ({"max_completion_tokens": 10**6}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), BAD_FIELDS)
+def test_a_bad_field_is_a_400_naming_it(server, change, param):
+    body = {"model": "tiny-chat", "messages": messages(), "max_tokens": 2, **change}
+    response = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
