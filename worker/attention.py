@@ -4,7 +4,8 @@ Each layer's cache is `[2, num_kv_heads, num_slots, head_dim]`, slot = block_id 
 Decode rows (one new token with context) are attended together in one call per layer: by the C
 kernel on the CPU in fp32, reading the blocks in place; elsewhere by torch, one gather of every
 row's context and two batched products (no per-request loop, no per-request kernel launches).
-Prefill chunks go one request at a time through SDPA; the KV manager places a request's blocks in
+Prefill chunks go one request at a time through SDPA (masked to the sliding window where the model
+has one); the KV manager places a request's blocks in
 contiguous runs where it can, so a chunk's context is usually a view of the cache, not a copy.
 """
 
@@ -108,13 +109,19 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D]."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D].
+    `window` (Mistral's sliding window): a token attends to itself and the window - 1 tokens before it."""
     out = torch.empty_like(q)
     head_dim = k.shape[2]
     if meta.decode is not None and meta.decode.gather is not None:
-        _decode_torch(q, out, cache, meta.decode.gather)
+        _decode_torch(q, out, cache, meta.decode.gather, window)
     elif meta.decode is not None:
         rows = meta.decode
         decode_attention(
@@ -127,20 +134,35 @@ def paged_attention(
             rows.context_lens,
             rows.block_size,
             head_dim**-0.5,
+            window or 0,
         )
     for seq in meta.seqs:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-        if seq.context_len == seq.num_tokens:  # the whole context is this chunk: plain causal attention
+        if seq.context_len == seq.num_tokens and (window is None or seq.num_tokens <= window):
             out[rows] = _sdpa(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), None, True)
+        elif seq.context_len == seq.num_tokens:  # the whole context is this chunk, longer than the window
+            mask = _causal_mask(seq.num_tokens, seq.context_len, window, q.device)
+            out[rows] = _sdpa(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), mask, False)
         else:
             keys, values = _context(cache, seq.runs)
-            positions = torch.arange(seq.context_len - seq.num_tokens, seq.context_len, device=q.device)
-            mask = torch.arange(seq.context_len, device=q.device)[None, :] <= positions[:, None]  # [Tq, L]
+            mask = _causal_mask(seq.num_tokens, seq.context_len, window, q.device)
             out[rows] = _sdpa(q[rows], keys, values, mask, False)
     return out
 
 
-def _decode_torch(q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, gather: DecodeGather) -> None:
+def _causal_mask(num_tokens: int, context_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[Tq, L] bool, True where the query (the last Tq positions) may attend to the key position."""
+    positions = torch.arange(context_len - num_tokens, context_len, device=device)[:, None]
+    keys = torch.arange(context_len, device=device)[None, :]
+    mask = keys <= positions
+    if window is not None:
+        mask &= keys > positions - window
+    return mask
+
+
+def _decode_torch(
+    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, gather: DecodeGather, window: int | None
+) -> None:
     """Writes the decode rows of `out`: one gather of every row's keys and values, two batched products
     over (KV head, row), the padding masked. Scores in the model's dtype, softmax in fp32 as SDPA does."""
     num_rows, (_, num_kv_heads, _, head_dim) = len(gather.rows), cache.shape
@@ -150,7 +172,11 @@ def _decode_torch(q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, gathe
     keys, values = cache[0].index_select(1, flat).view(shape), cache[1].index_select(1, flat).view(shape)
     grouped_q = (q[gather.rows] * head_dim**-0.5).view(num_rows, num_kv_heads, group, head_dim)
     scores = torch.matmul(grouped_q.transpose(0, 1), keys.transpose(2, 3))  # [Hkv, R, G, L]
-    scores.masked_fill_(gather.is_padding, float("-inf"))
+    is_masked = gather.is_padding
+    if window is not None:  # also the positions that slid out of the window
+        positions = torch.arange(gather.slots.shape[1], device=q.device)
+        is_masked = is_masked | (positions[None, :] <= gather.lens[:, None] - 1 - window)[None, :, None, :]
+    scores.masked_fill_(is_masked, float("-inf"))
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
     attended = torch.matmul(weights, values)  # [Hkv, R, G, D]
     out[gather.rows] = attended.transpose(0, 1).reshape(num_rows, -1, head_dim)

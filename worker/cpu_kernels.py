@@ -30,8 +30,26 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     # q, out, key_cache, value_cache, num_slots, rows, block_tables, max_blocks, context_lens,
-    # num_rows, num_q_heads, num_kv_heads, head_dim, block_size, scale, num_threads
-    "decode_attention": [_P, _P, _P, _P, _I64, _P, _P, _I32, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
+    # num_rows, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads
+    "decode_attention": [
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _P,
+        _P,
+        _I32,
+        _P,
+        _I32,
+        _I32,
+        _I32,
+        _I32,
+        _I32,
+        _F32,
+        _I32,
+        _I32,
+    ],
     # scores, num_rows, vocab, row_stride, k, values, ids, lse, num_threads
     "logprob_rows": [_P, _I64, _I64, _I64, _I32, _P, _P, _P, _I32],
     # qkv, cos, signed_sin, slots, num_tokens, num_q_heads, num_kv_heads, head_dim, q_out, k_out,
@@ -126,9 +144,11 @@ def decode_attention(
     context_lens: np.ndarray,
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> None:
     """q, out: [T, Hq, D] float32 contiguous; cache: [2, Hkv, slots, D]; rows [R] int64, block_tables
-    [R, max_blocks] int32, context_lens [R] int32 numpy arrays (C-contiguous)."""
+    [R, max_blocks] int32, context_lens [R] int32 numpy arrays (C-contiguous); window: a sliding
+    window (each row attends to its last `window` positions), 0 for none."""
     assert q.is_contiguous() and out.is_contiguous() and cache.is_contiguous() and q.dtype == torch.float32
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     status = kernels.decode_attention(
@@ -147,6 +167,7 @@ def decode_attention(
         head_dim,
         block_size,
         scale,
+        window,
         torch.get_num_threads(),
     )
     if status != 0:

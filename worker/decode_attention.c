@@ -22,36 +22,42 @@ static void axpy(float *y, float w, const float *x, int n) {
     for (int i = 0; i < n; i++) y[i] += w * x[i];
 }
 
-/* One (row, KV head) task. scores: [group, context_len] scratch; acc: [group, head_dim] scratch. */
+/* One (row, KV head) task over context positions [start, context_len): start > 0 when a sliding window
+ * has left the first positions behind. scores: [group, span] scratch; acc: [group, head_dim] scratch. */
 static void attend_one(const float *q, float *out, const float *keys, const float *values,
-                       const int32_t *table, int context_len, int group, int head_dim, int block_size,
-                       float scale, float *scores, float *acc) {
+                       const int32_t *table, int start, int context_len, int group, int head_dim,
+                       int block_size, float scale, float *scores, float *acc) {
+    const int span = context_len - start;
     float scaled_q[group * head_dim];
     for (int i = 0; i < group * head_dim; i++) scaled_q[i] = q[i] * scale;
-    for (int pos = 0; pos < context_len; pos += block_size) {
-        const int count = context_len - pos < block_size ? context_len - pos : block_size;
-        const float *key = keys + (int64_t)table[pos / block_size] * block_size * head_dim;
+    for (int pos = start; pos < context_len;) {
+        const int offset = pos % block_size;
+        const int count = context_len - pos < block_size - offset ? context_len - pos : block_size - offset;
+        const float *key = keys + ((int64_t)table[pos / block_size] * block_size + offset) * head_dim;
         for (int t = 0; t < count; t++, key += head_dim)
             for (int g = 0; g < group; g++)
-                scores[g * context_len + pos + t] = dot(scaled_q + g * head_dim, key, head_dim);
+                scores[g * span + pos - start + t] = dot(scaled_q + g * head_dim, key, head_dim);
+        pos += count;
     }
     float totals[group];
     for (int g = 0; g < group; g++) {
-        float *row = scores + g * context_len, top = row[0], total = 0.0f;
-        for (int pos = 1; pos < context_len; pos++) top = row[pos] > top ? row[pos] : top;
-        for (int pos = 0; pos < context_len; pos++) {
-            row[pos] = expf(row[pos] - top);
-            total += row[pos];
+        float *row = scores + g * span, top = row[0], total = 0.0f;
+        for (int i = 1; i < span; i++) top = row[i] > top ? row[i] : top;
+        for (int i = 0; i < span; i++) {
+            row[i] = expf(row[i] - top);
+            total += row[i];
         }
         totals[g] = total;
     }
     memset(acc, 0, sizeof(float) * group * head_dim);
-    for (int pos = 0; pos < context_len; pos += block_size) {
-        const int count = context_len - pos < block_size ? context_len - pos : block_size;
-        const float *value = values + (int64_t)table[pos / block_size] * block_size * head_dim;
+    for (int pos = start; pos < context_len;) {
+        const int offset = pos % block_size;
+        const int count = context_len - pos < block_size - offset ? context_len - pos : block_size - offset;
+        const float *value = values + ((int64_t)table[pos / block_size] * block_size + offset) * head_dim;
         for (int t = 0; t < count; t++, value += head_dim)
             for (int g = 0; g < group; g++)
-                axpy(acc + g * head_dim, scores[g * context_len + pos + t], value, head_dim);
+                axpy(acc + g * head_dim, scores[g * span + pos - start + t], value, head_dim);
+        pos += count;
     }
     for (int g = 0; g < group; g++)
         for (int d = 0; d < head_dim; d++) out[g * head_dim + d] = acc[g * head_dim + d] / totals[g];
@@ -59,12 +65,13 @@ static void attend_one(const float *q, float *out, const float *keys, const floa
 
 /* q, out: [num_tokens, num_q_heads, head_dim]; key_cache, value_cache: [num_kv_heads, num_slots,
  * head_dim]; rows: [num_rows] the token rows to attend; block_tables: [num_rows, max_blocks];
- * context_lens: [num_rows]. Returns 0, or -1 when scratch memory could not be allocated. */
+ * context_lens: [num_rows]; window: a sliding window (each row attends to its last `window` positions),
+ * 0 for none. Returns 0, or -1 when scratch memory could not be allocated. */
 int decode_attention(const float *q, float *out, const float *key_cache, const float *value_cache,
                      int64_t num_slots, const int64_t *rows, const int32_t *block_tables,
                      int32_t max_blocks, const int32_t *context_lens, int32_t num_rows,
                      int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                     float scale, int32_t num_threads) {
+                     float scale, int32_t window, int32_t num_threads) {
     const int group = num_q_heads / num_kv_heads;
     int max_len = 1, failed = 0;
     for (int i = 0; i < num_rows; i++) max_len = context_lens[i] > max_len ? context_lens[i] : max_len;
@@ -78,8 +85,9 @@ int decode_attention(const float *q, float *out, const float *key_cache, const f
                 if (!scores) continue;
                 const int64_t q_offset = (rows[i] * num_q_heads + (int64_t)h * group) * head_dim;
                 const int64_t head_offset = (int64_t)h * num_slots * head_dim;
+                const int start = window > 0 && context_lens[i] > window ? context_lens[i] - window : 0;
                 attend_one(q + q_offset, out + q_offset, key_cache + head_offset,
-                           value_cache + head_offset, block_tables + (int64_t)i * max_blocks,
+                           value_cache + head_offset, block_tables + (int64_t)i * max_blocks, start,
                            context_lens[i], group, head_dim, block_size, scale, scores,
                            scores + group * max_len);
             }

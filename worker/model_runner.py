@@ -22,8 +22,6 @@ logger = logging.getLogger(__name__)
 
 _PLACEHOLDER = -1  # a token sampled on the device whose value the host has not seen yet
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
@@ -42,9 +40,9 @@ class ModelRunner:
         can_use_cpu_kernels: bool = True,
     ) -> None:
         self.device = pick_device(device)
-        self.dtype = _DTYPES[dtype]
         self.block_size = block_size
-        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model = load_model(model_dir, dtype, self.device)  # dtype "auto": the checkpoint's
+        self.dtype = self.model.embed_tokens.weight.dtype
         self.vocab_size = self.model.args.vocab_size
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []

@@ -1,11 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias) over a paged KV cache (engine-core process).
+"""Llama-family decoder over a paged KV cache: Llama, Mistral (sliding window), Qwen2 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm), tied or untied embeddings (engine-core process).
 
-Numerics follow Hugging Face transformers (RMSNorm in fp32, rotate-half RoPE) so logprobs match it.
+Numerics follow Hugging Face transformers (RMSNorm in fp32, rotate-half RoPE, HF's RoPE variants) so
+logprobs match it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,44 +13,10 @@ from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention, write_kv
 from worker.cpu_kernels import rope_write_kv, silu_mul
+from worker.models.config import LlamaArgs
+from worker.models.rope import RopeSpec, cos_sin_tables
 
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    qkv_bias: bool
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> LlamaArgs:
-        rope = config.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default" or config.get("rope_scaling"):
-            raise ValueError(f"RoPE scaling {rope_type!r} is not supported yet")
-        num_heads = config["num_attention_heads"]
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+__all__ = ["LlamaArgs", "LlamaModel", "linear"]
 
 
 _FEW_ROWS = 128  # up to here the transposed product wins on this CPU; past it the copy back costs more
@@ -107,13 +73,11 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = cos_sin_tables(spec, spec.max_position_embeddings)  # [max_positions, head_dim]
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [T, 1, D] of this step's positions, looked up once for all layers."""
@@ -138,13 +102,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # Fused at load time: one matmul for q/k/v and one for gate/up.
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        if args.has_qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple, cache: torch.Tensor, meta: AttentionMetadata):
         num_tokens, a = x.shape[0], self.args
         qkv = linear(self.qkv_proj, self.input_layernorm(x))
+        if a.has_qk_norm:
+            qkv = self._norm_qk(qkv)
         if meta.kernels is not None:  # CPU fp32: rotation and the cache write in one call
             q, k, v = rope_write_kv(meta.kernels, qkv, *rope, meta.slot_mapping, a.num_heads, cache)
         else:
@@ -153,7 +122,7 @@ class DecoderLayer(nn.Module):
             k = apply_rotary(k.view(num_tokens, a.num_kv_heads, a.head_dim), *rope)
             v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
             write_kv(cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k, v, cache, meta).reshape(num_tokens, self.q_size)
+        attn = paged_attention(q, k, v, cache, meta, a.sliding_window).reshape(num_tokens, self.q_size)
         x = x + linear(self.o_proj, attn)
         gate_up = linear(self.gate_up_proj, self.post_attention_layernorm(x))
         if meta.kernels is not None:
@@ -161,16 +130,26 @@ class DecoderLayer(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return x + linear(self.down_proj, F.silu(gate) * up)
 
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3: RMSNorm over each head of q and k (before RoPE); qkv [T, (Hq + 2 Hkv) D] stays whole."""
+        num_tokens, a = qkv.shape[0], self.args
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(num_tokens, a.num_heads, a.head_dim)).flatten(1)
+        k = self.k_norm(k.reshape(num_tokens, a.num_kv_heads, a.head_dim)).flatten(1)
+        return torch.cat((q, k, v), dim=-1)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
-        self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta)
+        self.rotary = Rotary(args.rope)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:  # one tensor, not two copies
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,

@@ -1,74 +1,105 @@
-"""Builds a model from a Hugging Face folder: config.json and safetensors weights by name (core process)."""
+"""Builds a model from a Hugging Face folder: config.json, then the safetensors weights one tensor at a
+time into the model's own parameters, in the target dtype on the target device (engine-core process).
+
+Loading holds the model once plus one checkpoint tensor (no fp32 copy of everything on the host). The
+fused projections (q/k/v, gate/up) are filled row block by row block from their HF tensors.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from worker.models.llama import LlamaArgs, LlamaModel
+from worker.models.config import LlamaArgs
+from worker.models.llama import LlamaModel, Rotary
+from worker.models.safetensors_files import list_tensors, read_into
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed here
 
 
 def read_config(model_dir: str) -> dict:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    architectures = set(config.get("architectures") or [])
-    if not architectures & SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {sorted(architectures)}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    return config
+    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype, as vLLM, except fp16 on the CPU, which runs in fp32 (a lossless
+    widening: the CPU's fp16 matrix products are slow, and fp32 takes the C kernels)."""
+    if name != "auto":
+        return DTYPES[name]
+    dtype = DTYPES.get(checkpoint_dtype, torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        logger.info("fp16 checkpoint on the CPU: running in float32 (dtype='auto')")
+        return torch.float32
+    return dtype
+
+
+def load_model(model_dir: str, dtype: str | torch.dtype, device: torch.device) -> LlamaModel:
+    """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16")."""
     args = LlamaArgs.from_hf_config(read_config(model_dir))
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, args.torch_dtype, device)
     with torch.device("meta"):
         model = LlamaModel(args)
-    model = model.to_empty(device=device)
-    state = _fuse(args, _read_safetensors(model_dir))
-    model.load_state_dict(state, strict=False, assign=False)
-    missing = set(model.state_dict()) - set(state)
+    model = model.to(dtype=dtype).to_empty(device=device)  # uninitialized: every byte is read below
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = Rotary(args.rope).to(device)  # float32 tables, as HF computes them
+    _load_weights(model, model_dir)
+    return model.eval().requires_grad_(False)
+
+
+def _load_weights(model: LlamaModel, model_dir: str) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: dict[str, int] = {}  # parameter name -> elements written
+    for entry in list_tensors(model_dir):
+        if entry.name.endswith(_IGNORED_SUFFIXES):
+            continue
+        target = _destination(model.args, entry.name)
+        if target is None:
+            raise ValueError(f"{model_dir}: weight {entry.name} has no place in this model")
+        name, rows = target
+        if name not in params:
+            raise ValueError(f"{model_dir}: weight {entry.name} does not belong to this model's config")
+        destination = params[name].data[rows] if rows is not None else params[name].data
+        read_into(entry, destination)
+        filled[name] = filled.get(name, 0) + destination.numel()
+    shared = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
+    missing = [n for n, p in params.items() if n not in shared and filled.get(n) != p.numel()]
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
-    model.rotary.__init__(
-        args.head_dim, args.max_position_embeddings, args.rope_theta
-    )  # buffers were on meta
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def _read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no .safetensors files in {model_dir}")
-    tensors = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name).float()
-    return tensors
-
-
-def _fuse(args: LlamaArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Renames Hugging Face weights to this model's, concatenating q/k/v and gate/up."""
-    state = {
-        "embed_tokens.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-        "lm_head.weight": hf["model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"],
+def _destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None] | None:
+    """The parameter (and row block of a fused one) that an HF tensor fills; None: not this model's."""
+    top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
+    if hf_name in top:
+        return top[hf_name], None
+    if hf_name == "lm_head.weight":  # a tied checkpoint may still carry it: HF ignores it, so do we
+        return None if args.tie_word_embeddings else ("lm_head.weight", None)
+    parts = hf_name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+        return None
+    prefix, rest = f"layers.{parts[2]}.", ".".join(parts[3:])
+    q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    inter = args.intermediate_size
+    fused = {
+        "self_attn.q_proj": ("qkv_proj", slice(0, q_size)),
+        "self_attn.k_proj": ("qkv_proj", slice(q_size, q_size + kv_size)),
+        "self_attn.v_proj": ("qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size)),
+        "mlp.gate_proj": ("gate_up_proj", slice(0, inter)),
+        "mlp.up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
     }
-    for i in range(args.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = src + "self_attn."
-        state[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        state[dst + "post_attention_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        state[dst + "qkv_proj.weight"] = torch.cat([hf[attn + f"{p}_proj.weight"] for p in "qkv"])
-        if args.qkv_bias:
-            state[dst + "qkv_proj.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
-        state[dst + "o_proj.weight"] = hf[attn + "o_proj.weight"]
-        state[dst + "gate_up_proj.weight"] = torch.cat(
-            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-        )
-        state[dst + "down_proj.weight"] = hf[src + "mlp.down_proj.weight"]
-    return state
+    module, kind = rest.rsplit(".", 1)
+    if module in fused:
+        name, rows = fused[module]
+        return prefix + f"{name}.{kind}", rows
+    plain = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj", "self_attn.q_norm": "q_norm",
+             "self_attn.k_norm": "k_norm", "input_layernorm": "input_layernorm",
+             "post_attention_layernorm": "post_attention_layernorm"}  # fmt: skip
+    return (prefix + f"{plain[module]}.{kind}", None) if module in plain else None

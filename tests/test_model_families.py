@@ -1,0 +1,126 @@
+"""Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3) against Hugging Face transformers on
+the same random weights: greedy tokens, sample and prompt logprobs, past the RoPE thresholds and the
+sliding window, with chunked prefill and preemption forced; config keys the engine cannot honour refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import hf_logprobs, load_hf
+
+from frontend import LLM, SamplingParams
+from worker.models.config import LlamaArgs
+
+TOLERANCE = 1e-4
+# Long enough (40-70 tokens) to cross the scaled-down RoPE thresholds (32) and Mistral's window (24).
+FAMILY_PROMPTS = [
+    "Les sanglots longs des violons de l'automne blessent mon cœur d'une langueur monotone. Tout "
+    "suffocant et blême, quand sonne l'heure, je me souviens des jours anciens et je pleure.",
+    "日本語のテキストと絵文字 🎉🚀 を混ぜた文章です。東京は日本の首都であり、多くの人が住んでいます。",
+    "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+    "fibonacci(n - 2)\n\nprint([fibonacci(i) for i in range(10)])",
+    "I can't believe it's already December; we'd planned to finish the project, but they're still "
+    "testing and it won't ship until they've fixed the bugs we've found.",
+    "The quick brown fox jumps over the lazy dog while the cat watches from the window sill, "
+    "thinking about nothing in particular and everything at once.",
+]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3, prompt_logprobs=3),
+    SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True, logprobs=2),
+]
+# 16-token chunks force chunked prefill; 8 blocks of 16 cannot hold five ~70-token sequences.
+CHUNKED = dict(max_num_batched_tokens=16, num_kv_blocks=8, block_size=16)
+CASES = [
+    ("llama2", True, CHUNKED),
+    ("llama3.1", False, CHUNKED),
+    ("llama3.2", False, CHUNKED),
+    ("mistral", False, CHUNKED),  # the C decode kernel and chunked prefill across the window
+    (
+        "mistral",
+        True,
+        dict(max_num_batched_tokens=512, can_use_cpu_kernels=False),
+    ),  # torch paths, whole prompts
+    ("qwen2", False, CHUNKED),
+    ("qwen3", True, CHUNKED),
+    ("llama-dynamic", False, CHUNKED),
+]
+
+
+@pytest.mark.parametrize(
+    "family, multiprocess, engine_args", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
+def test_family_matches_hf(family, multiprocess, engine_args, family_model):
+    path = family_model(family)
+    prompts = FAMILY_PROMPTS
+    params = [PARAMS[i % 2] for i in range(len(prompts))]
+    with LLM(path, multiprocess=multiprocess, **engine_args) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if "num_kv_blocks" in engine_args:
+            assert llm.get_engine_stats().num_preemptions > 0
+    hf = load_hf(path)
+    for output, p in zip(outputs, params):
+        completion = output.outputs[0]
+        assert len(completion.token_ids) == 16
+        reference = hf_logprobs(hf, output.prompt_token_ids + completion.token_ids)
+        start = len(output.prompt_token_ids) - 1
+        for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = reference[start + step]
+            if p.temperature == 0:  # teacher-forced: HF's argmax, within the tolerance
+                assert row[token_id] >= row.max() - TOLERANCE, (family, step)
+            for entry_id, logprob in entries.items():
+                assert abs(logprob.logprob - row[entry_id].item()) < TOLERANCE, (family, step, entry_id)
+        if p.prompt_logprobs is not None:
+            _assert_prompt_logprobs(output, reference)
+
+
+def _assert_prompt_logprobs(output, reference) -> None:
+    assert output.prompt_logprobs[0] is None
+    for position, entries in enumerate(output.prompt_logprobs[1:], start=1):
+        assert output.prompt_token_ids[position] in entries
+        for token_id, logprob in entries.items():
+            assert abs(logprob.logprob - reference[position - 1, token_id].item()) < TOLERANCE
+
+
+def test_hf_config_formats_agree(family_model):
+    """transformers 5's rope_parameters and the older rope_scaling + rope_theta give the same model."""
+    config = json.loads((Path(family_model("llama3.1")) / "config.json").read_text())
+    new = LlamaArgs.from_hf_config(config)
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = dict(rope, type=rope.pop("rope_type"))
+    assert LlamaArgs.from_hf_config(config) == new
+    assert new.rope.rope_type == "llama3" and new.rope.params["original_max_position_embeddings"] == 32
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"architectures": ["GemmaForCausalLM"]}, "unsupported architecture"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ],
+)
+def test_unsupported_config_is_refused(change, message, family_model):
+    config = json.loads((Path(family_model("llama2")) / "config.json").read_text())
+    with pytest.raises(ValueError, match=message):
+        LlamaArgs.from_hf_config({**config, **change})
+
+
+def test_unsupported_config_is_a_value_error_at_load(family_model, tmp_path):
+    source = Path(family_model("llama2"))
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (tmp_path / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    config["mlp_bias"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="mlp_bias"):
+        LLM(str(tmp_path), multiprocess=False)

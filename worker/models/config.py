@@ -1,0 +1,131 @@
+"""A Hugging Face config.json read into the model's arguments, for the families this engine runs
+(Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3), and refused with a ValueError where it asks for math the
+engine does not do (engine-core process; the frontend reads nothing of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's default when config.json has no sliding_window key
+# Keys of other architectures that change the math; any of them set (not null, not 0/False/1) is refused.
+_REFUSED_KEYS = (
+    "quantization_config",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "logits_scaling",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "num_experts",
+    "num_local_experts",
+)
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeSpec
+    qkv_bias: bool
+    o_bias: bool  # Llama/Qwen3 attention_bias=true: o_proj has one too
+    has_qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    tie_word_embeddings: bool
+    sliding_window: int | None  # Mistral: a token attends to itself and the window - 1 before it
+    torch_dtype: str  # the checkpoint's dtype as config.json names it ("bfloat16", ...)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> LlamaArgs:
+        family = model_family(config)
+        _refuse_unsupported(config, family)
+        num_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        max_positions = config.get("max_position_embeddings", 2048)
+        # HF's Mistral and Qwen2 have no such option (Qwen2: q/k/v biases always, o_proj none)
+        attention_bias = family in ("llama", "qwen3") and bool(config.get("attention_bias"))
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=max_positions,
+            rope=rope_spec(config, head_dim, max_positions),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            has_qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            sliding_window=_sliding_window(config, family),
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        )
+
+
+def model_family(config: dict) -> str:
+    architectures = config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in ARCHITECTURES:
+            return ARCHITECTURES[architecture]
+    raise ValueError(f"unsupported architecture {sorted(architectures)}; supported: {sorted(ARCHITECTURES)}")
+
+
+def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
+    """Reads transformers 5's `rope_parameters` or the older `rope_scaling` + `rope_theta`."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
+    if rope_type in ("llama3", "yarn"):  # HF: a top-level original_max_position_embeddings wins
+        original = config.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or params.get(
+            "original_max_position_embeddings", max_positions
+        )
+    if rope_type != "default" and rope_type != "yarn" and "factor" not in params:
+        raise ValueError(f"RoPE type {rope_type!r} needs a `factor`")
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    for key in ("rope_type", "type"):
+        params.pop(key, None)
+    return RopeSpec(rope_type, float(theta), head_dim, max_positions, params)
+
+
+def _sliding_window(config: dict, family: str) -> int | None:
+    if family == "mistral":
+        return config.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+    return None
+
+
+def _refuse_unsupported(config: dict, family: str) -> None:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
+    if config.get("mlp_bias"):
+        raise ValueError("mlp_bias=true (biases in the MLP) is not supported")
+    if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        raise ValueError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
+    layer_types = set(config.get("layer_types") or ["full_attention"])
+    if family != "mistral" and layer_types != {"full_attention"}:
+        raise ValueError(f"layer_types {sorted(layer_types)} (mixed attention layers) are not supported")
+    for key in _REFUSED_KEYS:
+        if config.get(key) not in (None, 0, False, 1, 1.0):
+            raise ValueError(f"config key {key}={config[key]!r} is not supported by this engine")
