@@ -272,3 +272,6 @@ def family_model(tmp_path_factory):
         return made[family]
 
     return make
+
+
+FAMILY_PROMPTS_SHORT = ["The capital of France is", "日本語のテキスト 🎉 and code: def f(x): return x"]
