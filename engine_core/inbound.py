@@ -66,13 +66,20 @@ class FrameReader:
 
     def drop(self, kind: str, client: bytes, reason: str) -> None:
         self.num_dropped += 1
+        self._log(
+            kind,
+            "dropped a %s frame from client %s (%d dropped so far): %s",
+            kind,
+            client.hex()[:16],
+            self.num_dropped,
+            reason[:200],
+        )
+
+    def _log(self, kind: str, message: str, *args) -> None:
         now = time.monotonic()
         if now - self._last_log.get(kind, -LOG_EVERY_S) >= LOG_EVERY_S:
             self._last_log[kind] = now
-            logger.warning(
-                "dropped a %s frame from client %s (%d dropped so far): %s",
-                kind, client.hex()[:16], self.num_dropped, reason[:200],
-            )
+            logger.warning(message, *args)
 
     def _read(self, client: bytes, frame: memoryview) -> Inbound:
         message = self.codec.decode_client(frame)
@@ -97,7 +104,7 @@ class FrameReader:
             self.greeted.add(client)
         else:
             self.greeted.discard(client)
-            logger.warning("refused client %s: %s", client.hex()[:16], reply.error)
+            self._log("refused", "refused client %s: %s", client.hex()[:16], reply.error)
         return reply
 
     def _requests(self, message: AddRequests) -> Inbound:

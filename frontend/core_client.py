@@ -77,7 +77,12 @@ class MPClient:
         # At shutdown, garbage collection or interpreter exit: a goodbye, so that a daemon aborts what
         # this client leaves behind at once instead of after its silence timeout.
         self._finalizer = weakref.finalize(
-            self, _cleanup, self.ctx, [self.in_socket, self.out_socket], self.proc, self.tmpdir,
+            self,
+            _cleanup,
+            self.ctx,
+            [self.in_socket, self.out_socket],
+            self.proc,
+            self.tmpdir,
             self.codec.encode(Goodbye()),
         )
         self.last_heard = time.monotonic()
@@ -226,7 +231,7 @@ class MPClient:
 def _silence_hint(address: str) -> str:
     in_address = split_address(address)[0]
     if in_address.startswith("ipc://") and not os.path.exists(in_address[len("ipc://") :]):
-        return f" (no socket file {in_address[len('ipc://'):]}: is python -m engine_core running there?)"
+        return f" (no socket file {in_address[len('ipc://') :]}: is python -m engine_core running there?)"
     return " (is python -m engine_core running there?)"
 
 

@@ -46,7 +46,9 @@ class InputProcessor:
         if self.facts.max_model_len < self.core_max_model_len:
             room = self.facts.max_model_len - len(prompt_token_ids)
             if params.max_tokens is None or params.max_tokens > room:
-                params = msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+                params = msgspec.structs.replace(
+                    params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+                )
         return EngineCoreRequest(req_id, prompt_token_ids, params, time.time())
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -12,9 +12,9 @@ from protocol.sampling_params import SamplingParams
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
 
 
-def make_request(req_id: str, num_prompt: int, **params) -> Request:
+def make_request(req_id: str, num_prompt: int, client: bytes = b"c", **params) -> Request:
     sampling = SamplingParams(**{"max_tokens": 4, **params})
-    return Request(req_id, b"c", req_id, list(range(1, num_prompt + 1)), sampling, 0.0, [0], "raw")
+    return Request(req_id, client, req_id, list(range(1, num_prompt + 1)), sampling, 0.0, [0], "raw")
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=32, max_num_seqs=8) -> Scheduler:
@@ -186,3 +186,22 @@ def test_a_window_stops_at_the_models_length():
     scheduler = Scheduler(KVCacheManager(16, 4), 8, 64, max_model_len=20, num_scheduler_steps=8)
     scheduler.add_request(make_request("a", 10, max_tokens=None, ignore_eos=True))
     assert run_to_the_end(scheduler) == [1, 8, 1]  # 11 tokens, 19, then the 20th alone: no wasted step
+
+
+def test_admits_waiting_requests_round_robin_across_clients_fcfs_within_one():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=3)
+    for i in range(100):  # one client's large batch first ...
+        scheduler.add_request(make_request(f"big-{i}", 2, client=b"A"))
+    scheduler.add_request(make_request("single", 2, client=b"B"))  # ... then another client's one request
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["big-0", "single", "big-1"]
+    assert len(scheduler.waiting) == 98
+
+
+def test_an_aborted_waiting_request_is_skipped_and_counted_out():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=2)
+    for name in "abcd":
+        scheduler.add_request(make_request(name, 2))
+    scheduler.abort_requests(["a", "c"])
+    assert len(scheduler.waiting) == 2
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["b", "d"]
+    assert not scheduler.waiting

@@ -88,3 +88,37 @@ def test_min_tokens_masks_eos_until_reached(eos_llm):
     assert len(completion.token_ids) >= 8
     assert eos not in completion.token_ids[:8]
     assert completion.finish_reason in ("stop", "length")
+
+
+def _request_with_output(output_ids: list[int], eos_ids: list[int], **params):
+    from engine_core.request import Request
+
+    req = Request("r", b"c", "r", [1, 2, 3], SamplingParams(**params), 0.0, eos_ids, "raw")
+    for token_id in output_ids:
+        req.append_token(token_id)
+    return req
+
+
+@pytest.mark.parametrize(
+    "output_ids, params, expected",
+    [
+        ([5, 9], dict(max_tokens=2), ("stop", None)),  # the last token is EOS and the last allowed one
+        ([5, 7], dict(max_tokens=2), ("stop", 7)),  # a second EOS id stops as a stop token id does
+        ([5, 8], dict(max_tokens=2, stop_token_ids=[8]), ("stop", 8)),
+        ([5, 6], dict(max_tokens=2), ("length", None)),
+        ([9], dict(max_tokens=4, min_tokens=2), None),  # EOS before min_tokens does not stop
+        ([5, 9], dict(max_tokens=2, ignore_eos=True), ("length", None)),
+    ],
+)
+def test_eos_and_stop_ids_are_checked_before_the_length_caps(output_ids, params, expected):
+    from engine_core.stop import check_stop
+
+    stop = check_stop(_request_with_output(output_ids, [9, 7], **params), max_model_len=100)
+    assert (None if stop is None else (str(stop[0]), stop[1])) == expected
+
+
+def test_the_model_length_stops_even_before_min_tokens():
+    from engine_core.stop import check_stop
+
+    req = _request_with_output([5, 6], [9], max_tokens=10, min_tokens=8)
+    assert str(check_stop(req, max_model_len=5)[0]) == "length"
