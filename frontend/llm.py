@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from frontend.chat_template import render_chat
 from frontend.engine_parts import build_engine_parts
 from frontend.errors import RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
 from protocol.messages import EngineStats
+from protocol.model_facts import generation_defaults
 from protocol.sampling_params import SamplingParams
 
 OUTPUT_POLL_S = 0.05
@@ -45,6 +47,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Completions in input order. All prompts are validated before any is sent."""
         prompts = _as_list(prompts)
+        if sampling_params is None:  # as vLLM: the model's generation_config.json defaults
+            sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
         requests = []
         for prompt, p in zip(prompts, params):
@@ -63,6 +67,30 @@ class LLM:
                 self.output_processor.abort(request_id)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens as max_tokens); vLLM's own defaults elsewhere.
+        `generate` uses them when given no SamplingParams; given some, it uses those as they are."""
+        return SamplingParams(**generation_defaults(self.config.model))
+
+    def chat(
+        self,
+        messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the chat template (the given one, else the tokenizer's) and
+        generates from it. A template that writes the BOS itself gets no second one from tokenizing."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        texts = [render_chat(self.tokenizer, c, chat_template, add_generation_prompt) for c in conversations]
+        prompts = [{"prompt_token_ids": chat_prompt_token_ids(self.tokenizer, text)} for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
@@ -107,6 +135,13 @@ class LLM:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+def chat_prompt_token_ids(tokenizer, text: str) -> list[int]:
+    """The rendered chat's token ids: special tokens added only when the template did not write the BOS."""
+    bos = getattr(tokenizer, "bos_token", None)
+    has_bos = bool(bos) and text.startswith(bos)
+    return list(tokenizer(text, add_special_tokens=not has_bos).input_ids)
 
 
 def _as_list(prompts) -> list:

@@ -1,4 +1,5 @@
-"""Facts both sides read from a model folder without loading it: EOS ids and a tokenizer fingerprint."""
+"""Facts both sides read from a model folder without loading it: EOS ids, a tokenizer fingerprint and
+generation_config.json's sampling defaults."""
 
 from __future__ import annotations
 
@@ -24,11 +25,33 @@ def tokenizer_fingerprint(model_dir: str) -> str:
 
 
 def eos_token_ids(model_dir: str) -> list[int]:
-    """generation_config.json's eos_token_id when present, else config.json's."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
-    return []
+    """Every EOS id of config.json and generation_config.json (Llama 3 instruct ends on either of two;
+    its config.json names one), in that order, each once."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        eos = _read_json(Path(model_dir) / name).get("eos_token_id")
+        for token_id in [eos] if isinstance(eos, int) else eos or []:
+            if token_id not in ids:
+                ids.append(token_id)
+    return ids
+
+
+# generation_config.json keys that are sampling defaults, and their SamplingParams names (as vLLM's)
+_SAMPLING_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """generation_config.json's sampling defaults as SamplingParams keyword arguments; {} without one."""
+    config = _read_json(Path(model_dir) / "generation_config.json")
+    return {field: config[key] for key, field in _SAMPLING_DEFAULTS.items() if config.get(key) is not None}
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
