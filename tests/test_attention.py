@@ -114,3 +114,39 @@ def test_model_forward_with_kernels_matches_torch_paths(kernels, tiny_path):
             state.num_computed_tokens += num
         hidden[name] = torch.cat(outputs)
     torch.testing.assert_close(hidden["kernels"], hidden["torch"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [11, 8])
+def test_sliding_window_in_the_kernel_the_torch_decode_and_prefill_chunks(kernels, window):
+    """Mistral's window: each row attends to itself and the window - 1 positions before it, whether
+    its window starts mid-block or on a block edge, in decode rows (kernel and torch), a chunk with
+    context, and a first chunk longer than the window."""
+    generator = np.random.default_rng(window)
+    free_blocks = generator.permutation(200).tolist()
+    states, num_tokens = [], []
+    for context, scheduled in [(37, 1), (3, 1), (20, 12), (130, 1), (30, 30), (64, 1)]:
+        blocks = [free_blocks.pop() for _ in range(-(-context // BLOCK_SIZE))]
+        states.append(make_state(str(len(states)), context, blocks, context - scheduled))
+        num_tokens.append(scheduled)
+    cache = torch.randn(2, 2, 200 * BLOCK_SIZE, 32)
+    q = torch.randn(sum(num_tokens), 6, 32)
+    expected = _windowed_reference(q, cache, states, num_tokens, window)
+    for kernel in (kernels, None):
+        inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"), kernel)
+        slots = inputs.attn.slot_mapping
+        k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
+        actual = paged_attention(q, k, v, cache, inputs.attn, window)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def _windowed_reference(q, cache, states, num_tokens, window: int) -> torch.Tensor:
+    group, rows = q.shape[1] // cache.shape[1], []
+    for state, num in zip(states, num_tokens):
+        for position in range(state.num_computed_tokens, state.num_computed_tokens + num):
+            positions = range(max(0, position - window + 1), position + 1)
+            slots = [state.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+            keys = cache[0][:, slots].double().repeat_interleave(group, dim=0)
+            values = cache[1][:, slots].double().repeat_interleave(group, dim=0)
+            query = q[len(rows)].double()[:, None, :] * q.shape[2] ** -0.5
+            rows.append(((query @ keys.transpose(1, 2)).softmax(dim=-1) @ values)[:, 0])
+    return torch.stack(rows).float()

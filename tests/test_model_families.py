@@ -43,6 +43,7 @@ CASES = [
         True,
         dict(max_num_batched_tokens=512, can_use_cpu_kernels=False),
     ),  # torch paths, whole prompts
+    ("mistral", False, dict(num_scheduler_steps=4, can_use_cpu_kernels=False)),  # multi-step windows
     ("qwen2", False, CHUNKED),
     ("qwen3", True, CHUNKED),
     ("llama-dynamic", False, CHUNKED),
