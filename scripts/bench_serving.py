@@ -1,15 +1,21 @@
-"""Serving benchmark in the shape of vLLM's: a seeded ShareGPT-like workload sent to AsyncLLM at a
-request rate; prints throughput and TTFT / TPOT / ITL (mean, median, P99), writes JSON and a PNG.
+"""Serving benchmark in the shape of vLLM's: a seeded ShareGPT-like workload sent to AsyncLLM, or over
+HTTP to any OpenAI-compatible server (--base-url), at a request rate; prints throughput and
+TTFT / TPOT / ITL (mean, median, P99), writes JSON and a PNG.
 
     python scripts/bench_serving.py --num-requests 100 --logprobs 5
     python scripts/bench_serving.py --compare "" "logprobs=5"      # alternated, ratio of every row
     python scripts/bench_serving.py --compare "inproc" ""          # an in-process core against a spawned one
+    coreserve serve builtin:small --port 8000 &                     # then the same workload over HTTP:
+    python scripts/bench_serving.py --compare "" "base_url=http://127.0.0.1:8000"   # server / AsyncLLM
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --compare "" "logprobs=5"
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8080 --send-text   # llama-server (own tokenizer)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import shlex
 import sys
 import time
@@ -18,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from bench_common import machine, prompts_of_lengths, sharegpt_like_lengths, write_json  # noqa: E402
+from bench_http_client import HttpDriver  # noqa: E402
 
 from frontend import AsyncLLM, SamplingParams  # noqa: E402
 
@@ -39,6 +46,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--inproc", action="store_true", help="run the core in this process")
+    p.add_argument("--base-url", help="an OpenAI-compatible server to drive over HTTP instead of AsyncLLM")
+    p.add_argument("--served-model-name", help="with --base-url: the model name to send (default --model)")
+    p.add_argument("--api-key", help="with --base-url: sent as Authorization: Bearer KEY")
+    p.add_argument("--send-text", action="store_true", help="with --base-url: send prompts as text, not ids")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2, help="with --compare: alternations of A and B")
     p.add_argument(
@@ -51,22 +63,41 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-async def run_workload(engine: AsyncLLM, args, prompts, output_lens) -> dict:
+class EngineDriver:
+    """The in-process path: AsyncLLM.generate, timed delta by delta."""
+
+    def __init__(self, engine: AsyncLLM, args) -> None:
+        self.engine, self.args = engine, args
+        self.ids = itertools.count()
+
+    async def run(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            logprobs=self.args.logprobs,
+            prompt_logprobs=self.args.prompt_logprobs,
+        )
+        start, times, num_tokens = time.perf_counter(), [], 0
+        async for out in self.engine.generate(prompt, params, f"r{next(self.ids)}-{start}"):
+            times.append(time.perf_counter())
+            num_tokens += len(out.outputs[0].token_ids)
+        return start, times, num_tokens
+
+    async def close(self) -> None:
+        pass
+
+
+async def run_workload(engine: AsyncLLM | None, tokenizer, args, prompts, output_lens) -> dict:
+    """One pass of the workload; with --base-url over HTTP (the client made on this event loop)."""
+    driver = HttpDriver(args, tokenizer) if args.base_url else EngineDriver(engine, args)
     rng = np.random.default_rng(args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
     records = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=output_lens[i],
-            ignore_eos=True,
-            logprobs=args.logprobs,
-            prompt_logprobs=args.prompt_logprobs,
-        )
-        start, times, num_tokens = time.perf_counter(), [], 0
-        async for out in engine.generate(prompts[i], params, f"r{i}-{start}"):
-            times.append(time.perf_counter())
-            num_tokens += len(out.outputs[0].token_ids)
+        async with limit:
+            start, times, num_tokens = await driver.run(prompts[i], output_lens[i])
         records[i] = {
             "start": start,
             "times": times,
@@ -75,11 +106,14 @@ async def run_workload(engine: AsyncLLM, args, prompts, output_lens) -> dict:
         }
 
     tasks, began = [], time.perf_counter()
-    for i in range(len(prompts)):
-        tasks.append(asyncio.create_task(one(i)))
-        if args.request_rate != float("inf"):
-            await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
-    await asyncio.gather(*tasks)
+    try:
+        for i in range(len(prompts)):
+            tasks.append(asyncio.create_task(one(i)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        await asyncio.gather(*tasks)
+    finally:
+        await driver.close()
     return summarize(records, time.perf_counter() - began)
 
 
@@ -152,6 +186,13 @@ def make_engine(args) -> AsyncLLM:
     )
 
 
+def load_workload_tokenizer(model: str):
+    """The model's tokenizer without an engine (--base-url runs make no AsyncLLM)."""
+    from frontend.engine_args import load_tokenizer, make_config
+
+    return load_tokenizer(make_config(model, {}).model)
+
+
 def main() -> None:
     args = parser().parse_args()
     configs = {"run": args}
@@ -160,26 +201,31 @@ def main() -> None:
         configs = {
             label: parser().parse_args(base + _as_options(spec)) for label, spec in zip("AB", args.compare)
         }
-    engines: dict[tuple, AsyncLLM] = {}
+    engines: dict[tuple, AsyncLLM | None] = {}
     results: dict[str, list[dict]] = {label: [] for label in configs}
     rounds = args.rounds if args.compare else 1
+    tokenizer = None
     for _ in range(rounds):
         for label, config in configs.items():
-            key = tuple(getattr(config, name) for name in ENGINE_ARGS)
+            key = tuple(getattr(config, name) for name in ENGINE_ARGS) if not config.base_url else None
             if key not in engines:
-                engines[key] = make_engine(config)
+                engines[key] = make_engine(config) if key is not None else None
             engine = engines[key]
+            tokenizer = tokenizer or (
+                engine.get_tokenizer() if engine else load_workload_tokenizer(config.model)
+            )
             input_lens, output_lens = sharegpt_like_lengths(
                 config.num_requests, config.seed, max_output=config.max_output_len
             )
-            prompts = prompts_of_lengths(engine.get_tokenizer(), input_lens, config.seed)
-            asyncio.run(run_workload(engine, config, prompts[:4], [4] * 4))  # warm-up
-            results[label].append(asyncio.run(run_workload(engine, config, prompts, output_lens)))
+            prompts = prompts_of_lengths(tokenizer, input_lens, config.seed)
+            asyncio.run(run_workload(engine, tokenizer, config, prompts[:4], [4] * 4))  # warm-up
+            results[label].append(asyncio.run(run_workload(engine, tokenizer, config, prompts, output_lens)))
             print(
                 f"  {label}: {results[label][-1]['output_token_throughput']:.1f} output tokens/s", flush=True
             )
     for engine in engines.values():
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
     best = {label: median_result(runs) for label, runs in results.items()}
     if args.compare:
         print_result(f"A: {args.compare[0]!r} | B: {args.compare[1]!r} | B/A", best["A"], best["B"])
