@@ -1,5 +1,5 @@
-"""A server without a chat template, and a server whose core dies: chat is a 400 that says there is no
-template; /health turns 503 within 2 s of the core's death, and requests get a clear 503."""
+"""A server's life around its core: without a chat template chat is a 400 that says so; /health turns
+503 within 2 s of the core's death and requests get a clear 503; `--core-address` attaches to a daemon."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import start_daemon
 from server_harness import MODEL, running_server
 
 
@@ -48,3 +49,18 @@ def test_health_is_503_within_two_seconds_of_the_core_dying(server):
     response = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
     assert proc.poll() is None  # the server itself stays up to say so
+
+
+def test_serve_attaches_to_a_running_daemon(tiny_path, tmp_path):
+    address = f"ipc://{tmp_path}/core"
+    daemon = start_daemon(tiny_path, address, "--num-kv-blocks", "64", "--log-level", "WARNING")
+    try:
+        with running_server("--core-address", address) as (base, _):
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "logprobs": 1}
+            result = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+            assert len(result["choices"][0]["logprobs"]["tokens"]) == 3
+            assert "coreserve:kv_blocks_total 64.0" in httpx.get(base + "/metrics").text
+        assert daemon.poll() is None  # the daemon outlives the server that attached to it
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
