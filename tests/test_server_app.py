@@ -11,12 +11,12 @@ import pytest
 from conftest import PROMPTS
 from server_harness import API_KEY, MODEL, metric_values, running_server, wait_until_idle
 
-NUM_KV_BLOCKS = 512
+NUM_KV_BLOCKS = 1024
 
 
 @pytest.fixture(scope="module")
 def server():
-    flags = ["--api-key", API_KEY, "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", "64"]
+    flags = ["--api-key", API_KEY, "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", "256"]
     with running_server(*flags) as (base, _):
         yield base
 
@@ -104,7 +104,7 @@ def test_a_non_streamed_request_whose_client_leaves_is_aborted(http, server):
     assert wait_until_idle(http)
 
 
-def test_many_concurrent_streams_all_finish_with_their_token_counts(server, http):
+def test_two_hundred_fifty_six_concurrent_streams_all_finish_with_their_token_counts(server, http):
     async def one(client, i):
         stream = await client.completions.create(
             model=MODEL,
@@ -121,8 +121,8 @@ def test_many_concurrent_streams_all_finish_with_their_token_counts(server, http
 
     async def main():
         async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(64)))
+            return await asyncio.gather(*(one(client, i) for i in range(256)))
 
     results = asyncio.run(main())
-    assert [usage for _, usage in results] == [3 + i % 5 for i in range(64)]
+    assert [usage for _, usage in results] == [3 + i % 5 for i in range(256)]
     assert wait_until_idle(http)

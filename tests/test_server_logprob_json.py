@@ -58,3 +58,12 @@ def test_text_offsets_count_characters_not_bytes(tokenizer):
     assert all(0 <= offset <= len(text) for offset in piece["text_offset"])
     assert piece["text_offset"] == sorted(piece["text_offset"]) and builder.offset == len(text)
     assert builder.take()["tokens"] == []  # take() hands each position out once
+
+
+def test_json_never_fails_on_a_string_that_is_not_unicode():
+    import json
+
+    from frontend.server.json_response import to_json
+
+    assert json.loads(to_json({"text": "a\ud800b"})) == {"text": "a\ud800b"}
+    assert json.loads(to_json({"logprob": finite(-math.inf)})) == {"logprob": -9999.0}

@@ -131,7 +131,7 @@ class CompletionChoice:
         self._held: list[CompletionOutput] = []  # deltas that came before the prompt's logprobs
 
     def piece(self, completion: CompletionOutput, prompt_positions) -> dict | None:
-        needs_prompt = self.body.echo and self.logprobs is not None or self.body.prompt_logprobs is not None
+        needs_prompt = (self.body.echo and self.logprobs is not None) or self.body.prompt_logprobs is not None
         if not self.is_started and needs_prompt and prompt_positions is None:
             self._held.append(completion)
             return None

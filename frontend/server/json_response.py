@@ -6,12 +6,19 @@ finite by the formatters before they get here (OpenAI writes -inf as -9999.0), s
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 from starlette.responses import Response
 
 
 def to_json(content: object) -> bytes:
-    return msgspec.json.encode(content)
+    """UTF-8 JSON; a string that is not valid Unicode (which no formatter should let through) is written
+    with \\u escapes rather than failing the response."""
+    try:
+        return msgspec.json.encode(content)
+    except UnicodeEncodeError:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class JSONBytesResponse(Response):
