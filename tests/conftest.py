@@ -214,11 +214,6 @@ FAMILY_CONFIGS = {
         padded_vocab=128 * 1024 + 512,
         rope_parameters=dict(rope_type="linear", rope_theta=1000000.0, factor=2.0),
     ),
-    "llama-dynamic": dict(
-        model_type="llama",
-        tokenizer="llama2",
-        rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
-    ),
 }
 
 

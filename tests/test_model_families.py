@@ -46,7 +46,6 @@ CASES = [
     ("mistral", False, dict(num_scheduler_steps=4, can_use_cpu_kernels=False)),  # multi-step windows
     ("qwen2", False, CHUNKED),
     ("qwen3", True, CHUNKED),
-    ("llama-dynamic", False, CHUNKED),
 ]
 
 

@@ -37,7 +37,7 @@ def tokenizer_case(request, family_model):
 
 def test_sampled_text_equals_tokenizer_decode_streamed_or_not(tokenizer_case):
     name, tokenizer, path = tokenizer_case
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, skip_special_tokens=True)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, skip_special_tokens=True)
     with LLM(path, multiprocess=False) as llm:
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):

@@ -1,0 +1,62 @@
+"""RoPE variants (worker/models/rope.py) against Hugging Face's rotary embedding on the same config:
+the cos/sin tables of every position, bit for bit, for default, linear, dynamic, llama3 and yarn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.models.config import LlamaArgs
+from worker.models.rope import cos_sin_tables
+
+MAX_POSITIONS = 512
+VARIANTS = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },  # fmt: skip
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 1000000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "original_max_position_embeddings": 128,
+    },  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cos_sin_tables_equal_hf(variant):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    fields = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=MAX_POSITIONS)
+    hf_config = LlamaConfig(**fields, rope_parameters=dict(VARIANTS[variant]))
+    positions = torch.arange(MAX_POSITIONS)[None, :]  # every position the engine may run
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1, dtype=torch.float32), positions)
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 1, **fields, "rope_parameters": dict(VARIANTS[variant])}  # fmt: skip
+    cos, sin = cos_sin_tables(LlamaArgs.from_hf_config(config).rope, MAX_POSITIONS)
+    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=0)
+    if variant != "default":
+        default, _ = cos_sin_tables(
+            LlamaArgs.from_hf_config({**config, "rope_parameters": VARIANTS["default"]}).rope, 64
+        )
+        assert variant == "dynamic" or not torch.allclose(default, cos[:64])  # the scaling does something
