@@ -164,6 +164,9 @@ BAD_FIELDS = [
     ({"prompt": "word " * MAX_MODEL_LEN}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": 5}, "prompt"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"suffix": "end"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
 ]
 
 

@@ -45,6 +45,10 @@ async def create_completion(request: Request, body: CompletionRequest) -> Respon
 
 
 def _params(server: ServerState, body: CompletionRequest, prompts: list[PromptInput]):
+    if body.suffix:
+        raise APIError(400, "suffix (insertion) is not supported by this server", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of other than n is not supported by this server", "best_of")
     if body.max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens=0 is only allowed with echo=true (scoring the prompt)", "max_tokens")
     check_prompts(prompts, server.facts, max(body.max_tokens, 1) if body.max_tokens is not None else None)

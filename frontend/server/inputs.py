@@ -74,6 +74,8 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams from the body's fields (unset ones keep vLLM's defaults); a value SamplingParams
     refuses is a 400 naming its field."""
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
     fields = {name: getattr(body, name) for name in _OPTIONAL_SAMPLING if getattr(body, name) is not None}
     try:
         return SamplingParams(

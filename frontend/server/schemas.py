@@ -60,6 +60,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # refused when non-empty: it would be silently ignored
 
     @property
     def include_usage(self) -> bool:
@@ -72,6 +73,8 @@ class CompletionRequest(SamplingFields):
     logprobs: NonNegativeInt64 | None = None
     echo: bool = False
     prompt_logprobs: NonNegativeInt64 | None = None  # vLLM's extension: choices[i].prompt_logprobs
+    suffix: Text | None = None  # refused: no insertion
+    best_of: Int64 | None = None  # refused unless it equals n
 
 
 class TextPart(_Request):
