@@ -44,7 +44,7 @@ class EngineCore:
         )
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.runner.allocate_kv_cache(self.num_kv_blocks)
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_seqs,
@@ -69,6 +69,10 @@ class EngineCore:
             self.kv_cache.num_free_blocks,
             self.num_kv_blocks,
             scheduler.num_preemptions,
+            self.kv_cache.num_cached_blocks,
+            self.kv_cache.num_queried_tokens,
+            self.kv_cache.num_hit_tokens,
+            scheduler.num_prefill_tokens,
         )
 
     def facts(self) -> HandshakeReply:

@@ -4,24 +4,80 @@
 Placement keeps each request's blocks adjacent where it can: a request grows into the block after its
 last one when that is free, and a request that needs a fresh place starts in the middle of the largest
 free gap, leaving room on both sides. Adjacent blocks let the worker read a context in place.
+
+With prefix caching, blocks are reference counted: full blocks whose KV is written are indexed by
+their prefix (engine_core/prefix_index.py), requests share them, and a block no request holds keeps
+its content until a fresh block is needed and it is the least recently freed. Such blocks count as
+free: at idle every block is free or held only by the cache.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from engine_core.prefix_index import ROOT, PrefixIndex
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._is_free = np.ones(num_blocks, dtype=bool)
+        self._is_free = np.ones(num_blocks, dtype=bool)  # empty: held by no request, indexing nothing
         self._num_free = num_blocks
+        self._num_refs = [0] * num_blocks  # requests holding each block
         self._req_blocks: dict[str, list[int]] = {}
+        self._req_chain: dict[str, list[int]] = {}  # content ids of a request's first indexed blocks
+        self.index = PrefixIndex() if enable_prefix_caching else None
+        self.num_queried_tokens = 0  # prompt tokens of requests that looked their prefix up
+        self.num_hit_tokens = 0  # of those, tokens found in the cache
 
     @property
     def num_free_blocks(self) -> int:
-        return self._num_free
+        return self._num_free + (self.index.num_evictable if self.index is not None else 0)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.index.num_cached_blocks if self.index is not None else 0
+
+    def take_cached_prefix(self, req_id: str, token_ids: list[int], max_tokens: int) -> int:
+        """Gives a request that holds no blocks the indexed blocks of its longest cached prefix of full
+        blocks within `max_tokens`; returns how many tokens they hold (0 without prefix caching)."""
+        assert not self._req_blocks.get(req_id), "a request takes its cached prefix before any block"
+        if self.index is None:
+            return 0
+        size, blocks, chain = self.block_size, [], []
+        for start in range(0, max_tokens - size + 1, size):
+            block = self.index.lookup(chain[-1] if chain else ROOT, tuple(token_ids[start : start + size]))
+            if block is None:
+                break
+            if self._num_refs[block] == 0:
+                self.index.reuse(block)
+            self._num_refs[block] += 1
+            blocks.append(block)
+            chain.append(self.index.content_id(block))
+        self._req_blocks[req_id], self._req_chain[req_id] = blocks, chain
+        self.num_queried_tokens += len(token_ids)
+        self.num_hit_tokens += len(blocks) * size
+        return len(blocks) * size
+
+    def cache_full_blocks(
+        self, req_id: str, prompt_ids: list[int], output_ids: list[int], num_computed: int
+    ) -> None:
+        """Indexes the request's full blocks whose KV is written (positions below `num_computed`)."""
+        if self.index is None:
+            return
+        chain, blocks, size = (
+            self._req_chain.setdefault(req_id, []),
+            self._req_blocks[req_id],
+            self.block_size,
+        )
+        for i in range(len(chain), min(num_computed // size, len(blocks))):
+            tokens = _token_slice(prompt_ids, output_ids, i * size, (i + 1) * size)
+            chain.append(self.index.insert(chain[-1] if chain else ROOT, tokens, blocks[i]))
+
+    def num_indexed_tokens(self, req_id: str) -> int:
+        """Tokens of the request's prefix that other requests can now read from the cache."""
+        return len(self._req_chain.get(req_id, ())) * self.block_size
 
     def blocks_of(self, req_id: str) -> list[int]:
         return self._req_blocks.get(req_id, [])
@@ -36,24 +92,36 @@ class KVCacheManager:
         num_new = self.num_blocks_needed(num_tokens) - len(blocks)
         if num_new <= 0:
             return []
-        if num_new > self._num_free:
+        if num_new > self.num_free_blocks:
             return None
         new_blocks = []
         next_block = blocks[-1] + 1 if blocks else -1
         for _ in range(num_new):
-            if not (0 <= next_block < self.num_blocks and self._is_free[next_block]):
-                next_block = self._fresh_start()
-            self._is_free[next_block] = False
+            if self._num_free == 0:  # only cached blocks are left: the least recently freed is rewritten
+                next_block = self.index.evict_oldest()
+            else:
+                if not (0 <= next_block < self.num_blocks and self._is_free[next_block]):
+                    next_block = self._fresh_start()
+                self._is_free[next_block] = False
+                self._num_free -= 1
+            self._num_refs[next_block] = 1
             new_blocks.append(next_block)
             next_block += 1
-        self._num_free -= num_new
         self._req_blocks[req_id] = blocks + new_blocks
         return new_blocks
 
     def free(self, req_id: str) -> None:
-        blocks = self._req_blocks.pop(req_id, [])
-        self._is_free[blocks] = True
-        self._num_free += len(blocks)
+        """Releases the request's blocks, its last ones first, so that a prefix's tail is evicted first."""
+        self._req_chain.pop(req_id, None)
+        for block in reversed(self._req_blocks.pop(req_id, [])):
+            self._num_refs[block] -= 1
+            if self._num_refs[block] > 0:
+                continue
+            if self.index is not None and self.index.is_cached(block):
+                self.index.release(block)
+            else:
+                self._is_free[block] = True
+                self._num_free += 1
 
     def _fresh_start(self) -> int:
         """The middle of the largest free gap (its start, when the gap opens the pool)."""
@@ -63,3 +131,13 @@ class KVCacheManager:
         largest = int(np.argmax(ends - starts))
         start, length = int(starts[largest]), int(ends[largest] - starts[largest])
         return start if start == 0 else start + length // 2
+
+
+def _token_slice(prompt_ids: list[int], output_ids: list[int], start: int, end: int) -> tuple[int, ...]:
+    """Tokens start..end - 1 of prompt + output, without building the whole sequence."""
+    num_prompt = len(prompt_ids)
+    if end <= num_prompt:
+        return tuple(prompt_ids[start:end])
+    if start >= num_prompt:
+        return tuple(output_ids[start - num_prompt : end - num_prompt])
+    return tuple(prompt_ids[start:]) + tuple(output_ids[: end - num_prompt])

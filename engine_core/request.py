@@ -41,6 +41,7 @@ class Request:
         self.max_tokens = params.max_tokens
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens read from the prefix cache at admission
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.prompt_logprob_parts: list[LogprobsArrays] = []  # chunks until the first sampled token

@@ -9,6 +9,7 @@ from collections import defaultdict
 
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.outputs import make_output
+from engine_core.prefix_index import ROOT
 from engine_core.request import Request, RequestStatus
 from engine_core.stop import check_stop
 from engine_core.waiting_queue import WaitingQueue
@@ -35,6 +36,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(): the worker drops them
         self.num_preemptions = 0  # since start, for stats and tests
+        self.num_prefill_tokens = 0  # prompt positions computed since start (cache hits are not)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -75,20 +77,55 @@ class Scheduler:
             len(output.finished_req_ids) > num_dropped_before
         )  # no admissions while memory is short
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not is_preempted:
-            req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = self.kv_cache.allocate(req.req_id, num_new)
-            if new_blocks is None:
+            num_new = self._admit(self.waiting[0], budget, output)
+            if num_new is None:
                 break
-            self.waiting.popleft()
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            output.new_reqs.append(self._new_request_data(req, new_blocks))
-            self._commit(req, num_new, output)
             budget -= num_new
         if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs:
             self._extend_to_window(output)
         return output
+
+    def _admit(self, req: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Schedules the head of the waiting queue, after its cached prefix when it may read the cache;
+        returns its scheduled tokens, or None when it must wait (no blocks, or its prefix is being
+        computed by a running request and will be in the cache after this step)."""
+        can_read_cache = self.kv_cache.index is not None and req.has_sent_prompt_logprobs
+        if can_read_cache and self._is_prefix_being_computed(req):
+            return None
+        if can_read_cache:  # the last token is always computed: its logits are needed
+            req.num_computed_tokens = self.kv_cache.take_cached_prefix(
+                req.req_id, req.all_token_ids, req.num_tokens - 1
+            )
+            if req.num_output_tokens == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_new) is None:
+            self.kv_cache.free(req.req_id)
+            req.num_computed_tokens = 0
+            return None
+        self.waiting.popleft()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        output.new_reqs.append(self._new_request_data(req, self.kv_cache.blocks_of(req.req_id)))
+        self._commit(req, num_new, output)
+        return num_new
+
+    def _is_prefix_being_computed(self, req: Request) -> bool:
+        """`req`'s first block is not cached yet, but a running request with the same first block is
+        computing it (n > 1, one system prompt): waiting for it lets `req` read the prefix the two
+        share instead of computing it again."""
+        size = self.kv_cache.block_size
+        if req.num_prompt_tokens <= size:
+            return False
+        first = req.prompt_token_ids[:size]
+        if self.kv_cache.index.lookup(ROOT, tuple(first)) is not None:
+            return False
+        return any(
+            r.prompt_token_ids[:size] == first
+            and self.kv_cache.num_indexed_tokens(r.req_id)
+            < (min(r.num_prompt_tokens, req.num_prompt_tokens) - 1) // size * size
+            for r in self.running
+        )
 
     def _extend_to_window(self, output: SchedulerOutput) -> None:
         """A decode-only batch runs up to num_scheduler_steps model steps before the scheduler looks
@@ -132,6 +169,9 @@ class Scheduler:
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
         output.num_scheduled_tokens[req.req_id] = num_new
+        self.num_prefill_tokens += max(
+            0, min(req.num_computed_tokens + num_new, req.num_prompt_tokens) - req.num_computed_tokens
+        )
         req.num_computed_tokens += num_new
 
     def _allocate_or_preempt(self, req: Request, num_new: int, output: SchedulerOutput) -> list[int] | None:
@@ -175,6 +215,11 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
+            # Written by this step (and the tokens at those positions known): others may now read it.
+            num_written = min(req.num_computed_tokens, req.num_tokens)
+            self.kv_cache.cache_full_blocks(
+                req.req_id, req.prompt_token_ids, req.output_token_ids, num_written
+            )
             chunk = runner_output.prompt_logprobs.get(req_id)
             if chunk is not None and not req.has_sent_prompt_logprobs:
                 req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks)

@@ -52,6 +52,7 @@ class RequestState:
     has_sent_prompt_logprobs: bool = False  # streaming: they travel in the first delta only
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the core refused the request, or why handling its output failed
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -169,6 +170,7 @@ class OutputProcessor:
         """Returns True when a stop string finished a completion the core is still running."""
         if "first_token_time" not in state.metrics and output.new_token_ids:
             state.metrics["first_token_time"] = time.time()
+        state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + to_position_dicts(output.prompt_logprobs, self.table)
         is_core_done = output.finish_reason is not None
@@ -256,6 +258,7 @@ def make_request_output(state: RequestState) -> RequestOutput:
         completions,
         state.finished,
         dict(state.metrics),
+        state.num_cached_tokens,
     )
 
 

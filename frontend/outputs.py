@@ -49,3 +49,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int | None = None  # prompt tokens read from the prefix cache (n > 1: the most)

@@ -2,6 +2,8 @@
 
 from protocol.sampling_params import LogprobsMode, SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: GetStats / EngineStats; 3: requests encoded one by one, handshake enforced
+# 2: GetStats / EngineStats; 3: requests encoded one by one, handshake enforced;
+# 4: prefix cache stats and num_cached_tokens
+PROTOCOL_VERSION = 4
 
 __all__ = ["PROTOCOL_VERSION", "LogprobsMode", "SamplingParams"]

@@ -28,6 +28,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     num_scheduler_steps: int = 1
+    enable_prefix_caching: bool = True  # full prompt blocks computed once and shared (docs/decisions.md)
     num_threads: int | None = None  # torch intra-op threads in the core; None: torch's default
     # The C kernels (decode attention, logprob rows, fused layer steps) on the CPU in fp32, built with
     # the system cc; False: torch's ops only (the CUDA path), e.g. to rule the kernels out of a bug.
@@ -68,6 +69,7 @@ ENGINE_ARG_HELP = {
     "dtype": "weights and activations: float32, bfloat16 or float16 (default float32)",
     "device": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda",
     "num_scheduler_steps": "model steps a decode-only batch runs before the scheduler looks again (default 1)",
+    "enable_prefix_caching": "reuse the KV of prompt prefixes computed before (true, the default, or false)",
     "num_threads": "torch intra-op threads in the core (default: torch's choice)",
     "can_use_cpu_kernels": "true: the C kernels on the CPU in fp32; false: torch's ops only",
 }

@@ -83,6 +83,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that finished the request
     error: str | None = None  # with FinishReason.ERROR: why the core refused the request
+    num_cached_tokens: int = 0  # in the first output: prompt tokens read from the prefix cache
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):
@@ -113,6 +114,10 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True):
     num_free_kv_blocks: int
     num_kv_blocks: int
     num_preemptions: int  # since the core started
+    num_cached_blocks: int = 0  # blocks the prefix cache indexes (held by requests or free)
+    prefix_cache_queries: int = 0  # prompt tokens of requests that looked their prefix up, since start
+    prefix_cache_hits: int = 0  # of those, tokens read from the cache
+    num_prefill_tokens: int = 0  # prompt positions computed since start (cache hits are not)
 
 
 class EngineError(msgspec.Struct, tag="fatal", array_like=True):

@@ -1,0 +1,70 @@
+"""Which KV blocks hold which token prefixes (engine-core process): the prefix cache's index, pure Python.
+
+A full block is keyed by (the content id of the block before it, the block's token ids): a chain, so a
+key names the whole prefix up to and including that block. Content ids are never reused (an evicted
+block's successor chain can never be matched again), and dict keys compare the token tuples exactly:
+no hash collision can ever hand out the wrong KV. Everything else that changes the KV (model, dtype)
+is fixed for one engine, so it is not part of the key. Blocks no request holds stay indexed and are
+evicted least recently freed first, only when a fresh block is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+ROOT = 0  # the content id "before" a prompt's first block
+
+BlockKey = tuple[int, tuple[int, ...]]
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._block_of: dict[BlockKey, int] = {}  # key -> block holding that content
+        self._entry_of: dict[int, tuple[BlockKey, int]] = {}  # block -> (its key, its content id)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed blocks no request holds, LRU first
+        self._next_content_id = ROOT + 1
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._entry_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._entry_of
+
+    def content_id(self, block: int) -> int:
+        return self._entry_of[block][1]
+
+    def lookup(self, parent: int, token_ids: tuple[int, ...]) -> int | None:
+        return self._block_of.get((parent, token_ids))
+
+    def insert(self, parent: int, token_ids: tuple[int, ...], block: int) -> int:
+        """Indexes a block whose KV is written; returns the content id of the block that holds it (an
+        equal block indexed before keeps its place, and this one stays private)."""
+        key = (parent, token_ids)
+        existing = self._block_of.get(key)
+        if existing is not None:
+            return self._entry_of[existing][1]
+        content_id = self._next_content_id
+        self._next_content_id += 1
+        self._block_of[key] = block
+        self._entry_of[block] = (key, content_id)
+        return content_id
+
+    def release(self, block: int) -> None:
+        """No request holds `block` any more: it may be evicted, after the blocks released before it."""
+        self._evictable[block] = None
+
+    def reuse(self, block: int) -> None:
+        """A request takes an indexed block no one held: it must not be evicted while held."""
+        del self._evictable[block]
+
+    def evict_oldest(self) -> int:
+        """Forgets the least recently released block and returns it, to be written anew."""
+        block, _ = self._evictable.popitem(last=False)
+        key, _ = self._entry_of.pop(block)
+        del self._block_of[key]
+        return block
