@@ -174,6 +174,7 @@ FAMILY_CONFIGS = {
         model_type="llama",
         tokenizer="llama3",
         tie_word_embeddings=False,
+        attention_bias=True,  # not Llama 3.1's own: covers the q/k/v/o biases some Llama checkpoints have
         rope_parameters=dict(
             rope_type="llama3",
             rope_theta=500000.0,
