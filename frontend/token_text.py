@@ -132,18 +132,16 @@ class IncrementalDetokenizer:
 
     def append(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
+        start, table = len(self.text), self.table
         if self._utf8 is None:
-            start = len(self.text)
             for token_id in token_ids:
-                if token_id < self.table.num_tokens:
+                if token_id < table.num_tokens:  # padded ids have no text
                     self.text += self._window.step(token_id)
             return self.text[start:]
-        else:
-            table, skip = self.table, self.skip_special
-            keep = [t for t in token_ids if t < table.num_tokens and not (skip and t in table.special_ids)]
-            new_text = self._utf8.decode(b"".join(table.token_bytes[t] for t in keep))
-            self.text += new_text
-            return new_text
+        skip = self.skip_special
+        keep = [t for t in token_ids if t < table.num_tokens and not (skip and t in table.special_ids)]
+        self.text += self._utf8.decode(b"".join(table.token_bytes[t] for t in keep))
+        return self.text[start:]
 
     def flush(self) -> str:
         """At the end: dangling bytes of an unfinished character become U+FFFD, as the tokenizer does."""
