@@ -119,12 +119,12 @@ def test_model_forward_with_kernels_matches_torch_paths(kernels, tiny_path):
 @pytest.mark.parametrize("window", [11, 8])
 def test_sliding_window_in_the_kernel_the_torch_decode_and_prefill_chunks(kernels, window):
     """Mistral's window: each row attends to itself and the window - 1 positions before it, whether
-    its window starts mid-block or on a block edge, in decode rows (kernel and torch), a chunk with
-    context, and a first chunk longer than the window."""
+    its window starts mid-block or on a block edge, in decode rows (kernel and torch), chunks with
+    context (one whose window leaves its first blocks behind), and a first chunk longer than the window."""
     generator = np.random.default_rng(window)
     free_blocks = generator.permutation(200).tolist()
     states, num_tokens = [], []
-    for context, scheduled in [(37, 1), (3, 1), (20, 12), (130, 1), (30, 30), (64, 1)]:
+    for context, scheduled in [(37, 1), (3, 1), (20, 12), (130, 1), (30, 30), (64, 1), (60, 9)]:
         blocks = [free_blocks.pop() for _ in range(-(-context // BLOCK_SIZE))]
         states.append(make_state(str(len(states)), context, blocks, context - scheduled))
         num_tokens.append(scheduled)

@@ -138,26 +138,50 @@ def paged_attention(
         )
     for seq in meta.seqs:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-        if seq.context_len == seq.num_tokens and (window is None or seq.num_tokens <= window):
-            out[rows] = _sdpa(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), None, True)
-        elif seq.context_len == seq.num_tokens:  # the whole context is this chunk, longer than the window
-            mask = _causal_mask(seq.num_tokens, seq.context_len, window, q.device)
-            out[rows] = _sdpa(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), mask, False)
-        else:
-            keys, values = _context(cache, seq.runs)
-            mask = _causal_mask(seq.num_tokens, seq.context_len, window, q.device)
-            out[rows] = _sdpa(q[rows], keys, values, mask, False)
+        out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, window)
     return out
 
 
-def _causal_mask(num_tokens: int, context_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[Tq, L] bool, True where the query (the last Tq positions) may attend to the key position."""
+def _attend_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seq: SeqSpan, window: int | None
+) -> torch.Tensor:
+    """One prefill chunk: q [Tq, Hq, D], k and v [Tq, Hkv, D] of its own tokens; earlier positions
+    come from the cache, only those some query's window still reaches."""
+    if seq.context_len == seq.num_tokens:  # the whole context is this chunk
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        if window is None or seq.num_tokens <= window:  # plain causal attention
+            return _sdpa(q, keys, values, None, True)
+        return _sdpa(
+            q, keys, values, _causal_mask(seq.num_tokens, seq.context_len, 0, window, q.device), False
+        )
+    first_key = 0 if window is None else max(0, seq.context_len - seq.num_tokens - window + 1)
+    keys, values = _context(cache, _skip_slots(seq.runs, first_key))
+    mask = _causal_mask(seq.num_tokens, seq.context_len, first_key, window, q.device)
+    return _sdpa(q, keys, values, mask, False)
+
+
+def _causal_mask(
+    num_tokens: int, context_len: int, first_key: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[Tq, L - first_key] bool, True where a query (the last Tq positions) may attend to a key."""
     positions = torch.arange(context_len - num_tokens, context_len, device=device)[:, None]
-    keys = torch.arange(context_len, device=device)[None, :]
+    keys = torch.arange(first_key, context_len, device=device)[None, :]
     mask = keys <= positions
     if window is not None:
         mask &= keys > positions - window
     return mask
+
+
+def _skip_slots(runs: list[tuple[int, int]], num_skipped: int) -> list[tuple[int, int]]:
+    """The runs without their first `num_skipped` slots (positions that slid out of every window)."""
+    kept = []
+    for start, length in runs:
+        if num_skipped >= length:
+            num_skipped -= length
+            continue
+        kept.append((start + num_skipped, length - num_skipped))
+        num_skipped = 0
+    return kept
 
 
 def _decode_torch(
