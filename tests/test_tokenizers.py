@@ -60,8 +60,8 @@ def test_sampled_text_equals_tokenizer_decode_streamed_or_not(tokenizer_case):
     assert streamed == [o.outputs[0].text for o in outputs]
 
 
-@pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_detokenizer_equals_decode_over_random_ids(tokenizer_case, skip_special_tokens):
+@pytest.mark.parametrize("skip_special_tokens, spaces_between", [(True, True), (False, True), (False, False)])
+def test_detokenizer_equals_decode_over_random_ids(tokenizer_case, skip_special_tokens, spaces_between):
     """Random ids: byte-fallback runs, special tokens and padded ids (past the tokenizer) mixed in."""
     _, tokenizer, _ = tokenizer_case
     table, rng = TokenTable(tokenizer), np.random.default_rng(0)
@@ -71,10 +71,12 @@ def test_detokenizer_equals_decode_over_random_ids(tokenizer_case, skip_special_
             int(rng.choice(pool)) if rng.random() < 0.3 else int(rng.integers(len(tokenizer)))
             for _ in range(50)
         ]
-        detokenizer = IncrementalDetokenizer(table, skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(table, skip_special_tokens, spaces_between)
         pieces = [detokenizer.append(ids[i : i + 2]) for i in range(0, len(ids), 2)] + [detokenizer.flush()]
         expected = tokenizer.decode(
-            [t for t in ids if t < len(tokenizer)], skip_special_tokens=skip_special_tokens
+            [t for t in ids if t < len(tokenizer)],
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between,
         )
         assert "".join(pieces) == expected
 

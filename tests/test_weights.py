@@ -40,6 +40,19 @@ def test_fp16_checkpoint_runs_in_fp32_on_the_cpu_by_default():
     assert resolve_dtype("float16", "bfloat16", torch.device("cpu")) == torch.float16
 
 
+def test_fp16_checkpoint_loads_exactly_widened_to_fp32_on_the_cpu(tmp_path):
+    from safetensors.torch import load_file
+
+    path = write_family_model(tmp_path, "llama2", dtype="float16")
+    model = load_model(path, "auto", torch.device("cpu"))
+    stored = load_file(str(Path(path) / "model.safetensors"))
+    assert stored["model.embed_tokens.weight"].dtype == torch.float16
+    assert torch.equal(model.embed_tokens.weight, stored["model.embed_tokens.weight"].float())
+    q_rows = model.args.num_heads * model.args.head_dim
+    expected_k = stored["model.layers.1.self_attn.k_proj.weight"].float()
+    assert torch.equal(model.layers[1].qkv_proj.weight[q_rows : q_rows + expected_k.shape[0]], expected_k)
+
+
 def test_sharded_bf16_checkpoint_in_fp32_matches_hf_fp32(sharded_bf16):
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, prompt_logprobs=2)
     with LLM(sharded_bf16, multiprocess=False, dtype="float32") as llm:
