@@ -39,9 +39,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True, gc=False):
-    """Requests added together arrive together: the core schedules them as one batch. Each is an
-    encoded EngineCoreRequest that the core decodes on its own, so that a malformed one is refused
-    (with its id, when it has one) while the others of the frame are served."""
+    """Requests added together arrive together: the core schedules them as one batch. On the wire each
+    is an EngineCoreRequest array inline; the core takes each as raw bytes and decodes it on its own,
+    so that a malformed one is refused (with its id, when it has one) while the others are served."""
 
     requests: list[msgspec.Raw]
 
