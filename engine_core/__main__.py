@@ -15,6 +15,7 @@ import msgspec
 
 from protocol.addresses import is_loopback, split_address
 from protocol.config import ENGINE_ARG_HELP, EngineConfig
+from protocol.curve_keys import KeyPair, load_allowed_keys, load_key_pair, make_key_pair
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,22 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config-json", help="a whole EngineConfig as JSON (used by a spawning frontend)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process is no longer the parent")
-    parser.add_argument("--allow-remote", action="store_true", help="allow binding beyond loopback")
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a TCP address beyond loopback; needs --curve-secret-key and --authorized-clients",
+    )
+    parser.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="the daemon's CURVE key pair (NAME.key_secret from `keygen`, mode 0600): encrypt and "
+        "authenticate every connection",
+    )
+    parser.add_argument(
+        "--authorized-clients",
+        metavar="DIR",
+        help="a folder of the public keys (NAME.key) of the clients allowed to connect",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     for field in EngineConfig.__struct_fields__:
         if field != "model":
@@ -76,14 +92,46 @@ def check_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         split_address(args.address)
     except ValueError as exc:
         parser.error(str(exc))
-    if not is_loopback(args.address) and not args.allow_remote:
-        parser.error(f"refusing to listen on {args.address}: not loopback (pass --allow-remote)")
+    has_curve = bool(args.curve_secret_key and args.authorized_clients)
+    if bool(args.curve_secret_key) != bool(args.authorized_clients):
+        parser.error("--curve-secret-key and --authorized-clients go together")
+    if not is_loopback(args.address) and not (args.allow_remote and has_curve):
+        parser.error(
+            f"refusing to listen on {args.address}: not loopback; a remote daemon needs --allow-remote "
+            "with CURVE (--curve-secret-key FILE --authorized-clients DIR; make keys with "
+            "`python -m engine_core keygen DIR`)"
+        )
+
+
+def load_curve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[KeyPair, str] | None:
+    if not args.curve_secret_key:
+        return None
+    try:
+        keys = load_key_pair(args.curve_secret_key)
+        load_allowed_keys(args.authorized_clients)  # checked now, loaded again by the server
+    except ValueError as exc:
+        parser.error(str(exc))
+    return keys, args.authorized_clients
+
+
+def keygen(argv: list[str]) -> None:
+    """`python -m engine_core keygen DIR [--name NAME]`: a CURVE key pair for a daemon or a client."""
+    parser = argparse.ArgumentParser(prog="python -m engine_core keygen", description=keygen.__doc__)
+    parser.add_argument("folder", help="where to write NAME.key (public) and NAME.key_secret (0600)")
+    parser.add_argument("--name", default="server", help="the files' name (default: server)")
+    args = parser.parse_args(argv)
+    public, secret = make_key_pair(args.folder, args.name)
+    print(f"public key: {public}\nkey pair:   {secret}")
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        return keygen(argv[1:])
     parser = make_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     check_address(parser, args)
+    curve = load_curve(parser, args)
     config = build_config(parser, args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s core %(levelname)s %(name)s: %(message)s")
     if config.num_threads:
@@ -95,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     core = EngineCore(config)
     try:
-        server = CoreServer(core, args.address, parent_pid=args.parent_pid)
+        server = CoreServer(core, args.address, parent_pid=args.parent_pid, curve=curve)
     except ValueError as exc:  # the address is taken, or cannot be listened on
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

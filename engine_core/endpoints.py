@@ -16,6 +16,7 @@ from pathlib import Path
 
 import zmq
 
+from engine_core.curve_auth import CurveServer
 from protocol.addresses import split_address
 
 MAX_INPUT_FRAME_BYTES = 64 * 2**20  # the frontend splits larger batches (protocol.limits)
@@ -25,19 +26,31 @@ CLOSE_LINGER_MS = 1000  # time for the last frames (a fatal error's message) to 
 
 
 class Endpoints:
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    """`curve`: sockets that accept only authenticated, encrypted connections (engine_core/curve_auth.py)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, curve: CurveServer | None = None) -> None:
         in_address, out_address = split_address(address)
         self.ipc_paths = [a[len("ipc://") :] for a in (in_address, out_address) if a.startswith("ipc://")]
         for path in self.ipc_paths:
             _prepare_ipc_path(path, address)
-        self.in_socket = _bind(ctx, zmq.ROUTER, in_address, MAX_INPUT_FRAME_BYTES)
+        self.curve = curve
+        self.in_socket = _bind(ctx, zmq.ROUTER, in_address, MAX_INPUT_FRAME_BYTES, curve)
         self.in_socket.setsockopt(zmq.RCVHWM, INPUT_HWM)
-        self.out_socket = _bind(ctx, zmq.ROUTER, out_address, OUTPUT_MAX_INBOUND_BYTES)
+        self.monitor = curve.watch(self.in_socket) if curve is not None else None
+        self.out_socket = _bind(ctx, zmq.ROUTER, out_address, OUTPUT_MAX_INBOUND_BYTES, curve)
         self.out_socket.setsockopt(zmq.RCVHWM, 1)
         self.out_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
         self.out_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow client's outputs
 
+    def log_refusals(self) -> None:
+        """Logs connections refused at the CURVE handshake (called by the input thread)."""
+        if self.monitor is not None:
+            self.curve.log_failures(self.monitor)
+
     def close(self) -> None:
+        if self.monitor is not None:
+            self.in_socket.disable_monitor()
+            self.monitor.close(linger=0)
         self.in_socket.close(linger=0)
         self.out_socket.close(linger=CLOSE_LINGER_MS)
         for path in self.ipc_paths:
@@ -45,12 +58,18 @@ class Endpoints:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        if self.curve is not None:
+            self.curve.stop()
 
 
-def _bind(ctx: zmq.Context, kind: int, address: str, max_frame_bytes: int) -> zmq.Socket:
+def _bind(
+    ctx: zmq.Context, kind: int, address: str, max_frame_bytes: int, curve: CurveServer | None
+) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    if curve is not None:
+        curve.secure(sock)
     if address.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
     try:

@@ -19,9 +19,11 @@ from collections.abc import Callable
 import zmq
 
 from engine_core.core import EngineCore
+from engine_core.curve_auth import CurveServer
 from engine_core.endpoints import Endpoints
 from engine_core.inbound import DecodedRequests, FrameReader
 from protocol.codec import Codec
+from protocol.curve_keys import KeyPair
 from protocol.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -43,16 +45,25 @@ POLL_MS = 100
 
 class CoreServer:
     def __init__(
-        self, core: EngineCore, address: str, parent_pid: int | None = None, client_timeout_s: float = 30.0
+        self,
+        core: EngineCore,
+        address: str,
+        parent_pid: int | None = None,
+        client_timeout_s: float = 30.0,
+        curve: tuple[KeyPair, str] | None = None,  # the server's keys, the folder of authorised client keys
     ) -> None:
         self.core = core
         self.parent_pid = parent_pid
         self.client_timeout_s = client_timeout_s
         self.ctx = zmq.Context()
+        curve_server = None
         try:
-            self.endpoints = Endpoints(self.ctx, address)
+            curve_server = CurveServer(self.ctx, *curve) if curve is not None else None
+            self.endpoints = Endpoints(self.ctx, address, curve_server)
         except BaseException:
-            self.ctx.term()
+            if curve_server is not None:
+                curve_server.stop()
+            self.ctx.destroy(linger=0)
             raise
         self.in_socket, self.out_socket = self.endpoints.in_socket, self.endpoints.out_socket
         self.reader = FrameReader(core.facts, core.tokenizer_fingerprint)
@@ -181,6 +192,7 @@ class CoreServer:
 
     def _input_loop(self) -> None:
         while not self.is_stopping.is_set():
+            self.endpoints.log_refusals()
             if not self.in_socket.poll(POLL_MS):
                 continue
             frames = self.in_socket.recv_multipart(copy=False)

@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -25,6 +26,7 @@ from protocol import PROTOCOL_VERSION
 from protocol.addresses import split_address
 from protocol.codec import Codec
 from protocol.config import EngineConfig
+from protocol.curve_keys import KeyPair
 from protocol.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -47,6 +49,14 @@ ATTACH_TIMEOUT_S = 15.0  # a daemon answers a hello at once; a spawned core firs
 MAX_TOKENS_PER_FRAME = 1_000_000  # about 5 MB of prompt ids: well under the core's frame limit
 
 
+@dataclass(frozen=True)
+class ClientCurve:
+    """CURVE keys for a daemon that requires them: its public key and this client's key pair."""
+
+    server_public: bytes
+    keys: KeyPair
+
+
 class MPClient:
     """Spawns `python -m engine_core` (address None) or connects to a daemon at `address`."""
 
@@ -57,10 +67,12 @@ class MPClient:
         address: str | None = None,
         startup_timeout_s: float | None = None,
         dead_after_s: float = 10.0,
+        curve: ClientCurve | None = None,
     ) -> None:
         if startup_timeout_s is None:
             startup_timeout_s = 300.0 if address is None else ATTACH_TIMEOUT_S
         self.address = address
+        self.curve = curve
         self.codec = Codec()
         self.dead_after_s = dead_after_s
         self.error: str | None = None
@@ -98,6 +110,10 @@ class MPClient:
         sock.setsockopt(zmq.ROUTING_ID, self.client_id)
         if address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        if self.curve is not None:
+            sock.curve_serverkey = self.curve.server_public
+            sock.curve_publickey = self.curve.keys.public
+            sock.curve_secretkey = self.curve.keys.secret
         sock.connect(address)
         return sock
 
@@ -125,6 +141,8 @@ class MPClient:
         self.shutdown()
         where = f"at {self.address}" if self.address else "it spawned"
         hint = _silence_hint(self.address) if self.address else ""
+        if self.curve is not None:
+            hint += "; or the daemon refused this client's CURVE key (is it among its authorised clients?)"
         raise EngineDeadError(f"the engine core {where} did not answer within {timeout_s:.0f} s{hint}")
 
     def send(self, requests: list[EngineCoreRequest]) -> None:

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import msgspec
 
-from frontend.core_client import InprocClient, MPClient
+from frontend.core_client import ClientCurve, InprocClient, MPClient
 from frontend.engine_args import load_tokenizer, make_config
 from frontend.input_processor import InputProcessor
 from frontend.output_processor import OutputProcessor
 from frontend.token_text import TokenTable
 from protocol.config import EngineConfig
+from protocol.curve_keys import load_key_pair, load_public_key
 from protocol.messages import HandshakeReply
 from protocol.model_facts import tokenizer_fingerprint
 
@@ -28,13 +29,23 @@ class EngineParts:
 def build_engine_parts(
     model: str | None, multiprocess: bool, core_address: str | None, engine_args: dict
 ) -> EngineParts:
+    """`engine_args` may also hold the connection's CURVE keys (with core_address): `curve_server_key`,
+    the daemon's public key file, and `curve_client_keys`, this client's key pair file (0600)."""
+    engine_args = dict(engine_args)
+    curve = _client_curve(
+        engine_args.pop("curve_server_key", None), engine_args.pop("curve_client_keys", None)
+    )
     config = make_config(model, engine_args)
     if core_address:
         _check_daemon_args(engine_args)
+    elif curve is not None:
+        raise ValueError(
+            "curve_server_key and curve_client_keys are for attaching to a daemon (core_address)"
+        )
     tokenizer = load_tokenizer(config.model)
     fingerprint = tokenizer_fingerprint(config.model)
     if multiprocess or core_address:
-        client = MPClient(config, fingerprint, core_address)
+        client = MPClient(config, fingerprint, core_address, curve=curve)
     else:
         client = InprocClient(config, fingerprint)
     facts = client.facts
@@ -51,6 +62,14 @@ def build_engine_parts(
         InputProcessor(tokenizer, facts, client.facts.max_model_len),
         OutputProcessor(TokenTable(tokenizer)),
     )
+
+
+def _client_curve(server_key: str | None, client_keys: str | None) -> ClientCurve | None:
+    if server_key is None and client_keys is None:
+        return None
+    if server_key is None or client_keys is None:
+        raise ValueError("curve_server_key and curve_client_keys go together")
+    return ClientCurve(load_public_key(server_key), load_key_pair(client_keys))
 
 
 def _check_daemon_args(engine_args: dict) -> None:
