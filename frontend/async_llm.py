@@ -25,6 +25,7 @@ from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
 from protocol.messages import EngineStats, HandshakeReply
+from protocol.model_facts import generation_defaults
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,11 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config.json defaults, as `LLM.get_default_sampling_params`; used when
+        `generate` is given no SamplingParams."""
+        return SamplingParams(**generation_defaults(self.config.model))
+
     @property
     def is_dead(self) -> bool:
         """The core died, hung or failed (or the engine was shut down): no request can finish."""
@@ -82,7 +88,7 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         self._raise_if_dead()
         self._loop = asyncio.get_running_loop()
-        params = sampling_params or SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._key_of:
             raise ValueError(f"request id {request_id!r} is already in flight")

@@ -66,7 +66,8 @@ ENGINE_ARG_HELP = {
     "seed": "seed of the engine's sampling for requests without their own (default 0)",
     "max_logprobs": "most logprobs a request may ask for; -1: the whole vocabulary (default 20)",
     "logprobs_mode": "raw: log_softmax of the model's logits; processed: after penalties, temperature, top-k/p",
-    "dtype": "weights and activations: float32, bfloat16 or float16 (default float32)",
+    "dtype": "weights and activations: auto (the checkpoint's; fp16 runs as fp32 on the CPU), float32, "
+    "bfloat16 or float16",
     "device": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda",
     "num_scheduler_steps": "model steps a decode-only batch runs before the scheduler looks again (default 1)",
     "enable_prefix_caching": "reuse the KV of prompt prefixes computed before (true, the default, or false)",

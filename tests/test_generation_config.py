@@ -4,13 +4,14 @@ user's (protocol/model_facts.py, frontend/llm.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 from conftest import FAMILY_PROMPTS_SHORT
 
-from frontend import LLM, SamplingParams
+from frontend import LLM, AsyncLLM, SamplingParams
 from protocol.model_facts import eos_token_ids, generation_defaults
 
 
@@ -70,6 +71,13 @@ def test_defaults_come_from_generation_config_and_never_override_the_users(famil
         )
     assert all(len(o.outputs[0].token_ids) == 5 for o in implicit)
     assert all(len(o.outputs[0].token_ids) == 9 for o in explicit)
+    with AsyncLLM(path, multiprocess=False) as engine:  # the same defaults for the async API
+        assert engine.get_default_sampling_params() == defaults
+
+        async def stream() -> int:
+            return sum([len(o.outputs[0].token_ids) async for o in engine.generate(FAMILY_PROMPTS_SHORT[0])])
+
+        assert asyncio.run(stream()) == 5
 
 
 def test_no_generation_config_means_vllms_defaults(tiny_path):
