@@ -8,6 +8,9 @@ stays as light as it can.
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -62,3 +65,39 @@ class HttpDriver:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+class LocalServer:
+    """`coreserve serve` started by the benchmark (--serve) with the run's engine arguments, on a free
+    loopback port; `shutdown()` stops it and its core."""
+
+    def __init__(self, args, startup_timeout_s: float = 600.0) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        command = [sys.executable, "-m", "frontend", "serve", args.model, "--port", str(port)]
+        command += ["--log-level", "warning", "--num-scheduler-steps", str(args.num_scheduler_steps)]
+        command += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype]
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        self.proc = subprocess.Popen(command)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_timeout_s
+        while not self._is_healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"coreserve serve did not start: {' '.join(command)}")
+            time.sleep(0.3)
+
+    def _is_healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def shutdown(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

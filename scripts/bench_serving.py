@@ -7,6 +7,7 @@ TTFT / TPOT / ITL (mean, median, P99), writes JSON and a PNG.
     python scripts/bench_serving.py --compare "inproc" ""          # an in-process core against a spawned one
     coreserve serve builtin:small --port 8000 &                     # then the same workload over HTTP:
     python scripts/bench_serving.py --compare "" "base_url=http://127.0.0.1:8000"   # server / AsyncLLM
+    python scripts/bench_serving.py --compare "" "serve"           # the same, the server started here
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --compare "" "logprobs=5"
     python scripts/bench_serving.py --base-url http://127.0.0.1:8080 --send-text   # llama-server (own tokenizer)
 """
@@ -24,11 +25,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from bench_common import machine, prompts_of_lengths, sharegpt_like_lengths, write_json  # noqa: E402
-from bench_http_client import HttpDriver  # noqa: E402
+from bench_http_client import HttpDriver, LocalServer  # noqa: E402
 
 from frontend import AsyncLLM, SamplingParams  # noqa: E402
 
-ENGINE_ARGS = ("model", "num_scheduler_steps", "max_num_seqs", "max_num_batched_tokens", "dtype", "inproc")
+ENGINE_ARGS = (
+    "model",
+    "num_scheduler_steps",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "dtype",
+    "inproc",
+    "serve",
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--inproc", action="store_true", help="run the core in this process")
     p.add_argument("--base-url", help="an OpenAI-compatible server to drive over HTTP instead of AsyncLLM")
+    p.add_argument("--serve", action="store_true", help="start `coreserve serve` with these engine arguments")
     p.add_argument("--served-model-name", help="with --base-url: the model name to send (default --model)")
     p.add_argument("--api-key", help="with --base-url: sent as Authorization: Bearer KEY")
     p.add_argument("--send-text", action="store_true", help="with --base-url: send prompts as text, not ids")
@@ -175,7 +185,9 @@ def plot(path: str, results: dict[str, dict]) -> None:
     print(f"wrote {path}")
 
 
-def make_engine(args) -> AsyncLLM:
+def make_engine(args) -> AsyncLLM | LocalServer:
+    if args.serve:
+        return LocalServer(args)
     return AsyncLLM(
         args.model,
         multiprocess=not args.inproc,
@@ -201,7 +213,7 @@ def main() -> None:
         configs = {
             label: parser().parse_args(base + _as_options(spec)) for label, spec in zip("AB", args.compare)
         }
-    engines: dict[tuple, AsyncLLM | None] = {}
+    engines: dict[tuple, AsyncLLM | LocalServer | None] = {}
     results: dict[str, list[dict]] = {label: [] for label in configs}
     rounds = args.rounds if args.compare else 1
     tokenizer = None
@@ -211,6 +223,8 @@ def main() -> None:
             if key not in engines:
                 engines[key] = make_engine(config) if key is not None else None
             engine = engines[key]
+            if isinstance(engine, LocalServer):  # --serve: driven over HTTP like any other server
+                config.base_url, engine = engine.url, None
             tokenizer = tokenizer or (
                 engine.get_tokenizer() if engine else load_workload_tokenizer(config.model)
             )
