@@ -88,7 +88,7 @@ def test_metrics_count_tokens_and_show_the_kv_cache(http, client):
 
 
 def test_a_stream_dropped_midway_frees_its_blocks(http, server):
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
@@ -97,7 +97,7 @@ def test_a_stream_dropped_midway_frees_its_blocks(http, server):
 
 
 def test_a_non_streamed_request_whose_client_leaves_is_aborted(http, server):
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1500, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=1.0)

@@ -48,7 +48,9 @@ async def until_disconnected(request: Request, work: Awaitable[Response]) -> Res
 
 
 async def _wait_for_disconnect(request: Request) -> None:
-    while not await request.is_disconnected():
+    """The body is read, so the next ASGI message is the disconnect (uvicorn sends it when the client
+    goes, or once the response is complete); anything else is waited out, never spun on."""
+    while (await request.receive())["type"] != "http.disconnect":
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
