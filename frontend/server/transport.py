@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 import anyio
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -55,8 +56,11 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def sse_response(chunks: AsyncIterator[dict], on_close) -> EventSourceResponse:
-    """Each chunk as `data: {json}`, then `data: [DONE]`; `on_close()` runs however the stream ends."""
-    return EventSourceResponse(_events(chunks, on_close), sep="\n", ping=15)
+    """Each chunk as `data: {json}`, then `data: [DONE]`; `on_close()` runs however the stream ends: from
+    the events' own cleanup, and as the response's background task for a client gone before the first
+    event (an iterator never started has no cleanup to run). Closing twice is harmless."""
+    events = _events(chunks, on_close)
+    return EventSourceResponse(events, sep="\n", ping=15, background=BackgroundTask(on_close))
 
 
 async def _events(chunks: AsyncIterator[dict], on_close) -> AsyncIterator[dict]:
