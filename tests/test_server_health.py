@@ -41,8 +41,14 @@ def core_pid(server_pid: int) -> int:
 def test_health_is_503_within_two_seconds_of_the_core_dying(server):
     base, proc = server
     assert httpx.get(base + "/health").status_code == 200
-    os.kill(core_pid(proc.pid), signal.SIGKILL)
-    killed_at = time.monotonic()
+    body = {"prompt": "Hi", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: {")
+        os.kill(core_pid(proc.pid), signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest = [line for line in lines if line]
+    assert "engine_dead" in rest[-2] and rest[-1] == "data: [DONE]"  # the open stream is told, then ends
     while httpx.get(base + "/health").status_code != 503:
         assert time.monotonic() - killed_at < 2.0, "/health still says 200"
         time.sleep(0.05)
