@@ -1,5 +1,6 @@
-"""A server's life around its core: without a chat template chat is a 400 that says so; /health turns
-503 within 2 s of the core's death and requests get a clear 503; `--core-address` attaches to a daemon."""
+"""A server's life around its core: -inf logprobs (processed mode) as -9999.0; without a chat template
+chat is a 400 that says so; /health turns 503 within 2 s of the core's death and requests get a clear
+503; `--core-address` attaches to a daemon."""
 
 from __future__ import annotations
 
@@ -16,8 +17,18 @@ from server_harness import MODEL, running_server
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--num-kv-blocks", "128") as (base, proc):
+    with running_server("--num-kv-blocks", "128", "--logprobs-mode", "processed") as (base, proc):
         yield base, proc
+
+
+def test_minus_infinity_is_written_as_minus_9999(server):
+    """Processed logprobs put the tokens top_k filtered out at -inf; JSON has no -inf."""
+    base, _ = server
+    body = {"prompt": "Hi", "max_tokens": 2, "top_k": 2, "logprobs": 5}
+    response = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert b"Infinity" not in response.content and b"NaN" not in response.content
+    for top in response.json()["choices"][0]["logprobs"]["top_logprobs"]:
+        assert sorted(top.values()).count(-9999.0) == 3, top
 
 
 def test_chat_without_a_template_is_a_400_that_says_so(server):
