@@ -48,7 +48,7 @@ class AsyncLLM:
         model: str | None = None,
         *,
         multiprocess: bool = True,
-        core_address: str | None = None,
+        core_address: str | list[str] | None = None,
         **engine_args,
     ) -> None:
         self._parts = build_engine_parts(model, multiprocess, core_address, engine_args)
@@ -162,10 +162,11 @@ class AsyncLLM:
             while not self._is_stopping.is_set():
                 self._run_commands()
                 timeout = 0.05 if processor.has_unfinished() else _IDLE_WAIT_S
-                processed = processor.process(client.get_outputs(timeout, self._wake_read))
+                outputs = client.get_outputs(timeout, self._wake_read)
+                processed = processor.process(outputs, client.take_lost())
                 client.abort(processed.to_abort)
-                for key, reason in processed.errors.items():
-                    self._deliver(key, RequestFailedError(reason))
+                for key, error in processed.errors.items():
+                    self._deliver(key, error)
                 if processed.outputs:
                     self._deliver_outputs(processed.outputs)
         except BaseException as exc:  # the core died or hung (or a bug here): every open stream fails

@@ -88,21 +88,26 @@ class MPClient:
         self.in_socket = self._connect(zmq.DEALER, in_address)  # requests leave here
         # At shutdown, garbage collection or interpreter exit: a goodbye, so that a daemon aborts what
         # this client leaves behind at once instead of after its silence timeout.
+        self._sockets = [self.in_socket, self.out_socket]  # closed by the finalizer, the monitor too
         self._finalizer = weakref.finalize(
             self,
             _cleanup,
             self.ctx,
-            [self.in_socket, self.out_socket],
+            self._sockets,
             self.proc,
             self.tmpdir,
             self.codec.encode(Goodbye()),
         )
+        self.monitor: zmq.Socket | None = None  # after the handshake
         self.last_heard = time.monotonic()
         self.last_beat_sent = 0.0
         self.stats: EngineStats | None = None  # the latest answer to GetStats
         self.stats_nonce = 0
         self.pending: list[EngineCoreOutput] = []  # outputs drained while waiting for stats
         self.facts = self._handshake(fingerprint, startup_timeout_s)
+        # A daemon that exits or is killed closes the connection: known at once, not after the silence.
+        self.monitor = self.out_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sockets.append(self.monitor)
 
     def _connect(self, kind: int, address: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -167,32 +172,31 @@ class MPClient:
         """Waits up to `timeout_s` for outputs, or until `wake_fd` (a pipe) becomes readable; raises
         EngineDeadError when the core is gone."""
         if self.pending:  # drained while waiting for stats: delivered first, at once
-            outputs, self.pending = self.pending, []
-            return outputs
+            return self.take_pending()
         deadline = time.monotonic() + timeout_s
         while True:
-            self._raise_if_dead(is_waiting=True)
-            now = time.monotonic()
-            if now - self.last_beat_sent >= HEARTBEAT_EVERY_S:
-                self.in_socket.send(self.codec.encode(Heartbeat()))
-                self.last_beat_sent = now
-            is_woken = self._wait(min(POLL_MS, max(0, int((deadline - now) * 1000))), wake_fd)
-            outputs = self._drain()
+            self.tick()
+            wait_ms = min(POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))
+            is_woken = wait_for_frames([self.out_socket], wait_ms, wake_fd)
+            outputs = self.drain()
             if outputs or is_woken or time.monotonic() >= deadline:
                 return outputs
 
-    def _wait(self, wait_ms: int, wake_fd: int | None) -> bool:
-        """Blocks until a frame arrives, `wake_fd` is readable, or `wait_ms` pass; True when woken."""
-        if wake_fd is None:
-            self.out_socket.poll(wait_ms)
-            return False
-        poller = zmq.Poller()
-        poller.register(self.out_socket, zmq.POLLIN)
-        poller.register(wake_fd, zmq.POLLIN)
-        if wake_fd in dict(poller.poll(wait_ms)):
-            os.read(wake_fd, 4096)
-            return True
-        return False
+    def tick(self) -> None:
+        """Raises EngineDeadError when the core is gone; sends a heartbeat when one is due."""
+        self._raise_if_dead(is_waiting=True)
+        now = time.monotonic()
+        if now - self.last_beat_sent >= HEARTBEAT_EVERY_S:
+            self.in_socket.send(self.codec.encode(Heartbeat()))
+            self.last_beat_sent = now
+
+    def take_pending(self) -> list[EngineCoreOutput]:
+        outputs, self.pending = self.pending, []
+        return outputs
+
+    def take_lost(self) -> dict[str, str]:
+        """Requests lost with a core while others live on: none here (one core's death is everyone's)."""
+        return {}
 
     def get_stats(self) -> EngineStats:
         """The core's state after everything this client sent before (its aborts included), taken by
@@ -206,10 +210,11 @@ class MPClient:
         while self.stats is None or self.stats.nonce != self.stats_nonce:
             self._raise_if_dead(is_waiting=True)
             self.out_socket.poll(POLL_MS)
-            self.pending.extend(self._drain())  # handed out by the next get_outputs
+            self.pending.extend(self.drain())  # handed out by the next get_outputs
         return self.stats
 
-    def _drain(self) -> list[EngineCoreOutput]:
+    def drain(self) -> list[EngineCoreOutput]:
+        """Whatever the core has sent, without waiting; outputs returned, the rest noted."""
         outputs: list[EngineCoreOutput] = []
         while self.out_socket.poll(0):
             message = self.codec.decode_core(self.out_socket.recv(copy=False).buffer)
@@ -224,6 +229,10 @@ class MPClient:
 
     def _check_process(self, is_waiting: bool = False) -> None:
         """A spawned core that exited is dead; so is any core silent for dead_after_s while we wait on it."""
+        if self.error is None and self.proc is None and self.monitor is not None and self.monitor.poll(0):
+            self._drain_quietly()  # a fatal error's message may have come first
+            closed = f"the connection to the engine core at {self.address} closed (it exited or was killed)"
+            self.error = closed if self.error is None else f"{self.error} ({closed})"
         if self.proc is not None and self.error is None and self.proc.poll() is not None:
             self._drain_quietly()  # its last frame may say why (an EngineError)
             exited = f"the engine core process exited with code {self.proc.returncode}"
@@ -238,12 +247,27 @@ class MPClient:
 
     def _drain_quietly(self) -> None:
         try:
-            self._drain()
+            self.drain()
         except (msgspec.DecodeError, zmq.ZMQError):
             pass
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def wait_for_frames(sockets: list[zmq.Socket], wait_ms: int, wake_fd: int | None) -> bool:
+    """Blocks until a frame arrives on one of `sockets`, `wake_fd` is readable, or `wait_ms` pass;
+    True when woken through `wake_fd`."""
+    poller = zmq.Poller()
+    for sock in sockets:
+        poller.register(sock, zmq.POLLIN)
+    if wake_fd is not None:
+        poller.register(wake_fd, zmq.POLLIN)
+    events = dict(poller.poll(wait_ms))
+    if wake_fd is not None and wake_fd in events:
+        os.read(wake_fd, 4096)
+        return True
+    return False
 
 
 def _silence_hint(address: str) -> str:
@@ -335,6 +359,9 @@ class InprocClient:
         for batch in self.core.step().values():
             outputs.extend(batch.outputs)
         return outputs
+
+    def take_lost(self) -> dict[str, str]:
+        return {}
 
     def shutdown(self) -> None:
         self.core = None

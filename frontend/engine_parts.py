@@ -9,6 +9,7 @@ import msgspec
 from frontend.core_client import ClientCurve, InprocClient, MPClient
 from frontend.engine_args import load_tokenizer, make_config
 from frontend.input_processor import InputProcessor
+from frontend.multi_core_client import MultiCoreClient
 from frontend.output_processor import OutputProcessor
 from frontend.token_text import TokenTable
 from protocol.config import EngineConfig
@@ -21,15 +22,16 @@ from protocol.model_facts import tokenizer_fingerprint
 class EngineParts:
     config: EngineConfig
     tokenizer: object
-    client: MPClient | InprocClient
+    client: MPClient | MultiCoreClient | InprocClient
     inputs: InputProcessor
     outputs: OutputProcessor
 
 
 def build_engine_parts(
-    model: str | None, multiprocess: bool, core_address: str | None, engine_args: dict
+    model: str | None, multiprocess: bool, core_address: str | list[str] | None, engine_args: dict
 ) -> EngineParts:
-    """`engine_args` may also hold the connection's CURVE keys (with core_address): `curve_server_key`,
+    """`core_address`: a daemon, or a list of daemons that hold the same model (data parallel).
+    `engine_args` may also hold the connection's CURVE keys (with core_address): `curve_server_key`,
     the daemon's public key file, and `curve_client_keys`, this client's key pair file (0600)."""
     engine_args = dict(engine_args)
     curve = _client_curve(
@@ -44,8 +46,13 @@ def build_engine_parts(
         )
     tokenizer = load_tokenizer(config.model)
     fingerprint = tokenizer_fingerprint(config.model)
-    if multiprocess or core_address:
-        client = MPClient(config, fingerprint, core_address, curve=curve)
+    if isinstance(core_address, (list, tuple)) and len(core_address) > 1:
+        client = _attach_all(config, fingerprint, core_address, curve)
+    elif core_address:
+        address = core_address if isinstance(core_address, str) else core_address[0]
+        client = MPClient(config, fingerprint, address, curve=curve)
+    elif multiprocess:
+        client = MPClient(config, fingerprint, None)
     else:
         client = InprocClient(config, fingerprint)
     facts = client.facts
@@ -62,6 +69,18 @@ def build_engine_parts(
         InputProcessor(tokenizer, facts, client.facts.max_model_len),
         OutputProcessor(TokenTable(tokenizer)),
     )
+
+
+def _attach_all(config: EngineConfig, fingerprint: str, addresses: list[str], curve) -> MultiCoreClient:
+    cores: list[MPClient] = []
+    try:
+        for address in addresses:
+            cores.append(MPClient(config, fingerprint, address, curve=curve))
+    except BaseException:
+        for core in cores:
+            core.shutdown()
+        raise
+    return MultiCoreClient(cores)
 
 
 def _client_curve(server_key: str | None, client_keys: str | None) -> ClientCurve | None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from frontend.chat_template import render_chat
 from frontend.engine_parts import build_engine_parts
-from frontend.errors import RequestFailedError
+from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
 from protocol.messages import EngineStats
@@ -19,15 +19,15 @@ OUTPUT_POLL_S = 0.05
 
 class LLM:
     """`LLM(model=None, **engine_args)`: None is the built-in tiny model; `core_address` attaches to a
-    running `python -m engine_core` daemon instead of spawning a core; `multiprocess=False` runs the
-    core in this process."""
+    running `python -m engine_core` daemon instead of spawning a core (a list: several daemons of the
+    same model, requests spread over them); `multiprocess=False` runs the core in this process."""
 
     def __init__(
         self,
         model: str | None = None,
         *,
         multiprocess: bool = True,
-        core_address: str | None = None,
+        core_address: str | list[str] | None = None,
         **engine_args,
     ) -> None:
         parts = build_engine_parts(model, multiprocess, core_address, engine_args)
@@ -96,11 +96,12 @@ class LLM:
         from tqdm.auto import tqdm
 
         finished: dict[str, RequestOutput | None] = {}
-        errors: dict[str, str] = {}
+        errors: dict[str, Exception] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while len(finished) < len(request_ids):
-                    processed = self.output_processor.process(self.client.get_outputs(OUTPUT_POLL_S))
+                    outputs = self.client.get_outputs(OUTPUT_POLL_S)
+                    processed = self.output_processor.process(outputs, self.client.take_lost())
                     self.client.abort(processed.to_abort)
                     errors.update(processed.errors)
                     num_before = len(finished)
@@ -113,11 +114,12 @@ class LLM:
                         self.client.abort(self.output_processor.abort(request_id)[0])
                 raise
         if errors:  # the others finished normally; nothing of the failed ones is left in the engine
-            request_id, reason = next(iter(errors.items()))
-            raise RequestFailedError(
+            request_id, error = next(iter(errors.items()))
+            kind = EngineDeadError if isinstance(error, EngineDeadError) else RequestFailedError
+            raise kind(
                 f"{len(errors)} of {len(request_ids)} requests failed; prompt "
-                f"{request_ids.index(request_id)}: {reason}"
-            )
+                f"{request_ids.index(request_id)}: {error}"
+            ) from error
         return [finished[request_id] for request_id in request_ids]
 
     def get_engine_stats(self) -> EngineStats:

@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.logprob_rows import add_chosen, to_position_dicts
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from frontend.token_text import IncrementalDetokenizer, TokenTable
@@ -51,7 +52,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     has_sent_prompt_logprobs: bool = False  # streaming: they travel in the first delta only
     metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # why the core refused the request, or why handling its output failed
+    error: Exception | None = None  # the core refused it, handling its output failed, or its core died
     num_cached_tokens: int = 0
 
     @property
@@ -63,7 +64,7 @@ class RequestState:
 class ProcessedOutputs:
     outputs: list[RequestOutput]  # to hand out: deltas when streaming, else finished requests only
     to_abort: list[str]  # core request ids to abort (a stop string ended them, or their request failed)
-    errors: dict[str, str] = field(default_factory=dict)  # request id -> why it failed (it is finished)
+    errors: dict[str, Exception] = field(default_factory=dict)  # request id -> its failure (finished)
 
 
 class OutputProcessor:
@@ -111,11 +112,21 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Applies the core's outputs. A request whose output cannot be handled, or that the core
-        refused, fails alone: it is finished, its other completions aborted, and its error returned."""
+    def process(
+        self, outputs: list[EngineCoreOutput], lost: dict[str, str] | None = None
+    ) -> ProcessedOutputs:
+        """Applies the core's outputs. A request whose output cannot be handled, that the core refused,
+        or that was `lost` with its core (core request id -> why) fails alone: it is finished, its
+        other completions aborted, and its error returned."""
         touched: dict[str, RequestState] = {}
         result = ProcessedOutputs([], [])
+        for core_req_id, reason in (lost or {}).items():
+            state = self.owner_of.get(core_req_id)
+            if state is not None and state.error is None:
+                state.error = EngineDeadError(reason)
+                result.to_abort.extend(self._fail(state))
+                result.errors[state.request_id] = state.error
+                touched[state.request_id] = state
         for output in outputs:
             completion = self.completion_of.get(output.req_id)
             if completion is None:
@@ -126,7 +137,7 @@ class OutputProcessor:
                     result.to_abort.append(completion.core_req_id)
             except Exception as exc:  # a bug or an id the tokenizer cannot handle: this request only
                 logger.exception("could not handle an output of request %s", state.request_id)
-                state.error = f"handling the engine's output failed: {exc!r}"
+                state.error = RequestFailedError(f"handling the engine's output failed: {exc!r}")
             if state.error is not None:
                 result.to_abort.extend(self._fail(state))
                 result.errors[state.request_id] = state.error
@@ -184,7 +195,7 @@ class OutputProcessor:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason
             if output.finish_reason == FinishReason.ERROR:
-                state.error = output.error or "the engine core failed the request without a reason"
+                state.error = RequestFailedError(output.error or "the engine core failed it without a reason")
         return is_stopped and not is_core_done
 
     def _append_text(
