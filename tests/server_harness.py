@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,12 +46,42 @@ def running_server(*flags: str, startup_timeout_s: float = 180.0):
             time.sleep(0.2)
         yield base, proc
     finally:
+        cores = core_pids(proc.pid)
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    # uvicorn shuts down gracefully, then re-raises the signal: exit status -SIGTERM (or 0)
+    assert proc.returncode in (0, -signal.SIGTERM), f"the server exited with {proc.returncode} on SIGTERM"
+    assert all(_is_gone(pid) for pid in cores), "the server left its engine core running"
+
+
+def core_pids(server_pid: int) -> list[int]:
+    """The `python -m engine_core` processes the server spawned (none when attached to a daemon)."""
+    try:
+        children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [int(c) for c in children if b"engine_core" in _cmdline(int(c))]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _is_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "State:\tZ" in status.read_text():
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def is_healthy(base: str) -> bool:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from conftest import start_daemon
-from server_harness import MODEL, running_server
+from server_harness import MODEL, core_pids, running_server
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +40,6 @@ def test_chat_without_a_template_is_a_400_that_says_so(server):
     assert httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
 
 
-def core_pid(server_pid: int) -> int:
-    """The `python -m engine_core` child the server spawned."""
-    for child in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
-        if b"engine_core" in Path(f"/proc/{child}/cmdline").read_bytes():
-            return int(child)
-    raise AssertionError("the server has no engine_core child")
-
-
 def test_health_is_503_within_two_seconds_of_the_core_dying(server):
     base, proc = server
     assert httpx.get(base + "/health").status_code == 200
@@ -56,7 +47,7 @@ def test_health_is_503_within_two_seconds_of_the_core_dying(server):
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: {")
-        os.kill(core_pid(proc.pid), signal.SIGKILL)
+        os.kill(core_pids(proc.pid)[0], signal.SIGKILL)
         killed_at = time.monotonic()
         rest = [line for line in lines if line]
     assert "engine_dead" in rest[-2] and rest[-1] == "data: [DONE]"  # the open stream is told, then ends

@@ -24,8 +24,15 @@ from frontend.server.state import ServerState
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_app(server: ServerState) -> FastAPI:
-    app = FastAPI(title="coreserve", docs_url=None, redoc_url=None, default_response_class=JSONBytesResponse)
+def build_app(server: ServerState, lifespan=None) -> FastAPI:
+    """`lifespan`: the owner's startup and shutdown around serving (launch shuts the engine down in it)."""
+    app = FastAPI(
+        title="coreserve",
+        docs_url=None,
+        redoc_url=None,
+        default_response_class=JSONBytesResponse,
+        lifespan=lifespan,
+    )
     app.state.server = server
     install_error_handlers(app)
     if server.api_key:

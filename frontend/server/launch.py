@@ -4,6 +4,7 @@ process, entry point)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 
 import uvicorn
@@ -19,9 +20,18 @@ logger = logging.getLogger(__name__)
 def serve(args: argparse.Namespace) -> None:
     chat_template = read_chat_template(args)  # a bad path fails before the engine starts
     engine = AsyncLLM(args.model, core_address=args.core_address, **engine_kwargs(args))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # uvicorn re-raises SIGTERM/SIGINT once it has shut down, so code after uvicorn.run may never
+        # run: the engine (and the core it spawned) goes here, at the end of the graceful shutdown.
+        engine.shutdown()
+
     try:
         state = ServerState(engine, served_model_name(args), chat_template, api_key(args))
         logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)
-        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
+        app = build_app(state, lifespan)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        engine.shutdown()
+        engine.shutdown()  # uvicorn failed to start, or returned normally: shutting down twice is harmless
