@@ -80,7 +80,7 @@ class CompletionResponse:
                 _merge(merged, piece)
         finally:
             await self.generation.close()
-        body = self._envelope([merged[c.index] for c in self.choices])
+        body = self._envelope([merged.get(c.index) or _empty_choice(c.index) for c in self.choices])
         body["usage"] = self._usage()
         return JSONBytesResponse(body)
 
@@ -139,13 +139,7 @@ class CompletionChoice:
         if not self.is_started and needs_prompt and prompt_positions is None:
             self._held.append(completion)
             return None
-        piece = {
-            "index": self.index,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": None,
-            "stop_reason": None,
-        }
+        piece = _empty_choice(self.index)
         if not self.is_started:
             self._start(piece, prompt_positions)
         for held in [*self._held, completion]:
@@ -180,10 +174,15 @@ class CompletionChoice:
             self.logprobs.add(completion.token_ids, completion.logprobs, self.body.logprobs)
 
 
+def _empty_choice(index: int) -> dict:
+    return {"index": index, "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None}
+
+
 def _merge(merged: dict[int, dict], piece: dict) -> None:
     into = merged.setdefault(piece["index"], {**piece, "text": "", "logprobs": None})
     into["text"] += piece["text"]
-    into["finish_reason"], into["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
+    if piece["finish_reason"] is not None:
+        into["finish_reason"], into["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
     if piece["logprobs"] is not None:
         if into["logprobs"] is None:
             into["logprobs"] = {key: [] for key in piece["logprobs"]}
