@@ -23,7 +23,7 @@ from engine_core.core import EngineCore  # noqa: E402
 from frontend.engine_args import load_tokenizer, make_config  # noqa: E402
 from protocol.messages import EngineCoreRequest  # noqa: E402
 from protocol.sampling_params import SamplingParams  # noqa: E402
-from worker.models.llama import linear  # noqa: E402
+from worker.linear import linear  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,13 +44,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def attention_operands(model: torch.nn.Module, batch: int, context: int) -> list[tuple]:
+def attention_operands(model: torch.nn.Module, batch: int, context: int, dtype: torch.dtype) -> list[tuple]:
     """Per layer, random q [B * Hkv, G, D], keys and values [B * Hkv, L, D]: attention's products as one
     batched matmul each, over as many bytes as the step reads from its KV cache."""
     a = model.args
     group = a.num_heads // a.num_kv_heads
     operands = []
-    like = {"dtype": model.lm_head.weight.dtype, "device": model.lm_head.weight.device}
+    like = {"dtype": dtype, "device": model.lm_head.weight.device}
     for _ in range(a.num_layers):
         keys = torch.randn(batch * a.num_kv_heads, context, a.head_dim, **like)
         operands.append(
@@ -73,11 +73,12 @@ def wait(model: torch.nn.Module) -> None:
 def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, float]:
     """Median times (s) of a decode step, of its linear layers alone and of its attention products
     alone, measured turn about so that the machine's drifting speed affects all alike."""
-    model = core.runner.model
+    model, kernels = core.runner.model, core.runner.cpu_kernels
+    dtype = core.runner.dtype  # the activations' and KV cache's (fp32 with the CPU kernels)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(batch, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in layers]
+    inputs = [torch.randn(batch, m.in_features, dtype=dtype, device=m.weight.device) for m in layers]
     context = round(sum(r.num_tokens for r in core.scheduler.requests.values()) / batch) + steps // 2
-    attention = attention_operands(model, batch, context)
+    attention = attention_operands(model, batch, context, dtype)
     times: dict[str, list[float]] = {"step": [], "linear": [], "attention": []}
     for _ in range(steps):
         start = time.perf_counter()
@@ -86,7 +87,7 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
         with torch.inference_mode():
             start = time.perf_counter()
             for x, layer in zip(inputs, layers):
-                linear(layer, x)  # the engine's own matmul call
+                linear(layer, x, kernels)  # the engine's own matmul call
             wait(model)
             times["linear"].append(time.perf_counter() - start)
             start = time.perf_counter()

@@ -1,5 +1,6 @@
-"""Builds and loads the C kernels for the CPU: decode attention, top-k logprob rows and the fused
-layer steps (RoPE with the KV write, SiLU-and-multiply) (engine-core process).
+"""Builds and loads the C kernels for the CPU: decode attention, top-k logprob rows, the fused
+layer steps (RoPE with the KV write, SiLU-and-multiply) and the few-row matrix products of fp32 and
+bf16 weights (engine-core process).
 
 The kernels are compiled once per source, compiler and CPU into `~/.cache/coreserve/kernels/` and
 loaded with ctypes after torch, so their OpenMP pragmas run on the runtime torch already loaded.
@@ -24,8 +25,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.c", "logprob_rows.c", "fused_ops.c")]
-_HEADERS = [Path(__file__).with_name("vector_exp.h")]  # part of the build key, included by the sources
+_SOURCES = [
+    Path(__file__).with_name(n) for n in ("decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c")
+]
+# Part of the build key, included by the sources.
+_HEADERS = [Path(__file__).with_name(n) for n in ("vector_exp.h", "gemv_bf16_dot.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -57,7 +61,13 @@ _SIGNATURES = {
     "rope_write_kv": [_P, _P, _P, _P, _I64, _I32, _I32, _I32, _P, _P, _P, _P, _I64, _I32],
     # gate_up, num_tokens, intermediate, out, num_threads
     "silu_mul": [_P, _I64, _I64, _P, _I32],
+    # x, rows, K, w, N, bias, out, num_threads
+    "gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
+    # x, rows, K, w, N, bias, out, use_dot, num_threads
+    "gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32],
+    "cpu_has_bf16_dot": [],
 }
+_RETURNS_INT = {"decode_attention", "gemv_bf16", "cpu_has_bf16_dot"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,10 @@ class CpuKernels:
     logprob_rows: ctypes._CFuncPtr
     rope_write_kv: ctypes._CFuncPtr
     silu_mul: ctypes._CFuncPtr
+    gemv_f32: ctypes._CFuncPtr
+    gemv_bf16: ctypes._CFuncPtr
+    cpu_has_bf16_dot: ctypes._CFuncPtr
+    has_bf16_dot: bool = False  # this CPU runs AVX512-BF16's dot instruction (asked at load)
 
 
 def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
@@ -90,8 +104,8 @@ def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
         return None
     for name, function in functions.items():
         function.argtypes = _SIGNATURES[name]
-        function.restype = ctypes.c_int if name == "decode_attention" else None
-    return CpuKernels(**functions)
+        function.restype = ctypes.c_int if name in _RETURNS_INT else None
+    return CpuKernels(**functions, has_bf16_dot=bool(functions["cpu_has_bf16_dot"]()))
 
 
 def _library_path(compiler: str, cache_dir: Path | None) -> Path:

@@ -42,13 +42,17 @@ class ModelRunner:
         self.device = pick_device(device)
         self.block_size = block_size
         self.model = load_model(model_dir, dtype, self.device)  # dtype "auto": the checkpoint's
-        self.dtype = self.model.embed_tokens.weight.dtype
         self.vocab_size = self.model.args.vocab_size
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        # C kernels on the CPU in fp32 (docs/decisions.md); torch's ops elsewhere, or without a compiler.
-        is_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.cpu_kernels = load_cpu_kernels() if is_cpu_fp32 and can_use_cpu_kernels else None
+        # C kernels on the CPU for fp32 and bf16 weights, with fp32 activations and KV cache
+        # (docs/decisions.md); torch's ops in the weights' dtype elsewhere, or without a compiler.
+        weight_dtype = self.model.embed_tokens.weight.dtype
+        can_use = self.device.type == "cpu" and weight_dtype in (torch.float32, torch.bfloat16)
+        self.cpu_kernels = load_cpu_kernels() if can_use and can_use_cpu_kernels else None
+        if self.cpu_kernels is not None:
+            self.model.use_cpu_kernels(self.cpu_kernels)
+        self.dtype = torch.float32 if self.cpu_kernels is not None else weight_dtype  # activations, KV
         # On the model's device: unseeded rows' noise is drawn there, not on the host and copied over.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed), self.cpu_kernels)
         # Called after each model step of a multi-step window: the core server counts it as progress,

@@ -2,7 +2,8 @@
 Qwen3 (per-head q/k RMSNorm), tied or untied embeddings (engine-core process).
 
 Numerics follow Hugging Face transformers (RMSNorm in fp32, rotate-half RoPE, HF's RoPE variants) so
-logprobs match it.
+logprobs match it. With the CPU kernels the activations, norms and KV cache are fp32 whatever the
+weights' dtype: bf16 weights stay bf16 only inside the linear layers and the embedding table.
 """
 
 from __future__ import annotations
@@ -12,49 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention, write_kv
-from worker.cpu_kernels import rope_write_kv, silu_mul
+from worker.cpu_kernels import CpuKernels, rope_write_kv, silu_mul
+from worker.linear import linear
 from worker.models.config import LlamaArgs
 from worker.models.rope import RopeSpec, cos_sin_tables
 
-__all__ = ["LlamaArgs", "LlamaModel", "linear"]
-
-
-_FEW_ROWS = 128  # up to here the transposed product wins on this CPU; past it the copy back costs more
-_OUT_CHUNK = 4096  # output features per product, so the transpose back reads from cache (lm_head: 2x)
-
-
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """x: [T, in] -> [T, out]. On the CPU in fp32 with few rows (decode), MKL runs W @ x^T 2-3x faster
-    than x @ W^T at 2-4 rows, ~25% faster at 16-64 (scripts/bench_decode_step.py measures the
-    step with this same function); the same products, summed in another order."""
-    num_rows = x.shape[0]
-    # The vocabulary-wide lm_head keeps winning up to 256 rows (a prompt-logprob slice): 146 ms
-    # against 187 at 256 rows for the small preset; the layers' smaller products stop at 128.
-    few_rows = 2 * _FEW_ROWS if layer.out_features > 4 * _OUT_CHUNK else _FEW_ROWS
-    if x.device.type != "cpu" or x.dtype != torch.float32 or num_rows > few_rows:
-        return layer(x)
-    padded_rows = _padded_rows(num_rows)
-    if padded_rows > num_rows:
-        x = torch.cat((x, x.new_zeros(padded_rows - num_rows, x.shape[1])))
-    weight, bias, x_t = layer.weight, layer.bias, x.t()
-    out = torch.empty(num_rows, weight.shape[0], dtype=x.dtype)
-    for start in range(0, weight.shape[0], _OUT_CHUNK):
-        features = slice(start, start + _OUT_CHUNK)
-        if bias is None:
-            part = torch.mm(weight[features], x_t)  # [chunk, padded rows]
-        else:
-            part = torch.addmm(bias[features].unsqueeze(1), weight[features], x_t)
-        out[:, features] = part[:, :num_rows].t()
-    return out
-
-
-def _padded_rows(num_rows: int) -> int:
-    """MKL picks slow kernels for some row counts: 1 row takes the matrix-vector path (2x slower than 2
-    rows) and 7-15 rows run slower than 16 (up to 2x at 15). Measured for the small preset's shapes:
-    ms per decode step's matmuls by rows, 2:16 4:22 6:35 8:50 12:63 15:102 16:50 32:76 64:122."""
-    if num_rows == 1:
-        return 2
-    return 16 if 6 < num_rows < 16 else num_rows
+__all__ = ["LlamaArgs", "LlamaModel"]
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +75,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple, cache: torch.Tensor, meta: AttentionMetadata):
         num_tokens, a = x.shape[0], self.args
-        qkv = linear(self.qkv_proj, self.input_layernorm(x))
+        kernels = meta.kernels
+        qkv = linear(self.qkv_proj, self.input_layernorm(x), kernels)
         if a.has_qk_norm:
             qkv = self._norm_qk(qkv)
         if meta.kernels is not None:  # CPU fp32: rotation and the cache write in one call
@@ -123,10 +88,10 @@ class DecoderLayer(nn.Module):
             v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
             write_kv(cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, cache, meta, a.sliding_window).reshape(num_tokens, self.q_size)
-        x = x + linear(self.o_proj, attn)
-        gate_up = linear(self.gate_up_proj, self.post_attention_layernorm(x))
-        if meta.kernels is not None:
-            return x + linear(self.down_proj, silu_mul(meta.kernels, gate_up))
+        x = x + linear(self.o_proj, attn, kernels)
+        gate_up = linear(self.gate_up_proj, self.post_attention_layernorm(x), kernels)
+        if kernels is not None:
+            return x + linear(self.down_proj, silu_mul(kernels, gate_up), kernels)
         gate, up = gate_up.chunk(2, dim=-1)
         return x + linear(self.down_proj, F.silu(gate) * up)
 
@@ -150,6 +115,17 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:  # one tensor, not two copies
             self.lm_head.weight = self.embed_tokens.weight
+        self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Runs the CPU path: fp32 activations; every parameter but the linear layers' weights and
+        the embedding table widened to fp32 (norms, biases), those keep their dtype (fp32 or bf16)."""
+        self.cpu_kernels = kernels
+        kept = {id(self.embed_tokens.weight)}
+        kept |= {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
+        for param in self.parameters():
+            if id(param) not in kept:
+                param.data = param.data.float()
 
     def forward(
         self,
@@ -160,6 +136,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if self.cpu_kernels is not None:
+            x = x.float()
         rope = self.rotary.tables(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, rope, cache, meta)
@@ -167,4 +145,4 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> logits [R, vocab] float32."""
-        return linear(self.lm_head, hidden).float()
+        return linear(self.lm_head, hidden, self.cpu_kernels).float()

@@ -1,0 +1,185 @@
+/* Matrix products with few rows, out = x @ W^T (+ bias), for the CPU (engine-core process).
+ *
+ * At decode a linear layer reads each weight once for a handful of activation rows, so its speed is
+ * the memory's: the weights are streamed once, each thread taking its own run of output features
+ * (no reduction between threads), four weight rows at a time against up to four activation rows
+ * (sixteen accumulators, each weight block reused from L1 for every group of rows).
+ * fp32 weights: fp32 products. bf16 weights: x is rounded to bf16 (to nearest even) and the exact
+ * bf16 x bf16 products are summed in fp32, with AVX512-BF16's dot instruction where the CPU has it
+ * (checked at run time; that function alone is built for that target) and by widening the
+ * weights to fp32 elsewhere: the same products, summed in another order.
+ * x: [rows, K] and W: [N, K] row-major, out: [rows, N] fp32.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#pragma GCC optimize("fp-contract=fast") /* fused multiply-adds in the vector loops */
+
+#define NB 4 /* weight rows per block */
+#define RB 4 /* activation rows per group */
+#define SMALL_WORK 32768 /* weights below which one thread is faster than waking the other */
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+typedef void (*range_fn)(const void *x, int64_t rows, int64_t K, const void *w, int64_t N,
+                         const float *bias, float *out, int64_t n_start, int64_t n_end);
+
+static inline float hsum(f32x16 v) {
+    float total = 0.0f;
+    for (int i = 0; i < 16; i++) total += v[i];
+    return total;
+}
+
+static inline f32x16 widen_bf16(const uint16_t *p) {
+    u16x16 half;
+    memcpy(&half, p, sizeof half);
+    return (f32x16)(__builtin_convertvector(half, u32x16) << 16);
+}
+
+static inline void store(float sums[RB][NB], int rb, int nb, const float *bias, float *out,
+                         int64_t N, int64_t n) {
+    for (int r = 0; r < rb; r++)
+        for (int j = 0; j < nb; j++) out[r * N + n + j] = sums[r][j] + (bias ? bias[n + j] : 0.0f);
+}
+
+/* rb activation rows against nb weight rows; is_bf16: w holds bf16 bits, x bf16-rounded fp32. */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t K, const void *w,
+                                                        int is_bf16, int rb, int nb, float sums[RB][NB]) {
+    f32x16 acc[RB][NB] = {{{0}}};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        f32x16 wv[NB], xv;
+        for (int j = 0; j < nb; j++) {
+            if (is_bf16)
+                wv[j] = widen_bf16((const uint16_t *)w + j * K + k);
+            else
+                memcpy(&wv[j], (const float *)w + j * K + k, sizeof wv[j]);
+        }
+        for (int r = 0; r < rb; r++) {
+            memcpy(&xv, x + r * K + k, sizeof xv);
+            for (int j = 0; j < nb; j++) acc[r][j] += xv * wv[j];
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int j = 0; j < nb; j++) {
+            float total = hsum(acc[r][j]);
+            for (int64_t i = k; i < K; i++) {
+                uint32_t bits = (uint32_t)((const uint16_t *)w)[j * K + i] << 16;
+                float weight;
+                if (is_bf16)
+                    memcpy(&weight, &bits, sizeof weight);
+                else
+                    weight = ((const float *)w)[j * K + i];
+                total += x[r * K + i] * weight;
+            }
+            sums[r][j] = total;
+        }
+}
+
+/* Output features [n_start, n_end) for every row; the switch gives block() constant sizes. */
+static inline __attribute__((always_inline)) void range(const void *x, int64_t rows, int64_t K,
+                                                        const void *w, int64_t N, const float *bias,
+                                                        float *out, int64_t n_start, int64_t n_end,
+                                                        int is_bf16) {
+    float sums[RB][NB];
+    const size_t element = is_bf16 ? sizeof(uint16_t) : sizeof(float);
+    for (int64_t n = n_start; n < n_end;) {
+        const int nb = n_end - n < NB ? 1 : NB;
+        const void *wn = (const char *)w + n * K * element;
+        for (int64_t r = 0; r < rows; r += RB) {
+            const int rb = rows - r < RB ? (int)(rows - r) : RB;
+            const float *xr = (const float *)x + r * K;
+            if (nb == NB) {
+                switch (rb) {
+                case 1: block(xr, K, wn, is_bf16, 1, NB, sums); break;
+                case 2: block(xr, K, wn, is_bf16, 2, NB, sums); break;
+                case 3: block(xr, K, wn, is_bf16, 3, NB, sums); break;
+                default: block(xr, K, wn, is_bf16, 4, NB, sums); break;
+                }
+            } else {
+                block(xr, K, wn, is_bf16, rb, 1, sums);
+            }
+            store(sums, rb, nb, bias, out + r * N, N, n);
+        }
+        n += nb;
+    }
+}
+
+static void range_f32(const void *x, int64_t rows, int64_t K, const void *w, int64_t N,
+                      const float *bias, float *out, int64_t n_start, int64_t n_end) {
+    range(x, rows, K, w, N, bias, out, n_start, n_end, 0);
+}
+
+static void range_bf16_widened(const void *x, int64_t rows, int64_t K, const void *w, int64_t N,
+                               const float *bias, float *out, int64_t n_start, int64_t n_end) {
+    range(x, rows, K, w, N, bias, out, n_start, n_end, 1);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define HAS_BF16_DOT_BUILD 1
+#include "gemv_bf16_dot.h"
+#endif
+
+/* Splits the output features between the threads in whole blocks; one thread for small work. */
+static void run(range_fn fn, const void *x, int64_t rows, int64_t K, const void *w, int64_t N,
+                const float *bias, float *out, int32_t num_threads) {
+    const int64_t num_blocks = (N + NB - 1) / NB;
+#pragma omp parallel num_threads(num_threads) if (N * K > SMALL_WORK)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t start = num_blocks * t / nt * NB, end = num_blocks * (t + 1) / nt * NB;
+        if (start < N) fn(x, rows, K, w, N, bias, out, start, end < N ? end : N);
+    }
+}
+
+void gemv_f32(const float *x, int64_t rows, int64_t K, const float *w, int64_t N, const float *bias,
+              float *out, int32_t num_threads) {
+    run(range_f32, x, rows, K, w, N, bias, out, num_threads);
+}
+
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Whether this build and this CPU run the bf16 dot instruction. */
+int32_t cpu_has_bf16_dot(void) {
+#ifdef HAS_BF16_DOT_BUILD
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+#else
+    return 0;
+#endif
+}
+
+/* w: [N, K] bf16 bits. use_dot: take the dot instruction (only where cpu_has_bf16_dot()).
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int32_t gemv_bf16(const float *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
+                  const float *bias, float *out, int32_t use_dot, int32_t num_threads) {
+    const int64_t count = rows * K;
+#ifdef HAS_BF16_DOT_BUILD
+    if (use_dot && cpu_has_bf16_dot()) {
+        uint16_t *packed = malloc(sizeof(uint16_t) * (count + 32));
+        if (!packed) return -1;
+        for (int64_t i = 0; i < count; i++) packed[i] = to_bf16(x[i]);
+        run(range_bf16_dot, packed, rows, K, w, N, bias, out, num_threads);
+        free(packed);
+        return 0;
+    }
+#endif
+    float *rounded = malloc(sizeof(float) * (count + 16));
+    if (!rounded) return -1;
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
+        memcpy(rounded + i, &bits, sizeof bits);
+    }
+    run(range_bf16_widened, rounded, rows, K, w, N, bias, out, num_threads);
+    free(rounded);
+    return 0;
+}

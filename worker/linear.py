@@ -1,0 +1,97 @@
+"""The linear layers' products, x @ W^T + b, by device, dtype and row count (engine-core process).
+
+On the CPU with the C kernels: up to `GEMV_MAX_ROWS` rows (decode) the weights are streamed once by
+the kernel in `gemv.c`, both cores busy, fp32 weights or bf16 (bf16 x bf16 products summed in fp32,
+x rounded to bf16). Past that, fp32 weights take MKL the transposed way (W @ x^T, faster than
+x @ W^T up to a few hundred rows) and then plain `F.linear`; bf16 weights stay with the C kernel
+where the CPU has AVX512-BF16 (its dot instruction beats MKL's fp32 products at any row count),
+elsewhere they are widened to fp32 a block of output features at a time for MKL (torch's own bf16
+products run far slower than its fp32 ones on this CPU). Without kernels (CUDA, no compiler) it is
+`F.linear` in the weights' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.cpu_kernels import CpuKernels
+
+GEMV_MAX_ROWS = 16  # rows up to which the C fp32 product beats MKL (scripts/bench_gemv.py)
+_ROW_CHUNK = 256  # rows per bf16 dot product call, so the activations stay in cache per weight block
+_FEW_ROWS = 128  # up to here MKL's transposed product wins on this CPU; past it the copy back costs more
+_OUT_CHUNK = 4096  # output features per product, so the transpose back reads from cache (lm_head: 2x)
+
+
+def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         use_bf16_dot: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """x: [R, K] float32; weight: [N, K] float32 or bfloat16, contiguous; bias: [N] float32 or None.
+    Returns [R, N] float32. `use_bf16_dot`: None takes the dot instruction where the CPU has it;
+    False forces the widening path (tests)."""
+    x = x.contiguous()
+    assert x.dtype == torch.float32 and weight.is_contiguous() and x.shape[1] == weight.shape[1]
+    num_rows, (num_out, num_in) = x.shape[0], weight.shape
+    out = torch.empty(num_rows, num_out, dtype=torch.float32)
+    bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
+    threads = torch.get_num_threads()
+    if weight.dtype == torch.float32:
+        kernels.gemv_f32(x.data_ptr(), num_rows, num_in, weight.data_ptr(), num_out, bias_ptr,
+                         out.data_ptr(), threads)  # fmt: skip
+        return out
+    assert weight.dtype == torch.bfloat16
+    use_dot = kernels.has_bf16_dot if use_bf16_dot is None else use_bf16_dot and kernels.has_bf16_dot
+    status = kernels.gemv_bf16(x.data_ptr(), num_rows, num_in, weight.data_ptr(), num_out, bias_ptr,
+                               out.data_ptr(), int(use_dot), threads)  # fmt: skip
+    if status != 0:
+        raise MemoryError("the bf16 product could not allocate its scratch memory")
+    return out
+
+
+def linear(layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+    """x: [T, in] -> [T, out]. With `kernels` (CPU), x is float32 and the weights float32 or bf16."""
+    if kernels is None or x.device.type != "cpu":
+        return layer(x)
+    is_bf16 = layer.weight.dtype == torch.bfloat16
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv(kernels, x, layer.weight, layer.bias)
+    if is_bf16 and kernels.has_bf16_dot:  # 2-2.5x MKL's fp32 products at any row count
+        parts = [gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.bias)
+                 for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if is_bf16:
+        return _widened_linear(layer, x)
+    return _transposed_linear(layer, x)
+
+
+def _widened_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """bf16 weights, many rows: fp32 products of the weights widened one block at a time, x rounded
+    to bf16 as the C kernel does (a request's numbers must not depend on its batch's row count)."""
+    weight, bias = layer.weight, layer.bias
+    x = x.to(torch.bfloat16).float()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], _OUT_CHUNK):
+        features = slice(start, start + _OUT_CHUNK)
+        part_bias = None if bias is None else bias[features].float()
+        out[:, features] = F.linear(x, weight[features].float(), part_bias)
+    return out
+
+
+def _transposed_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """fp32, 17 to a few hundred rows: MKL runs W @ x^T 1.2-3x faster than x @ W^T here (the same
+    products, summed in another order); the vocabulary-wide lm_head keeps winning up to 256 rows (a
+    prompt-logprob slice: 146 ms against 187 for the small preset), the smaller layers stop at 128."""
+    num_rows = x.shape[0]
+    few_rows = 2 * _FEW_ROWS if layer.out_features > 4 * _OUT_CHUNK else _FEW_ROWS
+    if num_rows > few_rows:
+        return layer(x)
+    weight, bias, x_t = layer.weight, layer.bias, x.t()
+    out = torch.empty(num_rows, weight.shape[0], dtype=x.dtype)
+    for start in range(0, weight.shape[0], _OUT_CHUNK):
+        features = slice(start, start + _OUT_CHUNK)
+        if bias is None:
+            part = torch.mm(weight[features], x_t)  # [chunk, rows]
+        else:
+            part = torch.addmm(bias[features].unsqueeze(1), weight[features], x_t)
+        out[:, features] = part.t()
+    return out
