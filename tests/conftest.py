@@ -148,6 +148,21 @@ def start_daemon(model: str, address: str, *flags: str, timeout_s: float = 120.0
     return proc
 
 
+def run_daemon_command(*args: str, timeout: float = 120):
+    """`python -m engine_core ARGS` to its end (a command-line mistake, keygen): its CompletedProcess."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "engine_core", *args],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def free_blocks_are_all(llm) -> bool:
     """Idle and every KV block free, as the core reports it (in process or across the socket)."""
     stats = llm.get_engine_stats()

@@ -111,19 +111,21 @@ def test_bad_requests_fail_beside_a_good_stream_that_completes(engine):
 
 
 def test_an_error_handling_one_requests_output_ends_that_request_only(engine):
-    """A fault injected into one request's detokenizer (the engine thread's per-output work)."""
+    """A fault injected into one request's detokenizer (the engine thread's per-output work), once
+    its first delta has arrived."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 
+    async def victim_stream() -> None:
+        async for _ in engine.generate(PROMPTS[0], params, "victim"):
+            processor = engine._parts.outputs
+            for completion in list(processor.completion_of.values()):
+                if processor.owner_of[completion.core_req_id].request_id.startswith("victim@"):
+                    completion.detokenizer.append = _raise
+
     async def main():
-        victim = asyncio.create_task(_collect(engine, PROMPTS[0], params, "victim"))
         other = asyncio.create_task(_collect(engine, PROMPTS[1], params, "other"))
-        await asyncio.sleep(0.3)
-        processor = engine._parts.outputs
-        for completion in processor.completion_of.values():
-            if processor.owner_of[completion.core_req_id].request_id.startswith("victim@"):
-                completion.detokenizer.append = _raise
         with pytest.raises(RequestFailedError, match="injected"):
-            await victim
+            await victim_stream()
         return await other
 
     deltas = asyncio.run(main())

@@ -9,7 +9,7 @@ import uuid
 import msgspec
 import pytest
 import zmq
-from conftest import PROMPTS, free_blocks_are_all, start_daemon
+from conftest import PROMPTS, free_blocks_are_all, run_daemon_command, start_daemon
 
 from frontend import LLM, SamplingParams
 from protocol import PROTOCOL_VERSION
@@ -153,18 +153,7 @@ def test_a_flood_to_the_output_socket_is_not_kept(daemon, raw):
 
 
 def test_a_second_daemon_on_a_live_address_is_refused(daemon, tiny_path):
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    result = subprocess.run(
-        [sys.executable, "-m", "engine_core", "--model", tiny_path, "--address", daemon[0]],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_daemon_command("--model", tiny_path, "--address", daemon[0])
     assert result.returncode == 2 and "in use by a running engine core" in result.stderr
     assert "Traceback" not in result.stderr
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import zmq
-from conftest import PROMPTS, ROOT
+from conftest import PROMPTS, ROOT, run_daemon_command
 
 from frontend import LLM, SamplingParams
 from protocol.curve_keys import load_key_pair, make_key_pair
@@ -28,14 +28,7 @@ def free_port_pair() -> int:
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     root = tmp_path_factory.mktemp("keys")
-    result = subprocess.run(
-        [sys.executable, "-m", "engine_core", "keygen", str(root / "server")],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_daemon_command("keygen", str(root / "server"))
     assert result.returncode == 0, result.stderr
     make_key_pair(str(root / "clients"), "alice")
     make_key_pair(str(root / "strangers"), "mallory")
@@ -119,46 +112,13 @@ def test_key_files_readable_by_others_are_refused(tiny_path, keys):
     os.chmod(loose / "bob.key_secret", 0o644)
     with pytest.raises(ValueError, match="chmod 600"):
         LLM(tiny_path, core_address="tcp://127.0.0.1:5999", **curve_args(keys, "loose/bob"))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine_core",
-            "--model",
-            tiny_path,
-            "--address",
-            "tcp://0.0.0.0:5999",
-            "--allow-remote",
-            "--curve-secret-key",
-            str(loose / "bob.key_secret"),
-            "--authorized-clients",
-            str(keys / "authorized"),
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_daemon_command(
+        "--model", tiny_path, "--address", "tcp://0.0.0.0:5999", "--allow-remote",
+        "--curve-secret-key", str(loose / "bob.key_secret"), "--authorized-clients", str(keys / "authorized"),
+    )  # fmt: skip
     assert result.returncode == 2 and "chmod 600" in result.stderr
 
 
 def test_a_remote_address_without_curve_stays_refused(tiny_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine_core",
-            "--model",
-            tiny_path,
-            "--address",
-            "tcp://0.0.0.0:5999",
-            "--allow-remote",
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_daemon_command("--model", tiny_path, "--address", "tcp://0.0.0.0:5999", "--allow-remote")
     assert result.returncode == 2 and "needs --allow-remote with CURVE" in result.stderr

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROMPTS, free_blocks_are_all, start_daemon
+from conftest import PROMPTS, free_blocks_are_all, run_daemon_command, start_daemon
 
 from frontend import LLM, SamplingParams
 
@@ -81,17 +81,6 @@ def test_the_daemon_refuses_a_non_loopback_address_without_the_flag(tiny_path):
         timeout=60,
     )
     assert result.returncode != 0 and "not loopback" in result.stderr
-
-
-def run_daemon_command(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "engine_core", *args],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.mark.parametrize(
