@@ -1,13 +1,12 @@
-"""Clients of the engine core (frontend process): `MPClient` talks to a core process over ZeroMQ, one it
-spawns or a running daemon; `InprocClient` runs the same EngineCore in this process, for debugging.
-Both offer send/abort/get_outputs/shutdown.
+"""The client of an engine core process (frontend process): `MPClient` talks to a core over ZeroMQ, one
+it spawns or a running daemon. `InprocClient` (frontend/inproc_client.py) and `MultiCoreClient`
+(several daemons) offer the same send/abort/get_outputs/take_lost/get_stats/shutdown.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import select
 import shutil
 import subprocess
 import sys
@@ -319,49 +318,3 @@ def _cleanup(
             proc.wait()
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-class InprocClient:
-    """The same EngineCore in this process, stepped by get_outputs; no sockets (debugging)."""
-
-    def __init__(self, config: EngineConfig, fingerprint: str) -> None:
-        from engine_core.core import (
-            EngineCore,  # in-process mode only: the one place the frontend holds a core
-        )
-
-        self.core = EngineCore(config)
-        if self.core.tokenizer_fingerprint != fingerprint:
-            raise ValueError(
-                "the engine core refused this frontend: its tokenizer does not match the model's"
-            )
-        self.facts = self.core.facts()
-        self.client_id = b""
-        self.pending: list[EngineCoreOutput] = []
-
-    def send(self, requests: list[EngineCoreRequest]) -> None:
-        for request in requests:
-            refusal = self.core.add_request(self.client_id, request)
-            if refusal is not None:
-                self.pending.append(refusal)
-
-    def abort(self, req_ids: list[str]) -> None:
-        self.core.abort_requests(self.client_id, req_ids)
-
-    def get_stats(self) -> EngineStats:
-        return self.core.stats()
-
-    def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:
-        outputs, self.pending = self.pending, []
-        if not outputs and not self.core.has_unfinished_requests():
-            if wake_fd is not None and select.select([wake_fd], [], [], timeout_s)[0]:
-                os.read(wake_fd, 4096)
-            return outputs
-        for batch in self.core.step().values():
-            outputs.extend(batch.outputs)
-        return outputs
-
-    def take_lost(self) -> dict[str, str]:
-        return {}
-
-    def shutdown(self) -> None:
-        self.core = None

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from frontend.core_client import ClientCurve, InprocClient, MPClient
+from frontend.core_client import ClientCurve, MPClient
 from frontend.engine_args import load_tokenizer, make_config
+from frontend.inproc_client import InprocClient
 from frontend.input_processor import InputProcessor
 from frontend.multi_core_client import MultiCoreClient
 from frontend.output_processor import OutputProcessor

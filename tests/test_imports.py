@@ -55,4 +55,4 @@ def test_only_the_in_process_client_reaches_into_the_core_and_nothing_pickles():
             assert not imports & {"pickle", "cloudpickle", "dill"}, path
             assert "recv_pyobj" not in path.read_text() and "send_pyobj" not in path.read_text()
             if package == "frontend" and "engine_core" in imports:
-                assert path.name == "core_client.py", path
+                assert path.name == "inproc_client.py", path

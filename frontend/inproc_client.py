@@ -1,0 +1,56 @@
+"""InprocClient: the same EngineCore in this process, stepped by get_outputs, no sockets (frontend
+process; debugging, and the in-process benchmarks). The one place the frontend holds a core: it imports
+engine_core inside a function, so the frontend's modules still import only protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+
+from protocol.config import EngineConfig
+from protocol.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+
+
+class InprocClient:
+    """The same EngineCore in this process, stepped by get_outputs; no sockets (debugging)."""
+
+    def __init__(self, config: EngineConfig, fingerprint: str) -> None:
+        from engine_core.core import EngineCore
+
+        self.core = EngineCore(config)
+        if self.core.tokenizer_fingerprint != fingerprint:
+            raise ValueError(
+                "the engine core refused this frontend: its tokenizer does not match the model's"
+            )
+        self.facts = self.core.facts()
+        self.client_id = b""
+        self.pending: list[EngineCoreOutput] = []
+
+    def send(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            refusal = self.core.add_request(self.client_id, request)
+            if refusal is not None:
+                self.pending.append(refusal)
+
+    def abort(self, req_ids: list[str]) -> None:
+        self.core.abort_requests(self.client_id, req_ids)
+
+    def get_stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:
+        outputs, self.pending = self.pending, []
+        if not outputs and not self.core.has_unfinished_requests():
+            if wake_fd is not None and select.select([wake_fd], [], [], timeout_s)[0]:
+                os.read(wake_fd, 4096)
+            return outputs
+        for batch in self.core.step().values():
+            outputs.extend(batch.outputs)
+        return outputs
+
+    def take_lost(self) -> dict[str, str]:
+        return {}
+
+    def shutdown(self) -> None:
+        self.core = None
