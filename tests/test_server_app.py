@@ -71,6 +71,8 @@ def test_tokenize_and_detokenize_round_trip(http, tokenizer):
     tokens = http.post("/tokenize", json={"prompt": PROMPTS[1]}).json()
     assert tokens["tokens"] == tokenizer(PROMPTS[1]).input_ids and tokens["count"] == len(tokens["tokens"])
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPTS[1]}
+    strs = http.post("/tokenize", json={"prompt": PROMPTS[1], "return_token_strs": True}).json()["token_strs"]
+    assert "".join(strs) == PROMPTS[1] and tokens["token_strs"] is None
     assert http.post("/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == "tokens"
 
 

@@ -18,6 +18,7 @@ from frontend.server.chat import create_chat_completion
 from frontend.server.completions import create_completion
 from frontend.server.errors import APIError, error_response, install_error_handlers
 from frontend.server.json_response import JSONBytesResponse
+from frontend.server.logprob_json import token_text
 from frontend.server.schemas import DetokenizeRequest, TokenizeRequest
 from frontend.server.state import ServerState
 
@@ -98,7 +99,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def tokenize(request: Request, body: TokenizeRequest) -> Response:
-    """vLLM's shape: {"prompt"} or {"messages"} in; {"count", "max_model_len", "tokens"} out."""
+    """vLLM's shape: {"prompt"} or {"messages"} in; {"count", "max_model_len", "tokens", "token_strs"} out."""
     server: ServerState = request.app.state.server
     server.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
@@ -112,8 +113,14 @@ async def tokenize(request: Request, body: TokenizeRequest) -> Response:
         token_ids = server.tokenizer(text, add_special_tokens=False).input_ids
     else:
         token_ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+    strs = [token_text(server.table.decode_token(t)) for t in token_ids] if body.return_token_strs else None
     return JSONBytesResponse(
-        {"count": len(token_ids), "max_model_len": server.facts.max_model_len, "tokens": list(token_ids)}
+        {
+            "count": len(token_ids),
+            "max_model_len": server.facts.max_model_len,
+            "tokens": list(token_ids),
+            "token_strs": strs,
+        }
     )
 
 
