@@ -1,11 +1,17 @@
 """One decode step at a batch of B requests against the time of that step's matrix products alone
 (the same shapes and dtype, measured in the same run): how far the engine is from this machine's limit.
 
+It also measures this machine's memory read bandwidth (a sum over a 1 GiB array with all of torch's
+threads, turn about with the steps) and reports the step against the bandwidth limit: the bytes of
+weights a step reads (every linear layer's, lm_head included; one row of the embedding table) over
+that bandwidth. At batch 1 that is the whole cost a step cannot avoid.
+
 The step's matrix products are the linear layers (lm_head included) and attention's two per layer
 (scores = Q K^T and scores V, run here as one batched product per layer over contiguous copies of
 the same shapes). Both ratios are printed: against all of them, and against the linear layers alone.
 
     python scripts/bench_decode_step.py --model builtin:small --batch 64 --context 256
+    python scripts/bench_decode_step.py --model builtin:small --batch 1 --context 128 --steps 30
 """
 
 from __future__ import annotations
@@ -63,6 +69,19 @@ def attention_operands(model: torch.nn.Module, batch: int, context: int, dtype: 
     return operands
 
 
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: each linear layer's once (tied ones counted once)."""
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(w.numel() * w.element_size() for w in weights.values())
+
+
+def time_read(array: torch.Tensor) -> float:
+    """Seconds to read `array` once (a sum, with all of torch's threads)."""
+    start = time.perf_counter()
+    array.sum()
+    return time.perf_counter() - start
+
+
 def wait(model: torch.nn.Module) -> None:
     """On a GPU the products are queued: wait for them before reading the clock. (A step waits by
     itself: it copies its sampled tokens to the host.)"""
@@ -71,16 +90,18 @@ def wait(model: torch.nn.Module) -> None:
 
 
 def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, float]:
-    """Median times (s) of a decode step, of its linear layers alone and of its attention products
-    alone, measured turn about so that the machine's drifting speed affects all alike."""
+    """Median times (s) of a decode step, of its linear layers alone, of its attention products alone
+    and of reading 1 GiB, measured turn about so that the machine's drifting speed affects all alike."""
     model, kernels = core.runner.model, core.runner.cpu_kernels
     dtype = core.runner.dtype  # the activations' and KV cache's (fp32 with the CPU kernels)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(batch, m.in_features, dtype=dtype, device=m.weight.device) for m in layers]
     context = round(sum(r.num_tokens for r in core.scheduler.requests.values()) / batch) + steps // 2
     attention = attention_operands(model, batch, context, dtype)
-    times: dict[str, list[float]] = {"step": [], "linear": [], "attention": []}
+    times: dict[str, list[float]] = {"step": [], "linear": [], "attention": [], "read_1gib": []}
+    array = torch.ones(2**28)  # 1 GiB of fp32, read once per step
     for _ in range(steps):
+        times["read_1gib"].append(time_read(array))
         start = time.perf_counter()
         core.step()
         times["step"].append(time.perf_counter() - start)
@@ -125,11 +146,16 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     times = interleaved_times(core, args.batch, args.steps)
     step, linear, attention = times["step"], times["linear"], times["attention"]
+    bandwidth, weight_bytes = 2**30 / times["read_1gib"], weight_bytes_per_step(core.runner.model)
+    limit = weight_bytes / bandwidth
     print(
         f"batch {args.batch}, context ~{args.context}: decode step {step * 1e3:.1f} ms, "
         f"linear layers {linear * 1e3:.1f} ms, attention products {attention * 1e3:.1f} ms\n"
         f"step / all matrix products: {step / (linear + attention):.2f}   "
-        f"step / linear layers: {step / linear:.2f}"
+        f"step / linear layers: {step / linear:.2f}\n"
+        f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; weights read per step "
+        f"{weight_bytes / 1e6:.0f} MB: limit {limit * 1e3:.1f} ms a step, {1 / limit:.1f} steps/s\n"
+        f"fraction of the bandwidth limit: step {limit / step:.2f}   linear layers {limit / linear:.2f}"
     )
     write_json(
         args.json,
@@ -141,6 +167,10 @@ def main() -> None:
             "attention_products_ms": attention * 1e3,
             "ratio": step / (linear + attention),
             "ratio_linear_only": step / linear,
+            "bandwidth_gb_s": bandwidth / 1e9,
+            "weight_mb_per_step": weight_bytes / 1e6,
+            "fraction_of_bandwidth_limit": limit / step,
+            "linear_fraction_of_bandwidth_limit": limit / linear,
         },
     )
 

@@ -61,6 +61,8 @@ _SIGNATURES = {
     "rope_write_kv": [_P, _P, _P, _P, _I64, _I32, _I32, _I32, _P, _P, _P, _P, _I64, _I32],
     # gate_up, num_tokens, intermediate, out, num_threads
     "silu_mul": [_P, _I64, _I64, _P, _I32],
+    # x, delta, num_tokens, hidden, weight, eps, sum_out, out, num_threads
+    "rms_norm": [_P, _P, _I64, _I64, _P, _F32, _P, _P, _I32],
     # x, rows, K, w, N, bias, out, num_threads
     "gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     # x, rows, K, w, N, bias, out, use_dot, num_threads
@@ -76,6 +78,7 @@ class CpuKernels:
     logprob_rows: ctypes._CFuncPtr
     rope_write_kv: ctypes._CFuncPtr
     silu_mul: ctypes._CFuncPtr
+    rms_norm: ctypes._CFuncPtr
     gemv_f32: ctypes._CFuncPtr
     gemv_bf16: ctypes._CFuncPtr
     cpu_has_bf16_dot: ctypes._CFuncPtr
@@ -238,3 +241,18 @@ def silu_mul(kernels: CpuKernels, gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, intermediate)
     kernels.silu_mul(gate_up.data_ptr(), num_tokens, intermediate, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def rms_norm(
+    kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta: [T, hidden] float32 contiguous; weight: [hidden] float32. Returns (x + delta, or x
+    itself without delta; its RMSNorm), the norm as HF's in fp32, to float rounding."""
+    assert x.is_contiguous() and x.dtype == torch.float32 and weight.dtype == torch.float32
+    out = torch.empty_like(x)
+    total = x if delta is None else torch.empty_like(x)
+    kernels.rms_norm(
+        x.data_ptr(), None if delta is None else delta.contiguous().data_ptr(), x.shape[0], x.shape[1],
+        weight.data_ptr(), eps, total.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return total, out

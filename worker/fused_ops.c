@@ -73,3 +73,26 @@ void silu_mul(const float *gate_up, int64_t num_tokens, int64_t intermediate, fl
         }
     }
 }
+
+/* HF's RMSNorm in fp32, x * rsqrt(mean(x^2) + eps) * weight, optionally of x + delta (the residual add
+ * before it), whose sum is then written to sum_out. x, delta, sum_out, out: [T, hidden]; weight:
+ * [hidden]. The mean of squares is summed in double (torch sums fp32 pairwise: both within rounding). */
+void rms_norm(const float *x, const float *delta, int64_t num_tokens, int64_t hidden, const float *weight,
+              float eps, float *sum_out, float *out, int32_t num_threads) {
+    const int64_t work = num_tokens * hidden;
+#pragma omp parallel for num_threads(num_threads) if (work > SMALL_WORK) schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *row = x + t * hidden;
+        if (delta) {
+            float *sum = sum_out + t * hidden;
+            for (int64_t i = 0; i < hidden; i++) sum[i] = row[i] + delta[t * hidden + i];
+            row = sum;
+        }
+        double squares = 0.0;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < hidden; i++) squares += (double)row[i] * row[i];
+        const float scale = 1.0f / sqrtf((float)(squares / hidden) + eps);
+        float *normed = out + t * hidden;
+        for (int64_t i = 0; i < hidden; i++) normed[i] = row[i] * scale * weight[i];
+    }
+}

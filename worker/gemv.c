@@ -3,7 +3,8 @@
  * At decode a linear layer reads each weight once for a handful of activation rows, so its speed is
  * the memory's: the weights are streamed once, each thread taking its own run of output features
  * (no reduction between threads), four weight rows at a time against up to four activation rows
- * (sixteen accumulators, each weight block reused from L1 for every group of rows).
+ * (sixteen accumulators, each weight block reused from L1 for every group of rows), the next block
+ * prefetched as one stream.
  * fp32 weights: fp32 products. bf16 weights: x is rounded to bf16 (to nearest even) and the exact
  * bf16 x bf16 products are summed in fp32, with AVX512-BF16's dot instruction where the CPU has it
  * (checked at run time; that function alone is built for that target) and by widening the
@@ -34,6 +35,12 @@ static inline float hsum(f32x16 v) {
     return total;
 }
 
+/* The next weight block, as one stream, as fast as this block is read: the hardware prefetcher
+ * alone retrains on each of a block's row streams and stops at page ends (1 thread: 12 -> 18 GB/s). */
+static inline void prefetch(const char *start, int num_bytes) {
+    for (int offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(start + offset);
+}
+
 static inline f32x16 widen_bf16(const uint16_t *p) {
     u16x16 half;
     memcpy(&half, p, sizeof half);
@@ -50,9 +57,12 @@ static inline void store(float sums[RB][NB], int rb, int nb, const float *bias, 
 static inline __attribute__((always_inline)) void block(const float *x, int64_t K, const void *w,
                                                         int is_bf16, int rb, int nb, float sums[RB][NB]) {
     f32x16 acc[RB][NB] = {{{0}}};
+    const int element = is_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const char *next_block = (const char *)w + NB * K * element;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         f32x16 wv[NB], xv;
+        prefetch(next_block + k * NB * element, 16 * NB * element);
         for (int j = 0; j < nb; j++) {
             if (is_bf16)
                 wv[j] = widen_bf16((const uint16_t *)w + j * K + k);

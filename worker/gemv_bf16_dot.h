@@ -20,9 +20,11 @@ static inline __attribute__((always_inline)) BF16_DOT_TARGET void block_dot(
     __m512 acc[RB][NB];
     for (int r = 0; r < rb; r++)
         for (int j = 0; j < nb; j++) acc[r][j] = _mm512_setzero_ps();
+    const char *next_block = (const char *)(w + NB * K);
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[NB];
+        prefetch(next_block + k * NB * 2, 32 * NB * 2);
         for (int j = 0; j < nb; j++) wv[j] = load_bf16(w + j * K + k, ~(__mmask32)0);
         for (int r = 0; r < rb; r++) {
             const __m512bh xv = load_bf16(x + r * K + k, ~(__mmask32)0);
