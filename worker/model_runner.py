@@ -12,6 +12,7 @@ import torch
 
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
 from worker.cpu_kernels import load_cpu_kernels
+from worker.huge_pages import move_linear_weights_to_huge_pages
 from worker.input_batch import RequestState, build_step_inputs, next_window_step
 from worker.logprobs import copy_to_host, prompt_logprobs
 from worker.models.loader import load_model
@@ -52,6 +53,7 @@ class ModelRunner:
         self.cpu_kernels = load_cpu_kernels() if can_use and can_use_cpu_kernels else None
         if self.cpu_kernels is not None:
             self.model.use_cpu_kernels(self.cpu_kernels)
+            move_linear_weights_to_huge_pages(self.model)  # streamed once a step: fewer TLB misses
         self.dtype = torch.float32 if self.cpu_kernels is not None else weight_dtype  # activations, KV
         # On the model's device: unseeded rows' noise is drawn there, not on the host and copied over.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed), self.cpu_kernels)
