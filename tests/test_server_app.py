@@ -61,6 +61,8 @@ def test_bodies_that_are_not_json_or_not_finite_are_400(http):
     response = http.post("/v1/completions", content=body, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     assert http.post("/v1/nowhere", json={}).json()["error"]["message"] == "Not Found"
+    form = http.post("/v1/completions", content=b'{"prompt": "Hi"}', headers={"content-type": "text/plain"})
+    assert form.status_code == 400 and "Content-Type: application/json" in form.json()["error"]["message"]
 
 
 def test_models_lists_the_served_model(client):

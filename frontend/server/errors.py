@@ -60,8 +60,8 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
-    if not loc:
-        return f"the request body is invalid: {first.get('msg')}", None
+    if not loc:  # not an object: a JSON array, or a body sent without Content-Type: application/json
+        return "the request body must be a JSON object, sent with Content-Type: application/json", None
     field = ".".join(loc)
     return f"{field}: {first.get('msg')}", loc[0]
 
