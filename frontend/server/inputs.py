@@ -35,31 +35,33 @@ def completion_prompts(tokenizer, prompt) -> list[PromptInput]:
 def check_prompts(prompts: list[PromptInput], facts, max_tokens: int | None, param: str = "prompt") -> None:
     """vLLM's rule: prompt plus max_tokens fits max_model_len; every id in the vocabulary."""
     for prompt in prompts:
-        ids = prompt.token_ids
-        if not ids:
-            raise APIError(400, f"{param} is empty: there is nothing to complete", param)
-        bad = next((t for t in ids if not 0 <= t < facts.vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400,
-                f"{param}: token id {bad} is out of vocabulary (valid ids are 0..{facts.vocab_size - 1})",
-                param,
-            )
-        if len(ids) >= facts.max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {facts.max_model_len} tokens; the {param} has "
-                f"{len(ids)} tokens, leaving no room for a completion",
-                param,
-            )
-        if max_tokens is not None and len(ids) + max_tokens > facts.max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {facts.max_model_len} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} in the completion). "
-                "Please reduce the length of the prompt or max_tokens.",
-                "max_tokens",
-            )
+        _check_ids(prompt.token_ids, facts.vocab_size, param)
+        _check_length(len(prompt.token_ids), facts.max_model_len, max_tokens, param)
+
+
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    if not ids:
+        raise APIError(400, f"{param} is empty: there is nothing to complete", param)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        message = f"{param}: token id {bad} is out of vocabulary (valid ids are 0..{vocab_size - 1})"
+        raise APIError(400, message, param)
+
+
+def _check_length(num_prompt: int, max_model_len: int, max_tokens: int | None, param: str) -> None:
+    if num_prompt >= max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens; the {param} has {num_prompt} "
+            "tokens, leaving no room for a completion"
+        )
+        raise APIError(400, message, param)
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the {param}, {max_tokens} in the completion). "
+            "Please reduce the length of the prompt or max_tokens."
+        )
+        raise APIError(400, message, "max_tokens")
 
 
 def check_logprobs(name: str, k: int | None, facts) -> None:
