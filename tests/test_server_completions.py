@@ -130,6 +130,17 @@ def test_streamed_completion_concatenates_to_the_whole_response(client):
     assert chunks[-1].finish_reason == "length" and usage.completion_tokens == 12
 
 
+def test_a_stream_cut_by_a_stop_string_concatenates_to_the_whole_response(client):
+    free = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=1)
+    stop = free.choices[0].logprobs.tokens[6]  # a stop string the greedy completion is sure to meet
+    request = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=1, stop=[stop])
+    whole = client.completions.create(**request).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**request, stream=True) if c.choices]
+    assert whole.finish_reason == chunks[-1].finish_reason == "stop" and stop not in whole.text
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
+
+
 def test_several_prompts_and_n_give_one_choice_each(client, tokenizer):
     ids = tokenizer(PROMPTS[3]).input_ids
     result = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=4, n=2, seed=3)
