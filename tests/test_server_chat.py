@@ -73,6 +73,14 @@ def test_streamed_chat_concatenates_to_the_whole_response(client):
     assert choices[-1].finish_reason == whole.finish_reason == "length"
 
 
+def test_vllm_prompt_logprobs_extension(server):
+    body = {"model": "tiny-chat", "messages": messages(), "max_tokens": 1, "prompt_logprobs": 0}
+    result = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    rows = result["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == result["usage"]["prompt_tokens"]
+    assert all(len(row) == 1 for row in rows[1:])  # the prompt token alone at k = 0
+
+
 def test_n_completions_each_with_their_own_logprobs(client):
     result = client.chat.completions.create(
         model="tiny-chat", messages=messages(), max_tokens=5, n=3, seed=11, logprobs=True

@@ -90,7 +90,8 @@ class ChatResponse:
         body = self._envelope("chat.completion", choices)
         body["usage"] = self._usage()
         if self.body.prompt_logprobs is not None:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_logprobs, self.body.prompt_logprobs)
+            positions = self.prompt_logprobs or []
+            body["prompt_logprobs"] = vllm_prompt_logprobs(positions, self.body.prompt_logprobs)
         return JSONBytesResponse(body)
 
     async def chunks(self):
