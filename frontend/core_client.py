@@ -170,14 +170,14 @@ class MPClient:
     def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:
         """Waits up to `timeout_s` for outputs, or until `wake_fd` (a pipe) becomes readable; raises
         EngineDeadError when the core is gone."""
-        if self.pending:  # drained while waiting for stats: delivered first, at once
-            return self.take_pending()
         deadline = time.monotonic() + timeout_s
         while True:
             self.tick()
-            wait_ms = min(POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))
-            is_woken = wait_for_frames([self.out_socket], wait_ms, wake_fd)
-            outputs = self.drain()
+            is_woken = False
+            if not self.pending:  # drained while waiting for stats or checking silence: at once
+                wait_ms = min(POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))
+                is_woken = wait_for_frames([self.out_socket], wait_ms, wake_fd)
+            outputs = self.take_pending() + self.drain()
             if outputs or is_woken or time.monotonic() >= deadline:
                 return outputs
 
@@ -237,7 +237,10 @@ class MPClient:
             exited = f"the engine core process exited with code {self.proc.returncode}"
             self.error = exited if self.error is None else f"{self.error} ({exited})"
         elif is_waiting and self.error is None and time.monotonic() - self.last_heard > self.dead_after_s:
-            self.error = f"no word from the engine core for {self.dead_after_s:.0f} s"
+            # Frames waiting unread mean this process, not the core, was too busy to listen.
+            self.pending.extend(self.drain())
+            if time.monotonic() - self.last_heard > self.dead_after_s:
+                self.error = f"no word from the engine core for {self.dead_after_s:.0f} s"
 
     def _raise_if_dead(self, is_waiting: bool) -> None:
         self._check_process(is_waiting)

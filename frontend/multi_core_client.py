@@ -69,7 +69,7 @@ class MultiCoreClient:
             wait_ms = min(POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))
             is_woken = wait_for_frames([core.out_socket for core in self.live], wait_ms, wake_fd)
             for core in list(self.live):
-                outputs.extend(self._guarded(core, core.drain) or [])
+                outputs.extend(core.take_pending() + (self._guarded(core, core.drain) or []))
             if is_woken or time.monotonic() >= deadline:
                 break
         for output in outputs:

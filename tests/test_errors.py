@@ -113,3 +113,18 @@ def test_shutdown_leaves_no_process_or_socket_file(tiny_path):
     assert proc.poll() is not None
     assert not os.path.exists(tmpdir)
     assert not [t for t in threading.enumerate() if t.name.startswith("core-")]
+
+
+def test_a_frontend_too_busy_to_listen_does_not_declare_a_live_core_dead(tiny_path):
+    """Heartbeats that wait unread in the socket prove the core alive: the frontend's own pause (a
+    loaded machine, a long detokenization) is not the core's silence."""
+    from protocol.messages import EngineCoreRequest
+
+    with LLM(tiny_path, num_kv_blocks=64) as llm:
+        llm.client.dead_after_s = 1.0
+        request = EngineCoreRequest("busy", [1, 2, 3], SamplingParams(max_tokens=2), time.time())
+        llm.client.send([request])
+        time.sleep(2.5)  # not listening, while the core answers and beats
+        outputs = llm.client.get_outputs(0.5)
+        while not any(o.finish_reason is not None for o in outputs):
+            outputs = llm.client.get_outputs(0.5)
