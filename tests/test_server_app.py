@@ -91,6 +91,18 @@ def test_metrics_count_tokens_and_show_the_kv_cache(http, client):
     assert after["coreserve:time_per_output_token_seconds_count"] >= 1
 
 
+def test_metrics_count_prefix_cache_queries_and_hits(http, client):
+    prompt = "A system prompt long enough to fill more than one cache block of sixteen tokens, surely. " * 2
+    before = metric_values(http)
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    after = metric_values(http)
+    queries = after["coreserve:prefix_cache_queries_total"] - before["coreserve:prefix_cache_queries_total"]
+    hits = after["coreserve:prefix_cache_hits_total"] - before["coreserve:prefix_cache_hits_total"]
+    assert queries >= 2 * 32 and hits >= 32  # the second request read the first one's blocks
+    assert after["coreserve:prefix_cache_blocks"] >= 2
+
+
 def test_a_stream_dropped_midway_frees_its_blocks(http, server):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:

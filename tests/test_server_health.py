@@ -59,16 +59,20 @@ def test_health_is_503_within_two_seconds_of_the_core_dying(server):
     assert proc.poll() is None  # the server itself stays up to say so
 
 
-def test_serve_attaches_to_a_running_daemon(tiny_path, tmp_path):
-    address = f"ipc://{tmp_path}/core"
-    daemon = start_daemon(tiny_path, address, "--num-kv-blocks", "64", "--log-level", "WARNING")
+def test_serve_attaches_to_running_daemons(tiny_path, tmp_path):
+    """--core-address repeated: two daemons behind one server, stats summed over both."""
+    addresses = [f"ipc://{tmp_path}/core{i}" for i in range(2)]
+    daemons = [
+        start_daemon(tiny_path, a, "--num-kv-blocks", "64", "--log-level", "WARNING") for a in addresses
+    ]
     try:
-        with running_server("--core-address", address) as (base, _):
+        with running_server("--core-address", addresses[0], "--core-address", addresses[1]) as (base, _):
             body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "logprobs": 1}
             result = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
             assert len(result["choices"][0]["logprobs"]["tokens"]) == 3
-            assert "coreserve:kv_blocks_total 64.0" in httpx.get(base + "/metrics").text
-        assert daemon.poll() is None  # the daemon outlives the server that attached to it
+            assert "coreserve:kv_blocks_total 128.0" in httpx.get(base + "/metrics").text
+        assert all(d.poll() is None for d in daemons)  # the daemons outlive the server that attached
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=30)
+        for daemon in daemons:
+            daemon.terminate()
+            daemon.wait(timeout=30)

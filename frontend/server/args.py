@@ -43,8 +43,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-template", metavar="FILE", help="a Jinja chat template (default: the tokenizer's)"
     )
     parser.add_argument(
-        "--core-address", metavar="ADDR",
-        help="attach to a running `python -m engine_core` daemon at ADDR instead of spawning a core",
+        "--core-address", metavar="ADDR", action="append",
+        help="attach to a running `python -m engine_core` daemon at ADDR instead of spawning a core; "
+        "repeat for several daemons of the same model (requests spread over them)",
     )  # fmt: skip
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     engine = parser.add_argument_group("engine arguments (vLLM's names)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)  # fmt: skip
 
@@ -36,6 +37,8 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.engine_counters = EngineCounters()
+        r.register(self.engine_counters)
         self.tpot = Histogram(
             "coreserve:time_per_output_token_seconds",
             "Mean time between a request's tokens after the first",
@@ -45,6 +48,7 @@ class ServerMetrics:
 
     async def render(self, engine) -> bytes:
         stats = await engine.get_engine_stats()
+        self.engine_counters.stats = stats
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_blocks_free.set(stats.num_free_kv_blocks)
@@ -58,6 +62,29 @@ class ServerMetrics:
     def timer(self, num_prompt_tokens: int, num_completions: int) -> RequestTimer:
         self.prompt_tokens.inc(num_prompt_tokens)
         return RequestTimer(self, num_completions)
+
+
+class EngineCounters:
+    """Counters the core keeps (prefix cache queries and hits, in tokens, as vLLM counts them), exposed
+    as Prometheus counters from the latest stats taken at scrape time."""
+
+    def __init__(self) -> None:
+        self.stats = None
+
+    def collect(self):
+        queries = CounterMetricFamily(
+            "coreserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        hits = CounterMetricFamily("coreserve:prefix_cache_hits", "Prompt tokens read from the prefix cache")
+        cached = GaugeMetricFamily("coreserve:prefix_cache_blocks", "KV blocks the prefix cache indexes")
+        if self.stats is not None:
+            queries.add_metric([], self.stats.prefix_cache_queries)
+            hits.add_metric([], self.stats.prefix_cache_hits)
+            cached.add_metric([], self.stats.num_cached_blocks)
+        return [queries, hits, cached]
+
+    def describe(self):
+        return []
 
 
 class RequestTimer:
