@@ -24,6 +24,7 @@ from frontend.engine_parts import build_engine_parts
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
+from frontend.token_text import TokenTable
 from protocol.messages import EngineStats, HandshakeReply
 from protocol.model_facts import generation_defaults
 from protocol.sampling_params import SamplingParams
@@ -68,6 +69,11 @@ class AsyncLLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def token_table(self) -> TokenTable:
+        """Each token id's bytes and text, as the output processor renders them (read-only)."""
+        return self._parts.outputs.table
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults, as `LLM.get_default_sampling_params`; used when

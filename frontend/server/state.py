@@ -24,8 +24,8 @@ class ServerState:
     _serials: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        if self.table is None:
-            self.table = TokenTable(self.engine.tokenizer)
+        if self.table is None:  # the engine's own: built once per tokenizer (128k entries for Llama 3)
+            self.table = self.engine.token_table
 
     @property
     def tokenizer(self):
