@@ -44,11 +44,45 @@ static inline __attribute__((always_inline)) BF16_DOT_TARGET void block_dot(
         for (int j = 0; j < nb; j++) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
+/* One weight row against rb activation rows, 128 columns at a time (one stream: see row() in gemv.c). */
+static inline __attribute__((always_inline)) BF16_DOT_TARGET void row_dot(
+    const uint16_t *x, int64_t K, const uint16_t *w, int rb, float sums[RB][NB]) {
+    __m512 acc[RB][4];
+    for (int r = 0; r < rb; r++)
+        for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128) {
+        __m512bh wv[4];
+        for (int u = 0; u < 4; u++) wv[u] = load_bf16(w + k + 32 * u, ~(__mmask32)0);
+        for (int r = 0; r < rb; r++)
+            for (int u = 0; u < 4; u++)
+                acc[r][u] = _mm512_dpbf16_ps(acc[r][u], load_bf16(x + r * K + k + 32 * u, ~(__mmask32)0), wv[u]);
+    }
+    for (; k < K; k += 32) { /* the tail, zero padded past the row's end */
+        const __mmask32 mask = K - k >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
+        const __m512bh wv = load_bf16(w + k, mask);
+        for (int r = 0; r < rb; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], load_bf16(x + r * K + k, mask), wv);
+    }
+    for (int r = 0; r < rb; r++)
+        sums[r][0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
+                                                        _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
 static BF16_DOT_TARGET void range_bf16_dot(const void *x, int64_t rows, int64_t K, const void *w,
                                            int64_t N, const float *bias, float *out, int64_t n_start,
                                            int64_t n_end) {
     float sums[RB][NB];
     const uint16_t *weights = w;
+    if (rows <= 2) { /* past two rows the x loads cap the dot rate below the memory's */
+        for (int64_t n = n_start; n < n_end; n++) {
+            if (rows == 1)
+                row_dot(x, K, weights + n * K, 1, sums);
+            else
+                row_dot(x, K, weights + n * K, 2, sums);
+            store(sums, (int)rows, 1, bias, out, N, n);
+        }
+        return;
+    }
     for (int64_t n = n_start; n < n_end;) {
         const int nb = n_end - n < NB ? 1 : NB;
         for (int64_t r = 0; r < rows; r += RB) {
