@@ -29,17 +29,18 @@ def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch
     """x: [R, K] float32; weight: [N, K] float32 or bfloat16, contiguous; bias: [N] float32 or None.
     Returns [R, N] float32. `use_bf16_dot`: None takes the dot instruction where the CPU has it;
     False forces the widening path (tests)."""
-    x = x.contiguous()
-    assert x.dtype == torch.float32 and weight.is_contiguous() and x.shape[1] == weight.shape[1]
-    num_rows, (num_out, num_in) = x.shape[0], weight.shape
-    out = torch.empty(num_rows, num_out, dtype=torch.float32)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    (num_rows, num_in), num_out, dtype = x.shape, weight.shape[0], weight.dtype
+    assert x.dtype == torch.float32 and weight.is_contiguous() and num_in == weight.shape[1]
+    out = torch.empty(num_rows, num_out)
     bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
     threads = torch.get_num_threads()
-    if weight.dtype == torch.float32:
+    if dtype == torch.float32:
         kernels.gemv_f32(x.data_ptr(), num_rows, num_in, weight.data_ptr(), num_out, bias_ptr,
                          out.data_ptr(), threads)  # fmt: skip
         return out
-    assert weight.dtype == torch.bfloat16
+    assert dtype == torch.bfloat16
     use_dot = kernels.has_bf16_dot if use_bf16_dot is None else use_bf16_dot and kernels.has_bf16_dot
     status = kernels.gemv_bf16(x.data_ptr(), num_rows, num_in, weight.data_ptr(), num_out, bias_ptr,
                                out.data_ptr(), int(use_dot), threads)  # fmt: skip
@@ -49,12 +50,13 @@ def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def linear(layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-    """x: [T, in] -> [T, out]. With `kernels` (CPU), x is float32 and the weights float32 or bf16."""
-    if kernels is None or x.device.type != "cpu":
+    """x: [T, in] -> [T, out]. `kernels` are only ever loaded on the CPU; with them x is float32 and
+    the weights float32 or bf16."""
+    if kernels is None:
         return layer(x)
-    is_bf16 = layer.weight.dtype == torch.bfloat16
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(kernels, x, layer.weight, layer.bias)
+    is_bf16 = layer.weight.dtype == torch.bfloat16
     if is_bf16 and kernels.has_bf16_dot:  # 2-2.5x MKL's fp32 products at any row count
         parts = [gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.bias)
                  for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
