@@ -73,7 +73,7 @@ class CoreServer:
         self.is_stopping = threading.Event()
         self.thread_failure: str | None = None  # why a thread of the core died, if one did
         self.last_progress = time.monotonic()  # the busy loop's last turn; heartbeats vouch for it
-        core.runner.on_model_step = self._mark_progress  # a window's steps count as turns
+        core.runner.on_progress = self._mark_progress  # each layer and window step counts as a turn
 
     def serve_forever(self) -> None:
         threads = [

@@ -57,9 +57,16 @@ class ModelRunner:
         self.dtype = torch.float32 if self.cpu_kernels is not None else weight_dtype  # activations, KV
         # On the model's device: unseeded rows' noise is drawn there, not on the host and copied over.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed), self.cpu_kernels)
-        # Called after each model step of a multi-step window: the core server counts it as progress,
-        # so a long window is not taken for a hung loop.
-        self.on_model_step: Callable[[], None] | None = None
+        # Called after each decoder layer and each model step of a multi-step window: the core server
+        # counts it as progress, so a long window or a long prefill chunk on a busy CPU is not taken
+        # for a hung loop (a forward that stops moving still is).
+        self.on_progress: Callable[[], None] | None = None
+        for layer in self.model.layers:
+            layer.register_forward_hook(self._mark_progress)
+
+    def _mark_progress(self, *_) -> None:
+        if self.on_progress is not None:
+            self.on_progress()
 
     def bytes_per_block(self) -> int:
         a = self.model.args
@@ -133,8 +140,8 @@ class ModelRunner:
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
-            if self.on_model_step is not None:
-                self.on_model_step()
+            if self.on_progress is not None:
+                self.on_progress()
             if step + 1 < num_steps:  # the next step's inputs, derived on the device from this one's
                 inputs = next_window_step(inputs, out.sampled)
                 advance_penalties(meta.penalties, out.sampled)
