@@ -217,29 +217,34 @@ def main() -> None:
     results: dict[str, list[dict]] = {label: [] for label in configs}
     rounds = args.rounds if args.compare else 1
     tokenizer = None
-    for _ in range(rounds):
-        for label, config in configs.items():
-            key = tuple(getattr(config, name) for name in ENGINE_ARGS) if not config.base_url else None
-            if key not in engines:
-                engines[key] = make_engine(config) if key is not None else None
-            engine = engines[key]
-            if isinstance(engine, LocalServer):  # --serve: driven over HTTP like any other server
-                config.base_url, engine = engine.url, None
-            tokenizer = tokenizer or (
-                engine.get_tokenizer() if engine else load_workload_tokenizer(config.model)
-            )
-            input_lens, output_lens = sharegpt_like_lengths(
-                config.num_requests, config.seed, max_output=config.max_output_len
-            )
-            prompts = prompts_of_lengths(tokenizer, input_lens, config.seed)
-            asyncio.run(run_workload(engine, tokenizer, config, prompts[:4], [4] * 4))  # warm-up
-            results[label].append(asyncio.run(run_workload(engine, tokenizer, config, prompts, output_lens)))
-            print(
-                f"  {label}: {results[label][-1]['output_token_throughput']:.1f} output tokens/s", flush=True
-            )
-    for engine in engines.values():
-        if engine is not None:
-            engine.shutdown()
+    try:  # a failed run must not leave a server or a core behind
+        for _ in range(rounds):
+            for label, config in configs.items():
+                key = tuple(getattr(config, name) for name in ENGINE_ARGS) if not config.base_url else None
+                if key not in engines:
+                    engines[key] = make_engine(config) if key is not None else None
+                engine = engines[key]
+                if isinstance(engine, LocalServer):  # --serve: driven over HTTP like any other server
+                    config.base_url, engine = engine.url, None
+                tokenizer = tokenizer or (
+                    engine.get_tokenizer() if engine else load_workload_tokenizer(config.model)
+                )
+                input_lens, output_lens = sharegpt_like_lengths(
+                    config.num_requests, config.seed, max_output=config.max_output_len
+                )
+                prompts = prompts_of_lengths(tokenizer, input_lens, config.seed)
+                asyncio.run(run_workload(engine, tokenizer, config, prompts[:4], [4] * 4))  # warm-up
+                results[label].append(
+                    asyncio.run(run_workload(engine, tokenizer, config, prompts, output_lens))
+                )
+                print(
+                    f"  {label}: {results[label][-1]['output_token_throughput']:.1f} output tokens/s",
+                    flush=True,
+                )
+    finally:
+        for engine in engines.values():
+            if engine is not None:
+                engine.shutdown()
     best = {label: median_result(runs) for label, runs in results.items()}
     if args.compare:
         print_result(f"A: {args.compare[0]!r} | B: {args.compare[1]!r} | B/A", best["A"], best["B"])
