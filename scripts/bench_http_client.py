@@ -79,6 +79,7 @@ class LocalServer:
         command += ["--log-level", "warning", "--num-scheduler-steps", str(args.num_scheduler_steps)]
         command += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype]
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        command += ["--enable-prefix-caching", str(args.enable_prefix_caching).lower()]
         self.proc = subprocess.Popen(command)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup_timeout_s

@@ -37,12 +37,18 @@ ENGINE_ARGS = (
     "dtype",
     "inproc",
     "serve",
+    "enable_prefix_caching",
 )
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:small")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="off by default: configurations compared on one engine would read each other's prompts",
+    )
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="Poisson rate per second; inf: all at once"
@@ -195,6 +201,7 @@ def make_engine(args) -> AsyncLLM | LocalServer:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

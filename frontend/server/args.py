@@ -11,6 +11,14 @@ from protocol.config import ENGINE_ARG_HELP
 
 DEFAULT_MODEL = "builtin:tiny"
 
+
+def _boolean(text: str) -> bool:
+    """`--enable-prefix-caching true|false`."""
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 # engine argument -> (type, choices); each becomes --flag-with-dashes, passed on only when given
 _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "max_model_len": (int, None),
@@ -24,6 +32,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "num_scheduler_steps": (int, None),
     "dtype": (str, ("auto", "float32", "bfloat16", "float16")),
     "seed": (int, None),
+    "enable_prefix_caching": (_boolean, None),
 }
 
 
