@@ -73,7 +73,7 @@ def test_sharded_bf16_checkpoint_in_fp32_matches_hf_fp32(sharded_bf16):
 
 
 def test_bf16_engine_generates_from_the_bf16_checkpoint(sharded_bf16):
-    with LLM(sharded_bf16, multiprocess=False) as llm:  # dtype="auto": bf16, the torch paths
+    with LLM(sharded_bf16, multiprocess=False) as llm:  # dtype="auto": bf16 weights, the C kernels
         (output,) = llm.generate(FAMILY_PROMPTS_SHORT[0], SamplingParams(temperature=0, max_tokens=4))
     assert len(output.outputs[0].token_ids) == 4
 

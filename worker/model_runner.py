@@ -61,10 +61,9 @@ class ModelRunner:
         # counts it as progress, so a long window or a long prefill chunk on a busy CPU is not taken
         # for a hung loop (a forward that stops moving still is).
         self.on_progress: Callable[[], None] | None = None
-        for layer in self.model.layers:
-            layer.register_forward_hook(self._mark_progress)
+        self.model.on_layer = self._mark_progress  # a plain call, not a module hook (nn.Module's slow path)
 
-    def _mark_progress(self, *_) -> None:
+    def _mark_progress(self) -> None:
         if self.on_progress is not None:
             self.on_progress()
 

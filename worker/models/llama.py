@@ -8,6 +8,8 @@ weights' dtype: bf16 weights stay bf16 only inside the linear layers and the emb
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -127,6 +129,7 @@ class LlamaModel(nn.Module):
         if args.tie_word_embeddings:  # one tensor, not two copies
             self.lm_head.weight = self.embed_tokens.weight
         self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels
+        self.on_layer: Callable[[], None] | None = None  # called after each layer: the core's progress
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Runs the CPU path: fp32 activations; every parameter but the linear layers' weights and
@@ -152,6 +155,8 @@ class LlamaModel(nn.Module):
         rope = self.rotary.tables(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, rope, cache, meta)
+            if self.on_layer is not None:
+                self.on_layer()
         return self.norm(x, self.cpu_kernels)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
