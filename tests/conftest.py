@@ -286,3 +286,23 @@ def family_model(tmp_path_factory):
 
 
 FAMILY_PROMPTS_SHORT = ["The capital of France is", "日本語のテキスト 🎉 and code: def f(x): return x"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the module's `server` fixture (a base URL)."""
+    import openai
+    from server_harness import API_KEY
+
+    with openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client on the module's `server`, with the API key the harness's servers expect."""
+    import httpx
+    from server_harness import API_KEY
+
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        yield http

@@ -21,18 +21,6 @@ def server():
         yield base
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
-        yield http
-
-
 def test_a_missing_or_wrong_api_key_is_401(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         body = {"model": MODEL, "prompt": "Hi"}

@@ -4,7 +4,6 @@ exact bytes equal to LLM's, streaming, and bad fields as 400s."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from server_harness import CHATML, chat_template_file, running_server
 
@@ -19,12 +18,6 @@ def server(tmp_path_factory):
     flags = ["--chat-template", chat_template_file(tmp_path_factory), "--num-kv-blocks", "256"]
     with running_server(*flags, "--served-model-name", "tiny-chat") as (base, _):
         yield base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
 
 
 def messages():

@@ -4,8 +4,6 @@ and every bad field a 400 that names it."""
 
 from __future__ import annotations
 
-import httpx
-import openai
 import pytest
 from conftest import PROMPTS
 from server_harness import API_KEY, MODEL, running_server, text_of
@@ -24,18 +22,6 @@ def server():
         _,
     ):
         yield base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
-        yield http
 
 
 def legacy_expected(positions, token_ids, k):
