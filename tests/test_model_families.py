@@ -46,6 +46,12 @@ CASES = [
     ("mistral", False, dict(num_scheduler_steps=4, can_use_cpu_kernels=False)),  # multi-step windows
     ("qwen2", False, CHUNKED),
     ("qwen3", True, CHUNKED),
+    # and each family in the other process mode too
+    ("llama2", False, CHUNKED),
+    ("llama3.1", True, CHUNKED),
+    ("llama3.2", True, CHUNKED),
+    ("qwen2", True, CHUNKED),
+    ("qwen3", False, CHUNKED),
 ]
 
 
