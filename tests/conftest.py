@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -146,6 +147,17 @@ def start_daemon(model: str, address: str, *flags: str, timeout_s: float = 120.0
         assert time.monotonic() < deadline, "the daemon did not start listening"
         time.sleep(0.1)
     return proc
+
+
+@contextlib.contextmanager
+def running_daemon(model: str, address: str, *flags: str):
+    """start_daemon for a `with` block: SIGTERM at its end, and the daemon must exit cleanly (0)."""
+    proc = start_daemon(model, address, "--num-kv-blocks", "256", *flags)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
 
 
 def run_daemon_command(*args: str, timeout: float = 120):

@@ -9,7 +9,7 @@ import uuid
 import msgspec
 import pytest
 import zmq
-from conftest import PROMPTS, free_blocks_are_all, run_daemon_command, start_daemon
+from conftest import PROMPTS, free_blocks_are_all, run_daemon_command, running_daemon
 
 from frontend import LLM, SamplingParams
 from protocol import PROTOCOL_VERSION
@@ -80,10 +80,8 @@ def rss_mib(pid: int) -> float:
 @pytest.fixture(scope="module")
 def daemon(tiny_path, tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('boundary')}/not/yet/there/core"  # folders are created
-    proc = start_daemon(tiny_path, address, "--num-kv-blocks", "256", "--log-level", "WARNING")
-    yield address, proc
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0
+    with running_daemon(tiny_path, address, "--log-level", "WARNING") as proc:
+        yield address, proc
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROMPTS, free_blocks_are_all, run_daemon_command, start_daemon
+from conftest import PROMPTS, free_blocks_are_all, run_daemon_command, running_daemon, start_daemon
 
 from frontend import LLM, SamplingParams
 
@@ -22,10 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def daemon(tiny_path, tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('daemon')}/core"
-    proc = start_daemon(tiny_path, address, "--num-kv-blocks", "256", "--log-level", "WARNING")
-    yield address
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0
+    with running_daemon(tiny_path, address, "--log-level", "WARNING"):
+        yield address
 
 
 def test_two_frontends_share_a_daemon_and_get_only_their_own_outputs(daemon, tiny_path, llm_inproc):

@@ -8,7 +8,7 @@ import random
 import time
 
 import pytest
-from conftest import PROMPTS, free_blocks_are_all, start_daemon
+from conftest import PROMPTS, free_blocks_are_all, running_daemon
 from test_core_boundary import RawClient
 
 from frontend import LLM, SamplingParams
@@ -76,10 +76,8 @@ def random_frame(rng: random.Random, codec, good_frames: list[bytes]) -> bytes:
 @pytest.fixture(scope="module")
 def daemon(tiny_path, tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('fuzz')}/core"
-    proc = start_daemon(tiny_path, address, "--num-kv-blocks", "256", "--log-level", "ERROR")
-    yield address, proc
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0
+    with running_daemon(tiny_path, address, "--log-level", "ERROR") as proc:
+        yield address, proc
 
 
 def test_ten_thousand_hostile_frames_then_normal_service(daemon, tiny_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec.msgpack as msgpack  # used as a plain msgpack library: no coreserve types
 import pytest
 import zmq
-from conftest import PROMPTS, start_daemon
+from conftest import PROMPTS, running_daemon
 
 FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -94,10 +94,8 @@ class DocClient:
 @pytest.fixture(scope="module")
 def daemon(tiny_path, tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('doc')}/core"
-    proc = start_daemon(tiny_path, address, "--num-kv-blocks", "256", "--log-level", "WARNING")
-    yield address
-    proc.terminate()
-    proc.wait(timeout=30)
+    with running_daemon(tiny_path, address, "--log-level", "WARNING"):
+        yield address
 
 
 def test_a_client_from_the_document_alone_gets_what_llm_gets(daemon, tiny_path, llm_inproc, tokenizer):
