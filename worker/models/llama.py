@@ -85,6 +85,8 @@ class DecoderLayer(nn.Module):
         if args.has_qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        # Tensor parallelism: sums each layer half's partial output over the ranks (in place); None alone.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple, cache: torch.Tensor, meta: AttentionMetadata):
         num_tokens, a = x.shape[0], self.args
@@ -101,12 +103,17 @@ class DecoderLayer(nn.Module):
             v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
             write_kv(cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, cache, meta, a.sliding_window).reshape(num_tokens, self.q_size)
-        x, normed = self.post_attention_layernorm.add_and_norm(x, linear(self.o_proj, attn, kernels), kernels)
+        attn_out = self._sum(linear(self.o_proj, attn, kernels))
+        x, normed = self.post_attention_layernorm.add_and_norm(x, attn_out, kernels)
         gate_up = linear(self.gate_up_proj, normed, kernels)
         if kernels is not None:
-            return x + linear(self.down_proj, silu_mul(kernels, gate_up), kernels)
+            return x + self._sum(linear(self.down_proj, silu_mul(kernels, gate_up), kernels))
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + linear(self.down_proj, F.silu(gate) * up)
+        return x + self._sum(linear(self.down_proj, F.silu(gate) * up))
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """[T, hidden]: this rank's part of a layer half's output -> the whole output."""
+        return partial if self.all_reduce is None else self.all_reduce(partial)
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3: RMSNorm over each head of q and k (before RoPE); qkv [T, (Hq + 2 Hkv) D] stays whole."""

@@ -15,7 +15,8 @@ import torch
 
 from worker.models.config import LlamaArgs
 from worker.models.llama import LlamaModel, Rotary
-from worker.models.safetensors_files import list_tensors, read_into
+from worker.models.safetensors_files import list_tensors, read_into, read_tensor
+from worker.models.tensor_parallel import Shard, is_split, rank_part, shard_args
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,14 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     return dtype
 
 
-def load_model(model_dir: str, dtype: str | torch.dtype, device: torch.device) -> LlamaModel:
-    """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16")."""
+def load_model(
+    model_dir: str, dtype: str | torch.dtype, device: torch.device, shard: Shard | None = None
+) -> LlamaModel:
+    """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"). `shard`: this
+    rank's part of a tensor-parallel model (its heads and MLP columns; worker/models/tensor_parallel.py)."""
     args = LlamaArgs.from_hf_config(read_config(model_dir))
+    if shard is not None:
+        args = shard_args(args, shard.size)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, args.torch_dtype, device)
     with torch.device("meta"):
@@ -50,11 +56,11 @@ def load_model(model_dir: str, dtype: str | torch.dtype, device: torch.device) -
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(args.rope).to(device)  # float32 tables, as HF computes them
-    _load_weights(model, model_dir)
+    _load_weights(model, model_dir, shard)
     return model.eval().requires_grad_(False)
 
 
-def _load_weights(model: LlamaModel, model_dir: str) -> None:
+def _load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[str, int] = {}  # parameter name -> elements written
     for entry in list_tensors(model_dir):
@@ -67,7 +73,13 @@ def _load_weights(model: LlamaModel, model_dir: str) -> None:
         if name not in params:
             raise ValueError(f"{model_dir}: weight {entry.name} does not belong to this model's config")
         destination = params[name].data[rows] if rows is not None else params[name].data
-        read_into(entry, destination)
+        if shard is not None and is_split(entry.name):  # the whole tensor once, this rank's part kept
+            part = rank_part(entry.name, read_tensor(entry), shard)
+            if part.numel() != destination.numel():
+                raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit this model's config")
+            destination.copy_(part.reshape(destination.shape))
+        else:
+            read_into(entry, destination)
         filled[name] = filled.get(name, 0) + destination.numel()
     shared = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
     missing = [n for n, p in params.items() if n not in shared and filled.get(n) != p.numel()]

@@ -82,6 +82,13 @@ def read_into(entry: TensorEntry, destination: torch.Tensor) -> None:
     destination.copy_(buffer.view(destination.shape))  # converts the dtype and moves to the device
 
 
+def read_tensor(entry: TensorEntry) -> torch.Tensor:
+    """The whole tensor in its own dtype, in new memory on the CPU."""
+    tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    _read_bytes(entry, tensor)
+    return tensor
+
+
 def _read_bytes(entry: TensorEntry, target: torch.Tensor) -> None:
     raw = target.view(-1).view(torch.uint8).numpy()  # the target's own memory, as bytes
     assert raw.nbytes == entry.end - entry.start, entry.name
