@@ -143,13 +143,16 @@ def main(argv: list[str] | None = None) -> None:
 
     core = EngineCore(config)
     try:
-        server = CoreServer(core, args.address, parent_pid=args.parent_pid, curve=curve)
-    except ValueError as exc:  # the address is taken, or cannot be listened on
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
-    logging.getLogger(__name__).info("engine core serving %s on %s", config.model, args.address)
-    server.serve_forever()
+        try:
+            server = CoreServer(core, args.address, parent_pid=args.parent_pid, curve=curve)
+        except ValueError as exc:  # the address is taken, or cannot be listened on
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        signal.signal(signal.SIGTERM, lambda *_: server.stop())
+        signal.signal(signal.SIGINT, lambda *_: server.stop())
+        logging.getLogger(__name__).info("engine core serving %s on %s", config.model, args.address)
+        server.serve_forever()
+    finally:
+        core.close()
 
 
 if __name__ == "__main__":

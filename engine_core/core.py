@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
@@ -22,6 +24,7 @@ from protocol.messages import (
 )
 from protocol.model_facts import eos_token_ids, tokenizer_fingerprint
 from worker.model_runner import ModelRunner
+from worker.tp_executor import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +32,15 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(
-            config.model,
-            config.dtype,
-            config.device,
-            config.block_size,
-            config.seed,
-            config.can_use_cpu_kernels,
-        )
-        args = self.runner.model.args
+        self.runner = make_runner(config)
+        try:
+            self._start(config)
+        except BaseException:
+            self.runner.close()
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
+        args = self.runner.model_args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
@@ -147,6 +150,33 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any; the core is not used after this."""
+        self.runner.close()
+
+
+def make_runner(config: EngineConfig) -> ModelRunner | TensorParallelRunner:
+    """The model in this process, or split over `tensor_parallel_size` worker processes."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(
+            config.model,
+            config.dtype,
+            config.device,
+            config.block_size,
+            config.seed,
+            config.can_use_cpu_kernels,
+        )
+    return TensorParallelRunner(
+        config.model,
+        config.dtype,
+        config.device,
+        config.block_size,
+        config.seed,
+        config.can_use_cpu_kernels,
+        config.tensor_parallel_size,
+        config.num_threads or max(1, torch.get_num_threads() // config.tensor_parallel_size),
+    )
 
 
 def core_req_id(client_id: bytes, req_id: str) -> str:

@@ -53,4 +53,6 @@ class InprocClient:
         return {}
 
     def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.close()
         self.core = None

@@ -29,7 +29,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     num_scheduler_steps: int = 1
     enable_prefix_caching: bool = True  # full prompt blocks computed once and shared (docs/decisions.md)
-    num_threads: int | None = None  # torch intra-op threads in the core; None: torch's default
+    # torch intra-op threads in the core (in each worker under tensor parallelism); None: torch's default
+    num_threads: int | None = None
+    # Worker processes, each holding 1/N of every layer's heads and MLP columns (docs/tensor_parallel.md).
+    tensor_parallel_size: int = 1
     # The C kernels (decode attention, logprob rows, fused layer steps) on the CPU in fp32, built with
     # the system cc; False: torch's ops only (the CUDA path), e.g. to rule the kernels out of a bug.
     can_use_cpu_kernels: bool = True
@@ -45,6 +48,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -71,6 +76,9 @@ ENGINE_ARG_HELP = {
     "device": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda",
     "num_scheduler_steps": "model steps a decode-only batch runs before the scheduler looks again (default 1)",
     "enable_prefix_caching": "reuse the KV of prompt prefixes computed before (true, the default, or false)",
-    "num_threads": "torch intra-op threads in the core (default: torch's choice)",
+    "num_threads": "torch intra-op threads in the core, in each worker with tensor_parallel_size > 1 "
+    "(default: torch's choice, shared out among the workers)",
+    "tensor_parallel_size": "worker processes that split each layer's heads and MLP columns, one all-reduce "
+    "per layer half (gloo on the CPU, NCCL on CUDA; default 1: the model runs in the core)",
     "can_use_cpu_kernels": "true: the C kernels on the CPU in fp32; false: torch's ops only",
 }

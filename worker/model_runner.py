@@ -16,8 +16,10 @@ from worker.huge_pages import move_linear_weights_to_huge_pages
 from worker.input_batch import RequestState, build_step_inputs, next_window_step
 from worker.logprobs import copy_to_host, prompt_logprobs
 from worker.models.loader import load_model
-from worker.sampler import Sampler, advance_penalties
+from worker.models.tensor_parallel import Shard
+from worker.sampler import Sampler, SamplerOutput, advance_penalties
 from worker.sampling_metadata import build_sampling_metadata, next_sampling_step
+from worker.tp_group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +41,17 @@ class ModelRunner:
         block_size: int,
         seed: int,
         can_use_cpu_kernels: bool = True,
+        group: TensorParallelGroup | None = None,
     ) -> None:
-        self.device = pick_device(device)
+        self.device = pick_device(device) if group is None else group.device
         self.block_size = block_size
-        self.model = load_model(model_dir, dtype, self.device)  # dtype "auto": the checkpoint's
+        # Tensor parallelism: this rank's heads and MLP columns; each layer half ends in a sum over ranks.
+        self.group = group
+        shard = None if group is None else Shard(group.rank, group.size)
+        self.model = load_model(model_dir, dtype, self.device, shard)  # dtype "auto": the checkpoint's
+        if group is not None:
+            for layer in self.model.layers:
+                layer.all_reduce = group.all_reduce
         self.vocab_size = self.model.args.vocab_size
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -62,6 +71,13 @@ class ModelRunner:
         # for a hung loop (a forward that stops moving still is).
         self.on_progress: Callable[[], None] | None = None
         self.model.on_layer = self._mark_progress  # a plain call, not a module hook (nn.Module's slow path)
+
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process (TensorParallelRunner's has workers)."""
+
+    @property
+    def model_args(self):  # LlamaArgs (this rank's share of the heads under tensor parallelism)
+        return self.model.args
 
     def _mark_progress(self) -> None:
         if self.on_progress is not None:
@@ -107,12 +123,13 @@ class ModelRunner:
         device_tensors, logprob_req_ids = [], []
         if sampling_states:
             meta = build_sampling_metadata(sampling_states, self.vocab_size, self.device)
-            out = self.sampler(self.model.compute_logits(hidden[inputs.sample_rows]), meta)
+            out = self._agreed(self.sampler(self.model.compute_logits(hidden[inputs.sample_rows]), meta))
             device_tensors.append(out.sampled.unsqueeze(1))
             if out.logprobs is not None:
                 device_tensors += [out.logprob_token_ids, out.logprobs, out.ranks]
                 logprob_req_ids = [s.req_id for s in sampling_states if s.logprobs_k is not None]
-        for job in inputs.prompt_jobs:
+        prompt_jobs = inputs.prompt_jobs if self.group is None or self.group.rank == 0 else []  # rank 0's
+        for job in prompt_jobs:
             targets = torch.tensor(job.target_ids, dtype=torch.int64, device=self.device)
             device_tensors += prompt_logprobs(
                 hidden[job.hidden_rows], targets, job.k, self.model.compute_logits, self.cpu_kernels
@@ -120,7 +137,7 @@ class ModelRunner:
         host = copy_to_host(device_tensors)
         sampled = host.pop(0) if sampling_states else np.zeros((0, 1), dtype=np.int32)
         output = self._sampled_output(sampling_states, sampled, logprob_req_ids, host, num_steps=1)
-        for i, job in enumerate(inputs.prompt_jobs):
+        for i, job in enumerate(prompt_jobs):
             output.prompt_logprobs[job.req_id] = HostLogprobs(*host[3 * i : 3 * i + 3])
         return output
 
@@ -135,7 +152,7 @@ class ModelRunner:
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         for step in range(num_steps):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-            out = self.sampler(self.model.compute_logits(hidden), meta)
+            out = self._agreed(self.sampler(self.model.compute_logits(hidden), meta))
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
@@ -155,6 +172,13 @@ class ModelRunner:
             state.token_ids.pop()  # _sampled_output appends the last one, as after a single step
         logprob_req_ids = [s.req_id for s in states if s.logprobs_k is not None]
         return self._sampled_output(states, sampled, logprob_req_ids, host, num_steps)
+
+    def _agreed(self, out: SamplerOutput) -> SamplerOutput:
+        """Tensor parallelism: every rank samples the same logits alike, and takes rank 0's tokens all
+        the same, so that no rounding difference can ever make the ranks' sequences part."""
+        if self.group is not None:
+            self.group.broadcast_from_first(out.sampled)
+        return out
 
     def _sampled_output(self, states, sampled: np.ndarray, logprob_req_ids, host: list, num_steps: int):
         """Appends each request's last sampled token and packs the runner output; consumes the

@@ -33,6 +33,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "dtype": (str, ("auto", "float32", "bfloat16", "float16")),
     "seed": (int, None),
     "enable_prefix_caching": (_boolean, None),
+    "tensor_parallel_size": (int, None),
 }
 
 

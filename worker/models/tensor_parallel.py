@@ -36,9 +36,7 @@ def shard_args(args: LlamaArgs, size: int) -> LlamaArgs:
     }
     uneven = [f"{name}={count}" for name, count in counts.items() if count % size]
     if uneven:
-        raise ValueError(
-            f"tensor_parallel_size={size} must divide the model's {', '.join(uneven)}"
-        )
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's {', '.join(uneven)}")
     return dataclasses.replace(
         args,
         num_heads=args.num_heads // size,

@@ -1,0 +1,171 @@
+"""TensorParallelRunner: the engine core's ModelRunner when `tensor_parallel_size` > 1. It starts one
+worker process per rank (worker/tp_worker.py), sends each step's SchedulerOutput to all of them and
+returns rank 0's output (engine-core process).
+
+It answers the core as a ModelRunner does (model_args, bytes_per_block, allocate_kv_cache, execute,
+on_progress). A worker that fails or exits makes `execute` raise, so the core stops with the reason
+instead of waiting: no step hangs on a dead rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from protocol.step import ModelRunnerOutput, SchedulerOutput
+from worker.models.config import LlamaArgs
+from worker.models.loader import read_config
+from worker.models.tensor_parallel import shard_args
+from worker.tp_messages import (
+    AllocateKvCache,
+    Done,
+    Execute,
+    Failed,
+    Progress,
+    Ready,
+    Shutdown,
+    ToCore,
+    WorkerSpec,
+    from_wire,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+_SHUTDOWN_WAIT_S = 10.0
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker failed or exited; the engine cannot go on."""
+
+
+class TensorParallelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str,
+        device: str,
+        block_size: int,
+        seed: int,
+        can_use_cpu_kernels: bool,
+        size: int,
+        num_threads: int | None,
+    ) -> None:
+        self.model_args: LlamaArgs = LlamaArgs.from_hf_config(read_config(model_dir))  # the whole model's
+        shard_args(self.model_args, size)  # a ValueError now, before any process starts
+        self.size = size
+        self.on_progress: Callable[[], None] | None = None
+        self.folder = tempfile.mkdtemp(prefix="coreserve-tp-")
+        self.ctx = zmq.Context()
+        self.sockets: list[zmq.Socket] = []
+        self.procs: list[subprocess.Popen] = []
+        self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToCore)
+        try:
+            for rank in range(size):
+                spec = WorkerSpec(
+                    self._bind(rank), rank, size, str(Path(self.folder) / "store"), model_dir, dtype, device,
+                    block_size, seed, can_use_cpu_kernels, num_threads,
+                )  # fmt: skip
+                self.procs.append(_spawn(spec))
+            ready = self._gather(Ready)
+            self._bytes_per_block = ready[0].bytes_per_block
+        except BaseException:
+            self.close()
+            raise
+
+    def bytes_per_block(self) -> int:
+        """One rank's (each holds its share of the KV heads, so all are equal)."""
+        return self._bytes_per_block
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._send_all(AllocateKvCache(num_blocks))
+        self._gather(Done)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._send_all(Execute(scheduler_output))
+        first = self._gather(Done)[0].output
+        assert first is not None
+        return from_wire(first)
+
+    def close(self) -> None:
+        """Stops the workers (politely, then by force) and removes their folder; safe to call twice."""
+        for sock in self.sockets:
+            try:
+                sock.send(self.encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=_SHUTDOWN_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.sockets, self.procs = [], []
+        self.ctx.term()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _bind(self, rank: int) -> str:
+        sock = self.ctx.socket(zmq.PAIR)
+        address = f"ipc://{self.folder}/rank{rank}"
+        sock.bind(address)
+        self.sockets.append(sock)
+        return address
+
+    def _send_all(self, message: msgspec.Struct) -> None:
+        frame = self.encoder.encode(message)  # encoded once for every rank
+        for sock in self.sockets:
+            sock.send(frame, copy=False)
+
+    def _gather(self, kind: type) -> list:
+        """One reply of `kind` from every rank, in rank order. Progress messages count as the step's
+        progress; a Failed reply or a worker that exits raises WorkerFailed."""
+        replies: list = [None] * self.size
+        poller = zmq.Poller()
+        for sock in self.sockets:
+            poller.register(sock, zmq.POLLIN)
+        while any(r is None for r in replies):
+            events = dict(poller.poll(_POLL_MS))
+            for rank, sock in enumerate(self.sockets):
+                if sock in events:
+                    self._take(rank, sock, kind, replies)
+            if not events:
+                self._check_alive()
+        return replies
+
+    def _take(self, rank: int, sock: zmq.Socket, kind: type, replies: list) -> None:
+        message = self.decoder.decode(sock.recv(copy=False).buffer)
+        if isinstance(message, Progress):
+            if self.on_progress is not None:
+                self.on_progress()
+        elif isinstance(message, Failed):
+            raise WorkerFailed(f"tensor-parallel worker failed: {message.reason}")
+        elif isinstance(message, kind) and replies[rank] is None:
+            replies[rank] = message
+        else:
+            raise WorkerFailed(
+                f"tensor-parallel rank {rank} sent {type(message).__name__}, not {kind.__name__}"
+            )
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None:
+                raise WorkerFailed(f"tensor-parallel rank {rank} exited with code {code}")
+
+
+def _spawn(spec: WorkerSpec) -> subprocess.Popen:
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "worker.tp_worker", msgspec.json.encode(spec).decode()]
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)

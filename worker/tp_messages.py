@@ -1,0 +1,110 @@
+"""The messages between the engine core and its tensor-parallel worker processes, msgspec over a ZeroMQ
+PAIR socket per worker on `ipc://` (engine-core process and worker processes). No pickle: each side
+decodes a closed, typed union.
+
+Core -> worker: AllocateKvCache, Execute (the SchedulerOutput, as the scheduler made it), Shutdown.
+Worker -> core: Ready (after loading), Done (rank 0's carries the runner output), Progress (a long
+step still moves), Failed (the reason, before the worker exits).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from protocol.arrays import LogprobsArrays
+from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """What a worker process is started with (its command line, as JSON)."""
+
+    address: str  # the core's PAIR socket for this rank
+    rank: int
+    size: int
+    store_path: str  # the FileStore through which the ranks meet
+    model: str
+    dtype: str
+    device: str
+    block_size: int
+    seed: int
+    can_use_cpu_kernels: bool
+    num_threads: int | None
+
+
+class AllocateKvCache(msgspec.Struct, tag=True):
+    num_blocks: int
+
+
+class Execute(msgspec.Struct, tag=True):
+    scheduler_output: SchedulerOutput
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class WireRunnerOutput(msgspec.Struct, array_like=True):
+    sampled_req_ids: list[str]
+    num_steps: int
+    sampled_token_ids: bytes  # [len(sampled_req_ids), num_steps] int32 little-endian
+    logprob_req_ids: list[str]
+    logprobs: list[LogprobsArrays]  # one per step
+    prompt_logprobs: dict[str, LogprobsArrays]
+
+
+class Ready(msgspec.Struct, tag=True):
+    bytes_per_block: int  # this rank's KV cache bytes per block
+
+
+class Done(msgspec.Struct, tag=True):
+    output: WireRunnerOutput | None = None  # rank 0's, after Execute
+
+
+class Progress(msgspec.Struct, tag=True):
+    pass
+
+
+class Failed(msgspec.Struct, tag=True):
+    reason: str
+
+
+ToWorker = AllocateKvCache | Execute | Shutdown
+ToCore = Ready | Done | Progress | Failed
+
+
+def to_wire(output: ModelRunnerOutput) -> WireRunnerOutput:
+    sampled = np.ascontiguousarray(output.sampled_token_ids, dtype="<i4")
+    return WireRunnerOutput(
+        output.sampled_req_ids,
+        sampled.shape[1],
+        sampled.tobytes(),
+        output.logprob_req_ids,
+        [_arrays(rows) for rows in output.logprobs],
+        {req_id: _arrays(rows) for req_id, rows in output.prompt_logprobs.items()},
+    )
+
+
+def from_wire(wire: WireRunnerOutput) -> ModelRunnerOutput:
+    sampled = np.frombuffer(wire.sampled_token_ids, dtype="<i4").reshape(
+        len(wire.sampled_req_ids), wire.num_steps
+    )
+    return ModelRunnerOutput(
+        wire.sampled_req_ids,
+        sampled.astype(np.int32),
+        wire.logprob_req_ids,
+        [_host(arrays) for arrays in wire.logprobs],
+        {req_id: _host(arrays) for req_id, arrays in wire.prompt_logprobs.items()},
+    )
+
+
+def _arrays(rows: HostLogprobs) -> LogprobsArrays:
+    return LogprobsArrays.from_numpy(rows.token_ids, rows.logprobs, rows.ranks)
+
+
+def _host(arrays: LogprobsArrays) -> HostLogprobs:
+    return HostLogprobs(
+        arrays.token_ids_np().astype(np.int32),
+        arrays.logprobs_np().astype(np.float32),
+        arrays.ranks_np().astype(np.int32),
+    )
