@@ -1,0 +1,136 @@
+"""Tensor parallelism (worker/tp_executor.py, worker/tp_worker.py, worker/models/tensor_parallel.py):
+`tensor_parallel_size=2` on the CPU, two gloo ranks of one thread each, gives `tensor_parallel_size=1`'s
+greedy tokens and its logprobs within 1e-4, in process and as a daemon; a dead rank stops the engine
+with an error instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from frontend import LLM
+from frontend.errors import EngineDeadError
+from protocol.sampling_params import SamplingParams
+from tests.conftest import PROMPTS, running_daemon
+from worker.models.config import LlamaArgs
+from worker.models.loader import read_config
+from worker.models.tensor_parallel import Shard, rank_part, shard_args
+
+TP2 = dict(tensor_parallel_size=2, num_threads=1)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=3)
+TOLERANCE = 1e-4
+
+
+def assert_same_outputs(expected, actual) -> None:
+    """Greedy tokens identical; each position's candidates the same tokens, ranks and logprobs (1e-4)
+    (the sums over ranks add in another order: the last bits differ)."""
+    assert len(expected) == len(actual)
+    for want, got in zip(expected, actual):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        rows = list(zip(want.outputs[0].logprobs, got.outputs[0].logprobs))
+        rows += list(zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:]))
+        for want_row, got_row in rows:
+            assert set(got_row) == set(want_row)
+            for token_id, logprob in want_row.items():
+                # a prompt token deep in the tail may swap places with a neighbour as close as rounding
+                slack = 0 if logprob.rank <= len(want_row) else 2
+                assert abs(got_row[token_id].rank - logprob.rank) <= slack
+                assert abs(got_row[token_id].logprob - logprob.logprob) <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs(tiny_path):
+    with LLM(tiny_path, multiprocess=False, num_threads=1) as llm:
+        return llm.generate(PROMPTS[:8], PARAMS)
+
+
+def test_shard_args_split_heads_and_columns_and_refuse_uneven_counts(tiny_path):
+    args = LlamaArgs.from_hf_config(read_config(tiny_path))
+    half = shard_args(args, 2)
+    assert (half.num_heads, half.num_kv_heads) == (args.num_heads // 2, args.num_kv_heads // 2)
+    assert half.intermediate_size == args.intermediate_size // 2 and half.hidden_size == args.hidden_size
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        shard_args(args, args.num_kv_heads + 1)
+
+
+def test_rank_parts_split_outputs_by_rows_inputs_by_columns_and_add_the_o_bias_once():
+    weight = torch.arange(24.0).reshape(4, 6)
+    first, second = Shard(0, 2), Shard(1, 2)
+    q_name, o_name = "model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([rank_part(q_name, weight, s) for s in (first, second)]), weight)
+    assert torch.equal(torch.cat([rank_part(o_name, weight, s) for s in (first, second)], dim=1), weight)
+    bias = torch.ones(6)
+    o_bias = "model.layers.0.self_attn.o_proj.bias"
+    assert torch.equal(rank_part(o_bias, bias, first) + rank_part(o_bias, bias, second), bias)
+
+
+def test_two_ranks_equal_one_in_process_with_multi_step(tiny_path, tp1_outputs):
+    with LLM(tiny_path, multiprocess=False, num_scheduler_steps=3, **TP2) as llm:
+        runner = llm.client.core.runner
+        assert [proc.poll() for proc in runner.procs] == [None, None]  # two live worker processes
+        procs = list(runner.procs)
+        assert_same_outputs(tp1_outputs, llm.generate(PROMPTS[:8], PARAMS))
+    assert all(proc.poll() is not None for proc in procs)  # stopped with the engine
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases split with their heads; q/k norms
+def test_two_ranks_equal_one_for_model_families(family, family_model):
+    path = family_model(family)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=2)
+    with LLM(path, multiprocess=False, num_threads=1) as llm:
+        expected = llm.generate(PROMPTS[:3], params)
+    with LLM(path, multiprocess=False, **TP2) as llm:
+        assert_same_outputs(expected, llm.generate(PROMPTS[:3], params))
+
+
+def daemon_address() -> str:
+    return f"ipc:///tmp/coreserve-test-tp-{uuid.uuid4().hex[:8]}/core"
+
+
+def test_a_tensor_parallel_daemon_equals_one_core(tiny_path, tp1_outputs):
+    address = daemon_address()
+    with running_daemon(tiny_path, address, "--tensor-parallel-size", "2", "--num-threads", "1"):
+        with LLM(core_address=address) as llm:
+            assert_same_outputs(tp1_outputs, llm.generate(PROMPTS[:8], PARAMS))
+
+
+def test_a_dead_rank_stops_the_daemon_with_an_error_not_a_hang(tiny_path):
+    from tests.conftest import start_daemon
+
+    address = daemon_address()
+    daemon = start_daemon(tiny_path, address, "--tensor-parallel-size", "2", "--num-threads", "1")
+    try:
+        with LLM(core_address=address) as llm:
+            assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+            workers = child_pids(daemon.pid)
+            assert len(workers) == 2
+            os.kill(workers[-1], signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                llm.generate(PROMPTS[:4], SamplingParams(max_tokens=50))
+            assert time.monotonic() - start < 30
+        assert daemon.wait(timeout=30) != 0  # the core stopped, saying why, and took rank 0 with it
+        time.sleep(0.5)
+        assert not any(Path(f"/proc/{pid}").exists() and not is_zombie(pid) for pid in workers)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+
+
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sorted(int(c) for c in children)
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
