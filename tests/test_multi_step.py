@@ -64,7 +64,9 @@ def assert_same(got: list[tuple], expected: list[tuple]) -> None:
     ):
         assert exact == exact_ref
         assert values == pytest.approx(values_ref, abs=1e-4)
-        assert cumulative == pytest.approx(cumulative_ref, abs=1e-4)
+        # a sum of len(token_ids) values, each within 1e-4: on an AVX2 CPU (AMD EPYC) the torch path's
+        # products round differently by batch shape, and one such sum differed by 1.3e-4
+        assert cumulative == pytest.approx(cumulative_ref, abs=1e-4 * len(exact[0]))
 
 
 @pytest.mark.parametrize("num_steps", [4, 8])
