@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from protocol.builtin_model import builtin_model_path
+
 API_KEY = "sk-test-coreserve"
 MODEL = "builtin:tiny"
 CHATML = (
@@ -33,7 +35,7 @@ def free_port() -> int:
 def running_server(*flags: str, startup_timeout_s: float = 180.0):
     """`python -m frontend serve builtin:tiny --port P FLAGS` until /health answers; yields (url, process)."""
     port = free_port()
-    command = [sys.executable, "-m", "frontend", "serve", MODEL, "--port", str(port)]
+    command = [sys.executable, "-m", "frontend", "serve", *served_model(), "--port", str(port)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("CORESERVE_API_KEY", None)
     proc = subprocess.Popen([*command, "--log-level", "warning", *flags], cwd=REPO, env=env)
@@ -56,6 +58,16 @@ def running_server(*flags: str, startup_timeout_s: float = 180.0):
     # uvicorn shuts down gracefully, then re-raises the signal: exit status -SIGTERM (or 0)
     assert proc.returncode in (0, -signal.SIGTERM), f"the server exited with {proc.returncode} on SIGTERM"
     assert all(_is_gone(pid) for pid in cores), "the server left its engine core running"
+
+
+def served_model() -> list[str]:
+    """MODEL, or in bf16 mode its bf16 copy (tiny_path's) under MODEL's name; a later
+    --served-model-name among the flags still wins."""
+    from conftest import IS_BF16_MODE, in_test_dtype
+
+    if not IS_BF16_MODE:
+        return [MODEL]
+    return [in_test_dtype(builtin_model_path(MODEL.split(":", 1)[1])), "--served-model-name", MODEL]
 
 
 def core_pids(server_pid: int) -> list[int]:

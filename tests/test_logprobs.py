@@ -6,17 +6,20 @@ import math
 
 import pytest
 import torch
-from conftest import PROMPTS, free_blocks_are_all, hf_logprobs
+from conftest import HF_TOLERANCE, IS_BF16_MODE, PROMPTS, free_blocks_are_all, hf_logprobs
 
 from frontend import LLM, SamplingParams
 
-TOL = 1e-4
+TOL = HF_TOLERANCE  # 1e-4 with fp32 weights; conftest states the bf16 one
 
 
 def ranks_agree(a: int, b: int) -> bool:
     """Equal, or (deep in the tail, where neighbours lie closer than float rounding: other batch shapes
-    round GEMMs and attention differently) swapped with a neighbour."""
-    return a == b or (abs(a - b) <= 2 and min(a, b) > 1000)
+    round GEMMs and attention differently) swapped with a neighbour. With bf16 weights the kernels round
+    each product's activations to bf16, so another batch shape moves a tail logprob by ~0.01 (measured
+    0.013 at -23.4), and its rank among the dense tail by up to 1%."""
+    slack = max(2, min(a, b) // 100) if IS_BF16_MODE else 2
+    return a == b or (abs(a - b) <= slack and min(a, b) > 1000)
 
 
 def check_position(entry: dict, chosen: int, reference: torch.Tensor, tokenizer, k: int) -> None:
@@ -164,6 +167,10 @@ def test_whole_vocabulary_when_max_logprobs_allows(tiny_path, hf_tiny):
     assert total == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.fp32_exact(
+    "with bf16 weights the torch path (the CUDA one) runs bf16 activations and the C kernels fp32 ones: "
+    "they differ by design, by more than a token's margin; each is checked against HF on its own"
+)
 def test_torch_paths_match_the_cpu_kernels(llm_inproc, tiny_path):
     """can_use_cpu_kernels=False runs torch's ops only (the CUDA path): same tokens, same logprobs."""
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=3, ignore_eos=True)

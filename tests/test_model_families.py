@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import hf_logprobs, load_hf
+from conftest import HF_TOLERANCE, HF_TOLERANCE_TORCH_PATH, hf_logprobs, load_hf
 
 from frontend import LLM, SamplingParams
 from worker.models.config import LlamaArgs
 
-TOLERANCE = 1e-4
 # Long enough (40-70 tokens) to cross the scaled-down RoPE thresholds (32) and Mistral's window (24).
 FAMILY_PROMPTS = [
     "Les sanglots longs des violons de l'automne blessent mon cœur d'une langueur monotone. Tout "
@@ -67,6 +66,7 @@ def test_family_matches_hf(family, multiprocess, engine_args, family_model):
         if "num_kv_blocks" in engine_args:
             assert llm.get_engine_stats().num_preemptions > 0
     hf = load_hf(path)
+    tolerance = HF_TOLERANCE if engine_args.get("can_use_cpu_kernels", True) else HF_TOLERANCE_TORCH_PATH
     for output, p in zip(outputs, params):
         completion = output.outputs[0]
         assert len(completion.token_ids) == 16
@@ -75,19 +75,19 @@ def test_family_matches_hf(family, multiprocess, engine_args, family_model):
         for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
             row = reference[start + step]
             if p.temperature == 0:  # teacher-forced: HF's argmax, within the tolerance
-                assert row[token_id] >= row.max() - TOLERANCE, (family, step)
+                assert row[token_id] >= row.max() - tolerance, (family, step)
             for entry_id, logprob in entries.items():
-                assert abs(logprob.logprob - row[entry_id].item()) < TOLERANCE, (family, step, entry_id)
+                assert abs(logprob.logprob - row[entry_id].item()) < tolerance, (family, step, entry_id)
         if p.prompt_logprobs is not None:
-            _assert_prompt_logprobs(output, reference)
+            _assert_prompt_logprobs(output, reference, tolerance)
 
 
-def _assert_prompt_logprobs(output, reference) -> None:
+def _assert_prompt_logprobs(output, reference, tolerance: float) -> None:
     assert output.prompt_logprobs[0] is None
     for position, entries in enumerate(output.prompt_logprobs[1:], start=1):
         assert output.prompt_token_ids[position] in entries
         for token_id, logprob in entries.items():
-            assert abs(logprob.logprob - reference[position - 1, token_id].item()) < TOLERANCE
+            assert abs(logprob.logprob - reference[position - 1, token_id].item()) < tolerance
 
 
 def test_hf_config_formats_agree(family_model):

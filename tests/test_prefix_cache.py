@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, free_blocks_are_all
+from conftest import PROMPTS, assert_same_positions, free_blocks_are_all
 
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
@@ -188,12 +188,7 @@ def test_a_warm_cache_gives_what_the_cache_off_gives(tiny_path, engine_args):
     assert sum(o.num_cached_tokens for o in got) > 0
     for e, g in zip(expected, got):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
-        for e_pos, g_pos in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
-            assert list(g_pos) == list(e_pos)
-            assert [v.rank for v in g_pos.values()] == [v.rank for v in e_pos.values()]
-            np.testing.assert_allclose(
-                [v.logprob for v in g_pos.values()], [v.logprob for v in e_pos.values()], atol=1e-5
-            )
+        assert_same_positions(g.outputs[0].logprobs, e.outputs[0].logprobs, fp32_tolerance=1e-5)
 
 
 def test_prompt_logprobs_after_the_prompt_was_cached_are_those_of_a_cold_run(tiny_path):
