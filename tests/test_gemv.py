@@ -62,6 +62,20 @@ def test_bf16_product_is_bf16_products_summed_in_fp32(kernels, num_out, num_in, 
         assert relative_error(actual, rounded_x, weight, bias) < 1e-6 * max(1.0, num_in**0.5)
 
 
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7])
+def test_every_tail_length_matches_float64(kernels, num_rows):
+    """Inputs 1 to 140 wide: every remainder of the unrolled loops (4 vectors of 16 or 8 lanes, 2 of
+    8 past two rows on AVX2, a vector, single columns), fp32 and bf16 weights, with the fallback."""
+    for num_in in range(1, 141):
+        x, weight, bias = operands(num_rows, 9, num_in, seed=num_in)
+        actual = gemv(kernels, x, weight, bias)
+        assert relative_error(actual, x, weight, bias) < 1e-6 * max(1.0, num_in**0.5), num_in
+        for use_dot in (True, False):
+            actual = gemv(kernels, x, weight.to(torch.bfloat16), bias, use_bf16_dot=use_dot)
+            rounded = (x.to(torch.bfloat16), weight.to(torch.bfloat16))
+            assert relative_error(actual, *rounded, bias) < 1e-6 * max(1.0, num_in**0.5), num_in
+
+
 def test_dot_instruction_and_fallback_agree_to_fp32_rounding(kernels):
     x, weight, _ = operands(7, 300, 2048, seed=1)
     weight = weight.to(torch.bfloat16)

@@ -10,6 +10,9 @@
  * bf16 x bf16 products are summed in fp32, with AVX512-BF16's dot instruction where the CPU has it
  * (checked at run time; that function alone is built for that target) and by widening the
  * weights to fp32 elsewhere: the same products, summed in another order.
+ * The vectors are one register wide: 16 lanes where the build has AVX-512, 8 with AVX2 (64-byte
+ * vectors split in two there spilled their accumulators: 14-16 GB/s against 20 on a Zen 3), 4
+ * elsewhere, and the accumulators per loop are sized to the 16 registers AVX2 has.
  * x: [rows, K] and W: [N, K] row-major, out: [rows, N] fp32.
  */
 #include <omp.h>
@@ -20,19 +23,34 @@
 #pragma GCC optimize("fp-contract=fast") /* fused multiply-adds in the vector loops */
 
 #define NB 4 /* weight rows per block */
-#define RB 4 /* activation rows per group */
+#define RB 4 /* activation rows per group (at most) */
+#define ROW_MAX 4 /* up to this many rows, one weight row at a time */
 #define SMALL_WORK 32768 /* weights below which one thread is faster than waking the other */
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+#ifdef __AVX512F__
+#define LANES 16
+#define ROW_UNROLL(rb) 4 /* vectors per row and step: 16 accumulators at most of 32 registers */
+#define BLOCK_RB 4 /* activation rows per block: 16 accumulators */
+#else /* AVX2's ymm, or SSE's or NEON's 128 bits: 16 registers or more */
+#ifdef __AVX__
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#define ROW_UNROLL(rb) ((rb) <= 2 ? 4 : 2) /* at most 8 accumulators of 16 registers */
+#define BLOCK_RB 2 /* 8 accumulators and 4 weight vectors */
+#endif
+
+typedef float floatv __attribute__((vector_size(4 * LANES))); /* one register of floats */
+typedef uint16_t halfv __attribute__((vector_size(2 * LANES)));
+typedef uint32_t bitsv __attribute__((vector_size(4 * LANES)));
 
 typedef void (*range_fn)(const void *x, int64_t rows, int64_t K, const void *w, int64_t N,
                          const float *bias, float *out, int64_t n_start, int64_t n_end);
 
-static inline float hsum(f32x16 v) {
+static inline float hsum(floatv v) {
     float total = 0.0f;
-    for (int i = 0; i < 16; i++) total += v[i];
+    for (int i = 0; i < LANES; i++) total += v[i];
     return total;
 }
 
@@ -42,10 +60,10 @@ static inline void prefetch(const char *start, int num_bytes) {
     for (int offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
-static inline f32x16 widen_bf16(const uint16_t *p) {
-    u16x16 half;
+static inline floatv widen_bf16(const uint16_t *p) {
+    halfv half;
     memcpy(&half, p, sizeof half);
-    return (f32x16)(__builtin_convertvector(half, u32x16) << 16);
+    return (floatv)(__builtin_convertvector(half, bitsv) << 16);
 }
 
 static inline void store(float sums[RB][NB], int rb, int nb, const float *bias, float *out,
@@ -62,29 +80,31 @@ static inline float load_scalar(const void *w, int64_t i, int is_bf16) {
     return value;
 }
 
-static inline f32x16 load_weights(const void *w, int64_t i, int is_bf16) {
-    f32x16 v;
+static inline floatv load_weights(const void *w, int64_t i, int is_bf16) {
+    floatv v;
     if (is_bf16) return widen_bf16((const uint16_t *)w + i);
     memcpy(&v, (const float *)w + i, sizeof v);
     return v;
 }
 
-/* One weight row against rb activation rows, 64 columns at a time: with a few rows a thread then
- * reads its weights front to back, one stream, which the hardware prefetcher follows at the speed
- * of a plain sum (interleaved rows reached 0.7-0.8 of it on one thread). */
+/* One weight row against rb activation rows, ROW_UNROLL(rb) vectors at a time: with a few rows a
+ * thread then reads its weights front to back, one stream, which the hardware prefetcher follows at
+ * the speed of a plain sum (interleaved rows reached 0.7-0.8 of it on one thread). */
 static inline __attribute__((always_inline)) void row(const float *x, int64_t K, const void *w,
                                                       int is_bf16, int rb, float sums[RB][NB]) {
-    f32x16 acc[RB][4] = {{{0}}}, wv[4], xv;
+    enum { U = 4 };
+    const int unroll = ROW_UNROLL(rb);
+    floatv acc[RB][U] = {{{0}}}, wv[U], xv;
     int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        for (int u = 0; u < 4; u++) wv[u] = load_weights(w, k + 16 * u, is_bf16);
+    for (; k + unroll * LANES <= K; k += unroll * LANES) {
+        for (int u = 0; u < unroll; u++) wv[u] = load_weights(w, k + LANES * u, is_bf16);
         for (int r = 0; r < rb; r++)
-            for (int u = 0; u < 4; u++) {
-                memcpy(&xv, x + r * K + k + 16 * u, sizeof xv);
+            for (int u = 0; u < unroll; u++) {
+                memcpy(&xv, x + r * K + k + LANES * u, sizeof xv);
                 acc[r][u] += xv * wv[u];
             }
     }
-    for (; k + 16 <= K; k += 16) {
+    for (; k + LANES <= K; k += LANES) {
         wv[0] = load_weights(w, k, is_bf16);
         for (int r = 0; r < rb; r++) {
             memcpy(&xv, x + r * K + k, sizeof xv);
@@ -92,7 +112,8 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
         }
     }
     for (int r = 0; r < rb; r++) {
-        float total = hsum((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));
+        for (int u = 1; u < unroll; u++) acc[r][0] += acc[r][u];
+        float total = hsum(acc[r][0]);
         for (int64_t i = k; i < K; i++) total += x[r * K + i] * load_scalar(w, i, is_bf16);
         sums[r][0] = total;
     }
@@ -101,13 +122,13 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
 /* rb activation rows against nb weight rows; is_bf16: w holds bf16 bits, x bf16-rounded fp32. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t K, const void *w,
                                                         int is_bf16, int rb, int nb, float sums[RB][NB]) {
-    f32x16 acc[RB][NB] = {{{0}}};
+    floatv acc[RB][NB] = {{{0}}};
     const int element = is_bf16 ? sizeof(uint16_t) : sizeof(float);
     const char *next_block = (const char *)w + NB * K * element;
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        f32x16 wv[NB], xv;
-        prefetch(next_block + k * NB * element, 16 * NB * element);
+    for (; k + LANES <= K; k += LANES) {
+        floatv wv[NB], xv;
+        prefetch(next_block + k * NB * element, LANES * NB * element);
         for (int j = 0; j < nb; j++) wv[j] = load_weights(w, j * K + k, is_bf16);
         for (int r = 0; r < rb; r++) {
             memcpy(&xv, x + r * K + k, sizeof xv);
@@ -129,7 +150,7 @@ static inline __attribute__((always_inline)) void range(const void *x, int64_t r
                                                         int is_bf16) {
     float sums[RB][NB];
     const size_t element = is_bf16 ? sizeof(uint16_t) : sizeof(float);
-    if (rows <= RB) { /* memory-bound: one stream; the switch gives row() a constant size */
+    if (rows <= ROW_MAX) { /* memory-bound: one stream; the switch gives row() a constant size */
         for (int64_t n = n_start; n < n_end; n++) {
             const void *wn = (const char *)w + n * K * element;
             switch (rows) {
@@ -145,15 +166,17 @@ static inline __attribute__((always_inline)) void range(const void *x, int64_t r
     for (int64_t n = n_start; n < n_end;) {
         const int nb = n_end - n < NB ? 1 : NB;
         const void *wn = (const char *)w + n * K * element;
-        for (int64_t r = 0; r < rows; r += RB) {
-            const int rb = rows - r < RB ? (int)(rows - r) : RB;
+        for (int64_t r = 0; r < rows; r += BLOCK_RB) {
+            const int rb = rows - r < BLOCK_RB ? (int)(rows - r) : BLOCK_RB;
             const float *xr = (const float *)x + r * K;
             if (nb == NB) {
                 switch (rb) {
                 case 1: block(xr, K, wn, is_bf16, 1, NB, sums); break;
+#if BLOCK_RB > 2
                 case 2: block(xr, K, wn, is_bf16, 2, NB, sums); break;
                 case 3: block(xr, K, wn, is_bf16, 3, NB, sums); break;
-                default: block(xr, K, wn, is_bf16, 4, NB, sums); break;
+#endif
+                default: block(xr, K, wn, is_bf16, BLOCK_RB, NB, sums); break;
                 }
             } else {
                 block(xr, K, wn, is_bf16, rb, 1, sums);
