@@ -75,6 +75,26 @@ def reference_attention(q, cache, states, num_tokens) -> torch.Tensor:
     return torch.stack(rows).float()
 
 
+@pytest.mark.parametrize("head_dim", [4, 8, 12, 40, 64, 72, 128])
+def test_kernel_matches_float64_reference_at_every_head_width(kernels, head_dim):
+    """Head widths past and short of the kernel's 32- and 8-column value loops, and one not a multiple
+    of 8 (the plain loop); contexts across block ends, grouped queries."""
+    generator = np.random.default_rng(head_dim)
+    free_blocks = generator.permutation(64).tolist()
+    states = []
+    for context in (1, 7, 8, 9, 61, 140):
+        blocks = [free_blocks.pop() for _ in range(-(-context // BLOCK_SIZE))]
+        states.append(make_state(str(len(states)), context, blocks, context - 1))
+    cache = torch.randn(2, 2, 64 * BLOCK_SIZE, head_dim)
+    q = torch.randn(len(states), 6, head_dim)
+    inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, torch.device("cpu"), kernels)
+    slots = inputs.attn.slot_mapping  # the 1-token prompt attends to its own k and v, as written
+    k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
+    actual = paged_attention(q, k, v, cache, inputs.attn)
+    expected = reference_attention(q, cache, states, [1] * len(states))
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_decode_attends_exactly_the_context_length(request, path):
     """Slots past the context (reserved for later steps, or padding up to a longer row's context) hold
