@@ -162,22 +162,27 @@ def decode_attention(
     block_size: int,
     scale: float,
     window: int = 0,
+    pointers: tuple[int, int, int] | None = None,
 ) -> None:
     """q, out: [T, Hq, D] float32 contiguous; cache: [2, Hkv, slots, D]; rows [R] int64, block_tables
     [R, max_blocks] int32, context_lens [R] int32 numpy arrays (C-contiguous); window: a sliding
-    window (each row attends to its last `window` positions), 0 for none."""
+    window (each row attends to its last `window` positions), 0 for none; pointers: the three
+    arrays' addresses where the caller has them already."""
     assert q.is_contiguous() and out.is_contiguous() and cache.is_contiguous() and q.dtype == torch.float32
     num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if pointers is None:
+        pointers = (rows.ctypes.data, block_tables.ctypes.data, context_lens.ctypes.data)
+    key_cache = cache.data_ptr()  # cache[0] and cache[1] would be two tensor views a call
     status = kernels.decode_attention(
         q.data_ptr(),
         out.data_ptr(),
-        cache[0].data_ptr(),
-        cache[1].data_ptr(),
+        key_cache,
+        key_cache + cache.stride(0) * cache.element_size(),
         cache.shape[2],
-        rows.ctypes.data,
-        block_tables.ctypes.data,
+        pointers[0],
+        pointers[1],
         block_tables.shape[1],
-        context_lens.ctypes.data,
+        pointers[2],
         len(rows),
         num_q_heads,
         cache.shape[1],
