@@ -17,6 +17,9 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,6 +34,7 @@
 #define LANES 16
 #define ROW_UNROLL(rb) 4 /* vectors per row and step: 16 accumulators at most of 32 registers */
 #define BLOCK_RB 4 /* activation rows per block: 16 accumulators */
+#define BLOCK_RB_BF16 4
 #else /* AVX2's ymm, or SSE's or NEON's 128 bits: 16 registers or more */
 #ifdef __AVX__
 #define LANES 8
@@ -38,7 +42,8 @@
 #define LANES 4
 #endif
 #define ROW_UNROLL(rb) ((rb) <= 2 ? 4 : 2) /* at most 8 accumulators of 16 registers */
-#define BLOCK_RB 2 /* 8 accumulators and 4 weight vectors */
+#define BLOCK_RB 2 /* 8 accumulators and 4 weight vectors: 10% faster than 4 rows for fp32 */
+#define BLOCK_RB_BF16 4 /* spills, yet 12-20% faster: each widened weight serves 4 rows */
 #endif
 
 typedef float floatv __attribute__((vector_size(4 * LANES))); /* one register of floats */
@@ -61,9 +66,14 @@ static inline void prefetch(const char *start, int num_bytes) {
 }
 
 static inline floatv widen_bf16(const uint16_t *p) {
+#if LANES == 8 && defined(__AVX2__) /* gcc's convertvector took two xmm widenings and an insert */
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (floatv)_mm256_slli_epi32(bits, 16);
+#else
     halfv half;
     memcpy(&half, p, sizeof half);
     return (floatv)(__builtin_convertvector(half, bitsv) << 16);
+#endif
 }
 
 static inline void store(float sums[RB][NB], int rb, int nb, const float *bias, float *out,
@@ -166,17 +176,16 @@ static inline __attribute__((always_inline)) void range(const void *x, int64_t r
     for (int64_t n = n_start; n < n_end;) {
         const int nb = n_end - n < NB ? 1 : NB;
         const void *wn = (const char *)w + n * K * element;
-        for (int64_t r = 0; r < rows; r += BLOCK_RB) {
-            const int rb = rows - r < BLOCK_RB ? (int)(rows - r) : BLOCK_RB;
+        const int block_rows = is_bf16 ? BLOCK_RB_BF16 : BLOCK_RB;
+        for (int64_t r = 0; r < rows; r += block_rows) {
+            const int rb = rows - r < block_rows ? (int)(rows - r) : block_rows;
             const float *xr = (const float *)x + r * K;
             if (nb == NB) {
                 switch (rb) {
                 case 1: block(xr, K, wn, is_bf16, 1, NB, sums); break;
-#if BLOCK_RB > 2
                 case 2: block(xr, K, wn, is_bf16, 2, NB, sums); break;
                 case 3: block(xr, K, wn, is_bf16, 3, NB, sums); break;
-#endif
-                default: block(xr, K, wn, is_bf16, BLOCK_RB, NB, sums); break;
+                default: block(xr, K, wn, is_bf16, 4, NB, sums); break;
                 }
             } else {
                 block(xr, K, wn, is_bf16, rb, 1, sums);
