@@ -1,12 +1,22 @@
 # Two entry points for a fresh machine: `make demo` and `make test` (both set up first).
 PY := .venv/bin/python
 
-.PHONY: demo test setup lint
+.PHONY: demo test test-bf16 test-bf16-ci setup lint
 demo: setup
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
+
+# The suite again on bf16 copies of its checkpoints; tests marked fp32_exact are skipped (docs/testing.md).
+test-bf16: setup
+	CORESERVE_TEST_DTYPE=bfloat16 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
+
+# CI's share of bf16 mode (the whole of it would double CI): against HF, across batch shapes, the server.
+BF16_CI_TESTS := tests/test_llm_greedy.py tests/test_logprobs.py tests/test_multi_step.py \
+	tests/test_server_completions.py
+test-bf16-ci: setup
+	CORESERVE_TEST_DTYPE=bfloat16 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(BF16_CI_TESTS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -265,7 +265,31 @@ def assert_same_positions(got: list[dict], expected: list[dict], fp32_tolerance:
         moved = [t for t in a.keys() | b.keys() if t not in a or t not in b or a[t].rank != b[t].rank]
         for token_id in moved:
             near = [t for t in values if t != token_id and abs(values[t] - values[token_id]) <= tolerance]
-            assert near, (token_id, a, b)
+            assert near or _is_a_tail_neighbour(a.get(token_id), b.get(token_id)), (token_id, a, b)
+
+
+def _is_a_tail_neighbour(a, b) -> bool:
+    """Deep in the tail (rank > 1000) candidates lie closer than the rounding: a rank may move by 1%."""
+    return (
+        a is not None
+        and b is not None
+        and min(a.rank, b.rank) > 1000
+        and abs(a.rank - b.rank) <= max(2, min(a.rank, b.rank) // 100)
+    )
+
+
+def assert_same_greedy_tokens(got, expected) -> None:
+    """Two greedy completions of one prompt (CompletionOutputs with logprobs >= 1) from runs of other batch
+    shapes: the same tokens. In bf16 mode they may part at a near-tie, where each run's listing puts the
+    two chosen tokens within BATCH_SHAPE_TOLERANCE of each other; after that the prefixes differ."""
+    part = next((i for i, (a, b) in enumerate(zip(got.token_ids, expected.token_ids)) if a != b), None)
+    if part is None or not IS_BF16_MODE:
+        assert got.token_ids == expected.token_ids
+        return
+    ours, theirs = got.token_ids[part], expected.token_ids[part]
+    for entry in (got.logprobs[part], expected.logprobs[part]):
+        assert ours in entry and theirs in entry, (part, entry)
+        assert abs(entry[ours].logprob - entry[theirs].logprob) <= BATCH_SHAPE_TOLERANCE, (part, entry)
 
 
 def free_blocks_are_all(llm) -> bool:

@@ -17,14 +17,14 @@ import torch
 from frontend import LLM
 from frontend.errors import EngineDeadError
 from protocol.sampling_params import SamplingParams
-from tests.conftest import PROMPTS, running_daemon
+from tests.conftest import BATCH_SHAPE_TOLERANCE, PROMPTS, assert_same_positions, running_daemon
 from worker.models.config import LlamaArgs
 from worker.models.loader import read_config
 from worker.models.tensor_parallel import Shard, rank_part, shard_args
 
 TP2 = dict(tensor_parallel_size=2, num_threads=1)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=3)
-TOLERANCE = 1e-4
+TOLERANCE = BATCH_SHAPE_TOLERANCE or 1e-4  # bf16 mode: the sums in another order, then bf16 rounding
 
 
 def assert_same_outputs(expected, actual) -> None:
@@ -36,6 +36,9 @@ def assert_same_outputs(expected, actual) -> None:
         rows = list(zip(want.outputs[0].logprobs, got.outputs[0].logprobs))
         rows += list(zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:]))
         for want_row, got_row in rows:
+            if BATCH_SHAPE_TOLERANCE:  # bf16 mode: near-ties may swap (conftest.assert_same_positions)
+                assert_same_positions([got_row], [want_row], TOLERANCE)
+                continue
             assert set(got_row) == set(want_row)
             for token_id, logprob in want_row.items():
                 # a prompt token deep in the tail may swap places with a neighbour as close as rounding
