@@ -215,7 +215,11 @@ static void range_bf16_widened(const void *x, int64_t rows, int64_t K, const voi
 static void run(range_fn fn, const void *x, int64_t rows, int64_t K, const void *w, int64_t N,
                 const float *bias, float *out, int32_t num_threads) {
     const int64_t num_blocks = (N + NB - 1) / NB;
-#pragma omp parallel num_threads(num_threads) if (N * K > SMALL_WORK)
+    if (N * K <= SMALL_WORK || num_threads <= 1) { /* no parallel region: even one not taken costs ~2 us */
+        fn(x, rows, K, w, N, bias, out, 0, N);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t start = num_blocks * t / nt * NB, end = num_blocks * (t + 1) / nt * NB;
