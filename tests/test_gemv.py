@@ -100,3 +100,27 @@ def test_nan_and_infinity_in_activations_propagate(kernels):
     for w in (weight, weight.to(torch.bfloat16)):
         out = gemv(kernels, x, w, None)
         assert out[0].isnan().all() and not out[1].isfinite().any()
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5])
+def test_sums_do_not_depend_on_the_thread_count(kernels, num_rows):
+    """Each thread reads its features as two streams (the first and second half of its share), so which
+    features pair up changes with the thread count; every output must be summed the same way."""
+    x, weight, bias = operands(num_rows, 1031, 768, seed=num_rows)
+    threads = torch.get_num_threads()
+    try:
+        results = {}
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            results[num_threads] = [gemv(kernels, x, w, bias) for w in (weight, weight.to(torch.bfloat16))]
+    finally:
+        torch.set_num_threads(threads)
+    for num_threads in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(results[num_threads], results[1]))
+
+
+def test_stream_sum_is_the_sum(kernels):
+    """The read bench_decode_step.py takes the bandwidth from: it must read every element once."""
+    values = torch.rand(1_000_003)
+    total = kernels.stream_sum(values.data_ptr(), values.numel(), 2)
+    assert total == pytest.approx(values.double().sum().item(), rel=1e-5)

@@ -117,14 +117,20 @@ def test_windows_actually_run_and_nothing_passes_a_stop(tiny_path, reference_run
     prompts, params = workload(*reference_run)
     with LLM(tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=512) as llm:
         steps = record_num_steps(llm)
-        model_steps = []
-        llm.client.core.runner.on_progress = lambda: model_steps.append(1)  # what the server hears
+        model_steps, fused_forwards = [], []
+        runner = llm.client.core.runner
+        runner.on_progress = lambda: model_steps.append(1)  # what the server hears
+        fused_forward = runner.model._fused_forward
+        runner.model._fused_forward = lambda *args: fused_forwards.append(1) or fused_forward(*args)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert free_blocks_are_all(llm)
-        num_layers = llm.client.core.runner.model.args.num_layers
+        num_layers = runner.model.args.num_layers
     assert 8 in steps and steps[0] == 1  # prefill single, decode in windows
-    # Every decoder layer of every model step reports progress, and each step of a window once more.
-    assert len(model_steps) == num_layers * sum(steps) + sum(n for n in steps if n > 1)
+    assert 0 < len(fused_forwards) < sum(steps)  # few-row decode steps in one C call, prefill op by op
+    # Every decoder layer of a model step reports progress (a fused forward once, after all of
+    # them), and each step of a window once more.
+    num_layer_reports = num_layers * (sum(steps) - len(fused_forwards)) + len(fused_forwards)
+    assert len(model_steps) == num_layer_reports + sum(n for n in steps if n > 1)
     first = outputs[0].outputs[0]
     assert first.token_ids[-1] == reference_run[0] and reference_run[0] not in first.token_ids[:-1]
     assert all(len(o.outputs[0].token_ids) <= p.max_tokens for o, p in zip(outputs, params))

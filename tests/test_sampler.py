@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.cpu_kernels import load_cpu_kernels
+from worker.cpu_kernels import argmax_rows, load_cpu_kernels
 from worker.logprobs import gather_logprobs, top_logprobs
 
 
@@ -85,3 +85,20 @@ def test_penalty_counts_advanced_on_the_device_equal_counts_rebuilt_from_the_tok
         rebuilt = build_sampling_metadata(states, 50, torch.device("cpu")).penalties
         assert torch.equal(meta.penalties.output_counts, rebuilt.output_counts)
         assert torch.equal(meta.penalties.seen_mask, rebuilt.seen_mask)
+
+
+def test_argmax_kernel_equals_torch_argmax_with_ties_nans_and_infinities():
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(7, 50_257, generator=generator)
+    scores[1, 100] = scores[1, 40_000] = scores[1].max() + 1  # a tie: the lower id wins
+    scores[2] = float("-inf")  # every score -inf: id 0, as torch
+    scores[3, 9] = float("inf")
+    scores[4, 70], scores[4, 30_000] = float("nan"), float("inf")  # a NaN counts as the largest
+    scores[5, -1] = 100.0  # the tail past the last 8-lane block
+    expected = scores.argmax(dim=-1)
+    assert torch.equal(argmax_rows(kernels, scores), expected)
+    assert torch.equal(
+        argmax_rows(kernels, scores[:, :13]), scores[:, :13].argmax(dim=-1)
+    )  # short, strided rows

@@ -1,6 +1,6 @@
 """Builds and loads the C kernels for the CPU: decode attention, top-k logprob rows, the fused
-layer steps (RoPE with the KV write, SiLU-and-multiply) and the few-row matrix products of fp32 and
-bf16 weights (engine-core process).
+layer steps (RoPE with the KV write, SiLU-and-multiply), the few-row matrix products of fp32 and
+bf16 weights and the whole model forward of a few-row decode step (engine-core process).
 
 The kernels are compiled once per source, compiler and CPU into `~/.cache/coreserve/kernels/` and
 loaded with ctypes after torch, so their OpenMP pragmas run on the runtime torch already loaded.
@@ -26,10 +26,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).with_name(n) for n in ("decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c")
+    Path(__file__).with_name(n)
+    for n in ("decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c", "decode_forward.c")
 ]
 # Part of the build key, included by the sources.
-_HEADERS = [Path(__file__).with_name(n) for n in ("vector_exp.h", "gemv_bf16_dot.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("vector_exp.h", "gemv_bf16_dot.h", "kernel_parts.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -56,6 +57,8 @@ _SIGNATURES = {
     ],
     # scores, num_rows, vocab, row_stride, k, values, ids, lse, num_threads
     "logprob_rows": [_P, _I64, _I64, _I64, _I32, _P, _P, _P, _I32],
+    # scores, num_rows, vocab, row_stride, ids, num_threads
+    "argmax_rows": [_P, _I64, _I64, _I64, _P, _I32],
     # qkv, cos, signed_sin, slots, num_tokens, num_q_heads, num_kv_heads, head_dim, q_out, k_out,
     # key_cache, value_cache, num_slots, num_threads
     "rope_write_kv": [_P, _P, _P, _P, _I64, _I32, _I32, _I32, _P, _P, _P, _P, _I64, _I32],
@@ -68,20 +71,27 @@ _SIGNATURES = {
     # x, rows, K, w, N, bias, out, use_dot, num_threads
     "gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32],
     "cpu_has_bf16_dot": [],
+    # a, n, num_threads: a read of memory as the few-row products read (scripts/bench_decode_step.py)
+    "stream_sum": [_P, _I64, _I32],
+    # model params, step params, out, eps, scale (worker/fused_decode.py)
+    "decode_forward": [_P, _P, _P, _F32, _F32],
 }
-_RETURNS_INT = {"decode_attention", "gemv_bf16", "cpu_has_bf16_dot"}
+_RETURNS_INT = {"decode_attention", "gemv_bf16", "cpu_has_bf16_dot", "decode_forward"}
 
 
 @dataclass(frozen=True)
 class CpuKernels:
     decode_attention: ctypes._CFuncPtr
     logprob_rows: ctypes._CFuncPtr
+    argmax_rows: ctypes._CFuncPtr
     rope_write_kv: ctypes._CFuncPtr
     silu_mul: ctypes._CFuncPtr
     rms_norm: ctypes._CFuncPtr
     gemv_f32: ctypes._CFuncPtr
     gemv_bf16: ctypes._CFuncPtr
     cpu_has_bf16_dot: ctypes._CFuncPtr
+    decode_forward: ctypes._CFuncPtr
+    stream_sum: ctypes._CFuncPtr
     has_bf16_dot: bool = False  # this CPU runs AVX512-BF16's dot instruction (asked at load)
 
 
@@ -108,6 +118,7 @@ def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
     for name, function in functions.items():
         function.argtypes = _SIGNATURES[name]
         function.restype = ctypes.c_int if name in _RETURNS_INT else None
+    functions["stream_sum"].restype = ctypes.c_float
     return CpuKernels(**functions, has_bf16_dot=bool(functions["cpu_has_bf16_dot"]()))
 
 
@@ -210,6 +221,22 @@ def logprob_rows(kernels: CpuKernels, scores: torch.Tensor, k: int) -> tuple[tor
         values.data_ptr(), ids.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return values, ids, lse
+
+
+def argmax_rows(kernels: CpuKernels, scores: torch.Tensor) -> torch.Tensor:
+    """scores: [R, V] float32 with unit column stride -> [R] int64, as torch.argmax(dim=-1): the lowest
+    id among equal scores, a NaN taken as the largest (one C pass; torch's took ~170 us a row)."""
+    assert scores.dtype == torch.float32 and scores.stride(1) == 1
+    ids = torch.empty(scores.shape[0], dtype=torch.int64)
+    kernels.argmax_rows(
+        scores.data_ptr(),
+        scores.shape[0],
+        scores.shape[1],
+        scores.stride(0),
+        ids.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return ids
 
 
 def rope_write_kv(

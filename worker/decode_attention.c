@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_parts.h"
 #include "vector_exp.h"
 
 /* 8-lane vectors with two accumulators: the `omp simd` loops spent more on their per-call set-up and
@@ -93,7 +94,7 @@ static void weighted_values(float *acc, const float *weights, const float *value
 
 /* One (row, KV head) task over context positions [start, context_len): start > 0 when a sliding window
  * has left the first positions behind. scores: [group, span] scratch; acc: [group, head_dim] scratch. */
-static void attend_one(const float *q, float *out, const float *keys, const float *values,
+void attend_one(const float *q, float *out, const float *keys, const float *values,
                        const int32_t *table, int start, int context_len, int group, int head_dim,
                        int block_size, float scale, float *scores, float *acc) {
     const int span = context_len - start;

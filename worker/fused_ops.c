@@ -8,21 +8,20 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernel_parts.h"
 #include "vector_exp.h"
 
 #define SMALL_WORK 262144 /* elements below which waking the other threads costs more than it saves */
 
-/* q and k rotated as HF does (x * cos + rotate_half(x) * sin, the minus folded into signed_sin),
- * q written to q_out, k to k_out and k, v to the cache at each token's slot.
- * qkv: [T, (Hq + 2 Hkv) D]; cos, signed_sin: [T, D]; slots: [T]; q_out: [T, Hq, D];
+/* Token t's q and k rotated as HF does (x * cos + rotate_half(x) * sin, the minus folded into
+ * signed_sin), q written to q_out, k to k_out and k, v to the cache at the token's slot.
+ * qkv: [T, (Hq + 2 Hkv) D]; c, s: [D], the token's cos and signed sin; slots: [T]; q_out: [T, Hq, D];
  * k_out: [T, Hkv, D]; key_cache, value_cache: [Hkv, num_slots, D]. */
-static void rope_write_kv_token(const float *qkv, const float *cos, const float *signed_sin,
-                                const int64_t *slots, int64_t t, int32_t num_q_heads, int32_t num_kv_heads,
-                                int32_t head_dim, float *q_out, float *k_out, float *key_cache,
-                                float *value_cache, int64_t num_slots) {
+void rope_write_kv_token(const float *qkv, const float *c, const float *s, const int64_t *slots, int64_t t,
+                         int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, float *q_out, float *k_out,
+                         float *key_cache, float *value_cache, int64_t num_slots) {
     const int half = head_dim / 2, num_heads = num_q_heads + 2 * num_kv_heads;
     const float *row = qkv + t * num_heads * head_dim;
-    const float *c = cos + t * head_dim, *s = signed_sin + t * head_dim;
     for (int h = 0; h < num_q_heads + num_kv_heads; h++) {
         const float *x = row + h * head_dim;
         float *out = h < num_q_heads ? q_out + (t * num_q_heads + h) * head_dim
@@ -47,14 +46,14 @@ void rope_write_kv(const float *qkv, const float *cos, const float *signed_sin, 
     const int64_t work = num_tokens * (num_q_heads + 2 * num_kv_heads) * head_dim;
     if (work <= SMALL_WORK || num_threads <= 1) {
         for (int64_t t = 0; t < num_tokens; t++)
-            rope_write_kv_token(qkv, cos, signed_sin, slots, t, num_q_heads, num_kv_heads, head_dim, q_out,
-                                k_out, key_cache, value_cache, num_slots);
+            rope_write_kv_token(qkv, cos + t * head_dim, signed_sin + t * head_dim, slots, t, num_q_heads,
+                                num_kv_heads, head_dim, q_out, k_out, key_cache, value_cache, num_slots);
         return;
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < num_tokens; t++)
-        rope_write_kv_token(qkv, cos, signed_sin, slots, t, num_q_heads, num_kv_heads, head_dim, q_out, k_out,
-                            key_cache, value_cache, num_slots);
+        rope_write_kv_token(qkv, cos + t * head_dim, signed_sin + t * head_dim, slots, t, num_q_heads,
+                            num_kv_heads, head_dim, q_out, k_out, key_cache, value_cache, num_slots);
 }
 
 /* silu(g) * u on 8 lanes: sigmoid from exp(-|g|), so exp never sees a positive argument. */
@@ -67,7 +66,7 @@ static inline float8 silu_mul8(float8 g, float8 u) {
 }
 
 /* gate_up: [T, 2 I] (gate then up, as the fused projection lays them out); out: [T, I]. */
-static void silu_mul_token(const float *gate_up, int64_t t, int64_t intermediate, float *out) {
+void silu_mul_token(const float *gate_up, int64_t t, int64_t intermediate, float *out) {
     const float *gate = gate_up + t * 2 * intermediate, *up = gate + intermediate;
     float *row = out + t * intermediate;
     int64_t i = 0;
@@ -97,7 +96,7 @@ void silu_mul(const float *gate_up, int64_t num_tokens, int64_t intermediate, fl
 /* HF's RMSNorm in fp32, x * rsqrt(mean(x^2) + eps) * weight, optionally of x + delta (the residual add
  * before it), whose sum is then written to sum_out. x, delta, sum_out, out: [T, hidden]; weight:
  * [hidden]. The mean of squares is summed in double (torch sums fp32 pairwise: both within rounding). */
-static void rms_norm_token(const float *x, const float *delta, int64_t t, int64_t hidden,
+void rms_norm_token(const float *x, const float *delta, int64_t t, int64_t hidden,
                            const float *weight, float eps, float *sum_out, float *out) {
     const float *row = x + t * hidden;
     if (delta) {

@@ -23,16 +23,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_parts.h"
+
 #pragma GCC optimize("fp-contract=fast") /* fused multiply-adds in the vector loops */
 
 #define NB 4 /* weight rows per block */
 #define RB 4 /* activation rows per group (at most) */
 #define ROW_MAX 4 /* up to this many rows, one weight row at a time */
 #define SMALL_WORK 32768 /* weights below which one thread is faster than waking the other */
+#define GUIDED_MIN 32 /* the smallest run gemv_share hands a thread: two streams of 16 rows */
 
 #ifdef __AVX512F__
 #define LANES 16
-#define ROW_UNROLL(rb) 4 /* vectors per row and step: 16 accumulators at most of 32 registers */
+#define ROW_UNROLL(rb) ((rb) <= 2 ? 4 : 2) /* vectors per row and stream: 16 accumulators at most of 32 registers */
+#define ROW_STREAMS(rb) 2 /* two weight rows at once */
 #define BLOCK_RB 4 /* activation rows per block: 16 accumulators */
 #define BLOCK_RB_BF16 4
 #else /* AVX2's ymm, or SSE's or NEON's 128 bits: 16 registers or more */
@@ -42,6 +46,7 @@
 #define LANES 4
 #endif
 #define ROW_UNROLL(rb) ((rb) <= 2 ? 4 : 2) /* at most 8 accumulators of 16 registers */
+#define ROW_STREAMS(rb) 1 /* two would spill */
 #define BLOCK_RB 2 /* 8 accumulators and 4 weight vectors: 10% faster than 4 rows for fp32 */
 #define BLOCK_RB_BF16 4 /* spills, yet 12-20% faster: each widened weight serves 4 rows */
 #endif
@@ -54,9 +59,13 @@ typedef void (*range_fn)(const void *x, int64_t rows, int64_t K, const void *w, 
                          const float *bias, float *out, int64_t n_start, int64_t n_end);
 
 static inline float hsum(floatv v) {
+#ifdef __AVX512F__ /* a tree of shuffles: the lane-by-lane sum was ~5% of a one-row product */
+    return _mm512_reduce_add_ps((__m512)v);
+#else
     float total = 0.0f;
     for (int i = 0; i < LANES; i++) total += v[i];
     return total;
+#endif
 }
 
 /* The next weight block, as one stream, as fast as this block is read: the hardware prefetcher
@@ -97,35 +106,66 @@ static inline floatv load_weights(const void *w, int64_t i, int is_bf16) {
     return v;
 }
 
-/* One weight row against rb activation rows, ROW_UNROLL(rb) vectors at a time: with a few rows a
- * thread then reads its weights front to back, one stream, which the hardware prefetcher follows at
- * the speed of a plain sum (interleaved rows reached 0.7-0.8 of it on one thread). */
-static inline __attribute__((always_inline)) void row(const float *x, int64_t K, const void *w,
-                                                      int is_bf16, int rb, float sums[RB][NB]) {
+/* ns weight rows (1 or 2) against rb activation rows, ROW_UNROLL(rb) vectors at a time, each weight
+ * row summed exactly as when it is alone. With a few rows a thread then reads its weights front to
+ * back, in ns sequential streams that the hardware prefetcher follows (interleaved rows reached
+ * 0.7-0.8 of a plain sum on one thread); two streams far apart in memory read ~10% faster than one
+ * on a Sapphire Rapids host (30.7 against 33.9 GB/s for two threads summing 1 GiB). */
+static inline __attribute__((always_inline)) void row(const float *x, int64_t K, const void *w0,
+                                                      const void *w1, int ns, int is_bf16, int rb,
+                                                      float sums[2][RB][NB]) {
     enum { U = 4 };
     const int unroll = ROW_UNROLL(rb);
-    floatv acc[RB][U] = {{{0}}}, wv[U], xv;
+    const void *w[2] = {w0, w1};
+    floatv acc[2][RB][U] = {{{{0}}}}, wv[2][U], xv;
     int64_t k = 0;
     for (; k + unroll * LANES <= K; k += unroll * LANES) {
-        for (int u = 0; u < unroll; u++) wv[u] = load_weights(w, k + LANES * u, is_bf16);
+        for (int s = 0; s < ns; s++)
+            for (int u = 0; u < unroll; u++) wv[s][u] = load_weights(w[s], k + LANES * u, is_bf16);
         for (int r = 0; r < rb; r++)
             for (int u = 0; u < unroll; u++) {
                 memcpy(&xv, x + r * K + k + LANES * u, sizeof xv);
-                acc[r][u] += xv * wv[u];
+                for (int s = 0; s < ns; s++) acc[s][r][u] += xv * wv[s][u];
             }
     }
     for (; k + LANES <= K; k += LANES) {
-        wv[0] = load_weights(w, k, is_bf16);
+        for (int s = 0; s < ns; s++) wv[s][0] = load_weights(w[s], k, is_bf16);
         for (int r = 0; r < rb; r++) {
             memcpy(&xv, x + r * K + k, sizeof xv);
-            acc[r][0] += xv * wv[0];
+            for (int s = 0; s < ns; s++) acc[s][r][0] += xv * wv[s][0];
         }
     }
-    for (int r = 0; r < rb; r++) {
-        for (int u = 1; u < unroll; u++) acc[r][0] += acc[r][u];
-        float total = hsum(acc[r][0]);
-        for (int64_t i = k; i < K; i++) total += x[r * K + i] * load_scalar(w, i, is_bf16);
-        sums[r][0] = total;
+    for (int s = 0; s < ns; s++)
+        for (int r = 0; r < rb; r++) {
+            for (int u = 1; u < unroll; u++) acc[s][r][0] += acc[s][r][u];
+            float total = hsum(acc[s][r][0]);
+            for (int64_t i = k; i < K; i++) total += x[r * K + i] * load_scalar(w[s], i, is_bf16);
+            sums[s][r][0] = total;
+        }
+}
+
+/* Weight rows [n_start, n_end) against rb (constant) activation rows: the first half of the run
+ * and the second half read side by side, two streams, where the registers hold both. */
+static inline __attribute__((always_inline)) void row_run(const float *x, int64_t K, const void *w,
+                                                          int is_bf16, int rb, const float *bias,
+                                                          float *out, int64_t N, int64_t n_start,
+                                                          int64_t n_end) {
+    const size_t row_bytes = K * (is_bf16 ? sizeof(uint16_t) : sizeof(float));
+    const char *weights = w;
+    float sums[2][RB][NB];
+    int64_t n = n_start;
+    if (ROW_STREAMS(rb) == 2) {
+        const int64_t half = (n_end - n_start) / 2;
+        for (; n < n_start + half; n++) {
+            row(x, K, weights + n * row_bytes, weights + (n + half) * row_bytes, 2, is_bf16, rb, sums);
+            store(sums[0], rb, 1, bias, out, N, n);
+            store(sums[1], rb, 1, bias, out, N, n + half);
+        }
+        n += half;
+    }
+    for (; n < n_end; n++) {
+        row(x, K, weights + n * row_bytes, NULL, 1, is_bf16, rb, sums);
+        store(sums[0], rb, 1, bias, out, N, n);
     }
 }
 
@@ -160,16 +200,12 @@ static inline __attribute__((always_inline)) void range(const void *x, int64_t r
                                                         int is_bf16) {
     float sums[RB][NB];
     const size_t element = is_bf16 ? sizeof(uint16_t) : sizeof(float);
-    if (rows <= ROW_MAX) { /* memory-bound: one stream; the switch gives row() a constant size */
-        for (int64_t n = n_start; n < n_end; n++) {
-            const void *wn = (const char *)w + n * K * element;
-            switch (rows) {
-            case 1: row(x, K, wn, is_bf16, 1, sums); break;
-            case 2: row(x, K, wn, is_bf16, 2, sums); break;
-            case 3: row(x, K, wn, is_bf16, 3, sums); break;
-            default: row(x, K, wn, is_bf16, 4, sums); break;
-            }
-            store(sums, (int)rows, 1, bias, out, N, n);
+    if (rows <= ROW_MAX) { /* memory-bound: sequential streams; the switch gives row() constant sizes */
+        switch (rows) {
+        case 1: row_run(x, K, w, is_bf16, 1, bias, out, N, n_start, n_end); break;
+        case 2: row_run(x, K, w, is_bf16, 2, bias, out, N, n_start, n_end); break;
+        case 3: row_run(x, K, w, is_bf16, 3, bias, out, N, n_start, n_end); break;
+        default: row_run(x, K, w, is_bf16, 4, bias, out, N, n_start, n_end); break;
         }
         return;
     }
@@ -211,32 +247,39 @@ static void range_bf16_widened(const void *x, int64_t rows, int64_t K, const voi
 #include "gemv_bf16_dot.h"
 #endif
 
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Thread `thread`'s run of output features out of `num_threads`: whole blocks, as run() splits them. */
+static void thread_share(int64_t N, int thread, int num_threads, int64_t *start, int64_t *end) {
+    const int64_t num_blocks = (N + NB - 1) / NB;
+    *start = num_blocks * thread / num_threads * NB;
+    *end = num_blocks * (thread + 1) / num_threads * NB;
+    if (*end > N) *end = N;
+}
+
 /* Splits the output features between the threads in whole blocks; one thread for small work. */
 static void run(range_fn fn, const void *x, int64_t rows, int64_t K, const void *w, int64_t N,
                 const float *bias, float *out, int32_t num_threads) {
-    const int64_t num_blocks = (N + NB - 1) / NB;
     if (N * K <= SMALL_WORK || num_threads <= 1) { /* no parallel region: even one not taken costs ~2 us */
         fn(x, rows, K, w, N, bias, out, 0, N);
         return;
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t start = num_blocks * t / nt * NB, end = num_blocks * (t + 1) / nt * NB;
-        if (start < N) fn(x, rows, K, w, N, bias, out, start, end < N ? end : N);
+        int64_t start, end;
+        thread_share(N, omp_get_thread_num(), omp_get_num_threads(), &start, &end);
+        if (start < end) fn(x, rows, K, w, N, bias, out, start, end);
     }
 }
 
 void gemv_f32(const float *x, int64_t rows, int64_t K, const float *w, int64_t N, const float *bias,
               float *out, int32_t num_threads) {
     run(range_f32, x, rows, K, w, N, bias, out, num_threads);
-}
-
-static inline uint16_t to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 /* Whether this build and this CPU run the bf16 dot instruction. */
@@ -273,4 +316,71 @@ int32_t gemv_bf16(const float *x, int64_t rows, int64_t K, const uint16_t *w, in
     run(range_bf16_widened, rounded, rows, K, w, N, bias, out, num_threads);
     free(rounded);
     return 0;
+}
+
+/* One thread's part of out = x @ W^T (+ bias) for a caller inside its own parallel region (the fused
+ * decode forward): the same sums, output by output, as gemv_f32 and gemv_bf16, whatever the split.
+ * The threads take runs of output features from a shared cursor (0 before the first thread starts),
+ * large runs first and smaller ones as the features run out (as OpenMP's guided schedule), so that
+ * a thread the memory serves more slowly gets less and both finish together (a fixed half each
+ * waited ~20 us a product at one row). x: [rows, K] fp32. bf16 weights (is_bf16): scratch holds
+ * rows * K + 32 elements of 4 bytes, the thread's own, for x rounded to bf16. */
+void gemv_share(const float *x, int64_t rows, int64_t K, const void *w, int32_t is_bf16, int32_t use_dot,
+                int64_t N, const float *bias, float *out, void *scratch, int64_t *cursor, int num_threads) {
+    const void *input = x;
+    range_fn fn = range_f32;
+    if (is_bf16) {
+        const int64_t count = rows * K;
+        fn = range_bf16_widened;
+#ifdef HAS_BF16_DOT_BUILD
+        if (use_dot && cpu_has_bf16_dot()) fn = range_bf16_dot;
+#endif
+        if (fn == range_bf16_widened) {
+            float *rounded = scratch;
+            for (int64_t i = 0; i < count; i++) {
+                uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
+                memcpy(rounded + i, &bits, sizeof bits);
+            }
+        } else {
+            uint16_t *packed = scratch;
+            for (int64_t i = 0; i < count; i++) packed[i] = to_bf16(x[i]);
+        }
+        input = scratch;
+    }
+    int64_t start = __atomic_load_n(cursor, __ATOMIC_RELAXED);
+    while (start < N) {
+        int64_t size = (N - start) / (2 * num_threads);
+        size = (size < GUIDED_MIN ? GUIDED_MIN : size + NB - 1) / NB * NB;
+        const int64_t end = start + size < N ? start + size : N;
+        if (__atomic_compare_exchange_n(cursor, &start, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            fn(input, rows, K, w, N, bias, out, start, end);
+            start = end;
+        } /* else start now holds the cursor another thread moved */
+    }
+}
+
+/* The sum of a[0..n), each thread reading its share as two sequential streams, as the few-row products
+ * read their weights: the memory read rate they can reach (scripts/bench_decode_step.py compares
+ * it with torch's sum and takes the faster as this machine's bandwidth). */
+float stream_sum(const float *a, int64_t n, int32_t num_threads) {
+    float total = 0.0f;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t start = n * t / nt, end = n * (t + 1) / nt, half = (end - start) / 2;
+        const float *first = a + start, *second = first + half;
+        floatv s0 = {0}, s1 = {0}, v;
+        int64_t i = 0;
+        for (; i + LANES <= half; i += LANES) {
+            memcpy(&v, first + i, sizeof v);
+            s0 += v;
+            memcpy(&v, second + i, sizeof v);
+            s1 += v;
+        }
+        float part = hsum(s0 + s1);
+        for (; i < half; i++) part += first[i] + second[i];
+        for (int64_t j = start + 2 * half; j < end; j++) part += a[j];
+        total += part;
+    }
+    return total;
 }

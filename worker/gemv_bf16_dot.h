@@ -44,28 +44,56 @@ static inline __attribute__((always_inline)) BF16_DOT_TARGET void block_dot(
         for (int j = 0; j < nb; j++) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-/* One weight row against rb activation rows, 128 columns at a time (one stream: see row() in gemv.c). */
+/* ns weight rows (1 or 2) against rb activation rows, 128 columns at a time, each weight row summed
+ * exactly as when it is alone (sequential streams: see row() in gemv.c). */
 static inline __attribute__((always_inline)) BF16_DOT_TARGET void row_dot(
-    const uint16_t *x, int64_t K, const uint16_t *w, int rb, float sums[RB][NB]) {
-    __m512 acc[RB][4];
-    for (int r = 0; r < rb; r++)
-        for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
+    const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t *w1, int ns, int rb, float sums[2][RB][NB]) {
+    const uint16_t *w[2] = {w0, w1};
+    __m512 acc[2][RB][4];
+    for (int s = 0; s < ns; s++)
+        for (int r = 0; r < rb; r++)
+            for (int u = 0; u < 4; u++) acc[s][r][u] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 128 <= K; k += 128) {
-        __m512bh wv[4];
-        for (int u = 0; u < 4; u++) wv[u] = load_bf16(w + k + 32 * u, ~(__mmask32)0);
+        __m512bh wv[2][4];
+        for (int s = 0; s < ns; s++)
+            for (int u = 0; u < 4; u++) wv[s][u] = load_bf16(w[s] + k + 32 * u, ~(__mmask32)0);
         for (int r = 0; r < rb; r++)
-            for (int u = 0; u < 4; u++)
-                acc[r][u] = _mm512_dpbf16_ps(acc[r][u], load_bf16(x + r * K + k + 32 * u, ~(__mmask32)0), wv[u]);
+            for (int u = 0; u < 4; u++) {
+                const __m512bh xv = load_bf16(x + r * K + k + 32 * u, ~(__mmask32)0);
+                for (int s = 0; s < ns; s++) acc[s][r][u] = _mm512_dpbf16_ps(acc[s][r][u], xv, wv[s][u]);
+            }
     }
     for (; k < K; k += 32) { /* the tail, zero padded past the row's end */
         const __mmask32 mask = K - k >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
-        const __m512bh wv = load_bf16(w + k, mask);
-        for (int r = 0; r < rb; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], load_bf16(x + r * K + k, mask), wv);
+        for (int s = 0; s < ns; s++) {
+            const __m512bh wv = load_bf16(w[s] + k, mask);
+            for (int r = 0; r < rb; r++)
+                acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], load_bf16(x + r * K + k, mask), wv);
+        }
     }
-    for (int r = 0; r < rb; r++)
-        sums[r][0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
-                                                        _mm512_add_ps(acc[r][2], acc[r][3])));
+    for (int s = 0; s < ns; s++)
+        for (int r = 0; r < rb; r++)
+            sums[s][r][0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[s][r][0], acc[s][r][1]),
+                                                               _mm512_add_ps(acc[s][r][2], acc[s][r][3])));
+}
+
+/* Weight rows [n_start, n_end) against rb (constant) activation rows, the run's two halves side by side. */
+static inline __attribute__((always_inline)) BF16_DOT_TARGET void row_dot_run(
+    const uint16_t *x, int64_t K, const uint16_t *weights, int rb, const float *bias, float *out, int64_t N,
+    int64_t n_start, int64_t n_end) {
+    float sums[2][RB][NB];
+    const int64_t half = (n_end - n_start) / 2;
+    int64_t n = n_start;
+    for (; n < n_start + half; n++) {
+        row_dot(x, K, weights + n * K, weights + (n + half) * K, 2, rb, sums);
+        store(sums[0], rb, 1, bias, out, N, n);
+        store(sums[1], rb, 1, bias, out, N, n + half);
+    }
+    for (n += half; n < n_end; n++) {
+        row_dot(x, K, weights + n * K, NULL, 1, rb, sums);
+        store(sums[0], rb, 1, bias, out, N, n);
+    }
 }
 
 static BF16_DOT_TARGET void range_bf16_dot(const void *x, int64_t rows, int64_t K, const void *w,
@@ -74,13 +102,10 @@ static BF16_DOT_TARGET void range_bf16_dot(const void *x, int64_t rows, int64_t 
     float sums[RB][NB];
     const uint16_t *weights = w;
     if (rows <= 2) { /* past two rows the x loads cap the dot rate below the memory's */
-        for (int64_t n = n_start; n < n_end; n++) {
-            if (rows == 1)
-                row_dot(x, K, weights + n * K, 1, sums);
-            else
-                row_dot(x, K, weights + n * K, 2, sums);
-            store(sums, (int)rows, 1, bias, out, N, n);
-        }
+        if (rows == 1)
+            row_dot_run(x, K, weights, 1, bias, out, N, n_start, n_end);
+        else
+            row_dot_run(x, K, weights, 2, bias, out, N, n_start, n_end);
         return;
     }
     for (int64_t n = n_start; n < n_end;) {

@@ -82,3 +82,41 @@ void logprob_rows(const float *scores, int64_t num_rows, int64_t vocab, int64_t 
     for (int64_t row = 0; row < num_rows; row++)
         one_row(scores + row * row_stride, vocab, k, values + row * k, ids + row * k, lse + row);
 }
+
+/* The index of a row's largest score, the lowest among equals; a NaN counts as the largest, as in
+ * torch.argmax. Two passes: the maximum (and whether there is a NaN) on 8 lanes, then its first index. */
+static int64_t argmax_row(const float *row, int64_t vocab) {
+    float8 tops = (float8){0} - INFINITY, chunk;
+    int8x32 nans = {0};
+    int64_t v = 0;
+    for (; v + 8 <= vocab; v += 8) {
+        memcpy(&chunk, row + v, sizeof chunk);
+        const int8x32 above = chunk > tops;
+        nans |= chunk != chunk;
+        tops = (float8)(((int8x32)chunk & above) | ((int8x32)tops & ~above));
+    }
+    float top = -INFINITY;
+    int has_nan = 0;
+    for (int i = 0; i < 8; i++) {
+        top = tops[i] > top ? tops[i] : top;
+        has_nan |= nans[i] != 0;
+    }
+    for (; v < vocab; v++) {
+        top = row[v] > top ? row[v] : top;
+        has_nan |= row[v] != row[v];
+    }
+    for (int64_t i = 0; i < vocab; i++)
+        if (has_nan ? row[i] != row[i] : row[i] == top) return i;
+    return 0;
+}
+
+/* scores: [num_rows, vocab] with rows row_stride apart; ids: [num_rows]. */
+void argmax_rows(const float *scores, int64_t num_rows, int64_t vocab, int64_t row_stride, int64_t *ids,
+                 int32_t num_threads) {
+    if (num_rows * vocab <= (1 << 20) || num_threads <= 1) { /* a decode step's rows: no parallel region */
+        for (int64_t r = 0; r < num_rows; r++) ids[r] = argmax_row(scores + r * row_stride, vocab);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < num_rows; r++) ids[r] = argmax_row(scores + r * row_stride, vocab);
+}

@@ -16,6 +16,7 @@ from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention, write_kv
 from worker.cpu_kernels import CpuKernels, rms_norm, rope_write_kv, silu_mul
+from worker.fused_decode import FusedModel, FusedStep, decode_forward, fused_model, fused_step
 from worker.linear import linear
 from worker.models.config import LlamaArgs
 from worker.models.rope import RopeSpec, cos_sin_tables
@@ -53,15 +54,19 @@ class Rotary(nn.Module):
     def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
         cos, sin = cos_sin_tables(spec, spec.max_position_embeddings)  # [max_positions, head_dim]
+        half = cos.shape[-1] // 2
         self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        # rotate_half's minus folded in once: [-sin[:half], sin[half:]]
+        self.register_buffer(
+            "signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False
+        )
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [T, 1, D] of this step's positions, looked up once for all layers."""
-        half = self.cos.shape[-1] // 2
-        sin = self.sin[positions]
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        return self.cos[positions].unsqueeze(1).to(dtype), signed_sin.unsqueeze(1).to(dtype)
+        cos, signed_sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        if cos.dtype == dtype:
+            return cos, signed_sin
+        return cos.to(dtype), signed_sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -137,6 +142,8 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels
         self.on_layer: Callable[[], None] | None = None  # called after each layer: the core's progress
+        self._fused: FusedModel | None = None  # the model as the fused decode forward reads it
+        self.can_fuse_decode = True  # False: every step op by op (tests compare the two paths)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Runs the CPU path: fp32 activations; every parameter but the linear layers' weights and
@@ -156,6 +163,9 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
+        fused = fused_step(self.cpu_kernels, meta, input_ids, positions) if self.can_fuse_decode else None
+        if fused is not None and self.layers[0].all_reduce is None:  # tensor parallelism sets every layer's
+            return self._fused_forward(caches, fused)
         x = self.embed_tokens(input_ids)
         if self.cpu_kernels is not None:
             x = x.float()
@@ -165,6 +175,19 @@ class LlamaModel(nn.Module):
             if self.on_layer is not None:
                 self.on_layer()
         return self.norm(x, self.cpu_kernels)
+
+    def _fused_forward(self, caches: list[torch.Tensor], step: FusedStep) -> torch.Tensor:
+        """A few-row decode step in one C call (worker/fused_decode.py): the numbers of the path above."""
+        assert self.cpu_kernels is not None
+        if self._fused is None or not self._fused.is_for(caches):
+            self._fused = fused_model(self, caches)
+        a = self.args
+        hidden = decode_forward(
+            self.cpu_kernels, self._fused, step, a.hidden_size, a.rms_norm_eps, a.head_dim**-0.5
+        )
+        if self.on_layer is not None:
+            self.on_layer()
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> logits [R, vocab] float32."""

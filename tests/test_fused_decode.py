@@ -1,0 +1,125 @@
+"""The fused decode forward (worker/fused_decode.py, worker/decode_forward.c) against the op-by-op path
+of the same model on the same paged cache: bit for bit, for every family's features (q/k/v and o
+biases, sliding window, tied embeddings, Qwen3's q/k norms to float rounding), fp32 and bf16
+weights, with and without the bf16 dot instruction, one row and many."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from protocol.sampling_params import SamplingParams
+from worker.cpu_kernels import load_cpu_kernels
+from worker.fused_decode import FUSED_MAX_ROWS, fused_step
+from worker.input_batch import RequestState, build_step_inputs
+from worker.models.loader import load_model
+
+BLOCK_SIZE = 8
+# llama3.1 carries q/k/v and o biases, mistral a window of 24 (the prompts cross it), qwen2 q/k/v
+# biases and tied embeddings, qwen3 per-head q/k norms
+FAMILIES = ["llama3.1", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = load_cpu_kernels()
+    assert loaded is not None, "this machine has a C compiler: the kernels must build"
+    return loaded
+
+
+def decode_states(num_rows: int, prompt_len: int) -> list[RequestState]:
+    """Requests with their prompts computed, each on its own scattered blocks, ready for decode."""
+    states = []
+    for i in range(num_rows):
+        num_tokens = prompt_len + 3 * i
+        blocks = [(7 * i + 5 * b) % 97 + 100 * i for b in range(num_tokens // BLOCK_SIZE + 4)]
+        token_ids = [(31 * i + 17 * t) % 1000 + 5 for t in range(num_tokens)]
+        states.append(
+            RequestState(str(i), token_ids, num_tokens, SamplingParams(), blocks, 0, None, None, False, [])
+        )
+    return states
+
+
+def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> list[torch.Tensor]:
+    """Prefill (op by op), then `num_steps` decode steps fused or op by op; the decode steps' hidden states."""
+    model.can_fuse_decode = fuse
+    device, hidden = torch.device("cpu"), []
+    for state in states:
+        state.num_computed_tokens = 0
+        del state.token_ids[state.num_prompt_tokens :]
+    with torch.inference_mode():
+        inputs = build_step_inputs(states, [s.num_prompt_tokens for s in states], BLOCK_SIZE, device, kernels)
+        model(inputs.input_ids, inputs.positions, caches, inputs.attn)
+        for step in range(num_steps + 1):
+            for state in states:
+                state.num_computed_tokens = len(state.token_ids)
+                state.token_ids.append((13 * step + len(state.token_ids)) % 1000 + 5)
+            if step == num_steps:
+                break
+            inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, device, kernels)
+            assert (fused_step(kernels, inputs.attn, inputs.input_ids, inputs.positions) is not None) == (
+                len(states) <= FUSED_MAX_ROWS
+            )
+            hidden.append(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
+    return hidden
+
+
+def model_and_caches(path: str, dtype: torch.dtype, kernels):
+    model = load_model(path, dtype, torch.device("cpu"))
+    model.use_cpu_kernels(kernels)
+    a = model.args
+    caches = [torch.zeros(2, a.num_kv_heads, 1600 * BLOCK_SIZE, a.head_dim) for _ in range(a.num_layers)]
+    return model, caches
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 3, FUSED_MAX_ROWS])
+def test_fused_forward_equals_the_op_by_op_path(kernels, family_model, family, dtype, num_rows):
+    model, caches = model_and_caches(family_model(family), dtype, kernels)
+    states = decode_states(num_rows, prompt_len=21)  # 21 + 3 steps crosses mistral's window of 24
+    fused = run_steps(model, kernels, states, caches, num_steps=4, fuse=True)
+    op_by_op = run_steps(model, kernels, states, caches, num_steps=4, fuse=False)
+    for got, expected in zip(fused, op_by_op, strict=True):
+        if family == "qwen3":  # its q/k norms: C's RMSNorm fused, torch's op by op
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, expected)
+
+
+def test_past_the_fused_row_count_the_op_by_op_path_runs(kernels, family_model):
+    model, caches = model_and_caches(family_model("llama3.1"), torch.float32, kernels)
+    fused_forwards = []
+    model._fused_forward = lambda *args: fused_forwards.append(1)  # must never be reached
+    run_steps(model, kernels, decode_states(FUSED_MAX_ROWS + 1, prompt_len=9), caches, num_steps=1, fuse=True)
+    assert fused_forwards == []
+
+
+def test_bf16_fallback_without_the_dot_instruction_agrees_too(kernels, family_model):
+    """The bf16 widening path (CPUs without AVX512-BF16) inside the fused forward, forced."""
+    widening = dataclasses.replace(kernels, has_bf16_dot=False)
+    model, caches = model_and_caches(family_model("qwen2"), torch.bfloat16, widening)
+    states = decode_states(2, prompt_len=12)
+    fused = run_steps(model, widening, states, caches, num_steps=2, fuse=True)
+    op_by_op = run_steps(model, widening, states, caches, num_steps=2, fuse=False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op, strict=True))
+    if kernels.has_bf16_dot:  # and the dot instruction gives other sums: the fallback really ran
+        model.cpu_kernels = kernels
+        with_dot = run_steps(model, kernels, states, caches, num_steps=2, fuse=True)
+        assert not all(torch.equal(a, b) for a, b in zip(with_dot, fused))
+
+
+def test_a_strided_column_of_sampled_tokens_is_read_as_its_values(kernels, tiny_path):
+    """A multi-step window feeds back `top.ids[:, 0]`, a strided view, as the next input ids."""
+    model, caches = model_and_caches(tiny_path, torch.float32, kernels)
+    states = decode_states(3, prompt_len=10)
+    run_steps(model, kernels, states, caches, num_steps=1, fuse=True)
+    inputs = build_step_inputs(states, [1] * 3, BLOCK_SIZE, torch.device("cpu"), kernels)
+    strided = torch.stack([inputs.input_ids, torch.zeros_like(inputs.input_ids)], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    with torch.inference_mode():
+        expected = model(inputs.input_ids, inputs.positions, caches, inputs.attn)
+        got = model(strided, inputs.positions, caches, inputs.attn)
+    assert torch.equal(got, expected)

@@ -1,0 +1,31 @@
+/* The per-thread pieces of the CPU kernels that decode_layer.c strings together inside one parallel
+ * region: each does one token's or one thread's share of its work, with no parallel region of its
+ * own. Defined in fused_ops.c, decode_attention.c and gemv.c (engine-core process).
+ */
+#ifndef CORESERVE_KERNEL_PARTS_H
+#define CORESERVE_KERNEL_PARTS_H
+
+#include <stdint.h>
+
+/* fused_ops.c: token t of RMSNorm (of x + delta, written to sum_out, when delta is given), of
+ * silu(gate) * up, and of RoPE (c, s: the token's cos and signed sin rows) with the KV-cache write. */
+void rms_norm_token(const float *x, const float *delta, int64_t t, int64_t hidden, const float *weight,
+                    float eps, float *sum_out, float *out);
+void silu_mul_token(const float *gate_up, int64_t t, int64_t intermediate, float *out);
+void rope_write_kv_token(const float *qkv, const float *c, const float *s, const int64_t *slots, int64_t t,
+                         int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, float *q_out, float *k_out,
+                         float *key_cache, float *value_cache, int64_t num_slots);
+
+/* decode_attention.c: one (row, KV head) task over context positions [start, context_len). scores:
+ * [group, context_len - start] scratch; acc: [group, head_dim] scratch. */
+void attend_one(const float *q, float *out, const float *keys, const float *values, const int32_t *table,
+                int start, int context_len, int group, int head_dim, int block_size, float scale,
+                float *scores, float *acc);
+
+/* gemv.c: a thread's part of out = x @ W^T (+ bias), fp32 or bf16 weights, in runs taken from the
+ * shared *cursor (0 before the threads start); scratch: the thread's own rows * K + 32 elements of
+ * 4 bytes (bf16 weights only). */
+void gemv_share(const float *x, int64_t rows, int64_t K, const void *w, int32_t is_bf16, int32_t use_dot,
+                int64_t N, const float *bias, float *out, void *scratch, int64_t *cursor, int num_threads);
+
+#endif
