@@ -78,6 +78,7 @@ class StepInputs:
     sample_rows: torch.Tensor  # [R] int64 hidden rows whose logits are sampled
     sampled_req_ids: list[str]  # [R]
     prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
+    is_every_row_sampled: bool = False  # sample_rows is every row in order (decode): no gather needed
 
 
 def build_step_inputs(
@@ -141,6 +142,7 @@ def build_step_inputs(
         torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sampled_req_ids,
         jobs,
+        sample_rows == list(range(row)),
     )
 
 
@@ -152,7 +154,15 @@ def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:
     positions = inputs.positions + 1
     decode = decode.next_step()
     attn = AttentionMetadata(decode.next_slots(positions), [], decode, inputs.attn.kernels)
-    return StepInputs(input_ids, positions, attn, inputs.sample_rows, inputs.sampled_req_ids)
+    return StepInputs(
+        input_ids,
+        positions,
+        attn,
+        inputs.sample_rows,
+        inputs.sampled_req_ids,
+        [],
+        inputs.is_every_row_sampled,
+    )
 
 
 def _stack_tables(tables: list[np.ndarray]) -> np.ndarray:

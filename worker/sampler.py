@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.cpu_kernels import CpuKernels
+from worker.cpu_kernels import CpuKernels, argmax_rows
 from worker.logprobs import gather_logprobs, top_logprobs
 
 
@@ -24,8 +24,8 @@ class Penalties:
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows
-    is_greedy: torch.Tensor  # [R] bool
+    temperature: torch.Tensor | None  # [R] float32, 1.0 on greedy rows; None when every row is greedy
+    is_greedy: torch.Tensor | None  # [R] bool; None when every row is greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [R] int64, vocab size where disabled; None when no row filters
     max_top_k: int  # the largest of top_k, known on the host (no device sync to size the topk)
@@ -38,6 +38,7 @@ class SamplingMetadata:
     num_logprobs: int  # largest k among them; -1: whole vocabulary
     is_processed: torch.Tensor | None  # [R'] bool, row wants logprobs after processing; None: no row does
     is_all_rows: bool = False  # every row asked for logprobs: no row gather needed
+    device: torch.device = torch.device("cpu")  # where the rows' tensors live
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1) if self.kernels is None else argmax_rows(self.kernels, logits)
         if meta.all_greedy:
             return greedy
         probs = torch.softmax(logits, dim=-1)

@@ -24,10 +24,13 @@ def build_sampling_metadata(
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
+    all_greedy = all(is_greedy)
     return SamplingMetadata(
-        temperature=tensor([1.0 if g else p.temperature for g, p in zip(is_greedy, params)], torch.float32),
-        is_greedy=tensor(is_greedy, torch.bool),
-        all_greedy=all(is_greedy),
+        temperature=None
+        if all_greedy
+        else tensor([1.0 if g else p.temperature for g, p in zip(is_greedy, params)], torch.float32),
+        is_greedy=None if all_greedy else tensor(is_greedy, torch.bool),
+        all_greedy=all_greedy,
         top_k=tensor(top_k, torch.int64) if min(top_k) < vocab_size else None,
         max_top_k=max(top_k),
         top_p=tensor([p.top_p for p in params], torch.float32)
@@ -45,6 +48,7 @@ def build_sampling_metadata(
         is_processed=tensor([states[i].is_processed for i in logprob_rows], torch.bool)
         if any(states[i].is_processed for i in logprob_rows)
         else None,
+        device=device,
     )
 
 
@@ -54,7 +58,7 @@ def next_sampling_step(meta: SamplingMetadata, states: list[RequestState]) -> Sa
     ends); what depends on the output position (seeded noise, min_tokens bans) is redone."""
     return replace(
         meta,
-        generators=[_generator(s, meta.temperature.device) for s in states],
+        generators=[_generator(s, meta.device) for s in states],
         banned=_banned(states),
     )
 
