@@ -1,8 +1,10 @@
 """One decode step at a batch of B requests against the time of that step's matrix products alone
 (the same shapes and dtype, measured in the same run): how far the engine is from this machine's limit.
 
-It also measures this machine's memory read bandwidth (a sum over a 1 GiB array with all of torch's
-threads, turn about with the steps) and reports the step against the bandwidth limit: the bytes of
+It also measures this machine's memory read bandwidth, turn about with the steps: a 1 GiB fp32 array
+in huge pages (as the engine's weights are) read by torch's sum and by the kernels' two-stream read
+(`stream_sum`, the way the few-row products stream their weights), with all of torch's threads; the
+faster of the two is the bandwidth. It reports the step against the bandwidth limit: the bytes of
 weights a step reads (every linear layer's, lm_head included; one row of the embedding table) over
 that bandwidth. At batch 1 that is the whole cost a step cannot avoid.
 
@@ -29,6 +31,7 @@ from engine_core.core import EngineCore  # noqa: E402
 from frontend.engine_args import load_tokenizer, make_config  # noqa: E402
 from protocol.messages import EngineCoreRequest  # noqa: E402
 from protocol.sampling_params import SamplingParams  # noqa: E402
+from worker.huge_pages import huge_page_bytes  # noqa: E402
 from worker.linear import linear  # noqa: E402
 
 
@@ -75,11 +78,23 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     return sum(w.numel() * w.element_size() for w in weights.values())
 
 
-def time_read(array: torch.Tensor) -> float:
-    """Seconds to read `array` once (a sum, with all of torch's threads)."""
+def time_read(read) -> float:
+    """Seconds one read of the 1 GiB array takes."""
     start = time.perf_counter()
-    array.sum()
+    read()
     return time.perf_counter() - start
+
+
+def read_functions(kernels) -> dict[str, object]:
+    """Reads of one 1 GiB fp32 array (in huge pages where the kernel grants them): torch's sum, and
+    the C kernels' two-stream read where they are loaded."""
+    memory = huge_page_bytes(2**30)
+    array = (memory.view(torch.float32) if memory is not None else torch.empty(2**28)).fill_(1.0)
+    reads = {"read_torch_sum": array.sum}
+    if kernels is not None:
+        threads = torch.get_num_threads()
+        reads["read_two_streams"] = lambda: kernels.stream_sum(array.data_ptr(), array.numel(), threads)
+    return reads
 
 
 def wait(model: torch.nn.Module) -> None:
@@ -91,17 +106,24 @@ def wait(model: torch.nn.Module) -> None:
 
 def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, float]:
     """Median times (s) of a decode step, of its linear layers alone, of its attention products alone
-    and of reading 1 GiB, measured turn about so that the machine's drifting speed affects all alike."""
+    and of reading 1 GiB each way, measured turn about so that the machine's drifting speed affects
+    all alike."""
     model, kernels = core.runner.model, core.runner.cpu_kernels
     dtype = core.runner.dtype  # the activations' and KV cache's (fp32 with the CPU kernels)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(batch, m.in_features, dtype=dtype, device=m.weight.device) for m in layers]
     context = round(sum(r.num_tokens for r in core.scheduler.requests.values()) / batch) + steps // 2
     attention = attention_operands(model, batch, context, dtype)
-    times: dict[str, list[float]] = {"step": [], "linear": [], "attention": [], "read_1gib": []}
-    array = torch.ones(2**28)  # 1 GiB of fp32, read once per step
+    reads = read_functions(kernels)
+    times: dict[str, list[float]] = {
+        "step": [],
+        "linear": [],
+        "attention": [],
+        **{name: [] for name in reads},
+    }
     for _ in range(steps):
-        times["read_1gib"].append(time_read(array))
+        for name, read in reads.items():
+            times[name].append(time_read(read))
         start = time.perf_counter()
         core.step()
         times["step"].append(time.perf_counter() - start)
@@ -146,14 +168,17 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     times = interleaved_times(core, args.batch, args.steps)
     step, linear, attention = times["step"], times["linear"], times["attention"]
-    bandwidth, weight_bytes = 2**30 / times["read_1gib"], weight_bytes_per_step(core.runner.model)
+    read_rates = {name: 2**30 / seconds for name, seconds in times.items() if name.startswith("read_")}
+    bandwidth, weight_bytes = max(read_rates.values()), weight_bytes_per_step(core.runner.model)
     limit = weight_bytes / bandwidth
     print(
         f"batch {args.batch}, context ~{args.context}: decode step {step * 1e3:.1f} ms, "
         f"linear layers {linear * 1e3:.1f} ms, attention products {attention * 1e3:.1f} ms\n"
         f"step / all matrix products: {step / (linear + attention):.2f}   "
         f"step / linear layers: {step / linear:.2f}\n"
-        f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; weights read per step "
+        f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (the faster of "
+        + ", ".join(f"{name[5:]} {rate / 1e9:.1f}" for name, rate in read_rates.items())
+        + f"); weights read per step "
         f"{weight_bytes / 1e6:.0f} MB: limit {limit * 1e3:.1f} ms a step, {1 / limit:.1f} steps/s\n"
         f"fraction of the bandwidth limit: step {limit / step:.2f}   linear layers {limit / linear:.2f}"
     )
@@ -168,6 +193,7 @@ def main() -> None:
             "ratio": step / (linear + attention),
             "ratio_linear_only": step / linear,
             "bandwidth_gb_s": bandwidth / 1e9,
+            "read_rates_gb_s": {name[5:]: rate / 1e9 for name, rate in read_rates.items()},
             "weight_mb_per_step": weight_bytes / 1e6,
             "fraction_of_bandwidth_limit": limit / step,
             "linear_fraction_of_bandwidth_limit": limit / linear,

@@ -25,17 +25,13 @@ def move_linear_weights_to_huge_pages(model: nn.Module) -> int:
     """Moves every nn.Linear weight (tied ones once) into one huge-page mapping, tensor by tensor, so
     memory peaks at the model plus one tensor. Returns the bytes moved (0 where not possible)."""
     weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}.values())
-    if not weights or any(w.device.type != "cpu" for w in weights) or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not weights or any(w.device.type != "cpu" for w in weights):
         return 0
     sizes = [-(-w.numel() * w.element_size() // _ALIGN) * _ALIGN for w in weights]
-    try:
-        mapping = mmap.mmap(-1, sum(sizes) + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError) as exc:
-        logger.info("weights stay in ordinary pages (%s)", exc)
+    memory = huge_page_bytes(sum(sizes))
+    if memory is None:
         return 0
-    memory = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
-    offset = -memory.data_ptr() % _HUGE_PAGE  # the first tensor starts on a huge-page boundary
+    offset = 0
     for weight, size in zip(weights, sizes):
         moved = memory[offset : offset + weight.numel() * weight.element_size()]
         moved = moved.view(weight.dtype).view(weight.shape)
@@ -43,3 +39,19 @@ def move_linear_weights_to_huge_pages(model: nn.Module) -> int:
         weight.data = moved  # the old storage is freed here, before the next tensor is copied
         offset += size
     return sum(sizes)
+
+
+def huge_page_bytes(num_bytes: int) -> torch.Tensor | None:
+    """[num_bytes] uint8 in an anonymous mapping advised MADV_HUGEPAGE, starting on a huge-page
+    boundary (the tensor keeps the mapping alive); None where the advice is refused or unknown."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        mapping = mmap.mmap(-1, num_bytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError) as exc:
+        logger.info("no huge pages (%s)", exc)
+        return None
+    memory = torch.frombuffer(mapping, dtype=torch.uint8)
+    offset = -memory.data_ptr() % _HUGE_PAGE
+    return memory[offset : offset + num_bytes]
