@@ -79,3 +79,43 @@ def test_bf16_logprobs_match_hf_bf16_within_the_stated_tolerance(llm_bf16, tiny_
                 )
     assert worst_bf16 < TOL_HF_BF16
     assert worst_widened < TOL_HF_BF16_WEIGHTS
+
+
+@pytest.mark.parametrize("num_rows", [17, 33, 100])
+@pytest.mark.parametrize("num_out, num_in", [(4096 + 45, 96), (768, 2048), (31, 64)])  # tails past 32
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_amx_products_are_bf16_products_summed_in_fp32(kernels, num_rows, num_out, num_in, has_bias):
+    """Many rows of bf16 weights take the AMX tiles (where the CPU has them): x rounded to bf16, the
+    products summed in fp32, as the few-row kernel computes them, to fp32 rounding."""
+    if not kernels.has_amx:
+        pytest.skip("this CPU (or its kernel) gives no AMX tiles: the dot kernel runs, as tested above")
+    torch.manual_seed(num_rows + num_in)
+    layer = torch.nn.Linear(num_in, num_out, bias=has_bias)
+    layer.weight.data = layer.weight.data.to(torch.bfloat16)
+    x = torch.randn(num_rows, num_in)
+    exact = x.to(torch.bfloat16).double() @ layer.weight.double().T
+    if has_bias:
+        exact += layer.bias.double()
+    scale = x.to(torch.bfloat16).double().abs() @ layer.weight.double().abs().T + 1e-30
+    without_amx = dataclasses.replace(kernels, has_amx=False)
+    with torch.inference_mode():
+        for which in (kernels, without_amx):
+            error = ((linear(layer, x, which).double() - exact).abs() / scale).max().item()
+            assert error < 1e-6, (which.has_amx, error)
+
+
+def test_amx_is_used_only_where_the_cpu_has_it(kernels):
+    """Detected at run time: the CPU's flags, and the kernel's grant of the tile state."""
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = next((line.split() for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), [])
+    if kernels.has_amx:
+        assert "amx_bf16" in flags and "amx_tile" in flags
+    assert bool(kernels.cpu_has_amx()) == kernels.has_amx
+    if not kernels.has_amx:  # then the tile product refuses, and linear() never calls it
+        out = torch.empty(20, 32)
+        x, weight = torch.randn(20, 32), torch.randn(32, 32).to(torch.bfloat16)
+        assert (
+            kernels.gemm_bf16_amx(x.data_ptr(), 20, 32, weight.data_ptr(), 32, None, out.data_ptr(), 1) == -2
+        )

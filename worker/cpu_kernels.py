@@ -27,7 +27,14 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c", "decode_forward.c")
+    for n in (
+        "decode_attention.c",
+        "logprob_rows.c",
+        "fused_ops.c",
+        "gemv.c",
+        "decode_forward.c",
+        "gemm_amx.c",
+    )
 ]
 # Part of the build key, included by the sources.
 _HEADERS = [Path(__file__).with_name(n) for n in ("vector_exp.h", "gemv_bf16_dot.h", "kernel_parts.h")]
@@ -71,12 +78,22 @@ _SIGNATURES = {
     # x, rows, K, w, N, bias, out, use_dot, num_threads
     "gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32],
     "cpu_has_bf16_dot": [],
+    # x, rows, K, w, N, bias, out, num_threads
+    "gemm_bf16_amx": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
+    "cpu_has_amx": [],
     # a, n, num_threads: a read of memory as the few-row products read (scripts/bench_decode_step.py)
     "stream_sum": [_P, _I64, _I32],
     # model params, step params, out, eps, scale (worker/fused_decode.py)
     "decode_forward": [_P, _P, _P, _F32, _F32],
 }
-_RETURNS_INT = {"decode_attention", "gemv_bf16", "cpu_has_bf16_dot", "decode_forward"}
+_RETURNS_INT = {
+    "decode_attention",
+    "gemv_bf16",
+    "cpu_has_bf16_dot",
+    "decode_forward",
+    "gemm_bf16_amx",
+    "cpu_has_amx",
+}
 
 
 @dataclass(frozen=True)
@@ -90,9 +107,12 @@ class CpuKernels:
     gemv_f32: ctypes._CFuncPtr
     gemv_bf16: ctypes._CFuncPtr
     cpu_has_bf16_dot: ctypes._CFuncPtr
+    gemm_bf16_amx: ctypes._CFuncPtr
+    cpu_has_amx: ctypes._CFuncPtr
     decode_forward: ctypes._CFuncPtr
     stream_sum: ctypes._CFuncPtr
     has_bf16_dot: bool = False  # this CPU runs AVX512-BF16's dot instruction (asked at load)
+    has_amx: bool = False  # this CPU runs AMX-BF16 and the kernel grants the tiles (asked at load)
 
 
 def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
@@ -119,7 +139,11 @@ def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
         function.argtypes = _SIGNATURES[name]
         function.restype = ctypes.c_int if name in _RETURNS_INT else None
     functions["stream_sum"].restype = ctypes.c_float
-    return CpuKernels(**functions, has_bf16_dot=bool(functions["cpu_has_bf16_dot"]()))
+    return CpuKernels(
+        **functions,
+        has_bf16_dot=bool(functions["cpu_has_bf16_dot"]()),
+        has_amx=bool(functions["cpu_has_amx"]()),
+    )
 
 
 def _library_path(compiler: str, cache_dir: Path | None) -> Path:

@@ -22,6 +22,7 @@ GEMV_MAX_ROWS = 16  # rows up to which the C fp32 product beats MKL (scripts/ben
 _ROW_CHUNK = 256  # rows per bf16 dot product call, so the activations stay in cache per weight block
 _FEW_ROWS = 128  # up to here MKL's transposed product wins on this CPU; past it the copy back costs more
 _OUT_CHUNK = 4096  # output features per product, so the transpose back reads from cache (lm_head: 2x)
+AMX_MIN_ROWS = 17  # bf16 weights from here on take the AMX tiles, where the CPU has them
 
 
 def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -49,6 +50,29 @@ def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch
     return out
 
 
+def amx_product(
+    kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x: [R, K] float32, K a multiple of 32; weight: [N, K] bfloat16, contiguous. Returns [R, N] float32:
+    gemm_amx.c's tile products for whole runs of 32 features, the few-row kernel for the rest."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    (num_rows, num_in), num_out = x.shape, weight.shape[0]
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and num_in % 32 == 0
+    out = torch.empty(num_rows, num_out)
+    bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
+    status = kernels.gemm_bf16_amx(x.data_ptr(), num_rows, num_in, weight.data_ptr(), num_out, bias_ptr,
+                                   out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    if status != 0:
+        raise MemoryError("the AMX product could not allocate its scratch memory")
+    tail = num_out % 32
+    if tail:
+        out[:, num_out - tail :] = gemv(
+            kernels, x, weight[num_out - tail :], None if bias is None else bias[num_out - tail :]
+        )
+    return out
+
+
 def linear(layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
     """x: [T, in] -> [T, out]. `kernels` are only ever loaded on the CPU; with them x is float32 and
     the weights float32 or bf16."""
@@ -57,6 +81,8 @@ def linear(layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None)
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(kernels, x, layer.weight, layer.bias)
     is_bf16 = layer.weight.dtype == torch.bfloat16
+    if is_bf16 and kernels.has_amx and x.shape[0] >= AMX_MIN_ROWS and layer.in_features % 32 == 0:
+        return amx_product(kernels, x, layer.weight, layer.bias)
     if is_bf16 and kernels.has_bf16_dot:  # 2-2.5x MKL's fp32 products at any row count
         parts = [gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.bias)
                  for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
