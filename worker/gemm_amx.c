@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_parts.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define HAS_AMX_BUILD 1
 #include <immintrin.h>
@@ -32,13 +34,6 @@ struct tile_config {
     uint8_t rows[16];
 } __attribute__((packed));
 
-static uint16_t round_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* x [rows, K] -> [row blocks of 16][K / 2 pairs][16 rows][2] bf16, zero past the last row. */
 static void pack_rows(const float *x, int64_t rows, int64_t K, uint16_t *packed) {
     const int64_t num_blocks = (rows + 15) / 16, pairs = K / 2;
@@ -47,8 +42,8 @@ static void pack_rows(const float *x, int64_t rows, int64_t K, uint16_t *packed)
             for (int64_t m = 0; m < 16; m++) {
                 const int64_t row = block * 16 + m;
                 uint16_t *to = packed + ((block * pairs + pair) * 16 + m) * 2;
-                to[0] = row < rows ? round_to_bf16(x[row * K + 2 * pair]) : 0;
-                to[1] = row < rows ? round_to_bf16(x[row * K + 2 * pair + 1]) : 0;
+                to[0] = row < rows ? to_bf16(x[row * K + 2 * pair]) : 0;
+                to[1] = row < rows ? to_bf16(x[row * K + 2 * pair + 1]) : 0;
             }
 }
 

@@ -247,13 +247,6 @@ static void range_bf16_widened(const void *x, int64_t rows, int64_t K, const voi
 #include "gemv_bf16_dot.h"
 #endif
 
-static inline uint16_t to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* Thread `thread`'s run of output features out of `num_threads`: whole blocks, as run() splits them. */
 static void thread_share(int64_t N, int thread, int num_threads, int64_t *start, int64_t *end) {
     const int64_t num_blocks = (N + NB - 1) / NB;

@@ -1,11 +1,21 @@
-/* The per-thread pieces of the CPU kernels that decode_layer.c strings together inside one parallel
+/* The per-thread pieces of the CPU kernels that decode_forward.c strings together inside one parallel
  * region: each does one token's or one thread's share of its work, with no parallel region of its
- * own. Defined in fused_ops.c, decode_attention.c and gemv.c (engine-core process).
+ * own. Defined in fused_ops.c, decode_attention.c and gemv.c; and the bf16 rounding every bf16
+ * product shares (engine-core process).
  */
 #ifndef CORESERVE_KERNEL_PARTS_H
 #define CORESERVE_KERNEL_PARTS_H
 
 #include <stdint.h>
+#include <string.h>
+
+/* fp32 -> bf16 bits, to nearest even, as torch rounds (a NaN stays a quiet NaN). */
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 /* fused_ops.c: token t of RMSNorm (of x + delta, written to sum_out, when delta is given), of
  * silu(gate) * up, and of RoPE (c, s: the token's cos and signed sin rows) with the KV-cache write. */
