@@ -163,12 +163,14 @@ def _compile(compiler: str, library: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
     try:
-        subprocess.run(
-            [compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
+        command = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        except subprocess.CalledProcessError as exc:  # an assembler too old for AMX: the rest without it
+            logger.warning(
+                "building the CPU kernels without AMX: %s", exc.stderr.decode(errors="replace")[-500:]
+            )
+            subprocess.run([*command, "-DCORESERVE_NO_AMX"], check=True, capture_output=True, timeout=120)
         os.chmod(tmp, 0o755)
         os.replace(tmp, library)
     finally:

@@ -5,7 +5,8 @@ region, instead of ten calls a layer from Python (engine-core process).
 It applies on the CPU with the C kernels when every token of the step is a decode row (one token
 with context), there are at most `FUSED_MAX_ROWS` of them, and the layers are whole (no tensor
 parallelism: the sums over ranks sit between a layer's halves). Elsewhere the op-by-op path runs;
-both give the same numbers.
+both give the same numbers (Qwen3's per-head q/k norms: to float rounding, C's RMSNorm against
+torch's). Token ids and positions are trusted as the scheduler bounds them (the C reads them).
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ def fused_step(
 
 def fused_model(model: nn.Module, caches: list[torch.Tensor]) -> FusedModel:
     """`model` (a LlamaModel on the CPU kernels) over its `caches`."""
+    assert len(caches) == len(model.layers) > 0
     layers = [layer_params(layer, cache) for layer, cache in zip(model.layers, caches)]
+    assert len({tuple(p[12:17]) + (p[18],) for p in layers}) == 1, (
+        "decode_forward.c reads one shape for all layers"
+    )
     addresses = np.array([layer.ctypes.data for layer in layers], dtype=np.int64)
     embed = model.embed_tokens.weight
     assert embed.dtype in (torch.float32, torch.bfloat16) and embed.is_contiguous()

@@ -18,7 +18,8 @@
 
 #include "kernel_parts.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+/* CORESERVE_NO_AMX: the build's second try, for an assembler that does not know the tile instructions */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && !defined(CORESERVE_NO_AMX)
 #define HAS_AMX_BUILD 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -53,6 +54,7 @@ static AMX_TARGET void configure_tiles(void) {
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    __asm__ volatile("" ::: "memory"); /* gcc's intrinsic tells it 8 of the 64 bytes are read: keep the stores */
     _tile_loadconfig(&config);
 }
 
