@@ -75,10 +75,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
-    sample_rows: torch.Tensor  # [R] int64 hidden rows whose logits are sampled
+    sample_rows: torch.Tensor | None  # [R] int64 hidden rows whose logits are sampled; None: every row
     sampled_req_ids: list[str]  # [R]
     prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
-    is_every_row_sampled: bool = False  # sample_rows is every row in order (decode): no gather needed
 
 
 def build_step_inputs(
@@ -139,10 +138,12 @@ def build_step_inputs(
         torch.tensor(ids, dtype=torch.int64, device=device),
         torch.tensor(positions, dtype=torch.int64, device=device),
         AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), seqs, decode, kernels),
-        torch.tensor(sample_rows, dtype=torch.int64, device=device),
+        # every row in order (decode): no tensor to build, no hidden states to gather
+        None
+        if sample_rows == list(range(row))
+        else torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sampled_req_ids,
         jobs,
-        sample_rows == list(range(row)),
     )
 
 
@@ -154,15 +155,7 @@ def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:
     positions = inputs.positions + 1
     decode = decode.next_step()
     attn = AttentionMetadata(decode.next_slots(positions), [], decode, inputs.attn.kernels)
-    return StepInputs(
-        input_ids,
-        positions,
-        attn,
-        inputs.sample_rows,
-        inputs.sampled_req_ids,
-        [],
-        inputs.is_every_row_sampled,
-    )
+    return StepInputs(input_ids, positions, attn, inputs.sample_rows, inputs.sampled_req_ids)
 
 
 def _stack_tables(tables: list[np.ndarray]) -> np.ndarray:

@@ -123,7 +123,7 @@ class ModelRunner:
         device_tensors, logprob_req_ids = [], []
         if sampling_states:
             meta = build_sampling_metadata(sampling_states, self.vocab_size, self.device)
-            sampled_hidden = hidden if inputs.is_every_row_sampled else hidden[inputs.sample_rows]
+            sampled_hidden = hidden if inputs.sample_rows is None else hidden[inputs.sample_rows]
             out = self._agreed(self.sampler(self.model.compute_logits(sampled_hidden), meta))
             device_tensors.append(out.sampled.unsqueeze(1))
             if out.logprobs is not None:
