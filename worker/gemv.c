@@ -247,26 +247,19 @@ static void range_bf16_widened(const void *x, int64_t rows, int64_t K, const voi
 #include "gemv_bf16_dot.h"
 #endif
 
-/* Thread `thread`'s run of output features out of `num_threads`: whole blocks, as run() splits them. */
-static void thread_share(int64_t N, int thread, int num_threads, int64_t *start, int64_t *end) {
-    const int64_t num_blocks = (N + NB - 1) / NB;
-    *start = num_blocks * thread / num_threads * NB;
-    *end = num_blocks * (thread + 1) / num_threads * NB;
-    if (*end > N) *end = N;
-}
-
 /* Splits the output features between the threads in whole blocks; one thread for small work. */
 static void run(range_fn fn, const void *x, int64_t rows, int64_t K, const void *w, int64_t N,
                 const float *bias, float *out, int32_t num_threads) {
+    const int64_t num_blocks = (N + NB - 1) / NB;
     if (N * K <= SMALL_WORK || num_threads <= 1) { /* no parallel region: even one not taken costs ~2 us */
         fn(x, rows, K, w, N, bias, out, 0, N);
         return;
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        int64_t start, end;
-        thread_share(N, omp_get_thread_num(), omp_get_num_threads(), &start, &end);
-        if (start < end) fn(x, rows, K, w, N, bias, out, start, end);
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t start = num_blocks * t / nt * NB, end = num_blocks * (t + 1) / nt * NB;
+        if (start < N) fn(x, rows, K, w, N, bias, out, start, end < N ? end : N);
     }
 }
 
@@ -285,29 +278,34 @@ int32_t cpu_has_bf16_dot(void) {
 #endif
 }
 
+/* The bf16 product to run (the dot instruction's where asked for and present, else the widening
+ * one) and x rounded to bf16 into scratch as it reads it: bf16 bits for the dot, fp32 otherwise.
+ * scratch: rows * K + 32 elements of 4 bytes. */
+static range_fn bf16_product(const float *x, int64_t count, int32_t use_dot, void *scratch) {
+#ifdef HAS_BF16_DOT_BUILD
+    if (use_dot && cpu_has_bf16_dot()) {
+        uint16_t *packed = scratch;
+        for (int64_t i = 0; i < count; i++) packed[i] = to_bf16(x[i]);
+        return range_bf16_dot;
+    }
+#endif
+    (void)use_dot;
+    float *rounded = scratch;
+    for (int64_t i = 0; i < count; i++) {
+        const uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
+        memcpy(rounded + i, &bits, sizeof bits);
+    }
+    return range_bf16_widened;
+}
+
 /* w: [N, K] bf16 bits. use_dot: take the dot instruction (only where cpu_has_bf16_dot()).
  * Returns 0, or -1 when scratch memory could not be allocated. */
 int32_t gemv_bf16(const float *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
                   const float *bias, float *out, int32_t use_dot, int32_t num_threads) {
-    const int64_t count = rows * K;
-#ifdef HAS_BF16_DOT_BUILD
-    if (use_dot && cpu_has_bf16_dot()) {
-        uint16_t *packed = malloc(sizeof(uint16_t) * (count + 32));
-        if (!packed) return -1;
-        for (int64_t i = 0; i < count; i++) packed[i] = to_bf16(x[i]);
-        run(range_bf16_dot, packed, rows, K, w, N, bias, out, num_threads);
-        free(packed);
-        return 0;
-    }
-#endif
-    float *rounded = malloc(sizeof(float) * (count + 16));
-    if (!rounded) return -1;
-    for (int64_t i = 0; i < count; i++) {
-        uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
-        memcpy(rounded + i, &bits, sizeof bits);
-    }
-    run(range_bf16_widened, rounded, rows, K, w, N, bias, out, num_threads);
-    free(rounded);
+    float *scratch = malloc(sizeof(float) * (rows * K + 32));
+    if (!scratch) return -1;
+    run(bf16_product(x, rows * K, use_dot, scratch), scratch, rows, K, w, N, bias, out, num_threads);
+    free(scratch);
     return 0;
 }
 
@@ -320,26 +318,8 @@ int32_t gemv_bf16(const float *x, int64_t rows, int64_t K, const uint16_t *w, in
  * rows * K + 32 elements of 4 bytes, the thread's own, for x rounded to bf16. */
 void gemv_share(const float *x, int64_t rows, int64_t K, const void *w, int32_t is_bf16, int32_t use_dot,
                 int64_t N, const float *bias, float *out, void *scratch, int64_t *cursor, int num_threads) {
-    const void *input = x;
-    range_fn fn = range_f32;
-    if (is_bf16) {
-        const int64_t count = rows * K;
-        fn = range_bf16_widened;
-#ifdef HAS_BF16_DOT_BUILD
-        if (use_dot && cpu_has_bf16_dot()) fn = range_bf16_dot;
-#endif
-        if (fn == range_bf16_widened) {
-            float *rounded = scratch;
-            for (int64_t i = 0; i < count; i++) {
-                uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
-                memcpy(rounded + i, &bits, sizeof bits);
-            }
-        } else {
-            uint16_t *packed = scratch;
-            for (int64_t i = 0; i < count; i++) packed[i] = to_bf16(x[i]);
-        }
-        input = scratch;
-    }
+    const range_fn fn = is_bf16 ? bf16_product(x, rows * K, use_dot, scratch) : range_f32;
+    const void *input = is_bf16 ? scratch : (const void *)x;
     int64_t start = __atomic_load_n(cursor, __ATOMIC_RELAXED);
     while (start < N) {
         int64_t size = (N - start) / (2 * num_threads);
