@@ -86,13 +86,20 @@ _SIGNATURES = {
     # model params, step params, out, eps, scale (worker/fused_decode.py)
     "decode_forward": [_P, _P, _P, _F32, _F32],
 }
-_RETURNS_INT = {
-    "decode_attention",
-    "gemv_bf16",
-    "cpu_has_bf16_dot",
-    "decode_forward",
-    "gemm_bf16_amx",
-    "cpu_has_amx",
+# What the functions return; the others return nothing.
+_RESTYPES = {
+    **dict.fromkeys(
+        (
+            "decode_attention",
+            "gemv_bf16",
+            "cpu_has_bf16_dot",
+            "decode_forward",
+            "gemm_bf16_amx",
+            "cpu_has_amx",
+        ),
+        ctypes.c_int,
+    ),
+    "stream_sum": ctypes.c_float,
 }
 
 
@@ -137,8 +144,7 @@ def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
         return None
     for name, function in functions.items():
         function.argtypes = _SIGNATURES[name]
-        function.restype = ctypes.c_int if name in _RETURNS_INT else None
-    functions["stream_sum"].restype = ctypes.c_float
+        function.restype = _RESTYPES.get(name)
     return CpuKernels(
         **functions,
         has_bf16_dot=bool(functions["cpu_has_bf16_dot"]()),
