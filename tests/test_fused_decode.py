@@ -42,9 +42,18 @@ def decode_states(num_rows: int, prompt_len: int) -> list[RequestState]:
     return states
 
 
+def count_fused_forwards(model) -> list[int]:
+    """A list that grows by one each time the model's fused forward really runs."""
+    calls, fused_forward = [], model._fused_forward
+    model._fused_forward = lambda *args: calls.append(1) or fused_forward(*args)
+    return calls
+
+
 def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> list[torch.Tensor]:
-    """Prefill (op by op), then `num_steps` decode steps fused or op by op; the decode steps' hidden states."""
+    """Prefill (op by op), then `num_steps` decode steps fused or op by op; the decode steps' hidden
+    states. Checks that the fused forward ran exactly where it was to run."""
     model.can_fuse_decode = fuse
+    fused_forwards = count_fused_forwards(model)
     device, hidden = torch.device("cpu"), []
     for state in states:
         state.num_computed_tokens = 0
@@ -63,6 +72,8 @@ def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> lis
                 len(states) <= FUSED_MAX_ROWS
             )
             hidden.append(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
+    del model._fused_forward  # the class's own again
+    assert len(fused_forwards) == (num_steps if fuse and len(states) <= FUSED_MAX_ROWS else 0)
     return hidden
 
 
@@ -91,10 +102,8 @@ def test_fused_forward_equals_the_op_by_op_path(kernels, family_model, family, d
 
 def test_past_the_fused_row_count_the_op_by_op_path_runs(kernels, family_model):
     model, caches = model_and_caches(family_model("llama3.1"), torch.float32, kernels)
-    fused_forwards = []
-    model._fused_forward = lambda *args: fused_forwards.append(1)  # must never be reached
-    run_steps(model, kernels, decode_states(FUSED_MAX_ROWS + 1, prompt_len=9), caches, num_steps=1, fuse=True)
-    assert fused_forwards == []
+    states = decode_states(FUSED_MAX_ROWS + 1, prompt_len=9)
+    run_steps(model, kernels, states, caches, num_steps=1, fuse=True)  # asserts no fused forward ran
 
 
 def test_bf16_fallback_without_the_dot_instruction_agrees_too(kernels, family_model):
@@ -119,7 +128,8 @@ def test_a_strided_column_of_sampled_tokens_is_read_as_its_values(kernels, tiny_
     inputs = build_step_inputs(states, [1] * 3, BLOCK_SIZE, torch.device("cpu"), kernels)
     strided = torch.stack([inputs.input_ids, torch.zeros_like(inputs.input_ids)], dim=1)[:, 0]
     assert not strided.is_contiguous()
+    fused_forwards = count_fused_forwards(model)
     with torch.inference_mode():
         expected = model(inputs.input_ids, inputs.positions, caches, inputs.attn)
         got = model(strided, inputs.positions, caches, inputs.attn)
-    assert torch.equal(got, expected)
+    assert len(fused_forwards) == 2 and torch.equal(got, expected)

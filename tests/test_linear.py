@@ -11,7 +11,7 @@ from conftest import PROMPTS, hf_logprobs
 
 from frontend import LLM, SamplingParams
 from worker.cpu_kernels import load_cpu_kernels
-from worker.linear import linear
+from worker.linear import amx_product, linear
 from worker.model_runner import ModelRunner
 
 # scripts/compare_bf16_logprobs.py measured on `tiny` (docs/decisions.md, CPU kernels): the largest
@@ -99,9 +99,15 @@ def test_amx_products_are_bf16_products_summed_in_fp32(kernels, num_rows, num_ou
     scale = x.to(torch.bfloat16).double().abs() @ layer.weight.double().abs().T + 1e-30
     without_amx = dataclasses.replace(kernels, has_amx=False)
     with torch.inference_mode():
-        for which in (kernels, without_amx):
-            error = ((linear(layer, x, which).double() - exact).abs() / scale).max().item()
-            assert error < 1e-6, (which.has_amx, error)
+        through_linear = linear(layer, x, kernels)
+        tiles = amx_product(kernels, x, layer.weight, layer.bias)
+        assert torch.equal(through_linear, tiles)  # linear() took the tiles
+        dot = linear(layer, x, without_amx)
+    for which, out in (("amx", tiles), ("dot", dot)):
+        error = ((out.double() - exact).abs() / scale).max().item()
+        assert error < 1e-6, (which, error)
+    if num_out >= 32:  # other sums: the fallback really is another path (31 features are all tail)
+        assert not torch.equal(tiles, dot)
 
 
 def test_amx_is_used_only_where_the_cpu_has_it(kernels):
