@@ -124,8 +124,9 @@ class EngineCore:
                 return f"{name}={k} is more than max_logprobs={limit}"
             if k is not None and k > self.vocab_size:
                 return f"{name}={k} is more than the vocabulary ({self.vocab_size} tokens)"
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids or ()):
-            return f"stop token ids must be in [0, {self.vocab_size})"
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            if any(not 0 <= t < self.vocab_size for t in getattr(params, name) or ()):
+                return f"{name} must be token ids in [0, {self.vocab_size}) (the vocabulary size)"
         if core_req_id(client_id, request.req_id) in self.scheduler.requests:
             return f"request id {request.req_id!r} is already in flight"
         max_len = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)

@@ -98,8 +98,7 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._key_of:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        text, token_ids = self._parts.inputs.tokenize(prompt)
-        self._parts.inputs.validate(token_ids, params)
+        text, token_ids = self._parts.inputs.process(prompt, params)
         key = f"{request_id}@{next(self._serials)}"
         stream = _Stream(request_id, asyncio.Queue())
         self._streams[key], self._key_of[request_id] = stream, key

@@ -25,7 +25,22 @@ class InputProcessor:
         self.facts = facts
         self.core_max_model_len = core_max_model_len or facts.max_model_len
 
+    def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and its token ids, truncated as `params` asks
+        (`truncate_prompt_tokens`: the last N), validated against the core's facts."""
+        text, token_ids = self.tokenize(prompt)
+        if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
+            keep = params.truncate_prompt_tokens
+            keep = self.facts.max_model_len - 1 if keep == -1 else keep  # -1: the most that leaves room
+            token_ids = token_ids[-keep:]
+        self.validate(token_ids, params)
+        return text, token_ids
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt" in prompt and "prompt_token_ids" not in prompt:
+            prompt = prompt["prompt"]  # vLLM's TextPrompt
+            if not isinstance(prompt, str):
+                raise ValueError(f'a {{"prompt": ...}} dict holds a string, got {type(prompt).__name__}')
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -78,9 +93,9 @@ class InputProcessor:
                 )
             if k is not None and k > facts.vocab_size:
                 raise ValueError(f"{name}={k} is more than the vocabulary ({facts.vocab_size} tokens)")
-        bad_stop = [t for t in params.stop_token_ids or () if not 0 <= t < facts.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop token id {bad_stop[0]} is out of vocabulary")
+        _check_token_ids("stop_token_ids", params.stop_token_ids or (), facts.vocab_size)
+        _check_token_ids("logit_bias", params.logit_bias or (), facts.vocab_size)
+        _check_token_ids("allowed_token_ids", params.allowed_token_ids or (), facts.vocab_size)
         max_len = min(num + (params.max_tokens or facts.max_model_len), facts.max_model_len)
         needed = -(-max_len // facts.block_size)
         if needed > facts.num_kv_blocks:
@@ -88,3 +103,12 @@ class InputProcessor:
                 f"the request may need {needed} KV blocks ({max_len} tokens), but the cache has "
                 f"{facts.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
             )
+
+
+def _check_token_ids(field: str, token_ids, vocab_size: int) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"{field}: token id {bad} is out of vocabulary (the vocabulary has {vocab_size} tokens, "
+            f"ids 0..{vocab_size - 1})"
+        )

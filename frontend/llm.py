@@ -52,8 +52,7 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(prompts))
         requests = []
         for prompt, p in zip(prompts, params):
-            text, token_ids = self.input_processor.tokenize(prompt)
-            self.input_processor.validate(token_ids, p)
+            text, token_ids = self.input_processor.process(prompt, p)
             requests.append((str(next(self._ids)), text, token_ids, p))
         request_ids = [r[0] for r in requests]
         try:

@@ -26,6 +26,9 @@ PositiveInt64 = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 NonNegativeInt64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 LogprobsK = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]  # -1: the whole vocabulary
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+# Below the vocabulary size too: checked against the handshake's facts (frontend) and by the core.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]  # OpenAI's range for logit_bias values
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -54,6 +57,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: LogprobsK | None = None
     prompt_logprobs: LogprobsK | None = None
     logprobs_mode: LogprobsMode | None = None
+    # Added to the logits of these tokens before sampling (after penalties, before temperature).
+    logit_bias: dict[TokenId, Bias] | None = None
+    # Only these tokens may be sampled: every other logit is -inf before sampling.
+    allowed_token_ids: list[TokenId] | None = None
+    # Keep only the last N prompt tokens (left truncation); -1: the most the model allows.
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
@@ -75,6 +84,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {exc}") from None
         checks = [
             (not self.stop or all(self.stop), "stop strings must not be empty"),
+            (self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every token)"),
+            (self.truncate_prompt_tokens != 0, "truncate_prompt_tokens must be at least 1, or -1"),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
@@ -88,6 +99,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this request's logits before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def is_greedy(self) -> bool:
