@@ -24,7 +24,7 @@ from protocol.messages import (
 )
 from protocol.model_facts import eos_token_ids, tokenizer_fingerprint
 from worker.model_runner import ModelRunner
-from worker.tp_executor import TensorParallelRunner
+from worker.parallel.executor import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 

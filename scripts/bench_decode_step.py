@@ -31,8 +31,8 @@ from engine_core.core import EngineCore  # noqa: E402
 from frontend.engine_args import load_tokenizer, make_config  # noqa: E402
 from protocol.messages import EngineCoreRequest  # noqa: E402
 from protocol.sampling_params import SamplingParams  # noqa: E402
-from worker.huge_pages import huge_page_bytes  # noqa: E402
-from worker.linear import linear  # noqa: E402
+from worker.cpu.huge_pages import huge_page_bytes  # noqa: E402
+from worker.cpu.linear import linear  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

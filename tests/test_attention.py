@@ -8,7 +8,7 @@ import torch
 
 from protocol.sampling_params import SamplingParams
 from worker.attention import paged_attention
-from worker.cpu_kernels import load_cpu_kernels
+from worker.cpu.kernels import load_cpu_kernels
 from worker.input_batch import RequestState, build_step_inputs
 from worker.models.loader import load_model
 

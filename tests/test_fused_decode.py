@@ -1,4 +1,4 @@
-"""The fused decode forward (worker/fused_decode.py, worker/decode_forward.c) against the op-by-op path
+"""The fused decode forward (worker/cpu/fused_decode.py, worker/cpu/csrc/decode_forward.c) against the op-by-op path
 of the same model on the same paged cache: bit for bit, for every family's features (q/k/v and o
 biases, sliding window, tied embeddings, Qwen3's q/k norms to float rounding), fp32 and bf16
 weights, with and without the bf16 dot instruction, one row and many."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from protocol.sampling_params import SamplingParams
-from worker.cpu_kernels import load_cpu_kernels
-from worker.fused_decode import FUSED_MAX_ROWS, fused_step
+from worker.cpu.fused_decode import FUSED_MAX_ROWS, fused_step
+from worker.cpu.kernels import load_cpu_kernels
 from worker.input_batch import RequestState, build_step_inputs
 from worker.models.loader import load_model
 

@@ -1,10 +1,10 @@
-"""worker/huge_pages.py: the linear weights move into one huge-page mapping, values and ties intact."""
+"""worker/cpu/huge_pages.py: the linear weights move into one huge-page mapping, values and ties intact."""
 
 from __future__ import annotations
 
 import torch
 
-from worker.huge_pages import move_linear_weights_to_huge_pages
+from worker.cpu.huge_pages import move_linear_weights_to_huge_pages
 from worker.models.loader import load_model
 
 

@@ -1,4 +1,4 @@
-"""worker/linear.py: each row count takes a path that agrees with torch; bf16 weights on the CPU
+"""worker/cpu/linear.py: each row count takes a path that agrees with torch; bf16 weights on the CPU
 (fp32 activations, bf16 products) against Hugging Face's bf16 run, with the stated tolerances."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from conftest import PROMPTS, hf_logprobs
 
 from frontend import LLM, SamplingParams
-from worker.cpu_kernels import load_cpu_kernels
-from worker.linear import amx_product, linear
+from worker.cpu.kernels import load_cpu_kernels
+from worker.cpu.linear import amx_product, linear
 from worker.model_runner import ModelRunner
 
 # scripts/compare_bf16_logprobs.py measured on `tiny` (docs/decisions.md, CPU kernels): the largest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.cpu_kernels import argmax_rows, load_cpu_kernels
+from worker.cpu.kernels import argmax_rows, load_cpu_kernels
 from worker.logprobs import gather_logprobs, top_logprobs
 
 

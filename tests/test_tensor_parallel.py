@@ -1,4 +1,4 @@
-"""Tensor parallelism (worker/tp_executor.py, worker/tp_worker.py, worker/models/tensor_parallel.py):
+"""Tensor parallelism (worker/parallel/executor.py, worker/parallel/rank.py, worker/parallel/sharding.py):
 `tensor_parallel_size=2` on the CPU, two gloo ranks of one thread each, gives `tensor_parallel_size=1`'s
 greedy tokens and its logprobs within 1e-4, in process and as a daemon; a dead rank stops the engine
 with an error instead of a hang."""
@@ -20,7 +20,7 @@ from protocol.sampling_params import SamplingParams
 from tests.conftest import BATCH_SHAPE_TOLERANCE, PROMPTS, assert_same_positions, running_daemon
 from worker.models.config import LlamaArgs
 from worker.models.loader import read_config
-from worker.models.tensor_parallel import Shard, rank_part, shard_args
+from worker.parallel.sharding import Shard, rank_part, shard_args
 
 TP2 = dict(tensor_parallel_size=2, num_threads=1)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=3)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.cpu_kernels import CpuKernels, decode_attention
+from worker.cpu.kernels import CpuKernels, decode_attention
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from protocol.sampling_params import SamplingParams
 from protocol.step import NewRequestData
 from worker.attention import AttentionMetadata, DecodeRows, SeqSpan, decode_gather
-from worker.cpu_kernels import CpuKernels
+from worker.cpu.kernels import CpuKernels
 
 
 @dataclass

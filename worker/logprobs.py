@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.cpu_kernels import CpuKernels, logprob_rows
+from worker.cpu.kernels import CpuKernels, logprob_rows
 
 PROMPT_LOGITS_SLICE_ROWS = 256  # prompt positions per lm_head slice: bounds memory to rows x vocab floats
 

@@ -11,15 +11,15 @@ import numpy as np
 import torch
 
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
-from worker.cpu_kernels import load_cpu_kernels
-from worker.huge_pages import move_linear_weights_to_huge_pages
+from worker.cpu.huge_pages import move_linear_weights_to_huge_pages
+from worker.cpu.kernels import load_cpu_kernels
 from worker.input_batch import RequestState, build_step_inputs, next_window_step
 from worker.logprobs import copy_to_host, prompt_logprobs
 from worker.models.loader import load_model
-from worker.models.tensor_parallel import Shard
+from worker.parallel.group import TensorParallelGroup
+from worker.parallel.sharding import Shard
 from worker.sampler import Sampler, SamplerOutput, advance_penalties
 from worker.sampling_metadata import build_sampling_metadata, next_sampling_step
-from worker.tp_group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 

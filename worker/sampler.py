@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.cpu_kernels import CpuKernels, argmax_rows
+from worker.cpu.kernels import CpuKernels, argmax_rows
 from worker.logprobs import gather_logprobs, top_logprobs
 
 

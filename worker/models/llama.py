@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention, write_kv
-from worker.cpu_kernels import CpuKernels, rms_norm, rope_write_kv, silu_mul
-from worker.fused_decode import FusedModel, FusedStep, decode_forward, fused_model, fused_step
-from worker.linear import linear
+from worker.cpu.fused_decode import FusedModel, FusedStep, decode_forward, fused_model, fused_step
+from worker.cpu.kernels import CpuKernels, rms_norm, rope_write_kv, silu_mul
+from worker.cpu.linear import linear
 from worker.models.config import LlamaArgs
 from worker.models.rope import RopeSpec, cos_sin_tables
 
@@ -177,7 +177,7 @@ class LlamaModel(nn.Module):
         return self.norm(x, self.cpu_kernels)
 
     def _fused_forward(self, caches: list[torch.Tensor], step: FusedStep) -> torch.Tensor:
-        """A few-row decode step in one C call (worker/fused_decode.py): the numbers of the path above."""
+        """A few-row decode step in one C call (worker/cpu/fused_decode.py): the numbers of the path above."""
         assert self.cpu_kernels is not None
         if self._fused is None or not self._fused.is_for(caches):
             self._fused = fused_model(self, caches)

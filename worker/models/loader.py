@@ -16,7 +16,7 @@ import torch
 from worker.models.config import LlamaArgs
 from worker.models.llama import LlamaModel, Rotary
 from worker.models.safetensors_files import list_tensors, read_into, read_tensor
-from worker.models.tensor_parallel import Shard, is_split, rank_part, shard_args
+from worker.parallel.sharding import Shard, is_split, rank_part, shard_args
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def load_model(
     model_dir: str, dtype: str | torch.dtype, device: torch.device, shard: Shard | None = None
 ) -> LlamaModel:
     """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"). `shard`: this
-    rank's part of a tensor-parallel model (its heads and MLP columns; worker/models/tensor_parallel.py)."""
+    rank's part of a tensor-parallel model (its heads and MLP columns; worker/parallel/sharding.py)."""
     args = LlamaArgs.from_hf_config(read_config(model_dir))
     if shard is not None:
         args = shard_args(args, shard.size)

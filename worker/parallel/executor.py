@@ -1,5 +1,5 @@
 """TensorParallelRunner: the engine core's ModelRunner when `tensor_parallel_size` > 1. It starts one
-worker process per rank (worker/tp_worker.py), sends each step's SchedulerOutput to all of them and
+worker process per rank (worker/parallel/rank.py), sends each step's SchedulerOutput to all of them and
 returns rank 0's output (engine-core process).
 
 It answers the core as a ModelRunner does (model_args, bytes_per_block, allocate_kv_cache, execute,
@@ -24,8 +24,7 @@ import zmq
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.models.config import LlamaArgs
 from worker.models.loader import read_config
-from worker.models.tensor_parallel import shard_args
-from worker.tp_messages import (
+from worker.parallel.messages import (
     AllocateKvCache,
     Done,
     Execute,
@@ -37,6 +36,7 @@ from worker.tp_messages import (
     WorkerSpec,
     from_wire,
 )
+from worker.parallel.sharding import shard_args
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class TensorParallelRunner:
 
 
 def _spawn(spec: WorkerSpec) -> subprocess.Popen:
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "worker.tp_worker", msgspec.json.encode(spec).decode()]
+    command = [sys.executable, "-m", "worker.parallel.rank", msgspec.json.encode(spec).decode()]
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)

@@ -4,7 +4,7 @@
  * keys, then its values, block by block, straight from the cache (no gather copy), for all the query
  * heads that share it (grouped-query attention). Softmax in float32, as the torch path does (exp on
  * 8 lanes, within 2 ulp).
- * Built by worker/cpu_kernels.py with the OpenMP runtime torch already loaded.
+ * Built by worker/cpu/kernels.py with the OpenMP runtime torch already loaded.
  */
 #include <math.h>
 #include <stdint.h>

@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).with_name(n)
+    Path(__file__).with_name("csrc") / n
     for n in (
         "decode_attention.c",
         "logprob_rows.c",
@@ -37,7 +37,7 @@ _SOURCES = [
     )
 ]
 # Part of the build key, included by the sources.
-_HEADERS = [Path(__file__).with_name(n) for n in ("vector_exp.h", "gemv_bf16_dot.h", "kernel_parts.h")]
+_HEADERS = [Path(__file__).with_name("csrc") / n for n in ("vector_exp.h", "gemv_bf16_dot.h", "kernel_parts.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -83,7 +83,7 @@ _SIGNATURES = {
     "cpu_has_amx": [],
     # a, n, num_threads: a read of memory as the few-row products read (scripts/bench_decode_step.py)
     "stream_sum": [_P, _I64, _I32],
-    # model params, step params, out, eps, scale (worker/fused_decode.py)
+    # model params, step params, out, eps, scale (worker/cpu/fused_decode.py)
     "decode_forward": [_P, _P, _P, _F32, _F32],
 }
 # What the functions return; the others return nothing.

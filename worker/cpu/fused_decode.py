@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from worker.attention import AttentionMetadata
-from worker.cpu_kernels import CpuKernels
-from worker.linear import GEMV_MAX_ROWS
+from worker.cpu.kernels import CpuKernels
+from worker.cpu.linear import GEMV_MAX_ROWS
 
 FUSED_MAX_ROWS = GEMV_MAX_ROWS  # the few-row products' range: past it prefill-sized products win
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.cpu_kernels import CpuKernels
+from worker.cpu.kernels import CpuKernels
 
 GEMV_MAX_ROWS = 16  # rows up to which the C fp32 product beats MKL (scripts/bench_gemv.py)
 _ROW_CHUNK = 256  # rows per bf16 dot product call, so the activations stay in cache per weight block

@@ -1,5 +1,5 @@
 """A tensor-parallel worker process: one rank's ModelRunner, driven by the engine core over a ZeroMQ
-PAIR socket (`python -m worker.tp_worker SPEC_JSON`, started by worker/tp_executor.py).
+PAIR socket (`python -m worker.parallel.rank SPEC_JSON`, started by worker/parallel/executor.py).
 
 Every rank runs every step on the same SchedulerOutput; the ranks meet inside the model (one sum per
 layer half) and at sampling (rank 0's tokens). Rank 0 sends the step's output back; the others only
@@ -17,7 +17,7 @@ import time
 import msgspec
 import zmq
 
-from worker.tp_messages import (
+from worker.parallel.messages import (
     AllocateKvCache,
     Done,
     Execute,
@@ -62,7 +62,7 @@ def _start(spec: WorkerSpec, sock: zmq.Socket):
     import torch
 
     from worker.model_runner import ModelRunner
-    from worker.tp_group import TensorParallelGroup
+    from worker.parallel.group import TensorParallelGroup
 
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)

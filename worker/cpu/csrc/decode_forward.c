@@ -19,7 +19,7 @@
 
 #include "kernel_parts.h"
 
-/* model[]: what every step of the model shares (worker/fused_decode.py keeps the order). */
+/* model[]: what every step of the model shares (worker/cpu/fused_decode.py keeps the order). */
 enum { M_EMBED, M_EMBED_IS_BF16, M_FINAL_NORM, M_COS, M_SIGNED_SIN, M_NUM_LAYERS, M_LAYERS, M_COUNT };
 /* layer[]: a layer's weights and shapes (every layer of one model has the same shapes). */
 enum {

@@ -1,5 +1,5 @@
 """One rank's membership of a tensor-parallel group: torch.distributed over gloo on the CPU, NCCL on
-CUDA (a tensor-parallel worker process; worker/tp_worker.py).
+CUDA (a tensor-parallel worker process; worker/parallel/rank.py).
 
 The group meets through a FileStore in the folder the core made for its workers: no port to pick,
 nothing listening on the network.
