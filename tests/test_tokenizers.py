@@ -8,7 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from conftest import SHARED_TOKENIZERS
+from real_tokenizers import real_tokenizer_path
 
 from frontend import LLM, AsyncLLM, SamplingParams
 from frontend.token_text import IncrementalDetokenizer, TokenTable
@@ -30,7 +30,7 @@ def tokenizer_case(request, family_model):
     name = request.param
     return (
         name,
-        AutoTokenizer.from_pretrained(str(SHARED_TOKENIZERS / name)),
+        AutoTokenizer.from_pretrained(real_tokenizer_path(name)),
         family_model(TOKENIZER_FAMILIES[name]),
     )
 
