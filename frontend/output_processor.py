@@ -32,6 +32,7 @@ class CompletionState:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0  # streaming: what earlier deltas already carried
     num_sent_chars: int = 0
+    has_sent_finish: bool = False  # streaming: a finished completion is in one delta, never after
 
     @property
     def text(self) -> str:
@@ -256,7 +257,11 @@ def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
 
 
 def make_request_output(state: RequestState) -> RequestOutput:
-    completions = [_completion_output(c, state.is_delta) for c in state.completions]
+    """Streaming with n > 1: a delta carries only the completions this step changed (new tokens or
+    text, or the finish), so that a finished completion is never sent again; n = 1 always has its one."""
+    is_parent = len(state.completions) > 1
+    completions = [_completion_output(c, state.is_delta, is_parent) for c in state.completions]
+    completions = [c for c in completions if c is not None]
     prompt_logprobs = state.prompt_logprobs
     if state.is_delta:  # the first delta that has them carries them; later deltas carry None
         prompt_logprobs = None if state.has_sent_prompt_logprobs else prompt_logprobs
@@ -273,7 +278,8 @@ def make_request_output(state: RequestState) -> RequestOutput:
     )
 
 
-def _completion_output(c: CompletionState, is_delta: bool) -> CompletionOutput:
+def _completion_output(c: CompletionState, is_delta: bool, can_skip: bool) -> CompletionOutput | None:
+    """The whole completion, or (streaming) what is new since the last delta: None when nothing is."""
     if not is_delta:
         return CompletionOutput(
             c.index,
@@ -289,6 +295,9 @@ def _completion_output(c: CompletionState, is_delta: bool) -> CompletionOutput:
         text = text[: max(c.num_sent_chars, len(text) - max(len(s) for s in c.params.stop) + 1)]
     token_ids = c.token_ids[c.num_sent_tokens :]
     logprobs = c.logprobs[c.num_sent_tokens :] if c.logprobs is not None else None
+    is_new_finish = c.finish_reason is not None and not c.has_sent_finish
+    if can_skip and not token_ids and len(text) == c.num_sent_chars and not is_new_finish:
+        return None
     delta = CompletionOutput(
         c.index,
         text[c.num_sent_chars :],
@@ -299,4 +308,5 @@ def _completion_output(c: CompletionState, is_delta: bool) -> CompletionOutput:
         c.stop_reason,
     )
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
+    c.has_sent_finish = c.finish_reason is not None
     return delta

@@ -124,3 +124,23 @@ def test_shutdown_ends_open_streams_with_engine_dead_error(tiny_path):
 
     engine = AsyncLLM(tiny_path, multiprocess=False, num_kv_blocks=256)
     asyncio.run(main(engine))
+
+
+def test_n_greater_than_one_streams_each_finished_completion_once(engine, llm_inproc):
+    """A delta of an n > 1 request carries only the completions that changed: a finished one appears
+    once, with its finish reason, and never after (issue 20)."""
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=24, stop=["e"], ignore_eos=True)
+    deltas = asyncio.run(collect(engine, PROMPTS[0], params, "n3-stream"))
+    expected = llm_inproc.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs
+    finished_at = {}
+    for step, delta in enumerate(deltas):
+        for completion in delta.outputs:
+            assert completion.index not in finished_at, f"completion {completion.index} sent after its finish"
+            if completion.finish_reason is not None:
+                finished_at[completion.index] = step
+    assert sorted(finished_at) == [0, 1, 2] and len(set(finished_at.values())) > 1  # staggered finishes
+    for want in expected:
+        pieces = [c for d in deltas for c in d.outputs if c.index == want.index]
+        assert "".join(c.text for c in pieces) == want.text
+        assert [t for c in pieces for t in c.token_ids] == want.token_ids
+        assert pieces[-1].finish_reason == want.finish_reason
