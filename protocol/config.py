@@ -23,7 +23,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_gib: float = 2.0
     seed: int = 0
     max_logprobs: int = 20  # -1: the whole vocabulary may be asked for
-    logprobs_mode: LogprobsMode = "raw"
+    logprobs_mode: LogprobsMode = "raw_logprobs"
     # "auto": the checkpoint's torch_dtype (an fp16 checkpoint runs in fp32 on the CPU; docs/models.md)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
@@ -70,7 +70,9 @@ ENGINE_ARG_HELP = {
     "kv_cache_gib": "most memory for the KV cache in GiB when num_kv_blocks is not given (default 2.0)",
     "seed": "seed of the engine's sampling for requests without their own (default 0)",
     "max_logprobs": "most logprobs a request may ask for; -1: the whole vocabulary (default 20)",
-    "logprobs_mode": "raw: log_softmax of the model's logits; processed: after penalties, temperature, top-k/p",
+    "logprobs_mode": "raw_logprobs (the default): log_softmax of the model's logits; processed_logprobs: "
+    "after logit_bias, allowed_token_ids, penalties, temperature, top-k/p/min-p; raw_logits and "
+    "processed_logits: the logits themselves (raw and processed are the older names of the first two)",
     "dtype": "weights and activations: auto (the checkpoint's; fp16 runs as fp32 on the CPU), float32, "
     "bfloat16 or float16",
     "device": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda",

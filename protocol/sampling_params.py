@@ -15,7 +15,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
-LogprobsMode = Literal["raw", "processed"]
+# vLLM's names: logprobs or logits, of the model's output (raw) or after every logit rule, penalty,
+# temperature and filter (processed). "raw" and "processed" are the older names of the logprobs modes.
+LogprobsMode = Literal[
+    "raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits", "raw", "processed"
+]
+LOGPROBS_MODES: tuple[str, ...] = typing.get_args(LogprobsMode)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 1024  # completions per prompt: each is a core request; a bound keeps one call from flooding the core
@@ -57,7 +62,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: LogprobsK | None = None
     prompt_logprobs: LogprobsK | None = None
     logprobs_mode: LogprobsMode | None = None
-    # Added to the logits of these tokens before sampling (after penalties, before temperature).
+    # Added to the logits of these tokens before sampling (after allowed_token_ids, before penalties).
     logit_bias: dict[TokenId, Bias] | None = None
     # Only these tokens may be sampled: every other logit is -inf before sampling.
     allowed_token_ids: list[TokenId] | None = None

@@ -29,6 +29,7 @@ class RequestState:
     logprobs_k: int | None
     is_processed: bool
     eos_token_ids: list[int]
+    is_logits: bool = False  # logprobs_mode "raw_logits" or "processed_logits": the values are logits
     _table: np.ndarray | None = field(default=None, repr=False, compare=False)  # block_ids, cached
 
     def add_blocks(self, block_ids: list[int]) -> None:
@@ -53,8 +54,9 @@ class RequestState:
             data.num_computed_tokens,
             data.prompt_logprobs_k,
             data.logprobs_k,
-            data.logprobs_mode == "processed",
+            data.logprobs_mode.startswith("processed"),  # "processed" (the old name) or "processed_*"
             data.eos_token_ids,
+            is_logits=data.logprobs_mode.endswith("_logits"),
         )
 
     @property

@@ -1,4 +1,5 @@
-"""The sampler: penalties, temperature, top-k/top-p/min-p, seeded sampling and logprobs (core process).
+"""The sampler: logit rules, penalties, temperature, top-k/top-p/min-p, seeded sampling and logprobs
+(core process).
 
 Logprobs are computed only for the rows that asked and only up to the largest k among them.
 """
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.cpu.kernels import CpuKernels, argmax_rows
+from worker.logit_rules import LogitRules, apply_logit_rules
 from worker.logprobs import gather_logprobs, top_logprobs
 
 
@@ -38,6 +40,8 @@ class SamplingMetadata:
     num_logprobs: int  # largest k among them; -1: whole vocabulary
     is_processed: torch.Tensor | None  # [R'] bool, row wants logprobs after processing; None: no row does
     is_all_rows: bool = False  # every row asked for logprobs: no row gather needed
+    is_logits: torch.Tensor | None = None  # [R'] bool, row wants logits, not logprobs; None: no row does
+    logit_rules: LogitRules | None = None  # allowed_token_ids and logit_bias; None: no row has them
     device: torch.device = torch.device("cpu")  # where the rows' tensors live
 
 
@@ -70,15 +74,21 @@ class Sampler:
         else:
             sampled = self._sample(processed, meta)
         token_ids, values, ranks = gather_logprobs(top, sampled[rows], meta.num_logprobs)
+        if meta.is_logits is not None:  # the logits modes: the same tokens and ranks, their scores' values
+            values = torch.where(meta.is_logits[:, None], scores.gather(-1, token_ids.long()), values)
         return SamplerOutput(sampled, token_ids, values, ranks)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Penalties, min_tokens bans, temperature, min-p, top-k, top-p; a copy, or `logits` itself
-        when nothing applies (greedy rows with no penalties: the common case, spared a [R, V] copy)."""
+        """Logit rules (allowed tokens, bias), penalties, min_tokens bans, temperature, min-p, top-k,
+        top-p; a copy, or `logits` itself when nothing applies (greedy rows with no penalties or rules:
+        the common case, spared a [R, V] copy)."""
         is_filtered = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
-        if meta.all_greedy and meta.penalties is None and not meta.banned and not is_filtered:
+        is_changed = meta.penalties is not None or meta.banned or meta.logit_rules is not None
+        if meta.all_greedy and not is_changed and not is_filtered:
             return logits
         logits = logits.clone()
+        if meta.logit_rules is not None:
+            logits = apply_logit_rules(logits, meta.logit_rules)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         for row, token_ids in meta.banned:

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from worker.input_batch import RequestState
+from worker.logit_rules import build_logit_rules
 from worker.sampler import Penalties, SamplingMetadata
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -48,6 +49,10 @@ def build_sampling_metadata(
         is_processed=tensor([states[i].is_processed for i in logprob_rows], torch.bool)
         if any(states[i].is_processed for i in logprob_rows)
         else None,
+        is_logits=tensor([states[i].is_logits for i in logprob_rows], torch.bool)
+        if any(states[i].is_logits for i in logprob_rows)
+        else None,
+        logit_rules=build_logit_rules(params, vocab_size, device),
         device=device,
     )
 
