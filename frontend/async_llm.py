@@ -17,13 +17,13 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from frontend.engine_parts import build_engine_parts
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
+from frontend.request_stream import RequestStream
 from frontend.token_text import TokenTable
 from protocol.messages import EngineStats, HandshakeReply
 from protocol.model_facts import generation_defaults
@@ -89,33 +89,36 @@ class AsyncLLM:
     def dead_reason(self) -> str | None:
         return None if self._error is None else str(self._error)
 
-    async def generate(
+    def generate(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        self._raise_if_dead()
-        self._loop = asyncio.get_running_loop()
+    ) -> RequestStream:
+        """An async iterator of the request's deltas, submitted at its first `__anext__`. Its id is free
+        again as soon as the stream ends: finished, failed, `aclose()`d, cancelled, or left by `break`."""
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        return RequestStream(lambda: self._start(prompt, params, request_id), self._release)
+
+    def _start(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> tuple[str, asyncio.Queue]:
+        self._raise_if_dead()
+        self._loop = asyncio.get_running_loop()
         if request_id in self._key_of:
             raise ValueError(f"request id {request_id!r} is already in flight")
         text, token_ids = self._parts.inputs.process(prompt, params)
         key = f"{request_id}@{next(self._serials)}"
         stream = _Stream(request_id, asyncio.Queue())
         self._streams[key], self._key_of[request_id] = stream, key
-        is_finished = False
-        try:
-            self._submit(("add", key, text, token_ids, params))
-            while not is_finished:
-                item = await stream.outputs.get()
-                if isinstance(item, BaseException):
-                    is_finished = True  # nothing of it is left in the engine to abort
-                    raise item
-                is_finished = item.finished
-                yield item
-        finally:
-            del self._streams[key], self._key_of[request_id]
-            if not is_finished:
-                self._submit(("abort", key))
+        self._submit(("add", key, text, token_ids, params))
+        return key, stream.outputs
+
+    def _release(self, key: str, is_finished: bool) -> None:
+        """Synchronous, on the event loop (or in a finalizer): the id is free before the next statement."""
+        stream = self._streams.pop(key, None)
+        if stream is not None and self._key_of.get(stream.request_id) == key:
+            del self._key_of[stream.request_id]
+        if not is_finished:
+            self._submit(("abort", key))
 
     async def abort(self, request_id: str) -> None:
         key = self._key_of.get(request_id)
@@ -239,7 +242,7 @@ class AsyncLLM:
                 stream.outputs.put_nowait(output)
 
     def _put_error(self, key: str | None, error: BaseException) -> None:
-        streams = self._streams.values() if key is None else [self._streams.get(key)]
+        streams = list(self._streams.values()) if key is None else [self._streams.get(key)]
         for stream in streams:
             if stream is not None:
                 stream.outputs.put_nowait(error)
