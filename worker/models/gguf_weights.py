@@ -1,0 +1,130 @@
+"""Reads a GGUF file's weights one tensor at a time under their Hugging Face names, dequantized with the
+`gguf` package's own numpy routines (the ones transformers' GGUF loader calls, so the values are the
+same bit for bit) and then converted to the destination's dtype (engine-core process).
+
+The same interface as safetensors_files.py (`list_tensors`, `read_into`, `read_tensor`), so the loader
+fills parameters from either. Each tensor's bytes are read with plain reads (no memory map), and
+loading holds the model plus one tensor: its raw bytes, its fp32 values and, for q/k, their permuted
+copy. llama.cpp stores the q and k projections of `llama`-architecture files with each head's rows
+interleaved in pairs (its RoPE rotates adjacent pairs, HF's rotates halves); they are put back in HF's
+order here, as transformers does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.gguf_header import GGUFTensorInfo, read_gguf_header
+from worker.models.gguf_config import gguf_architecture
+
+# ggml type value -> name, for the types loaded (every other is refused by name)
+SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
+                   10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # fmt: skip
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class GGUFEntry:
+    name: str  # the Hugging Face name (a GGUF name that has none stays as it is)
+    info: GGUFTensorInfo
+    path: str
+    shape: tuple[int, ...]  # torch's order
+    num_bytes: int
+    interleaved_heads: int | None  # llama-architecture q/k: heads whose rows llama.cpp permuted
+
+
+def list_tensors(path: str) -> Iterator[GGUFEntry]:
+    """Every tensor of the file, in file order; an unsupported tensor type is a ValueError naming it."""
+    header = read_gguf_header(path)
+    is_llama = gguf_architecture(header) == "llama"
+    meta = header.metadata
+    heads = {"attn_q": meta.get("llama.attention.head_count"), "attn_k": meta.get("llama.attention.head_count_kv")}
+    heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
+    for info in sorted(header.tensors, key=lambda t: t.offset):
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise ValueError(f"{path}: tensor {info.name} has GGUF type {_type_name(info.ggml_type)}, which is "
+                             f"not supported; supported: {sorted(SUPPORTED_TYPES.values())}")  # fmt: skip
+        name, module = hf_name(info.name)
+        interleaved = int(heads[module]) if is_llama and module in heads else None
+        yield GGUFEntry(name, info, path, tuple(reversed(info.dims)), _num_bytes(info), interleaved)
+
+
+def hf_name(gguf_name: str) -> tuple[str, str | None]:
+    """The HF tensor name, and the GGUF module name it came from (`attn_q`, ...)."""
+    module, _, kind = gguf_name.rpartition(".")
+    if module in _TOP:
+        return f"{_TOP[module]}.{kind}", module
+    parts = module.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{kind}", parts[2]
+    return gguf_name, None
+
+
+def read_into(entry: GGUFEntry, destination: torch.Tensor) -> None:
+    """Dequantizes the tensor into `destination` (same number of elements, any dtype and device)."""
+    if destination.numel() != int(np.prod(entry.shape)):
+        raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit {list(destination.shape)}")
+    destination.copy_(read_tensor(entry).view(destination.shape))
+
+
+def read_tensor(entry: GGUFEntry) -> torch.Tensor:
+    """The tensor's values in float32 (what dequantization gives), HF's row order, new CPU memory."""
+    from gguf.quants import dequantize
+
+    raw = np.empty(entry.num_bytes, dtype=np.uint8)
+    with open(entry.path, "rb", buffering=0) as f:
+        f.seek(entry.info.offset)
+        if f.readinto(memoryview(raw)) != entry.num_bytes:
+            raise ValueError(f"{entry.path} is truncated (tensor {entry.info.name})")
+    rows = raw.reshape(-1, entry.num_bytes // _num_rows(entry.info))
+    values = torch.from_numpy(np.ascontiguousarray(dequantize(rows, entry.info.ggml_type), dtype=np.float32))
+    values = values.reshape(entry.shape)
+    if entry.interleaved_heads is not None:
+        values = _undo_pair_interleave(values, entry.interleaved_heads)
+    return values
+
+
+def _undo_pair_interleave(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows of each head as (dim/2 pairs, 2) -> (2 halves, dim/2): llama.cpp's permutation reversed."""
+    half = weight.shape[0] // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _num_rows(info: GGUFTensorInfo) -> int:
+    return int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
+
+
+def _num_bytes(info: GGUFTensorInfo) -> int:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    if info.dims[0] % block_size:
+        raise ValueError(f"tensor {info.name}: rows of {info.dims[0]} do not fill {block_size}-value blocks")
+    return info.dims[0] // block_size * type_size * _num_rows(info)
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"#{ggml_type} (unknown)"
