@@ -30,6 +30,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config-json", help="a whole EngineConfig as JSON (used by a spawning frontend)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process is no longer the parent")
     parser.add_argument(
+        "--error-file",
+        metavar="FILE",
+        help="if the core stops on an error, write it to FILE in one line (used by a spawning frontend, "
+        "whose exception then carries the core's own reason)",
+    )
+    parser.add_argument(
         "--allow-remote",
         action="store_true",
         help="allow a TCP address beyond loopback; needs --curve-secret-key and --authorized-clients",
@@ -155,5 +161,18 @@ def main(argv: list[str] | None = None) -> None:
         core.close()
 
 
+def run(argv: list[str]) -> None:
+    """main(), and an error that stops it written in one line to the --error-file, if one is given
+    (the traceback still goes to stderr)."""
+    try:
+        main(argv)
+    except Exception as exc:
+        path = argv[argv.index("--error-file") + 1] if "--error-file" in argv[:-1] else None
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(" ".join(f"{type(exc).__name__}: {exc}".split())[:2000])
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    run(sys.argv[1:])

@@ -80,7 +80,7 @@ class MPClient:
         if address is None:
             self.tmpdir = tempfile.mkdtemp(prefix="coreserve-")
             address = f"ipc://{self.tmpdir}/core"
-            self.proc = _spawn_core(config, address)
+            self.proc = _spawn_core(config, address, self._error_path())
         self.client_id = uuid.uuid4().bytes
         in_address, out_address = split_address(address)
         self.out_socket = self._connect(zmq.DEALER, out_address)  # outputs arrive here
@@ -235,12 +235,24 @@ class MPClient:
         if self.proc is not None and self.error is None and self.proc.poll() is not None:
             self._drain_quietly()  # its last frame may say why (an EngineError)
             exited = f"the engine core process exited with code {self.proc.returncode}"
-            self.error = exited if self.error is None else f"{self.error} ({exited})"
+            reason = self.error or self._core_error()
+            self.error = exited if reason is None else f"{reason} ({exited})"
         elif is_waiting and self.error is None and time.monotonic() - self.last_heard > self.dead_after_s:
             # Frames waiting unread mean this process, not the core, was too busy to listen.
             self.pending.extend(self.drain())
             if time.monotonic() - self.last_heard > self.dead_after_s:
                 self.error = f"no word from the engine core for {self.dead_after_s:.0f} s"
+
+    def _error_path(self) -> str | None:
+        return None if self.tmpdir is None else os.path.join(self.tmpdir, "core-error")
+
+    def _core_error(self) -> str | None:
+        """The line a spawned core wrote as an error stopped it (engine_core/__main__.py's --error-file)."""
+        path = self._error_path()
+        if path is None or not os.path.exists(path):
+            return None  # killed, or it stopped without an exception: the exit code says what is known
+        with open(path, errors="replace") as f:
+            return f.read().strip() or None
 
     def _raise_if_dead(self, is_waiting: bool) -> None:
         self._check_process(is_waiting)
@@ -279,7 +291,7 @@ def _silence_hint(address: str) -> str:
     return " (is python -m engine_core running there?)"
 
 
-def _spawn_core(config: EngineConfig, address: str) -> subprocess.Popen:
+def _spawn_core(config: EngineConfig, address: str, error_path: str) -> subprocess.Popen:
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     command = [
@@ -294,6 +306,8 @@ def _spawn_core(config: EngineConfig, address: str) -> subprocess.Popen:
         msgspec.json.encode(config).decode(),
         "--parent-pid",
         str(os.getpid()),
+        "--error-file",
+        error_path,
     ]
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
 

@@ -10,6 +10,7 @@ from frontend.core_client import ClientCurve, MPClient
 from frontend.engine_args import load_tokenizer, make_config
 from frontend.inproc_client import InprocClient
 from frontend.input_processor import InputProcessor
+from frontend.model_checks import check_model_folder
 from frontend.multi_core_client import MultiCoreClient
 from frontend.output_processor import OutputProcessor
 from frontend.token_text import TokenTable
@@ -39,6 +40,7 @@ def build_engine_parts(
         engine_args.pop("curve_server_key", None), engine_args.pop("curve_client_keys", None)
     )
     config = make_config(model, engine_args)
+    check_model_folder(config.model, has_weights_here=not core_address)  # before any process is spawned
     if core_address:
         _check_daemon_args(engine_args)
     elif curve is not None:
