@@ -32,8 +32,8 @@ def test_a_piece_of_a_character_is_written_as_escaped_bytes_and_its_bytes_stay_e
 
 def test_top_entries_are_in_rank_order_and_leave_out_a_sampled_token_below_k():
     position = {7: Logprob(-5.0, 9, "x"), 1: Logprob(-0.1, 1, "a"), 2: Logprob(-2.0, 2, "b")}
-    assert [lp.decoded_token for lp in top_entries(position, 2)] == ["a", "b"]
-    assert [lp.decoded_token for lp in top_entries(position, 1)] == ["a"]
+    assert [lp.decoded_token for _, lp in top_entries(position, 2)] == ["a", "b"]
+    assert [lp.decoded_token for _, lp in top_entries(position, 1)] == ["a"]
 
 
 def test_chat_content_gives_bytes_and_the_top_k(tokenizer):

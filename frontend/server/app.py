@@ -4,6 +4,7 @@ process, HTTP server). `build_app(ServerState)` makes it; nothing is global, so 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from fastapi import FastAPI
@@ -18,6 +19,7 @@ from frontend.server.chat import create_chat_completion
 from frontend.server.completions import create_completion
 from frontend.server.errors import APIError, error_response, install_error_handlers
 from frontend.server.json_response import JSONBytesResponse
+from frontend.server.limits import BodyLimitMiddleware
 from frontend.server.logprob_json import token_text
 from frontend.server.schemas import DetokenizeRequest, TokenizeRequest
 from frontend.server.state import ServerState
@@ -36,7 +38,8 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     )
     app.state.server = server
     install_error_handlers(app)
-    if server.api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server.max_request_bytes)
+    if server.api_key:  # added last, so it runs first: a bad key is refused before the body is read
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
@@ -104,15 +107,7 @@ async def tokenize(request: Request, body: TokenizeRequest) -> Response:
     server.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = render_chat(server.tokenizer, messages, server.chat_template, body.add_generation_prompt)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "messages") from exc
-        token_ids = server.tokenizer(text, add_special_tokens=False).input_ids
-    else:
-        token_ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+    token_ids = await asyncio.to_thread(_tokenize, server, body)  # off the event loop: any length is counted
     strs = [token_text(server.table.decode_token(t)) for t in token_ids] if body.return_token_strs else None
     return JSONBytesResponse(
         {
@@ -122,6 +117,17 @@ async def tokenize(request: Request, body: TokenizeRequest) -> Response:
             "token_strs": strs,
         }
     )
+
+
+def _tokenize(server: ServerState, body: TokenizeRequest) -> list[int]:
+    if body.messages is None:
+        return server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        text = render_chat(server.tokenizer, messages, server.chat_template, body.add_generation_prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from exc
+    return server.tokenizer(text, add_special_tokens=False).input_ids
 
 
 async def detokenize(request: Request, body: DetokenizeRequest) -> Response:

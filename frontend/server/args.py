@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from frontend.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from protocol.config import ENGINE_ARG_HELP
 
 DEFAULT_MODEL = "builtin:tiny"
@@ -17,6 +18,12 @@ def _boolean(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() == "true"
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}")
+    return int(text)
 
 
 # engine argument -> (type, choices); each becomes --flag-with-dashes, passed on only when given
@@ -56,6 +63,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--core-address", metavar="ADDR", action="append",
         help="attach to a running `python -m engine_core` daemon at ADDR instead of spawning a core; "
         "repeat for several daemons of the same model (requests spread over them)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+        help="refuse a request body over N bytes with a 413, before reading it all "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB: a 128k-token context several times over)",
     )  # fmt: skip
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     engine = parser.add_argument_group("engine arguments (vLLM's names)")

@@ -12,11 +12,17 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.chat_template import render_chat
 from frontend.outputs import CompletionOutput
+from frontend.server.chat_prompt import chat_prompt, echo_text
 from frontend.server.errors import APIError
 from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import check_logprobs, check_prompts, sampling_params, start_checked
+from frontend.server.inputs import (
+    check_logprobs,
+    check_prompts,
+    check_request,
+    sampling_params,
+    start_checked,
+)
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.logprob_json import chat_content, vllm_prompt_logprobs
 from frontend.server.schemas import ChatCompletionRequest
@@ -27,7 +33,8 @@ from frontend.server.transport import sse_response, until_disconnected
 async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
     server: ServerState = request.app.state.server
     server.check_model(body.model)
-    prompt = chat_prompt(server, body)
+    check_request(body)
+    prompt = await chat_prompt(server, body)
     generation = Generation(
         server.engine,
         server.new_request_id("chatcmpl"),
@@ -42,15 +49,6 @@ async def create_chat_completion(request: Request, body: ChatCompletionRequest) 
     return await until_disconnected(request, response.whole())
 
 
-def chat_prompt(server: ServerState, body: ChatCompletionRequest) -> PromptInput:
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = render_chat(server.tokenizer, messages, server.chat_template, body.add_generation_prompt)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "messages") from exc
-    return PromptInput(text, list(server.tokenizer(text, add_special_tokens=False).input_ids))
-
-
 def _params(server: ServerState, body: ChatCompletionRequest, prompt: PromptInput):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
@@ -61,7 +59,7 @@ def _params(server: ServerState, body: ChatCompletionRequest, prompt: PromptInpu
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     check_logprobs("top_logprobs", logprobs, server.facts)
     check_logprobs("prompt_logprobs", body.prompt_logprobs, server.facts)
-    return sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
+    return sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, server.facts.vocab_size)
 
 
 class ChatResponse:
@@ -69,15 +67,18 @@ class ChatResponse:
         self.server, self.body, self.generation = server, body, generation
         self.created = int(time.time())
         self.num_tokens = [0] * body.n
+        self.is_finished = [False] * body.n
         self.prompt_logprobs = None
+        self.echo = echo_text(body)
 
     async def whole(self) -> Response:
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": ""},
+                "message": {"role": "assistant", "content": self.echo},
                 "logprobs": None,
                 "finish_reason": None,
+                **({"token_ids": []} if self.body.return_token_ids else {}),
             }
             for i in range(self.body.n)
         ]
@@ -89,20 +90,26 @@ class ChatResponse:
             await self.generation.close()
         body = self._envelope("chat.completion", choices)
         body["usage"] = self._usage()
+        body["prompt_logprobs"] = None  # vLLM's field, null when not asked for
         if self.body.prompt_logprobs is not None:
             positions = self.prompt_logprobs or []
             body["prompt_logprobs"] = vllm_prompt_logprobs(positions, self.body.prompt_logprobs)
+        if self.body.return_token_ids:
+            body["prompt_token_ids"] = list(self.generation.prompts[0].token_ids)
         return JSONBytesResponse(body)
 
     async def chunks(self):
         for i in range(self.body.n):
             first = {
                 "index": i,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": "assistant", "content": self.echo},
                 "logprobs": None,
                 "finish_reason": None,
             }
-            yield self._envelope("chat.completion.chunk", [first])
+            chunk = self._chunk([first])
+            if self.body.return_token_ids and i == 0:
+                chunk["prompt_token_ids"] = list(self.generation.prompts[0].token_ids)
+            yield chunk
         async for piece in self._pieces():
             choice = {
                 "index": piece["index"],
@@ -111,9 +118,17 @@ class ChatResponse:
                 "finish_reason": piece["finish_reason"],
                 "stop_reason": piece["stop_reason"],
             }
-            yield self._envelope("chat.completion.chunk", [choice])
+            if self.body.return_token_ids:
+                choice["token_ids"] = piece["token_ids"]
+            yield self._chunk([choice])
         if self.body.include_usage:
             yield {**self._envelope("chat.completion.chunk", []), "usage": self._usage()}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = self._envelope("chat.completion.chunk", choices)
+        if self.body.continuous_usage:
+            chunk["usage"] = self._usage()
+        return chunk
 
     async def _pieces(self):
         k = self.body.top_logprobs or 0
@@ -121,9 +136,12 @@ class ChatResponse:
             if self.prompt_logprobs is None and out.prompt_logprobs is not None:
                 self.prompt_logprobs = out.prompt_logprobs
             for completion in out.outputs:
+                if self.is_finished[completion.index]:
+                    continue  # a finished choice is sent once (n > 1 streams, issue 20)
                 if completion.token_ids or completion.text or completion.finish_reason is not None:
                     self.num_tokens[completion.index] += len(completion.token_ids)
-                    yield _piece(completion, k)
+                    self.is_finished[completion.index] = completion.finish_reason is not None
+                    yield _piece(completion, k, self.body.return_tokens_as_token_ids)
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {
@@ -135,22 +153,17 @@ class ChatResponse:
         }
 
     def _usage(self) -> dict:
-        num_prompt = len(self.generation.prompts[0].token_ids)
-        num_completion = sum(self.num_tokens)
-        return {
-            "prompt_tokens": num_prompt,
-            "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-        }
+        return self.generation.usage(sum(self.num_tokens))
 
 
-def _piece(completion: CompletionOutput, k: int) -> dict:
+def _piece(completion: CompletionOutput, k: int, as_token_ids: bool) -> dict:
     logprobs = None
     if completion.logprobs is not None:
-        logprobs = {"content": chat_content(completion.token_ids, completion.logprobs, k)}
+        logprobs = {"content": chat_content(completion.token_ids, completion.logprobs, k, as_token_ids)}
     return {
         "index": completion.index,
         "text": completion.text,
+        "token_ids": list(completion.token_ids),
         "logprobs": logprobs,
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
@@ -159,6 +172,8 @@ def _piece(completion: CompletionOutput, k: int) -> dict:
 
 def _merge(choice: dict, piece: dict) -> None:
     choice["message"]["content"] += piece["text"]
+    if "token_ids" in choice:
+        choice["token_ids"].extend(piece["token_ids"])
     if piece["logprobs"] is not None:
         if choice["logprobs"] is None:
             choice["logprobs"] = {"content": []}

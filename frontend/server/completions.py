@@ -19,6 +19,7 @@ from frontend.server.generation import Generation, PromptInput
 from frontend.server.inputs import (
     check_logprobs,
     check_prompts,
+    check_request,
     completion_prompts,
     sampling_params,
     start_checked,
@@ -33,7 +34,8 @@ from frontend.server.transport import sse_response, until_disconnected
 async def create_completion(request: Request, body: CompletionRequest) -> Response:
     server: ServerState = request.app.state.server
     server.check_model(body.model)
-    prompts = completion_prompts(server.tokenizer, body.prompt)
+    check_request(body)
+    prompts = await completion_prompts(server, body)
     generation = Generation(
         server.engine, server.new_request_id("cmpl"), prompts, _params(server, body, prompts), server.metrics
     )
@@ -57,7 +59,8 @@ def _params(server: ServerState, body: CompletionRequest, prompts: list[PromptIn
     echo_k = body.logprobs if body.echo else None
     asked = [k for k in (echo_k, body.prompt_logprobs) if k is not None]
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
-    return sampling_params(body, max_tokens, body.logprobs, max(asked) if asked else None)
+    prompt_logprobs = max(asked) if asked else None
+    return sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, server.facts.vocab_size)
 
 
 class CompletionResponse:
@@ -80,13 +83,19 @@ class CompletionResponse:
                 _merge(merged, piece)
         finally:
             await self.generation.close()
-        body = self._envelope([merged.get(c.index) or _empty_choice(c.index) for c in self.choices])
+        choices = [merged.get(c.index) or _empty_choice(c.index) for c in self.choices]
+        for choice in choices:  # vLLM's field, null when not asked for
+            choice.setdefault("prompt_logprobs", None)
+        body = self._envelope(choices)
         body["usage"] = self._usage()
         return JSONBytesResponse(body)
 
     async def chunks(self):
         async for piece in self._pieces():
-            yield self._envelope([piece])
+            chunk = self._envelope([piece])
+            if self.body.continuous_usage:
+                chunk["usage"] = self._usage()
+            yield chunk
         if self.body.include_usage:
             yield {**self._envelope([]), "usage": self._usage()}
 
@@ -111,13 +120,7 @@ class CompletionResponse:
         }
 
     def _usage(self) -> dict:
-        num_prompt = sum(len(p.token_ids) for p in self.generation.prompts)
-        num_completion = sum(c.num_tokens for c in self.choices)
-        return {
-            "prompt_tokens": num_prompt,
-            "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-        }
+        return self.generation.usage(sum(c.num_tokens for c in self.choices))
 
 
 class CompletionChoice:
@@ -127,40 +130,55 @@ class CompletionChoice:
         self.index, self.prompt, self.body = index, prompt, body
         self.is_scoring = body.max_tokens == 0
         self.logprobs = (
-            LegacyLogprobs(server.table, body.skip_special_tokens) if body.logprobs is not None else None
+            LegacyLogprobs(server.table, body.skip_special_tokens, body.return_tokens_as_token_ids)
+            if body.logprobs is not None
+            else None
         )
         self.tokenizer = server.tokenizer
         self.is_started = False
+        self.is_finished = False  # a finished choice takes no more pieces (n > 1 streams, issue 20)
         self.num_tokens = 0
         self._held: list[CompletionOutput] = []  # deltas that came before the prompt's logprobs
 
     def piece(self, completion: CompletionOutput, prompt_positions) -> dict | None:
         needs_prompt = (self.body.echo and self.logprobs is not None) or self.body.prompt_logprobs is not None
+        if self.is_finished:
+            return None
         if not self.is_started and needs_prompt and prompt_positions is None:
             self._held.append(completion)
             return None
-        piece = _empty_choice(self.index)
-        if not self.is_started:
-            self._start(piece, prompt_positions)
+        piece = self.start_piece(prompt_positions) if not self.is_started else self._empty()
         for held in [*self._held, completion]:
             self._add(piece, held)
         self._held = []
         if self.logprobs is not None:
             piece["logprobs"] = self.logprobs.take()
+        self.is_finished = piece["finish_reason"] is not None
         if piece["text"] or piece["finish_reason"] or (piece["logprobs"] and piece["logprobs"]["tokens"]):
             return piece
-        return piece if "prompt_logprobs" in piece else None
+        return piece if "prompt_logprobs" in piece or "prompt_token_ids" in piece else None
 
-    def _start(self, piece: dict, prompt_positions) -> None:
+    def start_piece(self, prompt_positions=None) -> dict:
+        """The choice's first piece: the prompt's parts that were asked for (echo, prompt logprobs, ids)."""
         self.is_started = True
+        piece = self._empty()
+        if self.body.return_token_ids:
+            piece["prompt_token_ids"] = list(self.prompt.token_ids)
         if self.body.prompt_logprobs is not None:
-            piece["prompt_logprobs"] = vllm_prompt_logprobs(prompt_positions, self.body.prompt_logprobs)
+            piece["prompt_logprobs"] = vllm_prompt_logprobs(prompt_positions or [], self.body.prompt_logprobs)
         if not self.body.echo:
-            return
+            return piece
         prompt = self.prompt
         piece["text"] = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
         if self.logprobs is not None:
             self.logprobs.add(prompt.token_ids, prompt_positions, self.body.logprobs, is_prompt=True)
+        return piece
+
+    def _empty(self) -> dict:
+        piece = _empty_choice(self.index)
+        if self.body.return_token_ids:
+            piece["token_ids"] = []
+        return piece
 
     def _add(self, piece: dict, completion: CompletionOutput) -> None:
         if completion.finish_reason is not None:
@@ -170,6 +188,8 @@ class CompletionChoice:
             return
         piece["text"] += completion.text
         self.num_tokens += len(completion.token_ids)
+        if "token_ids" in piece:
+            piece["token_ids"].extend(completion.token_ids)
         if self.logprobs is not None and completion.logprobs is not None:
             self.logprobs.add(completion.token_ids, completion.logprobs, self.body.logprobs)
 
@@ -179,8 +199,14 @@ def _empty_choice(index: int) -> dict:
 
 
 def _merge(merged: dict[int, dict], piece: dict) -> None:
-    into = merged.setdefault(piece["index"], {**piece, "text": "", "logprobs": None})
+    into = merged.get(piece["index"])
+    if into is None:
+        into = merged[piece["index"]] = {**piece, "text": "", "logprobs": None}
+        if "token_ids" in piece:
+            into["token_ids"] = []
     into["text"] += piece["text"]
+    if "token_ids" in piece:
+        into["token_ids"].extend(piece["token_ids"])
     if piece["finish_reason"] is not None:
         into["finish_reason"], into["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
     if piece["logprobs"] is not None:

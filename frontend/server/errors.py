@@ -51,19 +51,38 @@ def bad_request_from_value_error(exc: ValueError, field_names: frozenset[str]) -
     return APIError(400, message, param)
 
 
+# Fields whose type is a union: pydantic names each alternative it tried ("function-after[...]"), which
+# tells a client nothing; these words say what the field takes.
+_EXPECTED = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+               list: "an array", dict: "an object"}  # fmt: skip
+
+
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     """(message, param) for pydantic's first complaint, e.g. ("max_tokens: Input should be ...", ...)."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
     if not loc:  # not an object: a JSON array, or a body sent without Content-Type: application/json
         return "the request body must be a JSON object, sent with Content-Type: application/json", None
-    field = ".".join(loc)
-    return f"{field}: {first.get('msg')}", loc[0]
+    path = [part for part in loc if isinstance(part, int) or str(part).isidentifier()]
+    field = ".".join(str(part) for part in path)
+    if first.get("type") == "extra_forbidden":
+        return f"{field} is not a field this server knows (docs/serving.md lists the fields)", str(path[0])
+    name = next((str(part) for part in reversed(path) if isinstance(part, str)), "")
+    is_type_error = str(first.get("type", "")).endswith("_type")
+    if is_type_error and len(path) < len(loc) and name in _EXPECTED:  # no alternative of a union fits
+        got = _JSON_TYPES.get(type(first.get("input")), "something else")
+        return f"{field} must be {_EXPECTED[name]}, got {got}", str(path[0])
+    return f"{field}: {first.get('msg')}", str(path[0])
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -41,6 +41,17 @@ class Generation:
         self._timers: list[RequestTimer] = []
         self._firsts: list[RequestOutput] = []
         self._tasks: list[asyncio.Task] = []
+        self.num_cached_tokens = [0] * len(prompts)  # per prompt: its tokens read from the prefix cache
+
+    def usage(self, num_completion_tokens: int) -> dict:
+        """OpenAI's usage object; each prompt counts once, whatever n is."""
+        num_prompt = sum(len(p.token_ids) for p in self.prompts)
+        return {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens)},
+        }
 
     async def start(self) -> None:
         """Submits every prompt; raises the engine's ValueError (after aborting the others) when one is
@@ -94,6 +105,7 @@ class Generation:
 
     def _account(self, index: int, out: RequestOutput) -> None:
         timer = self._timers[index]
+        self.num_cached_tokens[index] = max(self.num_cached_tokens[index], out.num_cached_tokens or 0)
         timer.on_tokens(sum(len(c.token_ids) for c in out.outputs))
         if out.finished:
             timer.on_finish([c.finish_reason for c in out.outputs])

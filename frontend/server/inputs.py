@@ -7,9 +7,12 @@ field and refuses a multi-prompt request before any of its prompts reaches the c
 
 from __future__ import annotations
 
+import asyncio
+
 from frontend.server.errors import APIError, bad_request_from_value_error
 from frontend.server.generation import Generation, PromptInput
-from frontend.server.schemas import SamplingFields
+from frontend.server.schemas import CompletionRequest, SamplingFields
+from frontend.server.unsupported import refuse_unsupported
 from protocol.sampling_params import SamplingParams
 
 _OPTIONAL_SAMPLING = (
@@ -18,18 +21,57 @@ _OPTIONAL_SAMPLING = (
 )  # fmt: skip
 
 
-def completion_prompts(tokenizer, prompt) -> list[PromptInput]:
-    """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids."""
+async def completion_prompts(server, body: CompletionRequest) -> list[PromptInput]:
+    """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids. Texts are
+    tokenized off the event loop, after a text that cannot fit the context is refused untokenized."""
+    prompt = body.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
-    return [
-        PromptInput(p, list(tokenizer(p).input_ids)) if isinstance(p, str) else PromptInput(None, list(p))
-        for p in prompt
-    ]
+    prompts = []
+    for p in prompt:
+        if isinstance(p, str):
+            token_ids = await tokenize(server, p, body.add_special_tokens, body.truncate_prompt_tokens)
+            prompts.append(PromptInput(p, token_ids))
+        else:
+            prompts.append(PromptInput(None, truncated(list(p), body.truncate_prompt_tokens, server.facts)))
+    return prompts
+
+
+async def tokenize(
+    server, text: str, add_special_tokens: bool, truncate_prompt_tokens: int | None, param: str = "prompt"
+) -> list[int]:
+    """A text's token ids, tokenized in a worker thread (the tokenizer lets go of the GIL), so that a
+    long prompt delays no other request's tokens."""
+    if truncate_prompt_tokens is None:  # a truncated prompt may be any length the body limit allows
+        server.prompt_bound.check(text, server.facts.max_model_len, param)
+    tokenizer = server.tokenizer
+    token_ids = await asyncio.to_thread(
+        lambda: list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    )
+    return truncated(token_ids, truncate_prompt_tokens, server.facts)
+
+
+def truncated(token_ids: list[int], keep: int | None, facts) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens; -1: the most that leaves room to generate."""
+    if keep is None:
+        return token_ids
+    if keep == 0 or keep < -1:
+        raise APIError(
+            400, f"truncate_prompt_tokens must be at least 1, or -1, got {keep}", "truncate_prompt_tokens"
+        )
+    keep = facts.max_model_len - 1 if keep == -1 else keep
+    return token_ids[-keep:]
+
+
+def check_request(body: SamplingFields) -> None:
+    """Refusals that need no engine facts: unsupported fields, stream_options without a stream."""
+    refuse_unsupported(body)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
 
 
 def check_prompts(prompts: list[PromptInput], facts, max_tokens: int | None, param: str = "prompt") -> None:
@@ -71,13 +113,37 @@ def check_logprobs(name: str, k: int | None, facts) -> None:
         )
 
 
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's rules: keys are token ids written as strings, values in [-100, 100], ids in the vocabulary."""
+    if not bias:
+        return None
+    result = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(
+                400, f"logit_bias: key {key!r} is not a token id (a non-negative integer)", "logit_bias"
+            )
+        token_id = int(key)
+        if token_id >= vocab_size:
+            message = f"logit_bias: token id {key} is out of vocabulary (valid ids are 0..{vocab_size - 1})"
+            raise APIError(400, message, "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(
+                400, f"logit_bias: the bias of {key} is {value}, outside [-100, 100]", "logit_bias"
+            )
+        result[token_id] = float(value)
+    return result
+
+
 def sampling_params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    vocab_size: int,
 ) -> SamplingParams:
     """SamplingParams from the body's fields (unset ones keep vLLM's defaults); a value SamplingParams
     refuses is a 400 naming its field."""
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
     fields = {name: getattr(body, name) for name in _OPTIONAL_SAMPLING if getattr(body, name) is not None}
     try:
         return SamplingParams(
@@ -87,8 +153,12 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias(body.logit_bias, vocab_size),
+            allowed_token_ids=body.allowed_token_ids,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
             **fields,
         )
     except ValueError as exc:

@@ -29,7 +29,13 @@ def serve(args: argparse.Namespace) -> None:
         engine.shutdown()
 
     try:
-        state = ServerState(engine, served_model_name(args), chat_template, api_key(args))
+        state = ServerState(
+            engine,
+            served_model_name(args),
+            chat_template,
+            api_key(args),
+            max_request_bytes=args.max_request_bytes,
+        )
         logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)
         app = build_app(state, lifespan)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -35,13 +35,14 @@ def token_text(decoded: str) -> str:
     return decoded
 
 
-def top_entries(position: PositionLogprobs, k: int) -> list[Logprob]:
-    """The top-k candidates in rank order (the sampled token among them only if it ranks within k)."""
-    return sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= k), key=_rank)
+def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The top-k (token id, candidate) in rank order (the sampled token only if it ranks within k)."""
+    ranked = [(token_id, lp) for token_id, lp in position.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=_rank)
 
 
-def _rank(logprob: Logprob) -> int:
-    return logprob.rank
+def _rank(entry: tuple[int, Logprob]) -> int:
+    return entry[1].rank
 
 
 class LegacyLogprobs:
@@ -49,9 +50,10 @@ class LegacyLogprobs:
     since the last call, so a stream's chunks concatenate to the whole. Offsets count characters of the
     choice's text, the echoed prompt included, as the UTF-8 decoder produces them."""
 
-    def __init__(self, table: TokenTable, skip_special_tokens: bool) -> None:
+    def __init__(self, table: TokenTable, skip_special_tokens: bool, as_token_ids: bool = False) -> None:
         self.table = table
         self.skip_special = skip_special_tokens
+        self.as_token_ids = as_token_ids  # vLLM's return_tokens_as_token_ids: "token_id:N" for each token
         self.offset = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._piece = _empty_piece()
@@ -68,16 +70,24 @@ class LegacyLogprobs:
             piece["text_offset"].append(self.offset)
             self._advance(token_id, is_prompt)
             if position is None:  # the prompt's first token: nothing before it to condition on
-                piece["tokens"].append(token_text(self.table.decode_token(token_id)))
+                piece["tokens"].append(self._name(token_id, self.table.decode_token(token_id)))
                 piece["token_logprobs"].append(None)
                 piece["top_logprobs"].append(None)
                 continue
             chosen = position[token_id]
-            piece["tokens"].append(token_text(chosen.decoded_token or ""))
+            piece["tokens"].append(self._name(token_id, chosen.decoded_token))
             piece["token_logprobs"].append(finite(chosen.logprob))
-            top = {token_text(lp.decoded_token or ""): finite(lp.logprob) for lp in top_entries(position, k)}
-            top.setdefault(token_text(chosen.decoded_token or ""), finite(chosen.logprob))
-            piece["top_logprobs"].append(top)
+            piece["top_logprobs"].append(self._top(token_id, position, k))
+
+    def _top(self, token_id: int, position: PositionLogprobs, k: int) -> dict[str, float]:
+        """The position's own token first (as vLLM writes it), then the top k by rank."""
+        top = {self._name(token_id, position[token_id].decoded_token): finite(position[token_id].logprob)}
+        for other_id, lp in top_entries(position, k):
+            top.setdefault(self._name(other_id, lp.decoded_token), finite(lp.logprob))
+        return top
+
+    def _name(self, token_id: int, decoded: str | None) -> str:
+        return f"token_id:{token_id}" if self.as_token_ids else token_text(decoded or "")
 
     def take(self) -> dict:
         piece, self._piece = self._piece, _empty_piece()
@@ -93,21 +103,23 @@ def _empty_piece() -> dict:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
-def chat_content(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> list[dict]:
-    """`choices[i].logprobs.content`: per generated token its text, logprob, exact bytes, and the top k."""
+def chat_content(
+    token_ids: list[int], positions: list[PositionLogprobs], k: int, as_token_ids: bool = False
+) -> list[dict]:
+    """`choices[i].logprobs.content`: per generated token its text (or "token_id:N"), logprob, exact
+    bytes, and the top k."""
     content = []
     for token_id, position in zip(token_ids, positions):
-        chosen = position[token_id]
-        entry = _chat_entry(chosen)
-        entry["top_logprobs"] = [_chat_entry(lp) for lp in top_entries(position, k)]
+        entry = _chat_entry(token_id, position[token_id], as_token_ids)
+        entry["top_logprobs"] = [_chat_entry(i, lp, as_token_ids) for i, lp in top_entries(position, k)]
         content.append(entry)
     return content
 
 
-def _chat_entry(logprob: Logprob) -> dict:
+def _chat_entry(token_id: int, logprob: Logprob, as_token_ids: bool) -> dict:
     decoded = logprob.decoded_token or ""
     return {
-        "token": token_text(decoded),
+        "token": f"token_id:{token_id}" if as_token_ids else token_text(decoded),
         "logprob": finite(logprob.logprob),
         "bytes": list(token_bytes(decoded)),
     }

@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models (frontend process, HTTP server).
 
 Strict types (a string is not a number, 5.0 is not an int), every integer within the wire's int64, every
-float finite; unknown fields are accepted and ignored, as OpenAI's own server does. Ranges that depend on
-the engine (max_logprobs, max_model_len) are checked by the handlers.
+float finite. An unknown field is a 400 naming it, as OpenAI's own server answers; the fields OpenAI or
+vLLM define that coreserve does not implement are declared by `unsupported.UnsupportedFields`, refused by
+name unless they hold their no-op value (docs/serving.md). Ranges that depend on the engine
+(max_logprobs, max_model_len, the vocabulary) are checked by the handlers.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from frontend.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
@@ -31,11 +35,13 @@ Prompt = Text | list[Text] | list[Int64] | list[list[Int64]]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks: ignorable, nothing is padded
 
 
 class SamplingFields(_Request):
@@ -57,22 +63,36 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[Int64] | None = None
+    truncate_prompt_tokens: Int64 | None = None  # keep the last N prompt tokens; -1: the most that fit
+    prompt_logprobs: NonNegativeInt64 | None = None  # vLLM's extension
+    return_tokens_as_token_ids: bool = False  # logprob token strings as "token_id:N"
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
+    # Ignorable by definition: identifiers and hints that change nothing coreserve computes.
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # refused when non-empty: it would be silently ignored
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint; the prefix cache needs none
+    metadata: dict[str, str] | None = None  # tags for stored completions; nothing is stored
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
-class CompletionRequest(SamplingFields):
+
+class CompletionRequest(SamplingFields, CompletionUnsupportedFields):
     prompt: Prompt
     max_tokens: NonNegativeInt64 | None = 16  # 0 with echo: score the prompt, generate nothing
     logprobs: NonNegativeInt64 | None = None
     echo: bool = False
-    prompt_logprobs: NonNegativeInt64 | None = None  # vLLM's extension: choices[i].prompt_logprobs
+    add_special_tokens: bool = True
     suffix: Text | None = None  # refused: no insertion
     best_of: Int64 | None = None  # refused unless it equals n
 
@@ -88,14 +108,17 @@ class ChatMessage(_Request):
     content: Text | list[TextPart] | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatUnsupportedFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: NonNegativeInt64 | None = None
     max_completion_tokens: NonNegativeInt64 | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    prompt_logprobs: NonNegativeInt64 | None = None
+    continue_final_message: bool = False  # extend the last (assistant) message instead of a new one
+    echo: bool = False  # the content begins with the last message's, when its role is the reply's
+    add_special_tokens: bool = False  # the template writes the special tokens itself
+    parallel_tool_calls: bool | None = None  # ignorable: it only governs tools, which are refused
 
 
 class TokenizeRequest(_Request):

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from frontend.server.errors import APIError
+from frontend.server.limits import DEFAULT_MAX_REQUEST_BYTES, PromptBound
 from frontend.server.metrics import ServerMetrics
 from frontend.token_text import TokenTable
 
@@ -20,12 +21,16 @@ class ServerState:
     api_key: str | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     table: TokenTable | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     started_at: int = field(default_factory=lambda: int(time.time()))
+    prompt_bound: PromptBound | None = None
     _serials: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         if self.table is None:  # the engine's own: built once per tokenizer (128k entries for Llama 3)
             self.table = self.engine.token_table
+        if self.prompt_bound is None:
+            self.prompt_bound = PromptBound(self.table, self.tokenizer)
 
     @property
     def tokenizer(self):

@@ -1,0 +1,63 @@
+"""A chat request's messages to its prompt: the template, vLLM's `continue_final_message` and `echo`
+(frontend process, HTTP server).
+
+Rendering and tokenizing run in a worker thread, after a rendered text that cannot fit the context is
+refused untokenized, so that one long conversation delays no other request's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from frontend.chat_template import TEXT_PART_SEPARATOR, render_chat
+from frontend.server.errors import APIError
+from frontend.server.generation import PromptInput
+from frontend.server.inputs import tokenize
+from frontend.server.schemas import ChatCompletionRequest
+
+REPLY_ROLE = "assistant"
+
+
+async def chat_prompt(server, body: ChatCompletionRequest) -> PromptInput:
+    if body.continue_final_message and body.add_generation_prompt:
+        message = "continue_final_message and add_generation_prompt cannot both be true"
+        raise APIError(400, message, "continue_final_message")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    text = await asyncio.to_thread(_render, server, messages, body)
+    token_ids = await tokenize(
+        server, text, body.add_special_tokens, body.truncate_prompt_tokens, param="messages"
+    )
+    return PromptInput(text, token_ids)
+
+
+def _render(server, messages: list[dict], body: ChatCompletionRequest) -> str:
+    try:
+        text = render_chat(server.tokenizer, messages, server.chat_template, body.add_generation_prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from exc
+    if not body.continue_final_message:
+        return text
+    final = message_text(messages[-1])
+    end = text.rfind(final) if final else -1
+    if end == -1:
+        message = "continue_final_message: the chat template does not write the final message's content"
+        raise APIError(400, message, "continue_final_message")
+    return text[: end + len(final)]  # open-ended: whatever the template writes after the content is cut
+
+
+def message_text(message: dict) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return TEXT_PART_SEPARATOR.join(part["text"] for part in content)
+
+
+def echo_text(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply begins with the last message's content when that message is the
+    reply's role (continuing it); otherwise there is nothing to echo."""
+    if not body.echo:
+        return ""
+    last = body.messages[-1].model_dump(exclude_none=True)
+    return message_text(last) if last.get("role") == REPLY_ROLE else ""
