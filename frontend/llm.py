@@ -106,7 +106,8 @@ class LLM:
                     num_before = len(finished)
                     finished.update({r.request_id: r for r in processed.outputs if r.finished})
                     finished.update(dict.fromkeys(processed.errors))  # failed: no output to return
-                    bar.update(len(finished) - num_before)
+                    if len(finished) > num_before:  # update(0) would redraw (a new 0% line when not a tty)
+                        bar.update(len(finished) - num_before)
             except BaseException:  # KeyboardInterrupt or a dead core: leave nothing running
                 for request_id in request_ids:
                     if request_id not in finished:
