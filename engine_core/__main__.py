@@ -145,12 +145,13 @@ def main(argv: list[str] | None = None) -> None:
 
         torch.set_num_threads(config.num_threads)
     from engine_core.core import EngineCore
-    from engine_core.server import CoreServer
+    from engine_core.server import CoreServer, ProgressClock
 
-    core = EngineCore(config)
+    progress = ProgressClock()
+    core = EngineCore(config, on_progress=progress.mark)
     try:
         try:
-            server = CoreServer(core, args.address, parent_pid=args.parent_pid, curve=curve)
+            server = CoreServer(core, args.address, parent_pid=args.parent_pid, curve=curve, progress=progress)
         except ValueError as exc:  # the address is taken, or cannot be listened on
             parser.exit(2, f"{parser.prog}: error: {exc}\n")
         signal.signal(signal.SIGTERM, lambda *_: server.stop())

@@ -1,13 +1,13 @@
-"""EngineCore: the model runner and the scheduler, driven one step at a time (engine-core process).
+"""EngineCore: the executor (the model) and the scheduler, driven one step at a time (engine-core process).
 
 It knows nothing of sockets; the server (or the in-process client) feeds it requests and takes outputs.
+The model is behind an `Executor` (worker/executor.py): in this process or over tensor-parallel ranks.
 """
 
 from __future__ import annotations
 
 import logging
-
-import torch
+from collections.abc import Callable
 
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
@@ -23,71 +23,71 @@ from protocol.messages import (
     HandshakeReply,
 )
 from protocol.model_facts import eos_token_ids, tokenizer_fingerprint
-from worker.model_runner import ModelRunner
-from worker.parallel.executor import TensorParallelRunner
+from worker.executor import Executor, RunnerSpec, make_executor
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_progress: Callable[[], None] | None = None) -> None:
+        """`on_progress`: called as the model moves within a step (each layer, each window step)."""
         self.config = config
-        self.runner = make_runner(config)
+        self.executor: Executor = make_executor(runner_spec(config), on_progress)
         try:
             self._start(config)
         except BaseException:
-            self.runner.close()
+            self.executor.close()
             raise
 
     def _start(self, config: EngineConfig) -> None:
-        args = self.runner.model_args
+        args = self.executor.model_args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
-        self.runner.allocate_kv_cache(self.num_kv_blocks)
+        self.executor.allocate_kv_cache(self.num_kv_blocks)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            config.num_scheduler_steps,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_scheduler_steps=config.num_scheduler_steps,
         )
         self.eos_token_ids = eos_token_ids(config.model)
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
 
     def _default_num_blocks(self) -> int:
         per_seq = -(-self.max_model_len // self.config.block_size)
-        budget = int(self.config.kv_cache_gib * 2**30 // self.runner.bytes_per_block())
+        budget = int(self.config.kv_cache_gib * 2**30 // self.executor.bytes_per_block())
         return max(1, min(self.config.max_num_seqs * per_seq, budget))
 
     def stats(self, nonce: int = 0) -> EngineStats:
         scheduler = self.scheduler
         return EngineStats(
-            nonce,
-            len(scheduler.running),
-            len(scheduler.waiting),
-            self.kv_cache.num_free_blocks,
-            self.num_kv_blocks,
-            scheduler.num_preemptions,
-            self.kv_cache.num_cached_blocks,
-            self.kv_cache.num_queried_tokens,
-            self.kv_cache.num_hit_tokens,
-            scheduler.num_prefill_tokens,
+            nonce=nonce,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_kv_blocks=self.kv_cache.num_free_blocks,
+            num_kv_blocks=self.num_kv_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_cached_blocks=self.kv_cache.num_cached_blocks,
+            prefix_cache_queries=self.kv_cache.num_queried_tokens,
+            prefix_cache_hits=self.kv_cache.num_hit_tokens,
+            num_prefill_tokens=scheduler.num_prefill_tokens,
         )
 
     def facts(self) -> HandshakeReply:
         return HandshakeReply(
-            PROTOCOL_VERSION,
-            None,
-            self.vocab_size,
-            self.max_model_len,
-            self.config.max_logprobs,
-            self.eos_token_ids,
-            self.num_kv_blocks,
-            self.config.block_size,
+            protocol_version=PROTOCOL_VERSION,
+            error=None,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            max_logprobs=self.config.max_logprobs,
+            eos_token_ids=self.eos_token_ids,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.block_size,
         )
 
     def add_request(self, client_id: bytes, request: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -97,14 +97,14 @@ class EngineCore:
             logger.warning("refused request %s: %s", request.req_id, error)
             return EngineCoreOutput(request.req_id, [], finish_reason=FinishReason.ERROR, error=error)
         req = Request(
-            core_req_id(client_id, request.req_id),
-            client_id,
-            request.req_id,
-            list(request.prompt_token_ids),
-            request.sampling_params,
-            request.arrival_time,
-            self.eos_token_ids,
-            self.config.logprobs_mode,
+            req_id=core_req_id(client_id, request.req_id),
+            client_id=client_id,
+            client_req_id=request.req_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            params=request.sampling_params,
+            arrival_time=request.arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            logprobs_mode=self.config.logprobs_mode,
         )
         self.scheduler.add_request(req)
         return None
@@ -149,34 +149,24 @@ class EngineCore:
 
     def step(self) -> dict[bytes, EngineCoreOutputs]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self.executor.execute(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers, if any; the core is not used after this."""
-        self.runner.close()
+        """Stops the tensor-parallel ranks, if any; the core is not used after this."""
+        self.executor.close()
 
 
-def make_runner(config: EngineConfig) -> ModelRunner | TensorParallelRunner:
-    """The model in this process, or split over `tensor_parallel_size` worker processes."""
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(
-            config.model,
-            config.dtype,
-            config.device,
-            config.block_size,
-            config.seed,
-            config.can_use_cpu_kernels,
-        )
-    return TensorParallelRunner(
-        config.model,
-        config.dtype,
-        config.device,
-        config.block_size,
-        config.seed,
-        config.can_use_cpu_kernels,
-        config.tensor_parallel_size,
-        config.num_threads or max(1, torch.get_num_threads() // config.tensor_parallel_size),
+def runner_spec(config: EngineConfig) -> RunnerSpec:
+    return RunnerSpec(
+        model=config.model,
+        dtype=config.dtype,
+        device=config.device,
+        block_size=config.block_size,
+        seed=config.seed,
+        can_use_cpu_kernels=config.can_use_cpu_kernels,
+        tensor_parallel_size=config.tensor_parallel_size,
+        num_threads=config.num_threads,
     )
 
 

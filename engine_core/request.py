@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(
         self,
+        *,
         req_id: str,
         client_id: bytes,
         client_req_id: str,

@@ -43,6 +43,17 @@ HANG_AFTER_S = 15.0  # a busy loop stuck this long stops the heartbeats, so clie
 POLL_MS = 100
 
 
+class ProgressClock:
+    """When the busy loop last moved: each of its turns, and within a step each model layer and window
+    step (`mark` is the EngineCore's on_progress). The heartbeats vouch for it while it is recent."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def mark(self) -> None:
+        self.last = time.monotonic()
+
+
 class CoreServer:
     def __init__(
         self,
@@ -51,8 +62,10 @@ class CoreServer:
         parent_pid: int | None = None,
         client_timeout_s: float = 30.0,
         curve: tuple[KeyPair, str] | None = None,  # the server's keys, the folder of authorised client keys
+        progress: ProgressClock | None = None,  # the one the core was built with; None: loop turns only
     ) -> None:
         self.core = core
+        self.progress = progress or ProgressClock()
         self.parent_pid = parent_pid
         self.client_timeout_s = client_timeout_s
         self.ctx = zmq.Context()
@@ -72,8 +85,6 @@ class CoreServer:
         self.last_seen: dict[bytes, float] = {}  # greeted client -> monotonic time of its last frame
         self.is_stopping = threading.Event()
         self.thread_failure: str | None = None  # why a thread of the core died, if one did
-        self.last_progress = time.monotonic()  # the busy loop's last turn; heartbeats vouch for it
-        core.runner.on_progress = self._mark_progress  # each layer and window step counts as a turn
 
     def serve_forever(self) -> None:
         threads = [
@@ -109,9 +120,6 @@ class CoreServer:
 
         return run
 
-    def _mark_progress(self) -> None:
-        self.last_progress = time.monotonic()
-
     def stop(self) -> None:
         self.is_stopping.set()
 
@@ -122,7 +130,7 @@ class CoreServer:
         while not self.is_stopping.is_set():
             if self.thread_failure is not None:
                 raise RuntimeError(self.thread_failure)
-            self._mark_progress()
+            self.progress.mark()
             self._drain_inputs(block=not self.core.has_unfinished_requests())
             if self.core.has_unfinished_requests():
                 for client, outputs in self.core.step().items():
@@ -222,7 +230,7 @@ class CoreServer:
                 client, message = item
                 self._send(client, codec.encode(message))
             self._discard_inbound()
-            is_alive = time.monotonic() - self.last_progress < HANG_AFTER_S  # heartbeats vouch for the loop
+            is_alive = time.monotonic() - self.progress.last < HANG_AFTER_S  # heartbeats vouch for the loop
             if time.monotonic() >= next_beat and is_alive:
                 for client in list(self.last_seen):
                     self._send(client, beat)

@@ -3,7 +3,7 @@
 
 It also measures this machine's memory read bandwidth, turn about with the steps: a 1 GiB fp32 array
 in huge pages (as the engine's weights are) read by torch's sum and by the kernels' two-stream read
-(`stream_sum`, the way the few-row products stream their weights), with all of torch's threads; the
+(`stream_sum` in scripts/csrc/stream_read.c, the way the few-row products stream their weights), with all of torch's threads; the
 faster of the two is the bandwidth. It reports the step against the bandwidth limit: the bytes of
 weights a step reads (every linear layer's, lm_head included; one row of the embedding table) over
 that bandwidth. At batch 1 that is the whole cost a step cannot avoid.
@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_common import machine, prompts_of_lengths, write_json  # noqa: E402
+from stream_read import load_stream_sum  # noqa: E402
 
 from engine_core.core import EngineCore  # noqa: E402
 from frontend.engine_args import load_tokenizer, make_config  # noqa: E402
@@ -85,15 +86,16 @@ def time_read(read) -> float:
     return time.perf_counter() - start
 
 
-def read_functions(kernels) -> dict[str, object]:
+def read_functions() -> dict[str, object]:
     """Reads of one 1 GiB fp32 array (in huge pages where the kernel grants them): torch's sum, and
     the C kernels' two-stream read where they are loaded."""
     memory = huge_page_bytes(2**30)
     array = (memory.view(torch.float32) if memory is not None else torch.empty(2**28)).fill_(1.0)
     reads = {"read_torch_sum": array.sum}
-    if kernels is not None:
+    stream_sum = load_stream_sum()
+    if stream_sum is not None:
         threads = torch.get_num_threads()
-        reads["read_two_streams"] = lambda: kernels.stream_sum(array.data_ptr(), array.numel(), threads)
+        reads["read_two_streams"] = lambda: stream_sum(array.data_ptr(), array.numel(), threads)
     return reads
 
 
@@ -108,13 +110,13 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
     """Median times (s) of a decode step, of its linear layers alone, of its attention products alone
     and of reading 1 GiB each way, measured turn about so that the machine's drifting speed affects
     all alike."""
-    model, kernels = core.runner.model, core.runner.cpu_kernels
-    dtype = core.runner.dtype  # the activations' and KV cache's (fp32 with the CPU kernels)
+    model, kernels = core.executor.model, core.executor.cpu_kernels
+    dtype = core.executor.dtype  # the activations' and KV cache's (fp32 with the CPU kernels)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(batch, m.in_features, dtype=dtype, device=m.weight.device) for m in layers]
     context = round(sum(r.num_tokens for r in core.scheduler.requests.values()) / batch) + steps // 2
     attention = attention_operands(model, batch, context, dtype)
-    reads = read_functions(kernels)
+    reads = read_functions()
     times: dict[str, list[float]] = {
         "step": [],
         "linear": [],
@@ -169,7 +171,7 @@ def main() -> None:
     times = interleaved_times(core, args.batch, args.steps)
     step, linear, attention = times["step"], times["linear"], times["attention"]
     read_rates = {name: 2**30 / seconds for name, seconds in times.items() if name.startswith("read_")}
-    bandwidth, weight_bytes = max(read_rates.values()), weight_bytes_per_step(core.runner.model)
+    bandwidth, weight_bytes = max(read_rates.values()), weight_bytes_per_step(core.executor.model)
     limit = weight_bytes / bandwidth
     print(
         f"batch {args.batch}, context ~{args.context}: decode step {step * 1e3:.1f} ms, "

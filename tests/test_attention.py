@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from protocol.sampling_params import SamplingParams
-from worker.attention import paged_attention
 from worker.cpu.kernels import load_cpu_kernels
+from worker.cpu.ops import CpuOps
 from worker.input_batch import RequestState, build_step_inputs
 from worker.models.loader import load_model
+from worker.models.ops import TorchOps
 
 BLOCK_SIZE = 8
 
@@ -20,6 +21,11 @@ def kernels():
     loaded = load_cpu_kernels()
     assert loaded is not None, "this machine has a C compiler: the kernels must build"
     return loaded
+
+
+def ops_of(kernels):
+    """The C kernels' ops, or torch's (None: no compiler needed)."""
+    return TorchOps() if kernels is None else CpuOps(kernels)
 
 
 def make_state(req_id: str, num_tokens: int, block_ids: list[int], num_computed: int) -> RequestState:
@@ -43,18 +49,17 @@ def test_kernel_matches_torch_path_on_fragmented_blocks_in_a_mixed_batch(kernels
     num_rows = sum(num_tokens)
     q = torch.randn(num_rows, num_q_heads, 32)
 
-    with_kernel = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"), kernels)
-    torch_only = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
-    for inputs in (with_kernel, torch_only):
-        assert inputs.attn.decode is not None and len(inputs.attn.decode.rows) == 4
-        assert len(inputs.attn.seqs) == 2  # the 12-token chunk and the 1-token prompt
-    assert with_kernel.attn.decode.gather is None and torch_only.attn.decode.gather is not None
-    assert torch.equal(with_kernel.attn.slot_mapping, torch_only.attn.slot_mapping)
-    slots = torch_only.attn.slot_mapping  # this step's K and V, as the layer has just written them
+    inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
+    assert inputs.attn.decode is not None and len(inputs.attn.decode.rows) == 4
+    assert len(inputs.attn.seqs) == 2  # the 12-token chunk and the 1-token prompt
+    slots = inputs.attn.slot_mapping  # this step's K and V, as the layer has just written them
     k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
     expected = reference_attention(q, cache, states, num_tokens)
-    for inputs in (with_kernel, torch_only):
-        actual = paged_attention(q, k, v, cache, inputs.attn)
+    kernel = CpuOps(kernels).attention(q, k, v, cache, inputs.attn, None)
+    assert inputs.attn.decode.gather is None  # the C kernel reads the blocks in place
+    torch_path = TorchOps().attention(q, k, v, cache, inputs.attn, None)
+    assert inputs.attn.decode.gather is not None  # torch's gathered them, once for the step
+    for actual in (kernel, torch_path):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -87,10 +92,10 @@ def test_kernel_matches_float64_reference_at_every_head_width(kernels, head_dim)
         states.append(make_state(str(len(states)), context, blocks, context - 1))
     cache = torch.randn(2, 2, 64 * BLOCK_SIZE, head_dim)
     q = torch.randn(len(states), 6, head_dim)
-    inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, torch.device("cpu"), kernels)
+    inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, torch.device("cpu"))
     slots = inputs.attn.slot_mapping  # the 1-token prompt attends to its own k and v, as written
     k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-    actual = paged_attention(q, k, v, cache, inputs.attn)
+    actual = CpuOps(kernels).attention(q, k, v, cache, inputs.attn, None)
     expected = reference_attention(q, cache, states, [1] * len(states))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -105,12 +110,13 @@ def test_decode_attends_exactly_the_context_length(request, path):
     q = torch.randn(2, 4, 16)
     kv = torch.zeros(2, 2, 16)
     kernels = request.getfixturevalue("kernels") if path == "kernel" else None  # torch: no compiler needed
-    inputs = build_step_inputs([short, long], [1, 1], BLOCK_SIZE, torch.device("cpu"), kernels)
-    before = paged_attention(q, kv, kv, cache, inputs.attn)
+    inputs = build_step_inputs([short, long], [1, 1], BLOCK_SIZE, torch.device("cpu"))
+    ops = ops_of(kernels)
+    before = ops.attention(q, kv, kv, cache, inputs.attn, None)
     cache[:, :, 9 * BLOCK_SIZE + 5 : 20 * BLOCK_SIZE] = float("nan")  # past position 12, in block 9, ...
     cache[:, :, 2 * BLOCK_SIZE : 3 * BLOCK_SIZE] = float("nan")
     cache[:, :, 0:BLOCK_SIZE] = float("nan")  # block 0: where the padding of a short row's table points
-    torch.testing.assert_close(paged_attention(q, kv, kv, cache, inputs.attn), before)
+    torch.testing.assert_close(ops.attention(q, kv, kv, cache, inputs.attn, None), before)
     assert torch.isfinite(before).all()
     torch.testing.assert_close(
         before, reference_attention(q, cache, [short, long], [1, 1]), rtol=1e-5, atol=1e-5
@@ -128,7 +134,8 @@ def test_model_forward_with_kernels_matches_torch_paths(kernels, tiny_path):
         state = make_state("r", 22, [3, 0, 6, 1], 0)  # out of order: the slot arithmetic is exercised
         outputs = []
         for num in (20, 1, 1):  # the prompt's first 20 tokens, then one token at a time
-            inputs = build_step_inputs([state], [num], BLOCK_SIZE, torch.device("cpu"), which)
+            inputs = build_step_inputs([state], [num], BLOCK_SIZE, torch.device("cpu"))
+            model.ops = ops_of(which)
             with torch.inference_mode():
                 outputs.append(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
             state.num_computed_tokens += num
@@ -152,10 +159,10 @@ def test_sliding_window_in_the_kernel_the_torch_decode_and_prefill_chunks(kernel
     q = torch.randn(sum(num_tokens), 6, 32)
     expected = _windowed_reference(q, cache, states, num_tokens, window)
     for kernel in (kernels, None):
-        inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"), kernel)
+        inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
         slots = inputs.attn.slot_mapping
         k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-        actual = paged_attention(q, k, v, cache, inputs.attn, window)
+        actual = ops_of(kernel).attention(q, k, v, cache, inputs.attn, window)
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 

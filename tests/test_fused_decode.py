@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from protocol.sampling_params import SamplingParams
-from worker.cpu.fused_decode import FUSED_MAX_ROWS, fused_step
+from worker.cpu.fused_decode import FUSED_MAX_ROWS, FusedForward
 from worker.cpu.kernels import load_cpu_kernels
+from worker.cpu.ops import CpuOps, apply_cpu_backend
 from worker.input_batch import RequestState, build_step_inputs
 from worker.models.loader import load_model
 
@@ -42,24 +43,16 @@ def decode_states(num_rows: int, prompt_len: int) -> list[RequestState]:
     return states
 
 
-def count_fused_forwards(model) -> list[int]:
-    """A list that grows by one each time the model's fused forward really runs."""
-    calls, fused_forward = [], model._fused_forward
-    model._fused_forward = lambda *args: calls.append(1) or fused_forward(*args)
-    return calls
-
-
 def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> list[torch.Tensor]:
-    """Prefill (op by op), then `num_steps` decode steps fused or op by op; the decode steps' hidden
-    states. Checks that the fused forward ran exactly where it was to run."""
-    model.can_fuse_decode = fuse
-    fused_forwards = count_fused_forwards(model)
-    device, hidden = torch.device("cpu"), []
+    """Prefill (op by op), then `num_steps` decode steps fused or op by op, as the runner chooses; the
+    decode steps' hidden states. Checks that the fused forward applies exactly where it is to."""
+    fused, device, hidden = FusedForward(kernels, model.weights(), caches, model.args), torch.device("cpu"), []
     for state in states:
         state.num_computed_tokens = 0
         del state.token_ids[state.num_prompt_tokens :]
     with torch.inference_mode():
-        inputs = build_step_inputs(states, [s.num_prompt_tokens for s in states], BLOCK_SIZE, device, kernels)
+        inputs = build_step_inputs(states, [s.num_prompt_tokens for s in states], BLOCK_SIZE, device)
+        assert fused.step(inputs) is None  # prefill: op by op
         model(inputs.input_ids, inputs.positions, caches, inputs.attn)
         for step in range(num_steps + 1):
             for state in states:
@@ -67,19 +60,19 @@ def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> lis
                 state.token_ids.append((13 * step + len(state.token_ids)) % 1000 + 5)
             if step == num_steps:
                 break
-            inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, device, kernels)
-            assert (fused_step(kernels, inputs.attn, inputs.input_ids, inputs.positions) is not None) == (
-                len(states) <= FUSED_MAX_ROWS
-            )
-            hidden.append(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
-    del model._fused_forward  # the class's own again
-    assert len(fused_forwards) == (num_steps if fuse and len(states) <= FUSED_MAX_ROWS else 0)
+            inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, device)
+            fused_step = fused.step(inputs)
+            assert (fused_step is not None) == (len(states) <= FUSED_MAX_ROWS)
+            if fuse and fused_step is not None:
+                hidden.append(fused.run(fused_step))
+            else:
+                hidden.append(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
     return hidden
 
 
 def model_and_caches(path: str, dtype: torch.dtype, kernels):
     model = load_model(path, dtype, torch.device("cpu"))
-    model.use_cpu_kernels(kernels)
+    apply_cpu_backend(model, kernels)
     a = model.args
     caches = [torch.zeros(2, a.num_kv_heads, 1600 * BLOCK_SIZE, a.head_dim) for _ in range(a.num_layers)]
     return model, caches
@@ -103,7 +96,7 @@ def test_fused_forward_equals_the_op_by_op_path(kernels, family_model, family, d
 def test_past_the_fused_row_count_the_op_by_op_path_runs(kernels, family_model):
     model, caches = model_and_caches(family_model("llama3.1"), torch.float32, kernels)
     states = decode_states(FUSED_MAX_ROWS + 1, prompt_len=9)
-    run_steps(model, kernels, states, caches, num_steps=1, fuse=True)  # asserts no fused forward ran
+    run_steps(model, kernels, states, caches, num_steps=1, fuse=True)  # asserts the fused one never applies
 
 
 def test_bf16_fallback_without_the_dot_instruction_agrees_too(kernels, family_model):
@@ -115,7 +108,7 @@ def test_bf16_fallback_without_the_dot_instruction_agrees_too(kernels, family_mo
     op_by_op = run_steps(model, widening, states, caches, num_steps=2, fuse=False)
     assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op, strict=True))
     if kernels.has_bf16_dot:  # and the dot instruction gives other sums: the fallback really ran
-        model.cpu_kernels = kernels
+        model.ops = CpuOps(kernels)
         with_dot = run_steps(model, kernels, states, caches, num_steps=2, fuse=True)
         assert not all(torch.equal(a, b) for a, b in zip(with_dot, fused))
 
@@ -125,11 +118,11 @@ def test_a_strided_column_of_sampled_tokens_is_read_as_its_values(kernels, tiny_
     model, caches = model_and_caches(tiny_path, torch.float32, kernels)
     states = decode_states(3, prompt_len=10)
     run_steps(model, kernels, states, caches, num_steps=1, fuse=True)
-    inputs = build_step_inputs(states, [1] * 3, BLOCK_SIZE, torch.device("cpu"), kernels)
+    inputs = build_step_inputs(states, [1] * 3, BLOCK_SIZE, torch.device("cpu"))
     strided = torch.stack([inputs.input_ids, torch.zeros_like(inputs.input_ids)], dim=1)[:, 0]
     assert not strided.is_contiguous()
-    fused_forwards = count_fused_forwards(model)
+    fused = FusedForward(kernels, model.weights(), caches, model.args)
     with torch.inference_mode():
-        expected = model(inputs.input_ids, inputs.positions, caches, inputs.attn)
-        got = model(strided, inputs.positions, caches, inputs.attn)
-    assert len(fused_forwards) == 2 and torch.equal(got, expected)
+        expected = fused.run(fused.step(inputs))
+        got = fused.run(fused.step(dataclasses.replace(inputs, input_ids=strided)))
+    assert torch.equal(got, expected)

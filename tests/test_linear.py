@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 import torch
 from conftest import PROMPTS, hf_logprobs
@@ -12,6 +13,7 @@ from conftest import PROMPTS, hf_logprobs
 from frontend import LLM, SamplingParams
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.linear import amx_product, linear
+from worker.executor import RunnerSpec
 from worker.model_runner import ModelRunner
 
 # scripts/compare_bf16_logprobs.py measured on `tiny` (docs/decisions.md, CPU kernels): the largest
@@ -49,12 +51,13 @@ def llm_bf16(tiny_path):
 
 
 def test_bf16_runs_the_cpu_kernels_with_bf16_weights_and_fp32_activations(tiny_path):
-    runner = ModelRunner(tiny_path, "bfloat16", "cpu", block_size=16, seed=0)
+    spec = RunnerSpec(model=tiny_path, dtype="bfloat16", device="cpu", block_size=16, seed=0)
+    runner = ModelRunner(spec)
     assert runner.cpu_kernels is not None and runner.dtype == torch.float32  # activations, KV cache
     assert runner.model.lm_head.weight.dtype == torch.bfloat16
     assert runner.model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
     assert runner.model.norm.weight.dtype == torch.float32
-    torch_only = ModelRunner(tiny_path, "bfloat16", "cpu", block_size=16, seed=0, can_use_cpu_kernels=False)
+    torch_only = ModelRunner(msgspec.structs.replace(spec, can_use_cpu_kernels=False))
     assert torch_only.cpu_kernels is None and torch_only.dtype == torch.bfloat16
 
 

@@ -57,7 +57,10 @@ def test_eviction_takes_the_least_recently_freed_and_forgets_it():
 
 def make_request(req_id: str, prompt: list[int], client: bytes = b"c", **params) -> Request:
     sampling = Params(**{"max_tokens": 3, **params})
-    return Request(req_id, client, req_id, prompt, sampling, 0.0, [], "raw")
+    return Request(
+        req_id=req_id, client_id=client, client_req_id=req_id, prompt_token_ids=prompt, params=sampling,
+        arrival_time=0.0, eos_token_ids=[], logprobs_mode="raw",
+    )  # fmt: skip
 
 
 class ShadowWorker:

@@ -75,7 +75,7 @@ def test_rank_parts_split_outputs_by_rows_inputs_by_columns_and_add_the_o_bias_o
 
 def test_two_ranks_equal_one_in_process_with_multi_step(tiny_path, tp1_outputs):
     with LLM(tiny_path, multiprocess=False, num_scheduler_steps=3, **TP2) as llm:
-        runner = llm.client.core.runner
+        runner = llm.client.core.executor
         assert [proc.poll() for proc in runner.procs] == [None, None]  # two live worker processes
         procs = list(runner.procs)
         assert_same_outputs(tp1_outputs, llm.generate(PROMPTS[:8], PARAMS))

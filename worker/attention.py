@@ -1,9 +1,10 @@
 """Paged attention over a head-major slot cache (engine-core process).
 
 Each layer's cache is `[2, num_kv_heads, num_slots, head_dim]`, slot = block_id * block_size + offset.
-Decode rows (one new token with context) are attended together in one call per layer: by the C
-kernel on the CPU in fp32, reading the blocks in place; elsewhere by torch, one gather of every
-row's context and two batched products (no per-request loop, no per-request kernel launches).
+Decode rows (one new token with context) are attended together in one call per layer, by the
+backend's decode attention (`attend_decode`): the C kernel on the CPU, reading the blocks in place
+(worker/cpu/ops.py), or torch's here, one gather of every row's context and two batched products (no
+per-request loop, no per-request kernel launches).
 Prefill chunks go one request at a time through SDPA (masked to the sliding window where the model
 has one); the KV manager places a request's blocks in
 contiguous runs where it can, so a chunk's context is usually a view of the cache, not a copy.
@@ -11,13 +12,12 @@ contiguous runs where it can, so a chunk's context is usually a view of the cach
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from worker.cpu.kernels import CpuKernels, decode_attention
 
 
 @dataclass
@@ -56,13 +56,13 @@ def _gather_indices(
 @dataclass
 class DecodeRows:
     """Single-token rows with context, attended together in one call per layer: by the C kernel from
-    the host arrays, or (no kernels: CUDA, bf16) by torch through `gather`."""
+    the host arrays, or by torch through `gather`, made on the device by the first layer that asks."""
 
     block_size: int
     rows: np.ndarray  # [R] int64, the rows of the flattened batch
     block_tables: np.ndarray  # [R, max_blocks] int32, each request's blocks, zero padded
     context_lens: np.ndarray  # [R] int32, tokens attended to, this step's included
-    gather: DecodeGather | None = None  # set for the torch path
+    gather: DecodeGather | None = None  # torch's decode attention: made once a step (gather_on)
     # The three arrays' addresses, looked up once a step, not once a layer (~3 us each through numpy).
     pointers: tuple[int, int, int] = (0, 0, 0)
 
@@ -87,6 +87,13 @@ class DecodeRows:
         return blocks.to(torch.int64) * self.block_size + positions % self.block_size
 
 
+    def gather_on(self, device: torch.device) -> DecodeGather:
+        """The torch path's gather, made at the first call of the step (of the window)."""
+        if self.gather is None:
+            self.gather = decode_gather(self, device)
+        return self.gather
+
+
 def decode_gather(rows: DecodeRows, device: torch.device) -> DecodeGather:
     """Built once per step (once per window): three small host-to-device copies, the slot arithmetic
     on the device."""
@@ -104,7 +111,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
     seqs: list[SeqSpan]  # prefill chunks (rows with more than one token, or no context yet), one by one
     decode: DecodeRows | None = None  # single-token rows with context (decode), attended in one call
-    kernels: CpuKernels | None = None  # the CPU kernels (fp32 on the CPU): decode attention, fused steps
+
+
+# q [T, Hq, D], out [T, Hq, D] (its decode rows written), cache, the rows, the sliding window or None
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows, "int | None"], None]
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -119,29 +129,14 @@ def paged_attention(
     v: torch.Tensor,
     cache: torch.Tensor,
     meta: AttentionMetadata,
-    window: int | None = None,
+    window: int | None,
+    attend_decode: DecodeAttention,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D].
     `window` (Mistral's sliding window): a token attends to itself and the window - 1 tokens before it."""
     out = torch.empty_like(q)
-    head_dim = k.shape[2]
-    if meta.decode is not None and meta.decode.gather is not None:
-        _decode_torch(q, out, cache, meta.decode.gather, window)
-    elif meta.decode is not None:
-        rows = meta.decode
-        decode_attention(
-            meta.kernels,
-            q,
-            out,
-            cache,
-            rows.rows,
-            rows.block_tables,
-            rows.context_lens,
-            rows.block_size,
-            head_dim**-0.5,
-            window or 0,
-            rows.pointers,
-        )
+    if meta.decode is not None:
+        attend_decode(q, out, cache, meta.decode, window)
     for seq in meta.seqs:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, window)
@@ -190,11 +185,12 @@ def _skip_slots(runs: list[tuple[int, int]], num_skipped: int) -> list[tuple[int
     return kept
 
 
-def _decode_torch(
-    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, gather: DecodeGather, window: int | None
+def decode_attention_torch(
+    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: DecodeRows, window: int | None
 ) -> None:
     """Writes the decode rows of `out`: one gather of every row's keys and values, two batched products
     over (KV head, row), the padding masked. Scores in the model's dtype, softmax in fp32 as SDPA does."""
+    gather = rows.gather_on(q.device)
     num_rows, (_, num_kv_heads, _, head_dim) = len(gather.rows), cache.shape
     group = q.shape[1] // num_kv_heads
     shape = (num_kv_heads, num_rows, gather.slots.shape[1], head_dim)  # [Hkv, R, L, D]

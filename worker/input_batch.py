@@ -13,8 +13,7 @@ import torch
 
 from protocol.sampling_params import SamplingParams
 from protocol.step import NewRequestData
-from worker.attention import AttentionMetadata, DecodeRows, SeqSpan, decode_gather
-from worker.cpu.kernels import CpuKernels
+from worker.attention import AttentionMetadata, DecodeRows, SeqSpan
 
 
 @dataclass
@@ -87,11 +86,10 @@ def build_step_inputs(
     num_tokens: list[int],
     block_size: int,
     device: torch.device,
-    kernels: CpuKernels | None = None,
 ) -> StepInputs:
     """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch.
-    Single-token rows with context (decode) are attended together, by the C kernel with `kernels`,
-    else by torch's batched gather; the rest (prefill chunks) one request at a time."""
+    Single-token rows with context (decode) are attended together, the rest (prefill chunks) one
+    request at a time."""
     ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []
     decode_rows, decode_tables, decode_lens = [], [], []
     row = 0
@@ -134,12 +132,10 @@ def build_step_inputs(
             _stack_tables(decode_tables),
             np.asarray(decode_lens, dtype=np.int32),
         )
-        if kernels is None:
-            decode.gather = decode_gather(decode, device)
     return StepInputs(
         torch.tensor(ids, dtype=torch.int64, device=device),
         torch.tensor(positions, dtype=torch.int64, device=device),
-        AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), seqs, decode, kernels),
+        AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), seqs, decode),
         # every row in order (decode): no tensor to build, no hidden states to gather
         None
         if sample_rows == list(range(row))
@@ -156,7 +152,7 @@ def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:
     assert decode is not None and len(decode.rows) == len(inputs.positions) and not inputs.attn.seqs
     positions = inputs.positions + 1
     decode = decode.next_step()
-    attn = AttentionMetadata(decode.next_slots(positions), [], decode, inputs.attn.kernels)
+    attn = AttentionMetadata(decode.next_slots(positions), [], decode)
     return StepInputs(input_ids, positions, attn, inputs.sample_rows, inputs.sampled_req_ids)
 
 

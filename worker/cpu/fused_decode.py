@@ -1,176 +1,131 @@
 """The fused decode forward: a decode-only step of few rows runs the whole model forward (embedding,
-every decoder layer, the final norm) in one C call, `decode_forward.c`, the threads in one parallel
-region, instead of ten calls a layer from Python (engine-core process).
+every decoder layer, the final norm) in one C call, csrc/decode_forward.c, the threads in one
+parallel region, instead of ten calls a layer from Python (engine-core process).
 
-It applies on the CPU with the C kernels when every token of the step is a decode row (one token
-with context), there are at most `FUSED_MAX_ROWS` of them, and the layers are whole (no tensor
-parallelism: the sums over ranks sit between a layer's halves). Elsewhere the op-by-op path runs;
-both give the same numbers (Qwen3's per-head q/k norms: to float rounding, C's RMSNorm against
-torch's). Token ids and positions are trusted as the scheduler bounds them (the C reads them).
+The runner builds a `FusedForward` for a model on the CPU backend and its KV caches, and asks it
+for each step: it applies when every token of the step is a decode row (one token with context)
+and there are at most `FUSED_MAX_ROWS` of them; elsewhere the model runs op by op. The model is
+read through `LlamaModel.weights()`, its one description of its tensors; the C reads it as
+`struct model_desc` (bindings.py). Both paths give the same numbers (Qwen3's per-head q/k norms: to
+float rounding, C's RMSNorm against torch's). Token ids and positions are trusted as the scheduler
+bounds them (the C reads them). Layers split over ranks (tensor parallelism) never come here: the
+sums over ranks sit between a layer's halves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import ctypes
 
-import numpy as np
 import torch
-from torch import nn
 
-from worker.attention import AttentionMetadata
-from worker.cpu.kernels import CpuKernels
+from worker.cpu.bindings import CpuKernels, LayerDesc, ModelDesc, StepDesc
 from worker.cpu.linear import GEMV_MAX_ROWS
+from worker.input_batch import StepInputs
+from worker.models.config import LlamaArgs
+from worker.models.llama import LayerWeights, ModelWeights
 
 FUSED_MAX_ROWS = GEMV_MAX_ROWS  # the few-row products' range: past it prefill-sized products win
 
 
-@dataclass
 class FusedStep:
-    """This step's rows as decode_forward.c reads them."""
+    """This step's rows as decode_forward.c reads them, and the tensors whose addresses it holds."""
 
-    params: np.ndarray  # [11] int64: decode_forward.c's S_* entries
-    keep_alive: tuple  # the tensors and arrays whose addresses `params` holds
-    address: int = field(init=False)  # params' own (numpy's .ctypes.data costs ~2 us: once a step)
-
-    def __post_init__(self) -> None:
-        self.address = self.params.ctypes.data
+    def __init__(self, desc: StepDesc, keep_alive: tuple) -> None:
+        self.desc = desc
+        self.keep_alive = keep_alive
+        self.pointer = ctypes.byref(desc)
 
 
-@dataclass
-class FusedModel:
-    """The model as decode_forward.c reads it, built once per set of KV caches."""
+class FusedForward:
+    """The model as decode_forward.c reads it, over one set of KV caches (one a layer). The weights
+    are placed once at load (huge pages) and never move after; the caches are those given."""
 
-    params: np.ndarray  # [7] int64: decode_forward.c's M_* entries
-    layers: list[np.ndarray]  # per layer [20] int64: its L_* entries
-    layer_addresses: np.ndarray  # [num_layers] int64: each layer's array
-    caches: list[torch.Tensor]  # the KV caches the layers address, one a layer
-    weights: list[torch.Tensor]  # tensors whose addresses it holds, checked each step (a sample: ~1 us each)
-    address: int = field(init=False)
-    weight_addresses: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.address = self.params.ctypes.data
-        self.weight_addresses = [w.data_ptr() for w in self.weights]
-
-    def is_for(self, caches: list[torch.Tensor]) -> bool:
-        """Whether it still addresses these caches, and the weights where they are: they are placed
-        once at load (huge pages) and never move after; the first and last layer stand for all."""
-        return (
-            len(caches) == len(self.caches)
-            and all(a is b for a, b in zip(caches, self.caches))
-            and all(w.data_ptr() == a for w, a in zip(self.weights, self.weight_addresses))
+    def __init__(
+        self, kernels: CpuKernels, weights: ModelWeights, caches: list[torch.Tensor], args: LlamaArgs
+    ) -> None:
+        assert len(caches) == len(weights.layers) > 0
+        self.kernels, self.args, self.caches = kernels, args, list(caches)
+        self.layers = (LayerDesc * len(caches))(
+            *(layer_desc(w, cache, args) for w, cache in zip(weights.layers, caches))
         )
+        shapes = {tuple(getattr(d, f) for f in _SHAPE_FIELDS) for d in self.layers}
+        assert len(shapes) == 1, "decode_forward.c reads one shape for all layers"
+        embed = weights.embed
+        assert embed.dtype in (torch.float32, torch.bfloat16) and embed.is_contiguous()
+        self.desc = ModelDesc(
+            embed=embed.data_ptr(),
+            embed_is_bf16=int(embed.dtype == torch.bfloat16),
+            final_norm=_address(weights.final_norm),
+            cos=_address(weights.cos),
+            signed_sin=_address(weights.signed_sin),
+            num_layers=len(caches),
+            layers=self.layers,
+        )
+        self.keep_alive = weights  # the tensors whose addresses the descriptors hold
+        self.pointer = ctypes.byref(self.desc)
+
+    def step(self, inputs: StepInputs) -> FusedStep | None:
+        """The step's rows for decode_forward.c, or None where the op-by-op path must run."""
+        meta, num_tokens = inputs.attn, inputs.input_ids.shape[0]
+        decode = meta.decode
+        if decode is None or meta.seqs or num_tokens > FUSED_MAX_ROWS or len(decode.rows) != num_tokens:
+            return None
+        # a multi-step window feeds back its sampled tokens, which may be a column of the top-k ids
+        input_ids, positions, slots = (
+            t if t.is_contiguous() else t.contiguous() for t in (inputs.input_ids, inputs.positions, meta.slot_mapping)
+        )
+        assert input_ids.dtype == positions.dtype == slots.dtype == torch.int64
+        rows_ptr, tables_ptr, lens_ptr = decode.pointers
+        desc = StepDesc(
+            input_ids=input_ids.data_ptr(),
+            positions=positions.data_ptr(),
+            slots=slots.data_ptr(),
+            rows=rows_ptr,
+            block_tables=tables_ptr,
+            max_blocks=decode.block_tables.shape[1],
+            context_lens=lens_ptr,
+            num_tokens=num_tokens,
+            block_size=decode.block_size,
+            use_dot=int(self.kernels.has_bf16_dot),
+            num_threads=torch.get_num_threads(),
+        )
+        return FusedStep(desc, (input_ids, positions, slots, decode))
+
+    def run(self, step: FusedStep) -> torch.Tensor:
+        """The final-normed hidden states [T, hidden] float32 of the step's tokens."""
+        a = self.args
+        out = torch.empty(step.desc.num_tokens, a.hidden_size)
+        status = self.kernels.decode_forward(
+            self.pointer, step.pointer, out.data_ptr(), a.rms_norm_eps, a.head_dim**-0.5
+        )
+        if status != 0:
+            raise MemoryError("the fused decode forward could not allocate its scratch memory")
+        return out
 
 
-def fused_step(
-    kernels: CpuKernels | None, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor
-) -> FusedStep | None:
-    """The step's inputs for decode_forward.c, or None where the op-by-op path must run."""
-    decode, num_tokens = meta.decode, input_ids.shape[0]
-    if kernels is None or decode is None or meta.seqs or decode.gather is not None:
-        return None
-    if num_tokens > FUSED_MAX_ROWS or len(decode.rows) != num_tokens:
-        return None
-    # a multi-step window feeds back its sampled tokens, which may be a column of the top-k ids
-    input_ids, positions, slots = (
-        t if t.is_contiguous() else t.contiguous() for t in (input_ids, positions, meta.slot_mapping)
-    )
-    assert input_ids.dtype == positions.dtype == slots.dtype == torch.int64
-    rows_ptr, tables_ptr, lens_ptr = decode.pointers
-    params = np.array(
-        [
-            input_ids.data_ptr(),
-            positions.data_ptr(),
-            slots.data_ptr(),
-            rows_ptr,
-            tables_ptr,
-            decode.block_tables.shape[1],
-            lens_ptr,
-            num_tokens,
-            decode.block_size,
-            int(kernels.has_bf16_dot),
-            torch.get_num_threads(),
-        ],
-        dtype=np.int64,
-    )
-    return FusedStep(params, (input_ids, positions, slots, decode))
+_SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "is_bf16")
 
 
-def fused_model(model: nn.Module, caches: list[torch.Tensor]) -> FusedModel:
-    """`model` (a LlamaModel on the CPU kernels) over its `caches`."""
-    assert len(caches) == len(model.layers) > 0
-    layers = [layer_params(layer, cache) for layer, cache in zip(model.layers, caches)]
-    assert len({tuple(p[12:17]) + (p[18],) for p in layers}) == 1, (
-        "decode_forward.c reads one shape for all layers"
-    )
-    addresses = np.array([layer.ctypes.data for layer in layers], dtype=np.int64)
-    embed = model.embed_tokens.weight
-    assert embed.dtype in (torch.float32, torch.bfloat16) and embed.is_contiguous()
-    params = np.array(
-        [
-            embed.data_ptr(),
-            int(embed.dtype == torch.bfloat16),
-            _address(model.norm.weight),
-            _address(model.rotary.cos),
-            _address(model.rotary.signed_sin),
-            len(layers),
-            addresses.ctypes.data,
-        ],
-        dtype=np.int64,
-    )
-    first, last = model.layers[0], model.layers[-1]
-    weights = [embed, model.norm.weight, model.rotary.cos, first.qkv_proj.weight, last.down_proj.weight]
-    return FusedModel(params, layers, addresses, list(caches), weights)
-
-
-def layer_params(layer: nn.Module, cache: torch.Tensor) -> np.ndarray:
-    """[20] int64: decode_forward.c's L_* entries for `layer` (a DecoderLayer) over `cache`."""
-    a = layer.args
-    weights = [layer.qkv_proj.weight, layer.o_proj.weight, layer.gate_up_proj.weight, layer.down_proj.weight]
-    assert all(w.dtype == weights[0].dtype and w.is_contiguous() for w in weights)
+def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs) -> LayerDesc:
+    """One layer's struct layer_desc over its `cache` [2, Hkv, slots, D] float32."""
+    products = (w.qkv, w.o, w.gate_up, w.down)
+    assert all(p.dtype == w.qkv.dtype and p.is_contiguous() for p in products)
     assert cache.is_contiguous() and cache.dtype == torch.float32
-    qk_norms = (layer.q_norm.weight, layer.k_norm.weight) if a.has_qk_norm else (None, None)
     key_cache = cache.data_ptr()
-    return np.array(
-        [
-            _address(layer.input_layernorm.weight),
-            weights[0].data_ptr(),
-            _address(layer.qkv_proj.bias),
-            _address(qk_norms[0]),
-            _address(qk_norms[1]),
-            weights[1].data_ptr(),
-            _address(layer.o_proj.bias),
-            _address(layer.post_attention_layernorm.weight),
-            weights[2].data_ptr(),
-            weights[3].data_ptr(),
-            key_cache,
-            key_cache + cache.stride(0) * cache.element_size(),
-            a.hidden_size,
-            a.num_heads,
-            a.num_kv_heads,
-            a.head_dim,
-            a.intermediate_size,
-            cache.shape[2],
-            int(weights[0].dtype == torch.bfloat16),
-            a.sliding_window or 0,
-        ],
-        dtype=np.int64,
-    )
+    return LayerDesc(
+        input_norm=_address(w.input_norm), qkv=w.qkv.data_ptr(), qkv_bias=_address(w.qkv_bias),
+        q_norm=_address(w.q_norm), k_norm=_address(w.k_norm), o=w.o.data_ptr(), o_bias=_address(w.o_bias),
+        post_norm=_address(w.post_norm), gate_up=w.gate_up.data_ptr(), down=w.down.data_ptr(),
+        key_cache=key_cache, value_cache=key_cache + cache.stride(0) * cache.element_size(),
+        hidden=a.hidden_size, num_q_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+        intermediate=a.intermediate_size, num_slots=cache.shape[2],
+        is_bf16=int(w.qkv.dtype == torch.bfloat16), window=a.sliding_window or 0,
+    )  # fmt: skip
 
 
-def decode_forward(
-    kernels: CpuKernels, model: FusedModel, step: FusedStep, hidden_size: int, eps: float, scale: float
-) -> torch.Tensor:
-    """The final-normed hidden states [T, hidden] float32 of the step's tokens."""
-    out = torch.empty(int(step.params[7]), hidden_size)
-    if kernels.decode_forward(model.address, step.address, out.data_ptr(), eps, scale) != 0:
-        raise MemoryError("the fused decode forward could not allocate its scratch memory")
-    return out
-
-
-def _address(tensor: torch.Tensor | None) -> int:
-    """A float32 parameter's address; 0 for none."""
+def _address(tensor: torch.Tensor | None) -> int | None:
+    """A float32 parameter's address; None (NULL) for none."""
     if tensor is None:
-        return 0
+        return None
     assert tensor.dtype == torch.float32 and tensor.is_contiguous()
     return tensor.data_ptr()

@@ -1,24 +1,25 @@
 """Llama-family decoder over a paged KV cache: Llama, Mistral (sliding window), Qwen2 (qkv bias) and
 Qwen3 (per-head q/k RMSNorm), tied or untied embeddings (engine-core process).
 
-Numerics follow Hugging Face transformers (RMSNorm in fp32, rotate-half RoPE, HF's RoPE variants) so
-logprobs match it. With the CPU kernels the activations, norms and KV cache are fp32 whatever the
-weights' dtype: bf16 weights stay bf16 only inside the linear layers and the embedding table.
+The one statement of the model's math. Every op goes through `self.ops` (worker/models/ops.py),
+chosen once outside the model: torch's, or the CPU backend's (fp32 activations, norms and KV cache
+whatever the weights' dtype). Numerics follow Hugging Face transformers (RMSNorm in fp32,
+rotate-half RoPE, HF's RoPE variants) so logprobs match it. `weights()` names the tensors by role,
+for the readers of the model that are not torch (the fused decode forward).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, paged_attention, write_kv
-from worker.cpu.fused_decode import FusedModel, FusedStep, decode_forward, fused_model, fused_step
-from worker.cpu.kernels import CpuKernels, rms_norm, rope_write_kv, silu_mul
-from worker.cpu.linear import linear
+from worker.attention import AttentionMetadata
 from worker.models.config import LlamaArgs
+from worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
 from worker.models.rope import RopeSpec, cos_sin_tables
 
 __all__ = ["LlamaArgs", "LlamaModel"]
@@ -30,9 +31,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-        if kernels is not None:  # one C pass: F.rms_norm is six ops on the CPU, ~35 us for one row
-            return rms_norm(kernels, x, self.weight, self.eps)[1]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # one fused op, the same arithmetic as the lines below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -40,14 +39,28 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def add_and_norm(
-        self, x: torch.Tensor, delta: torch.Tensor, kernels: CpuKernels | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add and the norm of its result: (x + delta, norm(x + delta))."""
-        if kernels is not None:
-            return rms_norm(kernels, x, self.weight, self.eps, delta)
-        total = x + delta
-        return total, self(total)
+
+class LayerWeights(NamedTuple):
+    """A decoder layer's tensors by role; a missing bias or norm is None."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    q_norm: torch.Tensor | None  # [D] Qwen3
+    k_norm: torch.Tensor | None  # [D] Qwen3
+    o: torch.Tensor  # [hidden, Hq D]
+    o_bias: torch.Tensor | None  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor  # [hidden, I]
+
+
+class ModelWeights(NamedTuple):
+    embed: torch.Tensor  # [vocab, hidden]
+    final_norm: torch.Tensor  # [hidden]
+    cos: torch.Tensor  # [max_positions, D] float32
+    signed_sin: torch.Tensor  # [max_positions, D] float32, rotate_half's minus folded in
+    layers: list[LayerWeights]
 
 
 class Rotary(nn.Module):
@@ -69,12 +82,6 @@ class Rotary(nn.Module):
         return cos.to(dtype), signed_sin.to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]. HF's x * cos + rotate_half(x) * sin, with rotate_half's minus folded into sin."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -90,38 +97,35 @@ class DecoderLayer(nn.Module):
         if args.has_qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
-        # Tensor parallelism: sums each layer half's partial output over the ranks (in place); None alone.
-        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.heads = HeadShape(args.num_heads, args.num_kv_heads, args.head_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple, cache: torch.Tensor, meta: AttentionMetadata):
+    def forward(
+        self, x: torch.Tensor, rope: Rope, cache: torch.Tensor, meta: AttentionMetadata, ops: ModelOps
+    ) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; this step's K and V written to `cache`."""
         num_tokens, a = x.shape[0], self.args
-        kernels = meta.kernels
-        qkv = linear(self.qkv_proj, self.input_layernorm(x, kernels), kernels)
+        qkv = ops.linear(self.qkv_proj, ops.rms_norm(self.input_layernorm, x))
         if a.has_qk_norm:
             qkv = self._norm_qk(qkv)
-        if meta.kernels is not None:  # CPU fp32: rotation and the cache write in one call
-            q, k, v = rope_write_kv(meta.kernels, qkv, *rope, meta.slot_mapping, a.num_heads, cache)
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(q.view(num_tokens, a.num_heads, a.head_dim), *rope)
-            k = apply_rotary(k.view(num_tokens, a.num_kv_heads, a.head_dim), *rope)
-            v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
-            write_kv(cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k, v, cache, meta, a.sliding_window).reshape(num_tokens, self.q_size)
-        attn_out = self._sum(linear(self.o_proj, attn, kernels))
-        x, normed = self.post_attention_layernorm.add_and_norm(x, attn_out, kernels)
-        gate_up = linear(self.gate_up_proj, normed, kernels)
-        if kernels is not None:
-            return x + self._sum(linear(self.down_proj, silu_mul(kernels, gate_up), kernels))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + self._sum(linear(self.down_proj, F.silu(gate) * up))
+        q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
+        attn = ops.attention(q, k, v, cache, meta, a.sliding_window).reshape(num_tokens, self.q_size)
+        attn_out = ops.sum_over_ranks(ops.linear(self.o_proj, attn))
+        x, normed = ops.add_rms_norm(self.post_attention_layernorm, x, attn_out)
+        gate_up = ops.linear(self.gate_up_proj, normed)
+        return x + ops.sum_over_ranks(ops.linear(self.down_proj, ops.silu_mul(gate_up)))
 
-    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """[T, hidden]: this rank's part of a layer half's output -> the whole output."""
-        return partial if self.all_reduce is None else self.all_reduce(partial)
+    def weights(self) -> LayerWeights:
+        has_qk_norm = self.args.has_qk_norm
+        return LayerWeights(
+            self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
+            self.q_norm.weight if has_qk_norm else None, self.k_norm.weight if has_qk_norm else None,
+            self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
+            self.gate_up_proj.weight, self.down_proj.weight,
+        )  # fmt: skip
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3: RMSNorm over each head of q and k (before RoPE); qkv [T, (Hq + 2 Hkv) D] stays whole."""
+        """Qwen3: RMSNorm over each head of q and k (before RoPE); qkv [T, (Hq + 2 Hkv) D] stays whole.
+        torch's norm on every backend (it is few elements a token)."""
         num_tokens, a = qkv.shape[0], self.args
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(num_tokens, a.num_heads, a.head_dim)).flatten(1)
@@ -140,20 +144,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:  # one tensor, not two copies
             self.lm_head.weight = self.embed_tokens.weight
-        self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels
-        self.on_layer: Callable[[], None] | None = None  # called after each layer: the core's progress
-        self._fused: FusedModel | None = None  # the model as the fused decode forward reads it
-        self.can_fuse_decode = True  # False: every step op by op (tests compare the two paths)
-
-    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
-        """Runs the CPU path: fp32 activations; every parameter but the linear layers' weights and
-        the embedding table widened to fp32 (norms, biases), those keep their dtype (fp32 or bf16)."""
-        self.cpu_kernels = kernels
-        kept = {id(self.embed_tokens.weight)}
-        kept |= {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
-        for param in self.parameters():
-            if id(param) not in kept:
-                param.data = param.data.float()
+        self.ops: ModelOps = TorchOps()  # a backend's ops replace these (worker/cpu/ops.py)
 
     def forward(
         self,
@@ -161,34 +152,28 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        on_layer: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
-        fused = fused_step(self.cpu_kernels, meta, input_ids, positions) if self.can_fuse_decode else None
-        if fused is not None and self.layers[0].all_reduce is None:  # tensor parallelism sets every layer's
-            return self._fused_forward(caches, fused)
-        x = self.embed_tokens(input_ids)
-        if self.cpu_kernels is not None:
-            x = x.float()
+        """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]. `on_layer`:
+        called after each layer (the engine counts it as progress)."""
+        ops = self.ops
+        x = ops.embed(self.embed_tokens, input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, rope, cache, meta)
-            if self.on_layer is not None:
-                self.on_layer()
-        return self.norm(x, self.cpu_kernels)
+            x = layer(x, rope, cache, meta, ops)
+            if on_layer is not None:
+                on_layer()
+        return ops.rms_norm(self.norm, x)
 
-    def _fused_forward(self, caches: list[torch.Tensor], step: FusedStep) -> torch.Tensor:
-        """A few-row decode step in one C call (worker/cpu/fused_decode.py): the numbers of the path above."""
-        assert self.cpu_kernels is not None
-        if self._fused is None or not self._fused.is_for(caches):
-            self._fused = fused_model(self, caches)
-        a = self.args
-        hidden = decode_forward(
-            self.cpu_kernels, self._fused, step, a.hidden_size, a.rms_norm_eps, a.head_dim**-0.5
+    def weights(self) -> ModelWeights:
+        return ModelWeights(
+            self.embed_tokens.weight,
+            self.norm.weight,
+            self.rotary.cos,
+            self.rotary.signed_sin,
+            [layer.weights() for layer in self.layers],
         )
-        if self.on_layer is not None:
-            self.on_layer()
-        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> logits [R, vocab] float32."""
-        return linear(self.lm_head, hidden, self.cpu_kernels).float()
+        return self.ops.linear(self.lm_head, hidden).float()

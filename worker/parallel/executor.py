@@ -1,10 +1,9 @@
-"""TensorParallelRunner: the engine core's ModelRunner when `tensor_parallel_size` > 1. It starts one
-worker process per rank (worker/parallel/rank.py), sends each step's SchedulerOutput to all of them and
+"""TensorParallelExecutor: the engine core's Executor when `tensor_parallel_size` > 1. It starts one
+process per rank (worker/parallel/rank.py), sends each step's SchedulerOutput to all of them and
 returns rank 0's output (engine-core process).
 
-It answers the core as a ModelRunner does (model_args, bytes_per_block, allocate_kv_cache, execute,
-on_progress). A worker that fails or exits makes `execute` raise, so the core stops with the reason
-instead of waiting: no step hangs on a dead rank.
+A rank that fails or exits makes `execute` raise, so the core stops with the reason instead of
+waiting: no step hangs on a dead rank. Rank 0's progress reports reach the core's `on_progress`.
 """
 
 from __future__ import annotations
@@ -19,9 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import torch
 import zmq
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
+from worker.executor import RunnerSpec
 from worker.models.config import LlamaArgs
 from worker.models.loader import read_config
 from worker.parallel.messages import (
@@ -48,22 +49,14 @@ class WorkerFailed(RuntimeError):
     """A tensor-parallel worker failed or exited; the engine cannot go on."""
 
 
-class TensorParallelRunner:
-    def __init__(
-        self,
-        model_dir: str,
-        dtype: str,
-        device: str,
-        block_size: int,
-        seed: int,
-        can_use_cpu_kernels: bool,
-        size: int,
-        num_threads: int | None,
-    ) -> None:
-        self.model_args: LlamaArgs = LlamaArgs.from_hf_config(read_config(model_dir))  # the whole model's
+class TensorParallelExecutor:
+    def __init__(self, spec: RunnerSpec, on_progress: Callable[[], None] | None = None) -> None:
+        size = spec.tensor_parallel_size
+        self.model_args: LlamaArgs = LlamaArgs.from_hf_config(read_config(spec.model))  # the whole model's
         shard_args(self.model_args, size)  # a ValueError now, before any process starts
         self.size = size
-        self.on_progress: Callable[[], None] | None = None
+        self.on_progress = on_progress
+        num_threads = spec.num_threads or max(1, torch.get_num_threads() // size)  # the core's, shared out
         self.folder = tempfile.mkdtemp(prefix="coreserve-tp-")
         self.ctx = zmq.Context()
         self.sockets: list[zmq.Socket] = []
@@ -71,11 +64,10 @@ class TensorParallelRunner:
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToCore)
         try:
             for rank in range(size):
-                spec = WorkerSpec(
-                    self._bind(rank), rank, size, str(Path(self.folder) / "store"), model_dir, dtype, device,
-                    block_size, seed, can_use_cpu_kernels, num_threads,
-                )  # fmt: skip
-                self.procs.append(_spawn(spec))
+                self.procs.append(_spawn(WorkerSpec(
+                    address=self._bind(rank), rank=rank, size=size, store_path=str(Path(self.folder) / "store"),
+                    runner=spec, num_threads=num_threads,
+                )))  # fmt: skip
             ready = self._gather(Ready)
             self._bytes_per_block = ready[0].bytes_per_block
         except BaseException:

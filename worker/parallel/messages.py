@@ -14,22 +14,18 @@ import numpy as np
 
 from protocol.arrays import LogprobsArrays
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
+from worker.executor import RunnerSpec
 
 
-class WorkerSpec(msgspec.Struct, frozen=True):
-    """What a worker process is started with (its command line, as JSON)."""
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a rank process is started with (its command line, as JSON)."""
 
     address: str  # the core's PAIR socket for this rank
     rank: int
     size: int
     store_path: str  # the FileStore through which the ranks meet
-    model: str
-    dtype: str
-    device: str
-    block_size: int
-    seed: int
-    can_use_cpu_kernels: bool
-    num_threads: int | None
+    runner: RunnerSpec
+    num_threads: int  # torch threads in this rank
 
 
 class AllocateKvCache(msgspec.Struct, tag=True):
@@ -76,12 +72,12 @@ ToCore = Ready | Done | Progress | Failed
 def to_wire(output: ModelRunnerOutput) -> WireRunnerOutput:
     sampled = np.ascontiguousarray(output.sampled_token_ids, dtype="<i4")
     return WireRunnerOutput(
-        output.sampled_req_ids,
-        sampled.shape[1],
-        sampled.tobytes(),
-        output.logprob_req_ids,
-        [_arrays(rows) for rows in output.logprobs],
-        {req_id: _arrays(rows) for req_id, rows in output.prompt_logprobs.items()},
+        sampled_req_ids=output.sampled_req_ids,
+        num_steps=sampled.shape[1],
+        sampled_token_ids=sampled.tobytes(),
+        logprob_req_ids=output.logprob_req_ids,
+        logprobs=[_arrays(rows) for rows in output.logprobs],
+        prompt_logprobs={req_id: _arrays(rows) for req_id, rows in output.prompt_logprobs.items()},
     )
 
 
@@ -90,11 +86,11 @@ def from_wire(wire: WireRunnerOutput) -> ModelRunnerOutput:
         len(wire.sampled_req_ids), wire.num_steps
     )
     return ModelRunnerOutput(
-        wire.sampled_req_ids,
-        sampled.astype(np.int32),
-        wire.logprob_req_ids,
-        [_host(arrays) for arrays in wire.logprobs],
-        {req_id: _host(arrays) for req_id, arrays in wire.prompt_logprobs.items()},
+        sampled_req_ids=wire.sampled_req_ids,
+        sampled_token_ids=sampled.astype(np.int32),
+        logprob_req_ids=wire.logprob_req_ids,
+        logprobs=[_host(arrays) for arrays in wire.logprobs],
+        prompt_logprobs={req_id: _host(arrays) for req_id, arrays in wire.prompt_logprobs.items()},
     )
 
 

@@ -64,14 +64,10 @@ def _start(spec: WorkerSpec, sock: zmq.Socket):
     from worker.model_runner import ModelRunner
     from worker.parallel.group import TensorParallelGroup
 
-    if spec.num_threads:
-        torch.set_num_threads(spec.num_threads)
-    group = TensorParallelGroup(spec.rank, spec.size, spec.store_path, spec.device)
-    runner = ModelRunner(
-        spec.model, spec.dtype, spec.device, spec.block_size, spec.seed, spec.can_use_cpu_kernels, group
-    )
-    if spec.rank == 0:
-        runner.on_progress = _progress_sender(sock)
+    torch.set_num_threads(spec.num_threads)
+    group = TensorParallelGroup(spec.rank, spec.size, spec.store_path, spec.runner.device)
+    on_progress = _progress_sender(sock) if spec.rank == 0 else None
+    runner = ModelRunner(spec.runner, on_progress=on_progress, group=group)
     sock.send(msgspec.msgpack.encode(Ready(runner.bytes_per_block())))
     return runner
 

@@ -1,17 +1,23 @@
-"""How a Llama-family model splits over the ranks of tensor parallelism (engine-core's worker processes).
+"""How a Llama-family model splits over the ranks of tensor parallelism (the rank processes).
 
 Megatron's split: q/k/v and gate/up by output features (whole attention heads, whole MLP columns),
 o_proj and down_proj by input features. Each rank then computes its heads' attention and its MLP
 columns alone, and each layer half ends in one all-reduce (a sum) of the [T, hidden] partial outputs.
 The embedding, the norms and lm_head are replicated: every rank holds the whole hidden state between
 layer halves, and every rank computes the same logits.
+
+The loader keeps each rank's part of a checkpoint tensor (`is_split`, `rank_part`); `apply_tp` then
+makes the loaded model a rank's, from outside the model, as gpt-fast's does.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from worker.models.config import LlamaArgs
 
@@ -19,6 +25,17 @@ from worker.models.config import LlamaArgs
 _BY_OUTPUT = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 _BY_INPUT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 _ONCE = "self_attn.o_proj.bias"  # added after the sum: rank 0 holds it, the others hold zeros
+
+
+class SumGroup(Protocol):
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...  # the sum over ranks, in place
+
+
+def apply_tp(model: nn.Module, group: SumGroup) -> None:
+    """A loaded rank's model (its heads and MLP columns) ends each layer half in the sum over the ranks:
+    its ops' `sum_over_ranks` becomes the group's all-reduce."""
+    model.ops = copy.copy(model.ops)
+    model.ops.sum_over_ranks = group.all_reduce
 
 
 @dataclasses.dataclass(frozen=True)

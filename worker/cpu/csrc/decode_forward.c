@@ -2,9 +2,9 @@
  * for the CPU (engine-core process): embedding lookup, every decoder layer, the final norm.
  *
  * At one row a layer is four weight streams (qkv, o, gate/up, down) and a little work between them.
- * Called op by op from Python, a layer paid ~120 us on top of its products (~10 calls through
- * ctypes, each entering and leaving a parallel region), about 1.4 ms of a 21 ms step of the `small`
- * preset, more when the weights just streamed through have evicted the interpreter from the caches.
+ * Called op by op from Python, a layer pays ~10 calls through ctypes on top of its products, each
+ * entering and leaving a parallel region, and more once the weights just streamed through have evicted
+ * the interpreter from the caches (docs/benchmarks.md has the figures).
  * Here the threads stay in one region for the whole forward and meet at a barrier between dependent
  * steps. Every step is the same per-token or per-thread function the separate kernels run
  * (kernel_parts.h), so the numbers are those of the op-by-op path bit for bit, except Qwen3's
@@ -13,27 +13,13 @@
  * A layer: h = x + o(attention(rope(qkv(norm(x))))); out = h + down(silu(gate(norm(h))) * up(...)).
  */
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_forward.h"
 #include "kernel_parts.h"
-
-/* model[]: what every step of the model shares (worker/cpu/fused_decode.py keeps the order). */
-enum { M_EMBED, M_EMBED_IS_BF16, M_FINAL_NORM, M_COS, M_SIGNED_SIN, M_NUM_LAYERS, M_LAYERS, M_COUNT };
-/* layer[]: a layer's weights and shapes (every layer of one model has the same shapes). */
-enum {
-    L_INPUT_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_NORM, L_GATE_UP, L_DOWN,
-    L_KEY_CACHE, L_VALUE_CACHE, L_HIDDEN, L_NUM_Q_HEADS, L_NUM_KV_HEADS, L_HEAD_DIM, L_INTERMEDIATE,
-    L_NUM_SLOTS, L_IS_BF16, L_WINDOW, L_COUNT
-};
-/* step[]: this step's rows. */
-enum {
-    S_INPUT_IDS, S_POSITIONS, S_SLOTS, S_ROWS, S_BLOCK_TABLES, S_MAX_BLOCKS, S_CONTEXT_LENS, S_NUM_TOKENS,
-    S_BLOCK_SIZE, S_USE_DOT, S_NUM_THREADS, S_COUNT
-};
-
-#define PTR(array, index, type) ((type)(intptr_t)(array)[index])
 
 struct buffers {
     float *qkv, *q, *k, *attn, *o_out, *normed, *gate_up, *act, *down, *streams[2];
@@ -73,27 +59,27 @@ static void norm_heads(float *row, const float *q_norm, const float *k_norm, int
 }
 
 /* The attention half: b->o_out = o(attention(rope(qkv(norm(x))))), the KV cache written. */
-static void attention_half(const int64_t *model, const int64_t *layer, const int64_t *step, const struct shapes *s,
+static void attention_half(const struct model_desc *model, const struct layer_desc *layer, const struct step_desc *step, const struct shapes *s,
                            const struct buffers *b, int64_t *cursors, const float *x,
                            const struct thread_scratch *own, float eps, float scale) {
-    const int64_t T = s->T, num_slots = layer[L_NUM_SLOTS], D = s->head_dim;
-    const int64_t *rows = PTR(step, S_ROWS, const int64_t *), *positions = PTR(step, S_POSITIONS, const int64_t *);
-    const int32_t *context_lens = PTR(step, S_CONTEXT_LENS, const int32_t *);
-    const float *q_norm = PTR(layer, L_Q_NORM, const float *), *k_norm = PTR(layer, L_K_NORM, const float *);
-    const int window = (int)layer[L_WINDOW];
+    const int64_t T = s->T, num_slots = layer->num_slots, D = s->head_dim;
+    const int64_t *rows = step->rows, *positions = step->positions;
+    const int32_t *context_lens = step->context_lens;
+    const float *q_norm = layer->q_norm, *k_norm = layer->k_norm;
+    const int window = (int)layer->window;
 #pragma omp for
     for (int64_t t = 0; t < T; t++)
-        rms_norm_token(x, NULL, t, s->H, PTR(layer, L_INPUT_NORM, const float *), eps, NULL, b->normed);
-    gemv_share(b->normed, T, s->H, PTR(layer, L_QKV, const void *), s->is_bf16, s->use_dot, s->qkv_size,
-               PTR(layer, L_QKV_BIAS, const float *), b->qkv, own->rounded, &cursors[0], own->team);
+        rms_norm_token(x, NULL, t, s->H, layer->input_norm, eps, NULL, b->normed);
+    gemv_share(b->normed, T, s->H, layer->qkv, s->is_bf16, s->use_dot, s->qkv_size,
+               layer->qkv_bias, b->qkv, own->rounded, &cursors[0], own->team);
 #pragma omp barrier
 #pragma omp for
     for (int64_t t = 0; t < T; t++) {
         if (q_norm) norm_heads(b->qkv + t * s->qkv_size, q_norm, k_norm, s->num_q, s->num_kv, s->head_dim, eps);
-        rope_write_kv_token(b->qkv, PTR(model, M_COS, const float *) + positions[t] * D,
-                            PTR(model, M_SIGNED_SIN, const float *) + positions[t] * D,
-                            PTR(step, S_SLOTS, const int64_t *), t, s->num_q, s->num_kv, s->head_dim, b->q, b->k,
-                            PTR(layer, L_KEY_CACHE, float *), PTR(layer, L_VALUE_CACHE, float *), num_slots);
+        rope_write_kv_token(b->qkv, model->cos + positions[t] * D,
+                            model->signed_sin + positions[t] * D,
+                            step->slots, t, s->num_q, s->num_kv, s->head_dim, b->q, b->k,
+                            layer->key_cache, layer->value_cache, num_slots);
     }
 #pragma omp for schedule(dynamic, 1) collapse(2)
     for (int64_t i = 0; i < T; i++)
@@ -101,30 +87,30 @@ static void attention_half(const int64_t *model, const int64_t *layer, const int
             const int64_t q_offset = (rows[i] * s->num_q + (int64_t)h * s->group) * D;
             const int64_t head_offset = (int64_t)h * num_slots * D;
             const int start = window > 0 && context_lens[i] > window ? context_lens[i] - window : 0;
-            attend_one(b->q + q_offset, b->attn + q_offset, PTR(layer, L_KEY_CACHE, const float *) + head_offset,
-                       PTR(layer, L_VALUE_CACHE, const float *) + head_offset,
-                       PTR(step, S_BLOCK_TABLES, const int32_t *) + i * step[S_MAX_BLOCKS], start, context_lens[i],
+            attend_one(b->q + q_offset, b->attn + q_offset, layer->key_cache + head_offset,
+                       layer->value_cache + head_offset,
+                       step->block_tables + i * step->max_blocks, start, context_lens[i],
                        s->group, s->head_dim, s->block_size, scale, own->scores,
                        own->scores + (int64_t)s->group * s->max_len);
         }
-    gemv_share(b->attn, T, s->q_size, PTR(layer, L_O, const void *), s->is_bf16, s->use_dot, s->H,
-               PTR(layer, L_O_BIAS, const float *), b->o_out, own->rounded, &cursors[1], own->team);
+    gemv_share(b->attn, T, s->q_size, layer->o, s->is_bf16, s->use_dot, s->H,
+               layer->o_bias, b->o_out, own->rounded, &cursors[1], own->team);
 #pragma omp barrier
 }
 
 /* The MLP half: out = h + down(silu(gate(norm(h))) * up(norm(h))), h = x + b->o_out. */
-static void mlp_half(const int64_t *layer, const struct shapes *s, const struct buffers *b, int64_t *cursors,
+static void mlp_half(const struct layer_desc *layer, const struct shapes *s, const struct buffers *b, int64_t *cursors,
                      const float *x, float *out, const struct thread_scratch *own, float eps) {
     const int64_t T = s->T;
 #pragma omp for
     for (int64_t t = 0; t < T; t++) /* out = h for now */
-        rms_norm_token(x, b->o_out, t, s->H, PTR(layer, L_POST_NORM, const float *), eps, out, b->normed);
-    gemv_share(b->normed, T, s->H, PTR(layer, L_GATE_UP, const void *), s->is_bf16, s->use_dot, 2 * s->I, NULL,
+        rms_norm_token(x, b->o_out, t, s->H, layer->post_norm, eps, out, b->normed);
+    gemv_share(b->normed, T, s->H, layer->gate_up, s->is_bf16, s->use_dot, 2 * s->I, NULL,
                b->gate_up, own->rounded, &cursors[0], own->team);
 #pragma omp barrier
 #pragma omp for
     for (int64_t t = 0; t < T; t++) silu_mul_token(b->gate_up, t, s->I, b->act);
-    gemv_share(b->act, T, s->I, PTR(layer, L_DOWN, const void *), s->is_bf16, s->use_dot, s->H, NULL, b->down,
+    gemv_share(b->act, T, s->I, layer->down, s->is_bf16, s->use_dot, s->H, NULL, b->down,
                own->rounded, &cursors[1], own->team);
 #pragma omp barrier
 #pragma omp for
@@ -132,15 +118,15 @@ static void mlp_half(const int64_t *layer, const struct shapes *s, const struct 
 }
 
 /* x[t] = the embedding table's row of token t, widened to fp32 from bf16 bits where it is bf16. */
-static void embed(const int64_t *model, const int64_t *step, int64_t T, int64_t H, float *x) {
-    const int64_t *input_ids = PTR(step, S_INPUT_IDS, const int64_t *);
+static void embed(const struct model_desc *model, const struct step_desc *step, int64_t T, int64_t H, float *x) {
+    const int64_t *input_ids = step->input_ids;
 #pragma omp for
     for (int64_t t = 0; t < T; t++) {
-        if (!model[M_EMBED_IS_BF16]) {
-            memcpy(x + t * H, PTR(model, M_EMBED, const float *) + input_ids[t] * H, sizeof(float) * H);
+        if (!model->embed_is_bf16) {
+            memcpy(x + t * H, (const float *)model->embed + input_ids[t] * H, sizeof(float) * H);
             continue;
         }
-        const uint16_t *row = PTR(model, M_EMBED, const uint16_t *) + input_ids[t] * H;
+        const uint16_t *row = (const uint16_t *)model->embed + input_ids[t] * H;
         for (int64_t i = 0; i < H; i++) {
             const uint32_t bits = (uint32_t)row[i] << 16;
             memcpy(x + t * H + i, &bits, sizeof bits);
@@ -148,14 +134,14 @@ static void embed(const int64_t *model, const int64_t *step, int64_t T, int64_t 
     }
 }
 
-static struct shapes shapes_of(const int64_t *layer, const int64_t *step) {
+static struct shapes shapes_of(const struct layer_desc *layer, const struct step_desc *step) {
     struct shapes s;
-    s.T = step[S_NUM_TOKENS], s.H = layer[L_HIDDEN], s.I = layer[L_INTERMEDIATE];
-    s.num_q = (int)layer[L_NUM_Q_HEADS], s.num_kv = (int)layer[L_NUM_KV_HEADS], s.head_dim = (int)layer[L_HEAD_DIM];
-    s.group = s.num_q / s.num_kv, s.is_bf16 = (int)layer[L_IS_BF16], s.use_dot = (int)step[S_USE_DOT];
-    s.block_size = (int)step[S_BLOCK_SIZE];
+    s.T = step->num_tokens, s.H = layer->hidden, s.I = layer->intermediate;
+    s.num_q = (int)layer->num_q_heads, s.num_kv = (int)layer->num_kv_heads, s.head_dim = (int)layer->head_dim;
+    s.group = s.num_q / s.num_kv, s.is_bf16 = (int)layer->is_bf16, s.use_dot = (int)step->use_dot;
+    s.block_size = (int)step->block_size;
     s.qkv_size = (int64_t)(s.num_q + 2 * s.num_kv) * s.head_dim, s.q_size = (int64_t)s.num_q * s.head_dim;
-    const int32_t *context_lens = PTR(step, S_CONTEXT_LENS, const int32_t *);
+    const int32_t *context_lens = step->context_lens;
     s.max_len = 1;
     for (int64_t i = 0; i < s.T; i++) s.max_len = context_lens[i] > s.max_len ? context_lens[i] : s.max_len;
     return s;
@@ -163,35 +149,34 @@ static struct shapes shapes_of(const int64_t *layer, const int64_t *step) {
 
 /* Every thread runs this: embedding, the layers (their outputs turn about between two buffers), the
  * final norm into out. */
-static void forward(const int64_t *model, const int64_t *step, const struct shapes *s, const struct buffers *b,
+static void forward(const struct model_desc *model, const struct step_desc *step, const struct shapes *s, const struct buffers *b,
                     float *out, const struct thread_scratch *own, float eps, float scale) {
-    const int64_t *layers = PTR(model, M_LAYERS, const int64_t *);
     embed(model, step, s->T, s->H, b->streams[0]);
-    for (int64_t l = 0; l < model[M_NUM_LAYERS]; l++) {
-        const int64_t *layer = PTR(layers, l, const int64_t *);
+    for (int64_t l = 0; l < model->num_layers; l++) {
+        const struct layer_desc *layer = &model->layers[l];
         const float *input = b->streams[l % 2];
         attention_half(model, layer, step, s, b, b->cursors + 4 * l, input, own, eps, scale);
         mlp_half(layer, s, b, b->cursors + 4 * l + 2, input, b->streams[(l + 1) % 2], own, eps);
     }
 #pragma omp for
     for (int64_t t = 0; t < s->T; t++)
-        rms_norm_token(b->streams[model[M_NUM_LAYERS] % 2], NULL, t, s->H, PTR(model, M_FINAL_NORM, const float *),
+        rms_norm_token(b->streams[model->num_layers % 2], NULL, t, s->H, model->final_norm,
                        eps, NULL, out);
 }
 
 /* out: [num_tokens, hidden] fp32, the final-normed hidden states. Returns 0, or -1 when scratch
  * memory could not be allocated. */
-int decode_forward(const int64_t *model, const int64_t *step, float *out, float eps, float scale) {
-    const struct shapes s = shapes_of(PTR(PTR(model, M_LAYERS, const int64_t *), 0, const int64_t *), step);
+int decode_forward(const struct model_desc *model, const struct step_desc *step, float *out, float eps, float scale) {
+    const struct shapes s = shapes_of(&model->layers[0], step);
     const int64_t T = s.T;
     const int64_t num_scores = s.group * ((int64_t)s.max_len + s.head_dim);
     const int64_t rounding = T * max3(s.H, s.q_size, s.I) + 32; /* x rounded to bf16 */
-    const int num_threads = (int)step[S_NUM_THREADS] > 0 ? (int)step[S_NUM_THREADS] : 1;
+    const int num_threads = (int)step->num_threads > 0 ? (int)step->num_threads : 1;
     const int64_t per_thread = num_scores + rounding + 16;
     const int64_t total = T * (s.qkv_size + 3 * s.q_size + 6 * s.H + 3 * s.I + (int64_t)s.num_kv * s.head_dim);
     float *memory = malloc(sizeof(float) * (total + 12 * 16 + per_thread * num_threads)), *next = memory;
     struct buffers b;
-    b.cursors = calloc(4 * model[M_NUM_LAYERS], sizeof(int64_t));
+    b.cursors = calloc(4 * model->num_layers, sizeof(int64_t));
     if (!memory || !b.cursors) {
         free(memory);
         free(b.cursors);
@@ -218,4 +203,34 @@ int decode_forward(const int64_t *model, const int64_t *step, float *out, float 
     free(memory);
     free(b.cursors);
     return 0;
+}
+
+/* The layout of decode_forward.h's structs by name, for the test that checks worker/cpu/bindings.py's
+ * ctypes mirrors: the offset of `field` in `struct type`, its size where field is "" (-1: unknown). */
+#define FIELD(type, field) {#type, #field, (int64_t)offsetof(struct type, field)}
+#define SIZE(type) {#type, "", (int64_t)sizeof(struct type)}
+static const struct {
+    const char *type, *field;
+    int64_t value;
+} LAYOUT[] = {
+    SIZE(layer_desc), FIELD(layer_desc, input_norm), FIELD(layer_desc, qkv), FIELD(layer_desc, qkv_bias),
+    FIELD(layer_desc, q_norm), FIELD(layer_desc, k_norm), FIELD(layer_desc, o), FIELD(layer_desc, o_bias),
+    FIELD(layer_desc, post_norm), FIELD(layer_desc, gate_up), FIELD(layer_desc, down),
+    FIELD(layer_desc, key_cache), FIELD(layer_desc, value_cache), FIELD(layer_desc, hidden),
+    FIELD(layer_desc, num_q_heads), FIELD(layer_desc, num_kv_heads), FIELD(layer_desc, head_dim),
+    FIELD(layer_desc, intermediate), FIELD(layer_desc, num_slots), FIELD(layer_desc, is_bf16),
+    FIELD(layer_desc, window),
+    SIZE(model_desc), FIELD(model_desc, embed), FIELD(model_desc, embed_is_bf16), FIELD(model_desc, final_norm),
+    FIELD(model_desc, cos), FIELD(model_desc, signed_sin), FIELD(model_desc, num_layers),
+    FIELD(model_desc, layers),
+    SIZE(step_desc), FIELD(step_desc, input_ids), FIELD(step_desc, positions), FIELD(step_desc, slots),
+    FIELD(step_desc, rows), FIELD(step_desc, block_tables), FIELD(step_desc, max_blocks),
+    FIELD(step_desc, context_lens), FIELD(step_desc, num_tokens), FIELD(step_desc, block_size),
+    FIELD(step_desc, use_dot), FIELD(step_desc, num_threads),
+};
+
+int64_t decode_forward_layout(const char *type, const char *field) {
+    for (size_t i = 0; i < sizeof LAYOUT / sizeof LAYOUT[0]; i++)
+        if (!strcmp(LAYOUT[i].type, type) && !strcmp(LAYOUT[i].field, field)) return LAYOUT[i].value;
+    return -1;
 }

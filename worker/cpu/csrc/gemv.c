@@ -331,29 +331,3 @@ void gemv_share(const float *x, int64_t rows, int64_t K, const void *w, int32_t 
         } /* else start now holds the cursor another thread moved */
     }
 }
-
-/* The sum of a[0..n), each thread reading its share as two sequential streams, as the few-row products
- * read their weights: the memory read rate they can reach (scripts/bench_decode_step.py compares
- * it with torch's sum and takes the faster as this machine's bandwidth). */
-float stream_sum(const float *a, int64_t n, int32_t num_threads) {
-    float total = 0.0f;
-#pragma omp parallel num_threads(num_threads) reduction(+ : total)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t start = n * t / nt, end = n * (t + 1) / nt, half = (end - start) / 2;
-        const float *first = a + start, *second = first + half;
-        floatv s0 = {0}, s1 = {0}, v;
-        int64_t i = 0;
-        for (; i + LANES <= half; i += LANES) {
-            memcpy(&v, first + i, sizeof v);
-            s0 += v;
-            memcpy(&v, second + i, sizeof v);
-            s1 += v;
-        }
-        float part = hsum(s0 + s1);
-        for (; i < half; i++) part += first[i] + second[i];
-        for (int64_t j = start + 2 * half; j < end; j++) part += a[j];
-        total += part;
-    }
-    return total;
-}

@@ -1,0 +1,83 @@
+"""Builds a C library with the system compiler, once per source, flags, compiler and CPU, into
+`~/.cache/coreserve/kernels/` (engine-core process; the benchmark probes use it too).
+
+The build uses -march=native, so the key holds the CPU's features: a home shared between machines
+never shares builds. A build goes to a temporary name and is renamed, so processes building at once
+never load half a file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# Defined for a second try when the first fails: an assembler too old for AMX builds the rest.
+FALLBACK_DEFINE = "-DCORESERVE_NO_AMX"
+
+
+def find_compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def load_library(
+    name: str, sources: list[Path], headers: list[Path], compiler: str, cache_dir: Path | None = None
+) -> ctypes.CDLL:
+    """The built library, loaded (built first where it is missing or damaged). Raises OSError,
+    RuntimeError or subprocess.SubprocessError when it cannot be built or loaded."""
+    library = _library_path(name, sources + headers, compiler, cache_dir)
+    if not library.exists():
+        _compile(compiler, sources, library)
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError:  # a damaged cached build: rebuild it once
+        library.unlink(missing_ok=True)
+        _compile(compiler, sources, library)
+        return ctypes.CDLL(str(library))
+
+
+def _library_path(name: str, files: list[Path], compiler: str, cache_dir: Path | None) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + version + _cpu_signature())
+    for file in files:
+        digest.update(file.read_bytes())
+    folder = cache_dir or Path.home() / ".cache" / "coreserve" / "kernels"
+    return folder / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, sources: list[Path], library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        command = [compiler, *FLAGS, *map(str, sources), "-o", tmp, "-lm"]
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        except subprocess.CalledProcessError as exc:
+            logger.warning("building %s again with %s: %s", library.name, FALLBACK_DEFINE,
+                           exc.stderr.decode(errors="replace")[-500:])  # fmt: skip
+            subprocess.run([*command, FALLBACK_DEFINE], check=True, capture_output=True, timeout=120)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cpu_signature() -> bytes:
+    """The CPU's feature list (x86 `flags`, arm `Features`), or its machine name where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    features = [line for line in lines if line.startswith(("flags", "Features"))]
+    return (features[0] if features else f"{platform.machine()} {platform.processor()}").encode()

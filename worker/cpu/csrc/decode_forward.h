@@ -1,0 +1,51 @@
+/* What the fused decode forward reads (decode_forward.c), as named structs; worker/cpu/bindings.py
+ * mirrors them with ctypes.Structure and tests/test_cpu_bindings.py checks both layouts agree through
+ * decode_forward_layout(). Every field is 8 bytes (a pointer or an int64), so no padding is implied.
+ */
+#ifndef CORESERVE_DECODE_FORWARD_H
+#define CORESERVE_DECODE_FORWARD_H
+
+#include <stdint.h>
+
+/* One decoder layer's weights, KV cache and shapes (every layer of one model has the same shapes). */
+struct layer_desc {
+    const float *input_norm;  /* [hidden] */
+    const void *qkv;          /* [(Hq + 2 Hkv) D, hidden] fp32, or bf16 bits where is_bf16 */
+    const float *qkv_bias;    /* [(Hq + 2 Hkv) D] or NULL */
+    const float *q_norm;      /* [D] Qwen3's per-head norm, or NULL */
+    const float *k_norm;      /* [D] or NULL (set together with q_norm) */
+    const void *o;            /* [hidden, Hq D] */
+    const float *o_bias;      /* [hidden] or NULL */
+    const float *post_norm;   /* [hidden] */
+    const void *gate_up;      /* [2 I, hidden] */
+    const void *down;         /* [hidden, I] */
+    float *key_cache;         /* [Hkv, num_slots, D] */
+    float *value_cache;       /* [Hkv, num_slots, D] */
+    int64_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate, num_slots;
+    int64_t is_bf16;          /* the four products' weights are bf16 */
+    int64_t window;           /* sliding window in positions, 0 for none */
+};
+
+/* What every step of one model shares. */
+struct model_desc {
+    const void *embed;                /* [vocab, hidden] fp32, or bf16 bits where embed_is_bf16 */
+    int64_t embed_is_bf16;
+    const float *final_norm;          /* [hidden] */
+    const float *cos, *signed_sin;    /* [max_positions, D]; rotate_half's minus folded into the sin */
+    int64_t num_layers;
+    const struct layer_desc *layers;  /* [num_layers] */
+};
+
+/* This step's rows: T decode tokens, one per request. */
+struct step_desc {
+    const int64_t *input_ids, *positions, *slots;  /* [T] */
+    const int64_t *rows;                           /* [T] rows of the flattened batch */
+    const int32_t *block_tables;                   /* [T, max_blocks] */
+    int64_t max_blocks;
+    const int32_t *context_lens;                   /* [T] tokens attended to, this one's included */
+    int64_t num_tokens, block_size;
+    int64_t use_dot;                               /* bf16 products take the dot instruction */
+    int64_t num_threads;
+};
+
+#endif

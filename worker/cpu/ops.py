@@ -1,0 +1,77 @@
+"""The model's ops on the C kernels (engine-core process): fp32 activations, norms and KV cache;
+bf16 weights stay bf16 only inside the linear layers and the embedding table.
+
+`apply_cpu_backend` hands a loaded model to this backend, once, from outside the model: the norms'
+and biases' parameters widened to fp32, `model.ops` set. The runner then moves the linear weights to
+huge pages (huge_pages.py) and runs the fused decode forward where it applies (fused_decode.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from worker.attention import AttentionMetadata, DecodeRows, paged_attention
+from worker.cpu.bindings import CpuKernels
+from worker.cpu.kernels import decode_attention, rms_norm, rope_write_kv, silu_mul
+from worker.cpu.linear import linear
+from worker.models.ops import HeadShape, Rope
+
+
+def _whole(partial: torch.Tensor) -> torch.Tensor:
+    return partial  # one process holds the whole layer
+
+
+class CpuOps:
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+        self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _whole
+
+    def embed(self, table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+        return table(input_ids).float()
+
+    def rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self.kernels, x, norm.weight, norm.eps)[1]  # one C pass, not six torch ops
+
+    def add_rms_norm(
+        self, norm: nn.Module, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(self.kernels, x, norm.weight, norm.eps, delta)
+
+    def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(layer, x, self.kernels)
+
+    def rope_write_kv(
+        self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return rope_write_kv(self.kernels, qkv, *rope, slots, shape.num_heads, cache)  # one call
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(self.kernels, gate_up)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+        meta: AttentionMetadata, window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        return paged_attention(q, k, v, cache, meta, window, self._attend_decode)
+
+    def _attend_decode(
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: DecodeRows, window: int | None
+    ) -> None:
+        decode_attention(
+            self.kernels, q, out, cache, rows.rows, rows.block_tables, rows.context_lens, rows.block_size,
+            q.shape[2] ** -0.5, window or 0, rows.pointers,
+        )  # fmt: skip
+
+
+def apply_cpu_backend(model: nn.Module, kernels: CpuKernels) -> None:
+    """Every parameter but the linear layers' weights and the embedding table widened to fp32 (norms,
+    biases); those keep their dtype (fp32 or bf16). Then the model runs on `CpuOps`."""
+    kept = {id(model.embed_tokens.weight)}
+    kept |= {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    for param in model.parameters():
+        if id(param) not in kept:
+            param.data = param.data.float()
+    model.ops = CpuOps(kernels)

@@ -1,0 +1,71 @@
+"""A step's results on the device, by name, and their one copy to the host (engine-core process).
+
+The runner collects each model step's sampled tokens and logprob rows, and each prompt chunk's
+prompt logprobs, into `StepTensors`; `to_host()` moves them all in one device-to-host copy and hands
+them back under the same names, ready to become a ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from protocol.step import HostLogprobs, ModelRunnerOutput
+from worker.logprobs import copy_to_host
+
+
+class LogprobsTensors(NamedTuple):
+    token_ids: torch.Tensor  # [R, k + 1] int32, column 0 = the sampled (or prompt) token
+    logprobs: torch.Tensor  # [R, k + 1] float32
+    ranks: torch.Tensor  # [R] int32, 1-based rank of column 0
+
+    def to_host(self) -> HostLogprobs:
+        return HostLogprobs(*copy_to_host(list(self)))
+
+
+@dataclass
+class HostStep:
+    sampled_token_ids: np.ndarray  # [num_sampled_reqs, num_steps] int32
+    logprobs: list[HostLogprobs]  # one per model step, rows follow the requests that asked
+    prompt_logprobs: dict[str, HostLogprobs]
+
+    def runner_output(self, sampled_req_ids: list[str], logprob_req_ids: list[str]) -> ModelRunnerOutput:
+        return ModelRunnerOutput(
+            sampled_req_ids,
+            self.sampled_token_ids,
+            logprob_req_ids if self.logprobs else [],
+            self.logprobs,
+            self.prompt_logprobs,
+        )
+
+
+@dataclass
+class StepTensors:
+    sampled: list[torch.Tensor] = field(default_factory=list)  # per model step: [num_sampled_reqs] int64
+    logprobs: list[LogprobsTensors] = field(default_factory=list)  # per model step, where rows asked
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+
+    def add_step(self, sampled: torch.Tensor, logprobs: LogprobsTensors | None) -> None:
+        self.sampled.append(sampled)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def to_host(self) -> HostStep:
+        """Everything in one copy (copy_to_host packs the tensors into one buffer), split back by name."""
+        sampled = []
+        if len(self.sampled) == 1:
+            sampled = [self.sampled[0].unsqueeze(1)]
+        elif self.sampled:
+            sampled = [torch.stack(self.sampled, dim=1)]
+        rows = [*self.logprobs, *self.prompt_logprobs.values()]
+        arrays = iter(copy_to_host([*sampled, *(tensor for triple in rows for tensor in triple)]))
+        sampled_ids = next(arrays) if sampled else np.zeros((0, 1), dtype=np.int32)
+        host_rows = [HostLogprobs(*(next(arrays) for _ in LogprobsTensors._fields)) for _ in rows]
+        return HostStep(
+            sampled_ids,
+            host_rows[: len(self.logprobs)],
+            dict(zip(self.prompt_logprobs, host_rows[len(self.logprobs) :])),
+        )
