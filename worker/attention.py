@@ -63,7 +63,7 @@ class DecodeRows:
     block_tables: np.ndarray  # [R, max_blocks] int32, each request's blocks, zero padded
     context_lens: np.ndarray  # [R] int32, tokens attended to, this step's included
     gather: DecodeGather | None = None  # torch's decode attention: made once a step (gather_on)
-    # The three arrays' addresses, looked up once a step, not once a layer (~3 us each through numpy).
+    # The three arrays' addresses, looked up once a step, not once a layer (numpy's lookup is slow).
     pointers: tuple[int, int, int] = (0, 0, 0)
 
     def __post_init__(self) -> None:
@@ -194,7 +194,7 @@ def decode_attention_torch(
     num_rows, (_, num_kv_heads, _, head_dim) = len(gather.rows), cache.shape
     group = q.shape[1] // num_kv_heads
     shape = (num_kv_heads, num_rows, gather.slots.shape[1], head_dim)  # [Hkv, R, L, D]
-    flat = gather.slots.reshape(-1)  # index_select: 2-5x faster than advanced indexing on the CPU
+    flat = gather.slots.reshape(-1)  # index_select: faster than advanced indexing on the CPU
     keys, values = cache[0].index_select(1, flat).view(shape), cache[1].index_select(1, flat).view(shape)
     grouped_q = (q[gather.rows] * head_dim**-0.5).view(num_rows, num_kv_heads, group, head_dim)
     scores = torch.matmul(grouped_q.transpose(0, 1), keys.transpose(2, 3))  # [Hkv, R, G, L]

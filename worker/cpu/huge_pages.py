@@ -1,10 +1,9 @@
 """The linear layers' weights moved into transparent huge pages, on the CPU (engine-core process).
 
-A decode step streams every linear weight once; in 4 KiB pages that is ~110,000 pages of `small` a
-step, each a TLB miss and a restart of the hardware prefetcher. One anonymous mapping advised
-MADV_HUGEPAGE holds them all instead (2 MiB pages where the kernel grants them): the few-row product
-read ~27 GB/s from 4 KiB pages and ~29 from huge ones, turn about in one process. Where the advice
-is refused or unknown, the weights stay where they are.
+A decode step streams every linear weight once; in 4 KiB pages each page is a TLB miss and a restart
+of the hardware prefetcher. One anonymous mapping advised MADV_HUGEPAGE holds them all instead (2 MiB
+pages where the kernel grants them), which the few-row products read faster (docs/benchmarks.md).
+Where the advice is refused or unknown, the weights stay where they are.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def linear(layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None)
     is_bf16 = layer.weight.dtype == torch.bfloat16
     if is_bf16 and kernels.has_amx and x.shape[0] >= AMX_MIN_ROWS and layer.in_features % 32 == 0:
         return amx_product(kernels, x, layer.weight, layer.bias)
-    if is_bf16 and kernels.has_bf16_dot:  # 2-2.5x MKL's fp32 products at any row count
+    if is_bf16 and kernels.has_bf16_dot:  # faster than MKL's fp32 products at any row count
         parts = [gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.bias)
                  for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -106,9 +106,9 @@ def _widened_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _transposed_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """fp32, 17 to a few hundred rows: MKL runs W @ x^T 1.2-3x faster than x @ W^T here (the same
-    products, summed in another order); the vocabulary-wide lm_head keeps winning up to 256 rows (a
-    prompt-logprob slice: 146 ms against 187 for the small preset), the smaller layers stop at 128."""
+    """fp32, 17 to a few hundred rows: MKL runs W @ x^T faster than x @ W^T (the same products, summed
+    in another order); the vocabulary-wide lm_head keeps winning up to 256 rows, the smaller layers
+    stop at 128 (docs/benchmarks.md)."""
     num_rows = x.shape[0]
     few_rows = 2 * _FEW_ROWS if layer.out_features > 4 * _OUT_CHUNK else _FEW_ROWS
     if num_rows > few_rows:
