@@ -146,3 +146,71 @@ def test_processed_logits_mode_returns_the_logits_after_bias_temperature_and_top
     assert all(
         sum(math.isinf(lp.logprob) for lp in entry.values()) >= 2 for entry in output.outputs[0].logprobs
     )
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids"])
+def test_the_core_refuses_out_of_vocabulary_rule_ids_it_was_sent(llm_mp, field):
+    """A client whose view of the vocabulary is wrong (here: patched) cannot put a bad id on the model:
+    the core refuses that request alone, naming the field and the vocabulary size."""
+    import msgspec
+    from conftest import free_blocks_are_all
+
+    from frontend import RequestFailedError
+
+    bad = SamplingParams(**GREEDY, **{field: {60000: 1.0} if field == "logit_bias" else [60000]})
+    facts = llm_mp.input_processor.facts
+    llm_mp.input_processor.facts = msgspec.structs.replace(facts, vocab_size=70000)
+    try:
+        with pytest.raises(RequestFailedError, match=rf"{field} must be token ids in \[0, 50257\)"):
+            llm_mp.generate(PROMPTS[:2], [SamplingParams(**GREEDY), bad], use_tqdm=False)
+    finally:
+        llm_mp.input_processor.facts = facts
+    assert free_blocks_are_all(llm_mp)
+
+
+def test_a_batch_without_rules_builds_none_and_samples_from_the_logits_themselves():
+    """No per-step cost for rows without rules: no tensors built, and greedy rows get no logits copy."""
+    from worker.input_batch import RequestState
+    from worker.sampler import Sampler
+    from worker.sampling_metadata import build_sampling_metadata
+
+    def states(params):
+        return [RequestState(str(i), [3, 9], 2, params, [0], 2, None, None, False, []) for i in range(3)]
+
+    cpu = torch.device("cpu")
+    plain = build_sampling_metadata(states(SamplingParams(temperature=0.0)), 50, cpu)
+    assert plain.logit_rules is None
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.randn(3, 50)
+    assert sampler._process(logits, plain) is logits
+    ruled = build_sampling_metadata(states(SamplingParams(temperature=0.0, logit_bias={7: 100.0})), 50, cpu)
+    assert ruled.logit_rules is not None
+    processed = sampler._process(logits, ruled)
+    assert processed is not logits and processed.argmax(-1).tolist() == [7, 7, 7]
+
+
+def test_multi_step_windows_apply_the_rules_at_every_step(tiny_path):
+    from frontend import LLM
+
+    params = [
+        SamplingParams(**GREEDY, logprobs=3, logit_bias={262: 4.0, 50: 7.0}, logprobs_mode="processed"),
+        SamplingParams(**GREEDY, logprobs=3, allowed_token_ids=[11, 290, 3290]),
+    ]
+    with LLM(tiny_path, multiprocess=False, num_kv_blocks=64) as single:
+        expected = single.generate(PROMPTS[:2], params, use_tqdm=False)
+    with LLM(tiny_path, multiprocess=False, num_kv_blocks=64, num_scheduler_steps=4) as multi:
+        got = multi.generate(PROMPTS[:2], params, use_tqdm=False)
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(have.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert list(a) == list(b)
+            assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=TOL)
+    assert set(got[1].outputs[0].token_ids) <= {11, 290, 3290}
+
+
+def test_the_engine_default_mode_may_be_a_logits_mode(tiny_path, hf_tiny):
+    from frontend import LLM
+
+    with LLM(tiny_path, num_kv_blocks=64, logprobs_mode="raw_logits") as llm:
+        output = llm.generate(PROMPTS[3], SamplingParams(**GREEDY, logprobs=4), use_tqdm=False)[0]
+    assert_entries_match(output.outputs[0], completion_logits(hf_tiny, output))
