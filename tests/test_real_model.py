@@ -151,7 +151,8 @@ def test_the_servers_chat_gives_top_logprobs_with_bytes_and_its_top_path_reaches
     choice = chat.choices[0]
     assert choice.finish_reason == "stop" and "Paris" in choice.message.content
     content = choice.logprobs.content
-    assert "".join(t.token for t in content) == choice.message.content
+    assert content[-1].token == "<|im_end|>"  # the stop token is listed, not written in the text
+    assert "".join(t.token for t in content[:-1]) == choice.message.content
     for entry in content:
         assert bytes(entry.bytes) == entry.token.encode() and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].token == entry.token  # greedy: the path is each step's top token
