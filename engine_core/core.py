@@ -165,6 +165,7 @@ def runner_spec(config: EngineConfig) -> RunnerSpec:
         block_size=config.block_size,
         seed=config.seed,
         can_use_cpu_kernels=config.can_use_cpu_kernels,
+        batch_invariant=config.batch_invariant,
         tensor_parallel_size=config.tensor_parallel_size,
         num_threads=config.num_threads,
     )

@@ -36,6 +36,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The C kernels (decode attention, logprob rows, fused layer steps) on the CPU in fp32, built with
     # the system cc; False: torch's ops only (the CUDA path), e.g. to rule the kernels out of a bug.
     can_use_cpu_kernels: bool = True
+    # Each request's logprobs the same bits whatever else runs (batch, prefill chunking, prefix cache,
+    # multi-step, thread count) and prompt logprobs equal to generation's, on the C kernels
+    # (docs/decisions.md, "Batch invariance"); False: the shape-tuned MKL/AMX products and SDPA prefill.
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         positive = {
@@ -83,4 +87,6 @@ ENGINE_ARG_HELP = {
     "tensor_parallel_size": "worker processes that split each layer's heads and MLP columns, one all-reduce "
     "per layer half (gloo on the CPU, NCCL on CUDA; default 1: the model runs in the core)",
     "can_use_cpu_kernels": "true: the C kernels on the CPU in fp32; false: torch's ops only",
+    "batch_invariant": "true (the default): a request's logprobs are the same bits in any batch, chunking "
+    "or step, and prompt logprobs equal the sampled ones (C kernels on the CPU); false: shape-tuned products",
 }

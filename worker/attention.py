@@ -111,6 +111,37 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
     seqs: list[SeqSpan]  # prefill chunks (rows with more than one token, or no context yet), one by one
     decode: DecodeRows | None = None  # single-token rows with context (decode), attended in one call
+    # Batch-invariant attention: every token as a decode row over its causal prefix (every_token_rows),
+    # made by the step's first layer.
+    every_token: DecodeRows | None = None
+
+
+def every_token_rows(meta: AttentionMetadata, block_size: int) -> DecodeRows:
+    """Every token of the step as one decode row, attending to its own causal prefix in the cache: a
+    prefill chunk's token at position p reads positions 0..p exactly as p's decode step would, so its
+    attention is the same arithmetic whether it was prefilled (in any chunk) or decoded."""
+    if meta.every_token is not None:
+        return meta.every_token
+    if not meta.seqs and meta.decode is not None:
+        meta.every_token = meta.decode
+        return meta.decode
+    rows, tables, lens = [], [], []
+    if meta.decode is not None:
+        rows.append(meta.decode.rows)
+        tables.extend(meta.decode.block_tables)
+        lens.append(meta.decode.context_lens)
+    for seq in meta.seqs:
+        table = np.concatenate([np.arange(first // block_size, -(-(first + count) // block_size))
+                                for first, count in seq.runs]).astype(np.int32)  # fmt: skip
+        rows.append(np.arange(seq.token_start, seq.token_start + seq.num_tokens, dtype=np.int64))
+        tables.extend([table] * seq.num_tokens)
+        first_len = seq.context_len - seq.num_tokens + 1
+        lens.append(np.arange(first_len, seq.context_len + 1, dtype=np.int32))
+    stacked = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for i, table in enumerate(tables):
+        stacked[i, : len(table)] = table
+    meta.every_token = DecodeRows(block_size, np.concatenate(rows), stacked, np.concatenate(lens))
+    return meta.every_token
 
 
 # q [T, Hq, D], out [T, Hq, D] (its decode rows written), cache, the rows, the sliding window or None

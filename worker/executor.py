@@ -23,6 +23,7 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     seed: int
     can_use_cpu_kernels: bool = True
+    batch_invariant: bool = True  # EngineConfig's: one order of summation per row, whatever the batch
     tensor_parallel_size: int = 1
     num_threads: int | None = None  # torch threads in each rank process; None: shared out among them
 

@@ -57,7 +57,7 @@ class ModelRunner:
         can_use = self.device.type == "cpu" and weight_dtype in (torch.float32, torch.bfloat16)
         self.cpu_kernels = load_cpu_kernels() if can_use and spec.can_use_cpu_kernels else None
         if self.cpu_kernels is not None:
-            apply_cpu_backend(self.model, self.cpu_kernels)
+            apply_cpu_backend(self.model, self.cpu_kernels, spec.batch_invariant, spec.block_size)
             move_linear_weights_to_huge_pages(self.model)  # streamed once a step: fewer TLB misses
         if group is not None:
             apply_tp(self.model, group)

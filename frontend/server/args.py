@@ -41,6 +41,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "seed": (int, None),
     "enable_prefix_caching": (_boolean, None),
     "tensor_parallel_size": (int, None),
+    "batch_invariant": (_boolean, None),
 }
 
 

@@ -1,6 +1,8 @@
 """The linear layers' products, x @ W^T + b, by device, dtype and row count (engine-core process).
 
-On the CPU with the C kernels: up to `GEMV_MAX_ROWS` rows (decode) the weights are streamed once by
+On the CPU with the C kernels, batch invariant (the default): every row count takes the C kernel of
+`gemv.c`, whose sums run in one order per output, so a row's numbers do not depend on its batch.
+Otherwise (`batch_invariant=False`): up to `GEMV_MAX_ROWS` rows (decode) the weights are streamed once by
 the kernel in `gemv.c`, both cores busy, fp32 weights or bf16 (bf16 x bf16 products summed in fp32,
 x rounded to bf16). Past that, fp32 weights take MKL the transposed way (W @ x^T, faster than
 x @ W^T up to a few hundred rows) and then plain `F.linear`; bf16 weights stay with the C kernel
@@ -73,23 +75,33 @@ def amx_product(
     return out
 
 
-def linear(layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+def linear(
+    layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None, is_batch_invariant: bool = False
+) -> torch.Tensor:
     """x: [T, in] -> [T, out]. `kernels` are only ever loaded on the CPU; with them x is float32 and
-    the weights float32 or bf16."""
+    the weights float32 or bf16. `is_batch_invariant`: every row count takes gemv.c, whose sums run in
+    one order per output whatever the rows (no MKL, no AMX: their orders depend on the shape)."""
     if kernels is None:
         return layer(x)
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(kernels, x, layer.weight, layer.bias)
     is_bf16 = layer.weight.dtype == torch.bfloat16
+    if is_batch_invariant:
+        return _row_chunks(kernels, layer, x)
     if is_bf16 and kernels.has_amx and x.shape[0] >= AMX_MIN_ROWS and layer.in_features % 32 == 0:
         return amx_product(kernels, x, layer.weight, layer.bias)
     if is_bf16 and kernels.has_bf16_dot:  # faster than MKL's fp32 products at any row count
-        parts = [gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.bias)
-                 for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return _row_chunks(kernels, layer, x)
     if is_bf16:
         return _widened_linear(layer, x)
     return _transposed_linear(layer, x)
+
+
+def _row_chunks(kernels: CpuKernels, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """gemv.c on `_ROW_CHUNK` rows at a time (each row's sums are the same in any chunk)."""
+    parts = [gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.bias)
+             for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _widened_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from worker.attention import AttentionMetadata, DecodeRows, paged_attention
+from worker.attention import AttentionMetadata, DecodeRows, every_token_rows, paged_attention
 from worker.cpu.bindings import CpuKernels
 from worker.cpu.kernels import decode_attention, rms_norm, rope_write_kv, silu_mul
 from worker.cpu.linear import linear
@@ -25,8 +25,15 @@ def _whole(partial: torch.Tensor) -> torch.Tensor:
 
 
 class CpuOps:
-    def __init__(self, kernels: CpuKernels) -> None:
+    """`block_size`: the KV cache's, given where the ops are batch invariant (`is_batch_invariant`):
+    every product on gemv.c, and prefill tokens attended by the decode kernel over their causal
+    prefix, so a token's numbers are the same in any batch, chunk or step (docs/decisions.md)."""
+
+    def __init__(self, kernels: CpuKernels, is_batch_invariant: bool = False, block_size: int = 0) -> None:
+        assert block_size > 0 or not is_batch_invariant
         self.kernels = kernels
+        self.is_batch_invariant = is_batch_invariant
+        self.block_size = block_size
         self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _whole
 
     def embed(self, table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -41,7 +48,7 @@ class CpuOps:
         return rms_norm(self.kernels, x, norm.weight, norm.eps, delta)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return linear(layer, x, self.kernels)
+        return linear(layer, x, self.kernels, self.is_batch_invariant)
 
     def rope_write_kv(
         self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
@@ -55,7 +62,11 @@ class CpuOps:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         meta: AttentionMetadata, window: int | None,
     ) -> torch.Tensor:  # fmt: skip
-        return paged_attention(q, k, v, cache, meta, window, self._attend_decode)
+        if not self.is_batch_invariant:
+            return paged_attention(q, k, v, cache, meta, window, self._attend_decode)
+        out = torch.empty_like(q)  # this step's k and v are in the cache already (rope_write_kv)
+        self._attend_decode(q, out, cache, every_token_rows(meta, self.block_size), window)
+        return out
 
     def _attend_decode(
         self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: DecodeRows, window: int | None
@@ -66,7 +77,9 @@ class CpuOps:
         )  # fmt: skip
 
 
-def apply_cpu_backend(model: nn.Module, kernels: CpuKernels) -> None:
+def apply_cpu_backend(
+    model: nn.Module, kernels: CpuKernels, is_batch_invariant: bool = False, block_size: int = 0
+) -> None:
     """Every parameter but the linear layers' weights and the embedding table widened to fp32 (norms,
     biases); those keep their dtype (fp32 or bf16). Then the model runs on `CpuOps`."""
     kept = {id(model.embed_tokens.weight)}
@@ -74,4 +87,4 @@ def apply_cpu_backend(model: nn.Module, kernels: CpuKernels) -> None:
     for param in model.parameters():
         if id(param) not in kept:
             param.data = param.data.float()
-    model.ops = CpuOps(kernels)
+    model.ops = CpuOps(kernels, is_batch_invariant, block_size)

@@ -31,11 +31,11 @@
 #define RB 4 /* activation rows per group (at most) */
 #define ROW_MAX 4 /* up to this many rows, one weight row at a time */
 #define SMALL_WORK 32768 /* weights below which one thread is faster than waking the other */
+#define PANEL_BYTES (192 * 1024) /* activation rows per panel of a many-row product: L2 holds them */
 #define GUIDED_MIN 32 /* the smallest run gemv_share hands a thread: two streams of 16 rows */
 
 #ifdef __AVX512F__
 #define LANES 16
-#define ROW_UNROLL(rb) ((rb) <= 2 ? 4 : 2) /* vectors per row and stream: 16 accumulators at most of 32 registers */
 #define ROW_STREAMS(rb) 2 /* two weight rows at once */
 #define BLOCK_RB 4 /* activation rows per block: 16 accumulators */
 #define BLOCK_RB_BF16 4
@@ -45,7 +45,6 @@
 #else
 #define LANES 4
 #endif
-#define ROW_UNROLL(rb) ((rb) <= 2 ? 4 : 2) /* at most 8 accumulators of 16 registers */
 #define ROW_STREAMS(rb) 1 /* two would spill */
 #define BLOCK_RB 2 /* 8 accumulators and 4 weight vectors: 10% faster than 4 rows for fp32 */
 #define BLOCK_RB_BF16 4 /* spills, yet 12-20% faster: each widened weight serves 4 rows */
@@ -106,42 +105,35 @@ static inline floatv load_weights(const void *w, int64_t i, int is_bf16) {
     return v;
 }
 
-/* ns weight rows (1 or 2) against rb activation rows, ROW_UNROLL(rb) vectors at a time, each weight
- * row summed exactly as when it is alone. With a few rows a thread then reads its weights front to
- * back, in ns sequential streams that the hardware prefetcher follows (interleaved rows reached
- * 0.7-0.8 of a plain sum on one thread); two streams far apart in memory read ~10% faster than one
- * on a Sapphire Rapids host (30.7 against 33.9 GB/s for two threads summing 1 GiB). */
+/* The one ending of every product's sum, whatever kernel or tile computed it: the lanes summed by
+ * hsum's tree, then the K % LANES tail in order. So each output is summed in one order whatever the
+ * row count, the thread count or the split (batch invariance, docs/decisions.md). */
+static inline float finish(floatv acc, const float *x, const void *w, int64_t k, int64_t K, int is_bf16) {
+    float total = hsum(acc);
+    for (int64_t i = k; i < K; i++) total += x[i] * load_scalar(w, i, is_bf16);
+    return total;
+}
+
+/* ns weight rows (1 or 2) against rb activation rows, one accumulator per output, as block() sums.
+ * With a few rows a thread then reads its weights front to back, in ns sequential streams that the
+ * hardware prefetcher follows (interleaved rows reached 0.7-0.8 of a plain sum on one thread); two
+ * streams far apart in memory read ~10% faster than one on a Sapphire Rapids host (30.7 against
+ * 33.9 GB/s for two threads summing 1 GiB). */
 static inline __attribute__((always_inline)) void row(const float *x, int64_t K, const void *w0,
                                                       const void *w1, int ns, int is_bf16, int rb,
                                                       float sums[2][RB][NB]) {
-    enum { U = 4 };
-    const int unroll = ROW_UNROLL(rb);
     const void *w[2] = {w0, w1};
-    floatv acc[2][RB][U] = {{{{0}}}}, wv[2][U], xv;
+    floatv acc[2][RB] = {{{0}}}, wv[2], xv;
     int64_t k = 0;
-    for (; k + unroll * LANES <= K; k += unroll * LANES) {
-        for (int s = 0; s < ns; s++)
-            for (int u = 0; u < unroll; u++) wv[s][u] = load_weights(w[s], k + LANES * u, is_bf16);
-        for (int r = 0; r < rb; r++)
-            for (int u = 0; u < unroll; u++) {
-                memcpy(&xv, x + r * K + k + LANES * u, sizeof xv);
-                for (int s = 0; s < ns; s++) acc[s][r][u] += xv * wv[s][u];
-            }
-    }
     for (; k + LANES <= K; k += LANES) {
-        for (int s = 0; s < ns; s++) wv[s][0] = load_weights(w[s], k, is_bf16);
+        for (int s = 0; s < ns; s++) wv[s] = load_weights(w[s], k, is_bf16);
         for (int r = 0; r < rb; r++) {
             memcpy(&xv, x + r * K + k, sizeof xv);
-            for (int s = 0; s < ns; s++) acc[s][r][0] += xv * wv[s][0];
+            for (int s = 0; s < ns; s++) acc[s][r] += xv * wv[s];
         }
     }
     for (int s = 0; s < ns; s++)
-        for (int r = 0; r < rb; r++) {
-            for (int u = 1; u < unroll; u++) acc[s][r][0] += acc[s][r][u];
-            float total = hsum(acc[s][r][0]);
-            for (int64_t i = k; i < K; i++) total += x[r * K + i] * load_scalar(w[s], i, is_bf16);
-            sums[s][r][0] = total;
-        }
+        for (int r = 0; r < rb; r++) sums[s][r][0] = finish(acc[s][r], x + r * K, w[s], k, K, is_bf16);
 }
 
 /* Weight rows [n_start, n_end) against rb (constant) activation rows: the first half of the run
@@ -186,11 +178,8 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
         }
     }
     for (int r = 0; r < rb; r++)
-        for (int j = 0; j < nb; j++) {
-            float total = hsum(acc[r][j]);
-            for (int64_t i = k; i < K; i++) total += x[r * K + i] * load_scalar(w, j * K + i, is_bf16);
-            sums[r][j] = total;
-        }
+        for (int j = 0; j < nb; j++)
+            sums[r][j] = finish(acc[r][j], x + r * K, (const char *)w + j * K * element, k, K, is_bf16);
 }
 
 /* Output features [n_start, n_end) for every row; the switch gives block() constant sizes. */
@@ -209,26 +198,31 @@ static inline __attribute__((always_inline)) void range(const void *x, int64_t r
         }
         return;
     }
-    for (int64_t n = n_start; n < n_end;) {
-        const int nb = n_end - n < NB ? 1 : NB;
-        const void *wn = (const char *)w + n * K * element;
-        const int block_rows = is_bf16 ? BLOCK_RB_BF16 : BLOCK_RB;
-        for (int64_t r = 0; r < rows; r += block_rows) {
-            const int rb = rows - r < block_rows ? (int)(rows - r) : block_rows;
-            const float *xr = (const float *)x + r * K;
-            if (nb == NB) {
-                switch (rb) {
-                case 1: block(xr, K, wn, is_bf16, 1, NB, sums); break;
-                case 2: block(xr, K, wn, is_bf16, 2, NB, sums); break;
-                case 3: block(xr, K, wn, is_bf16, 3, NB, sums); break;
-                default: block(xr, K, wn, is_bf16, 4, NB, sums); break;
+    const int block_rows = is_bf16 ? BLOCK_RB_BF16 : BLOCK_RB;
+    int64_t panel = PANEL_BYTES / (K * (int64_t)sizeof(float)) / block_rows * block_rows;
+    panel = panel < block_rows ? block_rows : panel;
+    for (int64_t p = 0; p < rows; p += panel) { /* a panel of rows stays in L2 while the weights pass */
+        const int64_t p_end = rows - p < panel ? rows : p + panel;
+        for (int64_t n = n_start; n < n_end;) {
+            const int nb = n_end - n < NB ? 1 : NB;
+            const void *wn = (const char *)w + n * K * element;
+            for (int64_t r = p; r < p_end; r += block_rows) {
+                const int rb = p_end - r < block_rows ? (int)(p_end - r) : block_rows;
+                const float *xr = (const float *)x + r * K;
+                if (nb == NB) {
+                    switch (rb) {
+                    case 1: block(xr, K, wn, is_bf16, 1, NB, sums); break;
+                    case 2: block(xr, K, wn, is_bf16, 2, NB, sums); break;
+                    case 3: block(xr, K, wn, is_bf16, 3, NB, sums); break;
+                    default: block(xr, K, wn, is_bf16, 4, NB, sums); break;
+                    }
+                } else {
+                    block(xr, K, wn, is_bf16, rb, 1, sums);
                 }
-            } else {
-                block(xr, K, wn, is_bf16, rb, 1, sums);
+                store(sums, rb, nb, bias, out + r * N, N, n);
             }
-            store(sums, rb, nb, bias, out + r * N, N, n);
+            n += nb;
         }
-        n += nb;
     }
 }
 

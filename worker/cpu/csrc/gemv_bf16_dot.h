@@ -44,38 +44,26 @@ static inline __attribute__((always_inline)) BF16_DOT_TARGET void block_dot(
         for (int j = 0; j < nb; j++) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-/* ns weight rows (1 or 2) against rb activation rows, 128 columns at a time, each weight row summed
- * exactly as when it is alone (sequential streams: see row() in gemv.c). */
+/* ns weight rows (1 or 2) against rb activation rows, one accumulator per output summed exactly as
+ * block_dot() sums it (32 columns a step, the zero-padded tail last), in sequential streams (see row()
+ * in gemv.c). */
 static inline __attribute__((always_inline)) BF16_DOT_TARGET void row_dot(
     const uint16_t *x, int64_t K, const uint16_t *w0, const uint16_t *w1, int ns, int rb, float sums[2][RB][NB]) {
     const uint16_t *w[2] = {w0, w1};
-    __m512 acc[2][RB][4];
+    __m512 acc[2][RB];
     for (int s = 0; s < ns; s++)
-        for (int r = 0; r < rb; r++)
-            for (int u = 0; u < 4; u++) acc[s][r][u] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 128 <= K; k += 128) {
-        __m512bh wv[2][4];
-        for (int s = 0; s < ns; s++)
-            for (int u = 0; u < 4; u++) wv[s][u] = load_bf16(w[s] + k + 32 * u, ~(__mmask32)0);
-        for (int r = 0; r < rb; r++)
-            for (int u = 0; u < 4; u++) {
-                const __m512bh xv = load_bf16(x + r * K + k + 32 * u, ~(__mmask32)0);
-                for (int s = 0; s < ns; s++) acc[s][r][u] = _mm512_dpbf16_ps(acc[s][r][u], xv, wv[s][u]);
-            }
-    }
-    for (; k < K; k += 32) { /* the tail, zero padded past the row's end */
+        for (int r = 0; r < rb; r++) acc[s][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 mask = K - k >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
-        for (int s = 0; s < ns; s++) {
-            const __m512bh wv = load_bf16(w[s] + k, mask);
-            for (int r = 0; r < rb; r++)
-                acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], load_bf16(x + r * K + k, mask), wv);
+        __m512bh wv[2];
+        for (int s = 0; s < ns; s++) wv[s] = load_bf16(w[s] + k, mask);
+        for (int r = 0; r < rb; r++) {
+            const __m512bh xv = load_bf16(x + r * K + k, mask);
+            for (int s = 0; s < ns; s++) acc[s][r] = _mm512_dpbf16_ps(acc[s][r], xv, wv[s]);
         }
     }
     for (int s = 0; s < ns; s++)
-        for (int r = 0; r < rb; r++)
-            sums[s][r][0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[s][r][0], acc[s][r][1]),
-                                                               _mm512_add_ps(acc[s][r][2], acc[s][r][3])));
+        for (int r = 0; r < rb; r++) sums[s][r][0] = _mm512_reduce_add_ps(acc[s][r]);
 }
 
 /* Weight rows [n_start, n_end) against rb (constant) activation rows, the run's two halves side by side. */
