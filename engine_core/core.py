@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
+from engine_core.rl_control import CoreControl
 from engine_core.scheduler import Scheduler
 from protocol import PROTOCOL_VERSION
 from protocol.config import EngineConfig
@@ -57,6 +58,15 @@ class EngineCore:
         )
         self.eos_token_ids = eos_token_ids(config.model)
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
+        self.control = CoreControl(self.scheduler, _executor_control(self.executor), self._reset_kv_pool)
+
+    def _reset_kv_pool(self) -> None:
+        """A fresh block pool (after sleep freed the KV cache): every block free, nothing indexed."""
+        assert not self.scheduler.running
+        self.kv_cache = KVCacheManager(
+            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler.kv_cache = self.kv_cache
 
     def _default_num_blocks(self) -> int:
         per_seq = -(-self.max_model_len // self.config.block_size)
@@ -88,6 +98,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.config.block_size,
+            has_rl_control=True,
         )
 
     def add_request(self, client_id: bytes, request: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -145,16 +156,28 @@ class EngineCore:
         return [r.client_req_id for r in reqs]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether a step would do anything: requests held by a pause or a sleep wait without steps."""
+        return self.scheduler.has_schedulable_requests()
 
     def step(self) -> dict[bytes, EngineCoreOutputs]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.control.weight_version:  # the default (0) stays off the wire
+            for batch in outputs.values():
+                for output in batch.outputs:
+                    output.weight_version = self.control.weight_version
+        return outputs
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks, if any; the core is not used after this."""
         self.executor.close()
+
+
+def _executor_control(executor: Executor):
+    from worker.models.runner_control import executor_control  # torch: inside, as make_executor
+
+    return executor_control(executor)
 
 
 def runner_spec(config: EngineConfig) -> RunnerSpec:

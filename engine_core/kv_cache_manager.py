@@ -28,6 +28,7 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[int]] = {}
         self._req_chain: dict[str, list[int]] = {}  # content ids of a request's first indexed blocks
         self.index = PrefixIndex() if enable_prefix_caching else None
+        self._unindexed: set[str] = set()  # requests holding blocks from before a prefix-cache reset
         self.num_queried_tokens = 0  # prompt tokens of requests that looked their prefix up
         self.num_hit_tokens = 0  # of those, tokens found in the cache
 
@@ -64,7 +65,7 @@ class KVCacheManager:
         self, req_id: str, prompt_ids: list[int], output_ids: list[int], num_computed: int
     ) -> None:
         """Indexes the request's full blocks whose KV is written (positions below `num_computed`)."""
-        if self.index is None:
+        if self.index is None or req_id in self._unindexed:
             return
         chain, blocks, size = (
             self._req_chain.setdefault(req_id, []),
@@ -113,6 +114,7 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         """Releases the request's blocks, its last ones first, so that a prefix's tail is evicted first."""
         self._req_chain.pop(req_id, None)
+        self._unindexed.discard(req_id)
         for block in reversed(self._req_blocks.pop(req_id, [])):
             self._num_refs[block] -= 1
             if self._num_refs[block] > 0:
@@ -122,6 +124,19 @@ class KVCacheManager:
             else:
                 self._is_free[block] = True
                 self._num_free += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every indexed prefix (new weights make their KV stale): blocks no request holds
+        become free; held ones stay their requests' but are never indexed (their KV is the old one)."""
+        if self.index is None:
+            return
+        for block in range(self.num_blocks):
+            if self.index.is_cached(block) and self._num_refs[block] == 0:
+                self._is_free[block] = True
+                self._num_free += 1
+        self.index = PrefixIndex()
+        self._req_chain = {req_id: [] for req_id in self._req_blocks}
+        self._unindexed.update(self._req_blocks)
 
     def _fresh_start(self) -> int:
         """The middle of the largest free gap (its start, when the gap opens the pool)."""

@@ -37,6 +37,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(): the worker drops them
         self.num_preemptions = 0  # since start, for stats and tests
         self.num_prefill_tokens = 0  # prompt positions computed since start (cache hits are not)
+        # RL control (engine_core/rl_control.py): waiting requests stay waiting while admissions are
+        # held; a frozen scheduler schedules nothing (running requests keep their blocks).
+        self.can_admit = True
+        self.is_frozen = False
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -44,6 +48,20 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step now would schedule anything (held admissions and a freeze say no)."""
+        return not self.is_frozen and bool(self.running or (self.can_admit and self.waiting))
+
+    def preempt_running(self) -> None:
+        """Every running request back to the head of the waiting queue, its blocks freed: it is
+        computed again later (sleep frees the KV cache under frozen requests)."""
+        for req in reversed(self.running):
+            self.kv_cache.free(req.req_id)
+            req.reset_for_recompute()
+            self.waiting.appendleft(req)
+            self.finished_req_ids.add(req.req_id)
+        self.running = []
 
     def abort_requests(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -58,7 +76,7 @@ class Scheduler:
             self._free(req)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget = 0 if self.is_frozen else self.max_num_batched_tokens
         output = SchedulerOutput([], [], {}, self.finished_req_ids)
         self.finished_req_ids = set()
         num_dropped_before = len(output.finished_req_ids)
@@ -76,7 +94,8 @@ class Scheduler:
         is_preempted = (
             len(output.finished_req_ids) > num_dropped_before
         )  # no admissions while memory is short
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not is_preempted:
+        can_admit = self.can_admit and not is_preempted  # no admissions while memory is short, or held
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and can_admit:
             num_new = self._admit(self.waiting[0], budget, output)
             if num_new is None:
                 break

@@ -26,6 +26,7 @@ from protocol.codec import Codec
 from protocol.curve_keys import KeyPair
 from protocol.messages import (
     AbortRequests,
+    ControlCommand,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -136,6 +137,7 @@ class CoreServer:
                 for client, outputs in self.core.step().items():
                     outputs.timestamp = time.time()
                     self.outputs.put((client, outputs))
+            self.core.control.poll(self._outbox)  # a command waiting for running requests to finish
             if time.monotonic() >= next_check:
                 self._check_liveness()
                 next_check = time.monotonic() + 1.0
@@ -167,10 +169,15 @@ class CoreServer:
         elif isinstance(message, Goodbye):
             self.core.abort_client(client)
             self.last_seen.pop(client, None)
+        elif isinstance(message, ControlCommand):  # engine_core/rl_control.py: between two steps
+            self.core.control.submit(client, message, self._outbox)
         elif isinstance(message, DecodedRequests):
             refusals = [r for r in (self._add(client, req) for req in message.requests) if r is not None]
             if refusals:
                 self.outputs.put((client, EngineCoreOutputs(refusals, time.time())))
+
+    def _outbox(self, client: bytes, message) -> None:
+        self.outputs.put((client, message))
 
     def _add(self, client: bytes, request: EngineCoreRequest) -> EngineCoreOutput | None:
         try:

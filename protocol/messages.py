@@ -6,6 +6,7 @@ Every message is a closed, tagged msgspec struct; a frame that decodes to anythi
 from __future__ import annotations
 
 import enum
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -69,7 +70,55 @@ class Goodbye(msgspec.Struct, tag="bye", array_like=True):
     """The client is leaving: abort whatever it still has in flight."""
 
 
-ClientMessage = Hello | AddRequests | AbortRequests | Heartbeat | GetStats | Goodbye
+# Control for RL (docs/rl.md): each is answered by one ControlReply with its nonce, after everything the
+# client sent before it, once the command is done (an update in "wait" mode waits for running requests).
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class UpdateWeights(msgspec.Struct, tag="update", array_like=True):
+    """Load new weights in place: `path` is a safetensors file (in /dev/shm, or any local file) or a
+    checkpoint folder; HF tensor names, the whole state or a part of it."""
+
+    nonce: int
+    path: str
+    mode: PauseMode = "wait"  # what happens to running requests before the weights change
+
+
+class PauseGeneration(msgspec.Struct, tag="pause", array_like=True):
+    nonce: int
+    mode: PauseMode = "abort"
+
+
+class ResumeGeneration(msgspec.Struct, tag="resume", array_like=True):
+    nonce: int
+
+
+class ResetPrefixCache(msgspec.Struct, tag="resetcache", array_like=True):
+    nonce: int
+
+
+class Sleep(msgspec.Struct, tag="sleep", array_like=True):
+    nonce: int
+    level: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1  # 1: free the KV cache; 2: the weights too
+
+
+class WakeUp(msgspec.Struct, tag="wake", array_like=True):
+    nonce: int
+    tags: list[Literal["weights", "kv_cache"]] | None = None  # None: both
+    path: str | None = None  # after sleep level 2: the checkpoint the weights come back from
+
+
+class GetControlState(msgspec.Struct, tag="getstate", array_like=True):
+    nonce: int
+
+
+ControlCommand = (
+    UpdateWeights | PauseGeneration | ResumeGeneration | ResetPrefixCache | Sleep | WakeUp | GetControlState
+)
+ClientMessage = (
+    Hello | AddRequests | AbortRequests | Heartbeat | GetStats | Goodbye
+    | UpdateWeights | PauseGeneration | ResumeGeneration | ResetPrefixCache | Sleep | WakeUp | GetControlState
+)  # fmt: skip
 
 
 # ---- core -> frontend ---------------------------------------------------------------------------------
@@ -84,6 +133,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | None = None  # the stop token id that finished the request
     error: str | None = None  # with FinishReason.ERROR: why the core refused the request
     num_cached_tokens: int = 0  # in the first output: prompt tokens read from the prefix cache
+    weight_version: int = 0  # the core's weights that computed this output (0 = those it started with)
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):
@@ -102,6 +152,7 @@ class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
     eos_token_ids: list[int]
     num_kv_blocks: int
     block_size: int
+    has_rl_control: bool = False  # the core takes UpdateWeights, Sleep... (an older core omits it)
 
 
 class EngineStats(msgspec.Struct, tag="stats", array_like=True):
@@ -120,10 +171,21 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True):
     num_prefill_tokens: int = 0  # prompt positions computed since start (cache hits are not)
 
 
+class ControlReply(msgspec.Struct, tag="done", array_like=True):
+    """The answer to a control command: done (error None) or refused with the reason, and the core's
+    state after it."""
+
+    nonce: int
+    error: str | None
+    weight_version: int
+    is_paused: bool
+    sleep_level: int  # 0 awake; 1 KV cache freed; 2 the weights too
+
+
 class EngineError(msgspec.Struct, tag="fatal", array_like=True):
     """The core hit an error it cannot recover from; the frontend raises EngineDeadError."""
 
     message: str
 
 
-CoreMessage = EngineCoreOutputs | HandshakeReply | Heartbeat | EngineStats | EngineError
+CoreMessage = EngineCoreOutputs | HandshakeReply | Heartbeat | EngineStats | ControlReply | EngineError

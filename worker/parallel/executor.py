@@ -30,10 +30,14 @@ from worker.parallel.messages import (
     Done,
     Execute,
     Failed,
+    LoadWeights,
     Progress,
     Ready,
+    Refused,
     Shutdown,
+    SleepRank,
     ToCore,
+    WakeRank,
     WorkerSpec,
     from_wire,
 )
@@ -88,6 +92,23 @@ class TensorParallelExecutor:
         assert first is not None
         return from_wire(first)
 
+    def update_weights(self, path: str) -> None:
+        """Every rank loads its part; a ValueError (the same on every rank) leaves the old weights."""
+        self._control(LoadWeights(path))
+
+    def sleep(self, level: int) -> None:
+        self._control(SleepRank(level))
+
+    def wake_up(self, kv_cache: bool, path: str | None) -> None:
+        self._control(WakeRank(kv_cache, path))
+
+    def _control(self, message: msgspec.Struct) -> None:
+        self._send_all(message)
+        replies = self._gather((Done, Refused))
+        refused = [r.reason for r in replies if isinstance(r, Refused)]
+        if refused:
+            raise ValueError(refused[0])
+
     def close(self) -> None:
         """Stops the workers (politely, then by force) and removes their folder; safe to call twice."""
         for sock in self.sockets:
@@ -119,7 +140,7 @@ class TensorParallelExecutor:
         for sock in self.sockets:
             sock.send(frame, copy=False)
 
-    def _gather(self, kind: type) -> list:
+    def _gather(self, kind: type | tuple[type, ...]) -> list:
         """One reply of `kind` from every rank, in rank order. Progress messages count as the step's
         progress; a Failed reply or a worker that exits raises WorkerFailed."""
         replies: list = [None] * self.size
@@ -145,9 +166,7 @@ class TensorParallelExecutor:
         elif isinstance(message, kind) and replies[rank] is None:
             replies[rank] = message
         else:
-            raise WorkerFailed(
-                f"tensor-parallel rank {rank} sent {type(message).__name__}, not {kind.__name__}"
-            )
+            raise WorkerFailed(f"tensor-parallel rank {rank} sent {type(message).__name__}, not {kind}")
 
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self.procs):

@@ -2,9 +2,11 @@
 PAIR socket per worker on `ipc://` (engine-core process and worker processes). No pickle: each side
 decodes a closed, typed union.
 
-Core -> worker: AllocateKvCache, Execute (the SchedulerOutput, as the scheduler made it), Shutdown.
+Core -> worker: AllocateKvCache, Execute (the SchedulerOutput, as the scheduler made it), Shutdown;
+for RL, LoadWeights, SleepRank and WakeRank (worker/models/runner_control.py on each rank).
 Worker -> core: Ready (after loading), Done (rank 0's carries the runner output), Progress (a long
-step still moves), Failed (the reason, before the worker exits).
+step still moves), Refused (a control command's ValueError; the rank goes on), Failed (the reason,
+before the worker exits).
 """
 
 from __future__ import annotations
@@ -40,6 +42,23 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class LoadWeights(msgspec.Struct, tag=True):
+    path: str  # a safetensors file or folder; each rank keeps its part of the split tensors
+
+
+class SleepRank(msgspec.Struct, tag=True):
+    level: int
+
+
+class WakeRank(msgspec.Struct, tag=True):
+    kv_cache: bool
+    path: str | None = None
+
+
+class Refused(msgspec.Struct, tag=True):
+    reason: str
+
+
 class WireRunnerOutput(msgspec.Struct, array_like=True):
     sampled_req_ids: list[str]
     num_steps: int
@@ -65,8 +84,8 @@ class Failed(msgspec.Struct, tag=True):
     reason: str
 
 
-ToWorker = AllocateKvCache | Execute | Shutdown
-ToCore = Ready | Done | Progress | Failed
+ToWorker = AllocateKvCache | Execute | Shutdown | LoadWeights | SleepRank | WakeRank
+ToCore = Ready | Done | Progress | Refused | Failed
 
 
 def to_wire(output: ModelRunnerOutput) -> WireRunnerOutput:

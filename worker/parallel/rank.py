@@ -22,10 +22,14 @@ from worker.parallel.messages import (
     Done,
     Execute,
     Failed,
+    LoadWeights,
     Progress,
     Ready,
+    Refused,
     Shutdown,
+    SleepRank,
     ToWorker,
+    WakeRank,
     WorkerSpec,
     to_wire,
 )
@@ -73,8 +77,11 @@ def _start(spec: WorkerSpec, sock: zmq.Socket):
 
 
 def _serve(runner, sock: zmq.Socket, parent: int) -> None:
+    from worker.models.runner_control import RunnerControl
+
     decoder, encoder = msgspec.msgpack.Decoder(ToWorker), msgspec.msgpack.Encoder()
     is_first = runner.group.rank == 0
+    control = RunnerControl(runner)
     while True:
         if not sock.poll(_POLL_MS):
             if os.getppid() != parent:  # the core is gone
@@ -90,6 +97,22 @@ def _serve(runner, sock: zmq.Socket, parent: int) -> None:
         elif isinstance(message, Execute):
             output = runner.execute(message.scheduler_output)
             sock.send(encoder.encode(Done(to_wire(output) if is_first else None)))
+        elif isinstance(message, LoadWeights | SleepRank | WakeRank):
+            sock.send(encoder.encode(_control(control, message)))
+
+
+def _control(control, message: LoadWeights | SleepRank | WakeRank) -> Done | Refused:
+    """A ValueError (a bad update) is this command's refusal; the rank keeps its old weights and serves."""
+    try:
+        if isinstance(message, LoadWeights):
+            control.update_weights(message.path)
+        elif isinstance(message, SleepRank):
+            control.sleep(message.level)
+        else:
+            control.wake_up(message.kv_cache, message.path)
+    except ValueError as exc:
+        return Refused(str(exc))
+    return Done()
 
 
 def _progress_sender(sock: zmq.Socket):

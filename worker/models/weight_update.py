@@ -1,0 +1,88 @@
+"""New weights into a running model, in place (engine-core process, and each tensor-parallel rank).
+
+The tensors come from a safetensors file (a trainer's state written to /dev/shm by the frontend) or a
+checkpoint folder, under Hugging Face names, the whole state or a part of it. Every tensor is checked
+(name, shape) before any is copied, so a bad update raises a ValueError and the old weights keep
+serving. Copies go into the parameters' own memory (`copy_`, converting the dtype): the fused q/k/v
+and gate/up row blocks, huge-page mappings and the C backend's descriptors, which hold the parameters'
+addresses, stay valid as they are.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from worker.models.llama import LlamaModel
+from worker.models.loader import _destination as destination_of  # the loader's one map of HF names
+from worker.parallel.sharding import Shard, is_split, rank_part
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_paths(path: str) -> list[Path]:
+    """The file itself, or every .safetensors file of a folder."""
+    where = Path(path)
+    if where.is_file():
+        return [where]
+    if where.is_dir():
+        files = sorted(where.glob("*.safetensors"))
+        if files:
+            return files
+    raise ValueError(f"update_weights: {path} is neither a safetensors file nor a folder holding some")
+
+
+def update_weights_from_path(model: LlamaModel, path: str, shard: Shard | None = None) -> int:
+    """Loads every tensor of `path` into the model; returns how many tensors changed."""
+    from safetensors import safe_open
+
+    with ExitStack() as stack:  # memory-mapped: a file in /dev/shm is read where it lies
+        handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in safetensors_paths(path)]
+        named = [(name, handle.get_slice(name)) for handle in handles for name in handle.keys()]
+        plan = plan_update(model, [(n, tuple(s.get_shape())) for n, s in named], shard)
+        tensors = {name: part for name, part in named}
+        for name, target in plan:
+            copy_into(target, tensors[name][:], name, shard)
+    return len(plan)
+
+
+def plan_update(
+    model: LlamaModel, shapes: list[tuple[str, tuple[int, ...]]], shard: Shard | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, the parameter view it fills) for each tensor, every name and shape checked first;
+    a ValueError names the first that does not fit. Tied checkpoints' lm_head.weight is skipped."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    plan, errors = [], []
+    for name, shape in shapes:
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.args.tie_word_embeddings):
+            continue
+        target = destination_of(model.args, name)
+        if target is None or target[0] not in params:
+            errors.append(f"{name} is not a weight of this model")
+            continue
+        param, rows = params[target[0]], target[1]
+        view = param.data[rows] if rows is not None else param.data
+        expected = full_shape(name, tuple(view.shape), shard)
+        if tuple(shape) != expected:
+            errors.append(f"{name} has shape {list(shape)}; the model's is {list(expected)}")
+            continue
+        plan.append((name, view))
+    if errors:
+        raise ValueError(f"update_weights refused, the weights are unchanged: {'; '.join(errors[:5])}")
+    return plan
+
+
+def full_shape(name: str, part_shape: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    """The HF tensor's shape whose part (on this rank) has `part_shape`."""
+    if shard is None or not is_split(name) or name.endswith("self_attn.o_proj.bias"):
+        return part_shape
+    dim = 1 if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")) else 0
+    return tuple(size * shard.size if d == dim else size for d, size in enumerate(part_shape))
+
+
+def copy_into(target: torch.Tensor, tensor: torch.Tensor, name: str, shard: Shard | None) -> None:
+    if shard is not None and is_split(name):
+        tensor = rank_part(name, tensor, shard)
+    target.copy_(tensor.reshape(target.shape))  # converts the dtype (bf16 <-> fp32) and the device
