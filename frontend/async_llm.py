@@ -1,8 +1,8 @@
 """AsyncLLM: the asyncio face of the engine (frontend process).
 
-The core client and the output processing (detokenizing, logprob dicts, stop strings) live on one
-engine thread, so the event loop only hands requests over and receives finished RequestOutput deltas;
-a pipe wakes the engine thread when a request or an abort arrives.
+The `FrontendEngine` (core client and output processing: detokenizing, logprob dicts, stop strings)
+lives on one engine thread, so the event loop only hands it typed commands and receives finished
+RequestOutput deltas; a pipe wakes the engine thread when a command arrives.
 
 Every submission gets its own key (the user's request id plus a serial number): outputs are routed by
 that key, so a request id reused after a cancel never receives the old request's last output. An error
@@ -17,21 +17,50 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from frontend.engine_parts import build_engine_parts
+from frontend.engine import FrontendEngine, PreparedRequest
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
+from frontend.request_ids import submission_id
 from frontend.request_stream import RequestStream
+from frontend.rl_control import AsyncLLMControlMethods
 from frontend.token_text import TokenTable
 from protocol.messages import EngineStats, HandshakeReply
-from protocol.model_facts import generation_defaults
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0
+_BUSY_WAIT_S = 0.05
+T = TypeVar("T")
+
+
+# ---- the engine thread's commands ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: PreparedRequest  # its request_id is the submission key
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    key: str
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """Runs `method(engine)` on the engine thread; its result or exception settles `future`."""
+
+    method: Callable[[FrontendEngine], object]
+    future: asyncio.Future
+
+
+Command = AddRequest | AbortRequest | EngineCall
 
 
 @dataclass
@@ -40,7 +69,7 @@ class _Stream:
     outputs: asyncio.Queue  # RequestOutput deltas, or the exception that ends the stream
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncLLMControlMethods):
     """`async for out in engine.generate(prompt, params, request_id)` yields each step's new tokens, text
     and logprobs; leaving the loop early (break, cancel) aborts the request and frees its KV blocks."""
 
@@ -52,10 +81,12 @@ class AsyncLLM:
         core_address: str | list[str] | None = None,
         **engine_args,
     ) -> None:
-        self._parts = build_engine_parts(model, multiprocess, core_address, engine_args)
-        self.config, self.tokenizer = self._parts.config, self._parts.tokenizer
-        self.facts: HandshakeReply = self._parts.inputs.facts  # the limits requests are checked against
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine = FrontendEngine.build(
+            model, multiprocess=multiprocess, core_address=core_address, engine_args=engine_args
+        )
+        self.config, self.tokenizer = self.engine.config, self.engine.tokenizer
+        self.facts: HandshakeReply = self.engine.facts  # the limits requests are checked against
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         self._streams: dict[str, _Stream] = {}  # submission key -> stream
         self._key_of: dict[str, str] = {}  # user request id -> key of its submission in flight
@@ -73,12 +104,12 @@ class AsyncLLM:
     @property
     def token_table(self) -> TokenTable:
         """Each token id's bytes and text, as the output processor renders them (read-only)."""
-        return self._parts.outputs.table
+        return self.engine.token_table
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults, as `LLM.get_default_sampling_params`; used when
         `generate` is given no SamplingParams."""
-        return SamplingParams(**generation_defaults(self.config.model))
+        return self.engine.get_default_sampling_params()
 
     @property
     def is_dead(self) -> bool:
@@ -105,11 +136,11 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         if request_id in self._key_of:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        text, token_ids = self._parts.inputs.process(prompt, params)
-        key = f"{request_id}@{next(self._serials)}"
+        key = submission_id(request_id, next(self._serials))
+        request = self.engine.prepare(key, prompt, params)  # tokenized here, off the engine thread
         stream = _Stream(request_id, asyncio.Queue())
         self._streams[key], self._key_of[request_id] = stream, key
-        self._submit(("add", key, text, token_ids, params))
+        self._submit(AddRequest(request))
         return key, stream.outputs
 
     def _release(self, key: str, is_finished: bool) -> None:
@@ -118,19 +149,23 @@ class AsyncLLM:
         if stream is not None and self._key_of.get(stream.request_id) == key:
             del self._key_of[stream.request_id]
         if not is_finished:
-            self._submit(("abort", key))
+            self._submit(AbortRequest(key))
 
     async def abort(self, request_id: str) -> None:
         key = self._key_of.get(request_id)
         if key is not None:
-            self._submit(("abort", key))
+            self._submit(AbortRequest(key))
 
     async def get_engine_stats(self) -> EngineStats:
         """The core's state (engine-wide), taken between two steps after everything sent before."""
+        return await self._call(FrontendEngine.get_stats)
+
+    async def _call(self, method: Callable[[FrontendEngine], T]) -> T:
+        """`method(engine)` run on the engine thread, between two output pumps."""
         self._raise_if_dead()
-        future = asyncio.get_running_loop().create_future()
         self._loop = asyncio.get_running_loop()
-        self._submit(("stats", future))
+        future = self._loop.create_future()
+        self._submit(EngineCall(method, future))
         return await future
 
     def shutdown(self) -> None:
@@ -139,7 +174,7 @@ class AsyncLLM:
         self._is_stopping.set()
         os.write(self._wake_write, b"\0")
         self._thread.join(timeout=30)
-        self._parts.client.shutdown()
+        self.engine.shutdown()
         os.close(self._wake_read)
         os.close(self._wake_write)
         if self._error is None:  # streams still open learn that the engine is gone
@@ -156,7 +191,7 @@ class AsyncLLM:
         if self._error is not None:
             raise EngineDeadError(str(self._error))
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         if self._is_stopping.is_set():
             return
         self._commands.put(command)
@@ -165,14 +200,13 @@ class AsyncLLM:
     # ---- engine thread -------------------------------------------------------------------------------
 
     def _engine_thread(self) -> None:
-        client, processor = self._parts.client, self._parts.outputs
+        engine = self.engine
         try:
             while not self._is_stopping.is_set():
                 self._run_commands()
-                timeout = 0.05 if processor.has_unfinished() else _IDLE_WAIT_S
-                outputs = client.get_outputs(timeout, self._wake_read)
-                processed = processor.process(outputs, client.take_lost())
-                client.abort(processed.to_abort)
+                processed = engine.step(
+                    _BUSY_WAIT_S if engine.has_unfinished() else _IDLE_WAIT_S, self._wake_read
+                )
                 for key, error in processed.errors.items():
                     self._deliver(key, error)
                 if processed.outputs:
@@ -188,37 +222,37 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                self._add(*command[1:])
-            elif command[0] == "abort":
-                core_ids, last_output = self._parts.outputs.abort(command[1])
-                self._parts.client.abort(core_ids)
-                if last_output is not None:  # a stream still listening ends with finish_reason "abort"
-                    self._deliver_outputs([last_output])
-            elif command[0] == "stats":
-                self._answer_stats(command[1])
+            match command:
+                case AddRequest(request):
+                    self._add(request)
+                case AbortRequest(key):
+                    last_output = self.engine.abort(key)
+                    if last_output is not None:  # a stream still listening ends with finish_reason "abort"
+                        self._deliver_outputs([last_output])
+                case EngineCall(method, future):
+                    self._run_call(method, future)
 
-    def _add(self, key: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
-        """One request's failure (a field changed since validation, a bug) fails that request alone."""
-        parts = self._parts
+    def _add(self, request: PreparedRequest) -> None:
+        """One request's failure (a field changed since it was checked, a bug) fails that request alone."""
         try:
-            parts.inputs.validate(token_ids, params)
-            children = parts.outputs.add_request(key, text, token_ids, params, is_delta=True)
-            requests = [parts.inputs.make_request(core_id, token_ids, p) for core_id, p in children]
+            core_requests = self.engine.register([request], is_delta=True, recheck=True)
         except Exception as exc:
-            parts.outputs.abort(key)
-            self._deliver(key, exc if isinstance(exc, ValueError) else RequestFailedError(repr(exc)))
+            error = exc if isinstance(exc, ValueError) else RequestFailedError(repr(exc))
+            self._deliver(request.request_id, error)
             return
-        parts.client.send(requests)  # raises only when the core is dead: that fails every stream
+        self.engine.send(core_requests)  # raises only when the core is dead: that fails every stream
 
-    def _answer_stats(self, future: asyncio.Future) -> None:
+    def _run_call(self, method: Callable[[FrontendEngine], object], future: asyncio.Future) -> None:
+        """A dead core fails the caller, then (raised on) every stream; another error the caller alone."""
         try:
-            stats = self._parts.client.get_stats()
-        except BaseException as exc:  # a dead core: the caller learns it, then every stream does
+            result = method(self.engine)
+        except BaseException as exc:
             error = exc
             self._loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
-            raise
-        self._loop.call_soon_threadsafe(lambda: future.done() or future.set_result(stats))
+            if isinstance(exc, (EngineDeadError, KeyboardInterrupt, SystemExit)):
+                raise
+            return
+        self._loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 
     def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         if self._loop is not None and not self._loop.is_closed():

@@ -6,18 +6,20 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from frontend.chat_template import render_chat
-from frontend.engine_parts import build_engine_parts
+from frontend.client_protocol import CoreClient
+from frontend.engine import FrontendEngine
 from frontend.errors import EngineDeadError, RequestFailedError
-from frontend.input_processor import PromptType
+from frontend.input_processor import InputProcessor, PromptType
+from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
+from frontend.rl_control import LLMControlMethods
 from protocol.messages import EngineStats
-from protocol.model_facts import generation_defaults
 from protocol.sampling_params import SamplingParams
 
 OUTPUT_POLL_S = 0.05
 
 
-class LLM:
+class LLM(LLMControlMethods):
     """`LLM(model=None, **engine_args)`: None is the built-in tiny model; `core_address` attaches to a
     running `python -m engine_core` daemon instead of spawning a core (a list: several daemons of the
     same model, requests spread over them); `multiprocess=False` runs the core in this process."""
@@ -30,11 +32,23 @@ class LLM:
         core_address: str | list[str] | None = None,
         **engine_args,
     ) -> None:
-        parts = build_engine_parts(model, multiprocess, core_address, engine_args)
-        self.config, self.tokenizer, self.client = parts.config, parts.tokenizer, parts.client
-        self.facts = self.client.facts
-        self.input_processor, self.output_processor = parts.inputs, parts.outputs
+        self.engine = FrontendEngine.build(
+            model, multiprocess=multiprocess, core_address=core_address, engine_args=engine_args
+        )
+        self.config, self.tokenizer, self.facts = self.engine.config, self.engine.tokenizer, self.engine.facts
         self._ids = itertools.count()
+
+    @property
+    def client(self) -> CoreClient:
+        return self.engine.client
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        return self.engine.inputs
+
+    @property
+    def output_processor(self) -> OutputProcessor:
+        return self.engine.outputs
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -45,33 +59,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Completions in input order. All prompts are validated before any is sent."""
+        """Completions in input order. All prompts are checked before any is sent, and sent together."""
         prompts = _as_list(prompts)
         if sampling_params is None:  # as vLLM: the model's generation_config.json defaults
             sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
-        requests = []
-        for prompt, p in zip(prompts, params):
-            text, token_ids = self.input_processor.process(prompt, p)
-            requests.append((str(next(self._ids)), text, token_ids, p))
-        request_ids = [r[0] for r in requests]
-        try:
-            core_requests = []
-            for request_id, text, token_ids, p in requests:
-                for core_id, child in self.output_processor.add_request(request_id, text, token_ids, p):
-                    core_requests.append(self.input_processor.make_request(core_id, token_ids, child))
-            self.client.send(core_requests)
-        except BaseException:  # nothing of this call may stay behind in the output processor
-            for request_id in request_ids:
-                self.output_processor.abort(request_id)
-            raise
-        return self._run(request_ids, use_tqdm)
+        requests = [
+            self.engine.prepare(str(next(self._ids)), prompt, p) for prompt, p in zip(prompts, params)
+        ]
+        self.engine.add_requests(requests)
+        return self._run([r.request_id for r in requests], use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (temperature, top_p, top_k,
         min_p, repetition_penalty, max_new_tokens as max_tokens); vLLM's own defaults elsewhere.
         `generate` uses them when given no SamplingParams; given some, it uses those as they are."""
-        return SamplingParams(**generation_defaults(self.config.model))
+        return self.engine.get_default_sampling_params()
 
     def chat(
         self,
@@ -99,9 +102,7 @@ class LLM:
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while len(finished) < len(request_ids):
-                    outputs = self.client.get_outputs(OUTPUT_POLL_S)
-                    processed = self.output_processor.process(outputs, self.client.take_lost())
-                    self.client.abort(processed.to_abort)
+                    processed = self.engine.step(OUTPUT_POLL_S)
                     errors.update(processed.errors)
                     num_before = len(finished)
                     finished.update({r.request_id: r for r in processed.outputs if r.finished})
@@ -111,7 +112,7 @@ class LLM:
             except BaseException:  # KeyboardInterrupt or a dead core: leave nothing running
                 for request_id in request_ids:
                     if request_id not in finished:
-                        self.client.abort(self.output_processor.abort(request_id)[0])
+                        self.engine.abort(request_id)
                 raise
         if errors:  # the others finished normally; nothing of the failed ones is left in the engine
             request_id, error = next(iter(errors.items()))
@@ -127,10 +128,10 @@ class LLM:
         waiting requests, free and total KV blocks, preemptions so far. Taken by the core after all
         this LLM sent before (so after the aborts of its finished requests), between two steps. At
         idle every block is free. Like generate, not to be called from two threads at once."""
-        return self.client.get_stats()
+        return self.engine.get_stats()
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self

@@ -9,9 +9,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.logprob_rows import add_chosen, to_position_dicts
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from frontend.request_ids import child_ids, submission_id
 from frontend.token_text import IncrementalDetokenizer, TokenTable
 from protocol.messages import EngineCoreOutput, FinishReason
 from protocol.sampling_params import SamplingParams
@@ -55,6 +58,7 @@ class RequestState:
     metrics: dict[str, float] = field(default_factory=dict)
     error: Exception | None = None  # the core refused it, handling its output failed, or its core died
     num_cached_tokens: int = 0
+    weight_version: int = 0  # the core's weights behind its latest output (docs/rl.md)
 
     @property
     def finished(self) -> bool:
@@ -89,7 +93,7 @@ class OutputProcessor:
         new request that reuses its id."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        children = child_params(f"{request_id}@{next(self._serials)}", params)
+        children = child_params(submission_id(request_id, next(self._serials)), params)
         completions = [
             CompletionState(
                 core_id,
@@ -183,6 +187,7 @@ class OutputProcessor:
         if "first_token_time" not in state.metrics and output.new_token_ids:
             state.metrics["first_token_time"] = time.time()
         state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
+        state.weight_version = max(state.weight_version, output.weight_version)
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + to_position_dicts(output.prompt_logprobs, self.table)
         is_core_done = output.finish_reason is not None
@@ -238,22 +243,22 @@ class OutputProcessor:
         return True
 
 
-def child_params(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+def child_params(submission: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
     """n > 1: one core request per completion, seeds offset by the index, prompt logprobs only once."""
-    import msgspec
-
     if params.n == 1:
-        return [(request_id, params)]
-    children = []
-    for i in range(params.n):
-        child = msgspec.structs.replace(
-            params,
-            n=1,
-            seed=None if params.seed is None else params.seed + i,
-            prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+        return [(submission, params)]
+    return [
+        (
+            child_id,
+            msgspec.structs.replace(
+                params,
+                n=1,
+                seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+            ),
         )
-        children.append((f"{request_id}#{i}", child))
-    return children
+        for i, child_id in enumerate(child_ids(submission, params.n))
+    ]
 
 
 def make_request_output(state: RequestState) -> RequestOutput:
@@ -275,6 +280,7 @@ def make_request_output(state: RequestState) -> RequestOutput:
         state.finished,
         dict(state.metrics),
         state.num_cached_tokens,
+        state.weight_version,
     )
 
 

@@ -61,7 +61,7 @@ def test_breaking_out_of_a_stream_aborts_it_and_frees_its_blocks(tiny_path):
 
     with AsyncLLM(tiny_path, multiprocess=False, num_kv_blocks=128) as engine:
         asyncio.run(main(engine))
-        core = engine._parts.client.core
+        core = engine.engine.client.core
         assert not core.has_unfinished_requests()
         assert core.kv_cache.num_free_blocks == core.num_kv_blocks
 

@@ -117,7 +117,7 @@ def test_an_error_handling_one_requests_output_ends_that_request_only(engine):
 
     async def victim_stream() -> None:
         async for _ in engine.generate(PROMPTS[0], params, "victim"):
-            processor = engine._parts.outputs
+            processor = engine.engine.outputs
             for completion in list(processor.completion_of.values()):
                 if processor.owner_of[completion.core_req_id].request_id.startswith("victim@"):
                     completion.detokenizer.append = _raise

@@ -212,7 +212,7 @@ def test_an_abort_between_windows_ends_the_stream_and_frees_its_blocks(tiny_path
     params = SamplingParams(temperature=0.0, max_tokens=2000, logprobs=2, ignore_eos=True)
     with AsyncLLM(tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=256) as engine:
         outputs = asyncio.run(stream_then_abort(engine, params, "to-abort"))
-        core = engine._parts.client.core  # stepped by the engine's thread, which handles the abort
+        core = engine.engine.client.core  # stepped by the engine's thread, which handles the abort
         deadline = time.monotonic() + 2  # 2,000 tokens alone would take the core 8 s or more
         while core.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.01)
