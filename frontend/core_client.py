@@ -28,6 +28,8 @@ from protocol.config import EngineConfig
 from protocol.curve_keys import KeyPair
 from protocol.messages import (
     AbortRequests,
+    ControlCommand,
+    ControlReply,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -103,6 +105,7 @@ class MPClient:
         self.stats: EngineStats | None = None  # the latest answer to GetStats
         self.stats_nonce = 0
         self.pending: list[EngineCoreOutput] = []  # outputs drained while waiting for stats
+        self.control_replies: dict[int, ControlReply] = {}  # by nonce, until control() takes its own
         self.facts = self._handshake(fingerprint, startup_timeout_s)
         # A daemon that exits or is killed closes the connection: known at once, not after the silence.
         self.monitor = self.out_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -212,6 +215,20 @@ class MPClient:
             self.pending.extend(self.drain())  # handed out by the next get_outputs
         return self.stats
 
+    def control(self, command: ControlCommand) -> ControlReply:
+        """Sends an RL control command (docs/rl.md) and waits for its reply as long as the core lives;
+        outputs that arrive meanwhile go to the next get_outputs. `command.nonce` must be unique."""
+        self._raise_if_dead(is_waiting=False)
+        if not self.facts.has_rl_control:
+            raise ValueError("this engine core is older than the RL control commands (update_weights, ...)")
+        self.in_socket.send(self.codec.encode(command))
+        self.last_heard = max(self.last_heard, time.monotonic())
+        while command.nonce not in self.control_replies:
+            self.tick()  # heartbeats: an update in "wait" mode may wait for long requests
+            self.out_socket.poll(POLL_MS)
+            self.pending.extend(self.drain())
+        return self.control_replies.pop(command.nonce)
+
     def drain(self) -> list[EngineCoreOutput]:
         """Whatever the core has sent, without waiting; outputs returned, the rest noted."""
         outputs: list[EngineCoreOutput] = []
@@ -222,6 +239,8 @@ class MPClient:
                 outputs.extend(message.outputs)
             elif isinstance(message, EngineStats):
                 self.stats = message
+            elif isinstance(message, ControlReply):
+                self.control_replies[message.nonce] = message
             elif isinstance(message, EngineError):
                 self.error = message.message
         return outputs

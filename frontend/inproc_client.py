@@ -9,7 +9,14 @@ import os
 import select
 
 from protocol.config import EngineConfig
-from protocol.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from protocol.messages import (
+    ControlCommand,
+    ControlReply,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+)
 
 
 class InprocClient:
@@ -38,6 +45,24 @@ class InprocClient:
 
     def get_stats(self) -> EngineStats:
         return self.core.stats()
+
+    def control(self, command: ControlCommand) -> ControlReply:
+        """The core runs the command, stepped here until it is done (an update in "wait" mode first lets
+        the running requests finish; their outputs go to the next get_outputs)."""
+        replies: list[ControlReply] = []
+
+        def outbox(client: bytes, message: object) -> None:
+            if isinstance(message, ControlReply):
+                replies.append(message)
+            elif isinstance(message, EngineCoreOutputs):
+                self.pending.extend(message.outputs)
+
+        self.core.control.submit(self.client_id, command, outbox)
+        while not replies:
+            for batch in self.core.step().values():
+                self.pending.extend(batch.outputs)
+            self.core.control.poll(outbox)
+        return replies[0]
 
     def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:
         outputs, self.pending = self.pending, []

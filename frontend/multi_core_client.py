@@ -14,7 +14,14 @@ import msgspec
 
 from frontend.core_client import POLL_MS, MPClient, wait_for_frames
 from frontend.errors import EngineDeadError
-from protocol.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, HandshakeReply
+from protocol.messages import (
+    ControlCommand,
+    ControlReply,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    HandshakeReply,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +94,11 @@ class MultiCoreClient:
             raise EngineDeadError("every engine core is gone")
         sums = [sum(getattr(s, f) for s in stats) for f in EngineStats.__struct_fields__[1:]]
         return EngineStats(0, *sums)
+
+    def control(self, command: ControlCommand) -> ControlReply:
+        """Every core runs the command (one model's daemons serve alike); the first refusal is the reply."""
+        replies = [core.control(command) for core in self.cores]
+        return next((r for r in replies if r.error is not None), replies[0])
 
     def shutdown(self) -> None:
         for core in self.cores:

@@ -50,3 +50,4 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int | None = None  # prompt tokens read from the prefix cache (n > 1: the most)
+    weight_version: int = 0  # the engine's weights that computed this output: 0, then +1 per update_weights

@@ -1,0 +1,209 @@
+"""RL control from the user's process (frontend): new weights, pause and resume, prefix-cache reset,
+sleep and wake, as commands to the core (docs/rl.md). `LLM` and `AsyncLLM` call these.
+
+Tensors cross the process boundary as one safetensors file in shared memory (/dev/shm; a temporary
+folder where there is none), written straight from each tensor's bytes and named on the wire; the core
+maps it and copies into its parameters. No pickle. torch is imported inside the writer only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from protocol.messages import (
+    ControlCommand,
+    ControlReply,
+    GetControlState,
+    PauseGeneration,
+    ResetPrefixCache,
+    ResumeGeneration,
+    Sleep,
+    UpdateWeights,
+    WakeUp,
+)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+WAKE_TAGS = ("weights", "kv_cache")
+_SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
+
+
+class RLControl:
+    """Builds each command with a fresh nonce and turns a refusal into a ValueError. `client`: a
+    CoreClient (frontend/client_protocol.py) with `control(command) -> ControlReply`."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self._nonces = itertools.count(1)
+        self.last_timings: dict[str, float] = {}  # update_weights' breakdown, seconds
+
+    def update_weights(self, weights: str | os.PathLike | Iterable, mode: str = "wait") -> int:
+        """`weights`: (HF name, tensor) pairs (a trainer's `named_parameters()`, whole or in part) or
+        a checkpoint (a safetensors file or folder). Returns the new weight_version."""
+        _check_mode(mode)
+        begun = time.perf_counter()
+        if isinstance(weights, (str, os.PathLike)):
+            path, folder = os.fspath(weights), None
+            if not os.path.exists(path):
+                raise ValueError(f"update_weights: {path} does not exist")
+        else:
+            folder = tempfile.mkdtemp(prefix="coreserve-weights-", dir=_shared_memory_dir())
+            path = os.path.join(folder, "model.safetensors")
+        try:
+            if folder is not None:
+                write_safetensors(weights, path)
+            written = time.perf_counter()
+            reply = self._run(UpdateWeights(next(self._nonces), path, mode))
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        done = time.perf_counter()
+        self.last_timings = {"write": written - begun, "core": done - written, "total": done - begun}
+        return reply.weight_version
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        _check_mode(mode)
+        self._run(PauseGeneration(next(self._nonces), mode))
+
+    def resume_generation(self) -> None:
+        self._run(ResumeGeneration(next(self._nonces)))
+
+    def reset_prefix_cache(self) -> None:
+        self._run(ResetPrefixCache(next(self._nonces)))
+
+    def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(
+                f"sleep level must be 1 (free the KV cache) or 2 (the weights too), got {level!r}"
+            )
+        self._run(Sleep(next(self._nonces), level))
+
+    def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
+        if tags is not None and (not tags or any(t not in WAKE_TAGS for t in tags)):
+            raise ValueError(f"wake_up tags must be among {list(WAKE_TAGS)}, got {tags!r}")
+        self._run(WakeUp(next(self._nonces), tags, None if path is None else os.fspath(path)))
+
+    def state(self) -> ControlReply:
+        """weight_version, is_paused and sleep_level (0 awake, 1 KV cache freed, 2 the weights too)."""
+        return self._run(GetControlState(next(self._nonces)))
+
+    def _run(self, command: ControlCommand) -> ControlReply:
+        reply = self.client.control(command)
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        return reply
+
+
+def write_safetensors(weights: Iterable, path: str) -> int:
+    """(name, tensor) pairs into one safetensors file, each tensor's bytes written as they lie (a copy
+    only for a tensor on another device or not contiguous). Returns the bytes written."""
+    import torch
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ValueError("update_weights takes (name, tensor) pairs or a checkpoint path")
+        if str(tensor.dtype) not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}; float32, bfloat16 or float16")
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    if not tensors:
+        raise ValueError("update_weights got no tensors")
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[str(tensor.dtype)], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for tensor in tensors.values():
+            f.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+    return 8 + len(encoded) + offset
+
+
+def _shared_memory_dir() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else None
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+
+
+class LLMControlMethods:
+    """`LLM`'s RL methods (mixed in; `self.engine` is its FrontendEngine), vLLM's names."""
+
+    def _rl_control(self) -> RLControl:
+        return _control_of(self.engine)
+
+    def update_weights(self, weights: str | os.PathLike | Iterable, mode: str = "wait") -> int:
+        """New weights in place: (HF name, tensor) pairs or a checkpoint path. `mode` says what running
+        requests do first: "wait" (finish on the old weights), "abort", or "keep" (go on with the new).
+        Returns the new weight_version; a name or shape mismatch is a ValueError, old weights kept."""
+        return self._rl_control().update_weights(weights, mode)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Nothing new is scheduled until resume_generation; "abort" ends requests in flight, "wait"
+        returns once they finished, "keep" freezes them where they are."""
+        self._rl_control().pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        self._rl_control().resume_generation()
+
+    def reset_prefix_cache(self) -> None:
+        self._rl_control().reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
+        self._rl_control().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
+        """`tags`: "weights", "kv_cache" (None: both); `path`: the checkpoint after sleep level 2."""
+        self._rl_control().wake_up(tags, path)
+
+    def is_sleeping(self) -> bool:
+        return self._rl_control().state().sleep_level > 0
+
+    def get_weight_version(self) -> int:
+        return self._rl_control().state().weight_version
+
+
+def _on_engine(method: str):
+    """An AsyncLLM coroutine running RLControl.`method` on the engine thread (its client's one user)."""
+
+    async def call(self, *args, **kwargs):
+        return await self._call(lambda engine: _control_of(engine).__getattribute__(method)(*args, **kwargs))
+
+    call.__name__ = method
+    call.__doc__ = getattr(LLMControlMethods, method, getattr(RLControl, method)).__doc__
+    return call
+
+
+def _control_of(engine) -> RLControl:
+    control = engine.__dict__.get("_rl")
+    if control is None:
+        control = engine.__dict__["_rl"] = RLControl(engine.client)
+    return control
+
+
+class AsyncLLMControlMethods:
+    """`AsyncLLM`'s RL methods (mixed in; each runs on its engine thread through `self._call`)."""
+
+    update_weights = _on_engine("update_weights")
+    pause_generation = _on_engine("pause_generation")
+    resume_generation = _on_engine("resume_generation")
+    reset_prefix_cache = _on_engine("reset_prefix_cache")
+    sleep = _on_engine("sleep")
+    wake_up = _on_engine("wake_up")
+    control_state = _on_engine("state")
+
+    async def is_sleeping(self) -> bool:
+        return (await self.control_state()).sleep_level > 0
