@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+import time
 
 import msgspec
 
@@ -131,6 +132,7 @@ def keygen(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    started, clock = time.time(), time.perf_counter()  # wall clock: a spawning frontend compares it
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
         return keygen(argv[1:])
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     curve = load_curve(parser, args)
     config = build_config(parser, args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s core %(levelname)s %(name)s: %(message)s")
+    begun = time.perf_counter()
     if config.num_threads:
         import torch
 
@@ -147,8 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     from engine_core.core import EngineCore
     from engine_core.server import CoreServer, ProgressClock
 
+    imported = time.perf_counter()
     progress = ProgressClock()
     core = EngineCore(config, on_progress=progress.mark)
+    built = time.perf_counter()
     try:
         try:
             server = CoreServer(core, args.address, parent_pid=args.parent_pid, curve=curve, progress=progress)
@@ -157,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, lambda *_: server.stop())
         signal.signal(signal.SIGINT, lambda *_: server.stop())
         logging.getLogger(__name__).info("engine core serving %s on %s", config.model, args.address)
+        logging.getLogger(__name__).info(
+            "startup: process at %.3f (unix), arguments %.3f s, imports %.3f s, engine %.3f s, sockets %.3f s",
+            started, begun - clock, imported - begun,
+            built - imported, time.perf_counter() - built,
+        )  # fmt: skip
         server.serve_forever()
     finally:
         core.close()

@@ -320,7 +320,7 @@ def _spawn_core(config: EngineConfig, address: str, error_path: str) -> subproce
         "--address",
         address,
         "--log-level",
-        "WARNING",
+        _core_log_level(),
         "--config-json",
         msgspec.json.encode(config).decode(),
         "--parent-pid",
@@ -328,7 +328,14 @@ def _spawn_core(config: EngineConfig, address: str, error_path: str) -> subproce
         "--error-file",
         error_path,
     ]
+    logger.info("startup: spawning the engine core at %.3f (unix)", time.time())
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+
+
+def _core_log_level() -> str:
+    """WARNING, unless this process set a level on the `engine_core` logger: then the core's is that."""
+    level = logging.getLogger("engine_core").level
+    return logging.getLevelName(level) if level else "WARNING"
 
 
 def _cleanup(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgspec
 
 from frontend.gguf_tokenizer import gguf_tokenizer_folder
@@ -27,8 +30,35 @@ def make_config(model: str | None, engine_args: dict) -> EngineConfig:
 
 def load_tokenizer(model_dir: str):
     """The folder's tokenizer, or a GGUF file's (converted once, then cached: frontend/gguf_tokenizer.py)."""
-    from transformers import AutoTokenizer
+    folder = gguf_tokenizer_folder(model_dir) if is_gguf(model_dir) else model_dir
+    direct = _direct_tokenizer_class(folder)
+    if direct is not None:
+        import transformers
 
-    if is_gguf(model_dir):
-        return AutoTokenizer.from_pretrained(gguf_tokenizer_folder(model_dir))
-    return AutoTokenizer.from_pretrained(model_dir)
+        return getattr(transformers, direct).from_pretrained(folder)
+    from transformers import AutoTokenizer  # it imports torch (seconds), through the model configs
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+# Tokenizer classes that AutoTokenizer itself loads for a model of these types (or for a folder without
+# config.json), named as transformers exports them; loaded directly, they need no torch.
+_DIRECT_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer"}
+_DIRECT_MODEL_TYPES = {"", "llama"}  # AutoTokenizer substitutes another class for some (qwen2 ...)
+
+
+def _direct_tokenizer_class(folder: str) -> str | None:
+    """The class named by tokenizer_config.json where AutoTokenizer would pick that same class; else None."""
+    tokenizer_config = _read_json(Path(folder) / "tokenizer_config.json")
+    name = tokenizer_config.get("tokenizer_class")
+    model_type = _read_json(Path(folder) / "config.json").get("model_type", "")
+    if name not in _DIRECT_CLASSES or model_type not in _DIRECT_MODEL_TYPES or "auto_map" in tokenizer_config:
+        return None
+    return name
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

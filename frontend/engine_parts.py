@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -18,6 +21,8 @@ from protocol.config import EngineConfig
 from protocol.curve_keys import load_key_pair, load_public_key
 from protocol.messages import HandshakeReply
 from protocol.model_facts import tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,17 +52,15 @@ def build_engine_parts(
         raise ValueError(
             "curve_server_key and curve_client_keys are for attaching to a daemon (core_address)"
         )
-    tokenizer = load_tokenizer(config.model)
     fingerprint = tokenizer_fingerprint(config.model)
-    if isinstance(core_address, (list, tuple)) and len(core_address) > 1:
-        client = _attach_all(config, fingerprint, core_address, curve)
-    elif core_address:
-        address = core_address if isinstance(core_address, str) else core_address[0]
-        client = MPClient(config, fingerprint, address, curve=curve)
-    elif multiprocess:
-        client = MPClient(config, fingerprint, None)
-    else:
-        client = InprocClient(config, fingerprint)
+    # The tokenizer (its imports are most of this process's start) loads while the core starts.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="coreserve-tokenizer")
+    begun = time.perf_counter()
+    pending = pool.submit(_timed_tokenizer, config.model, begun)
+    pool.shutdown(wait=False)  # a core that fails to start is reported without waiting for it
+    client = _make_client(config, fingerprint, multiprocess, core_address, curve)
+    logger.info("startup: core ready after %.3f s", time.perf_counter() - begun)
+    tokenizer = _tokenizer_or_shutdown(pending, client)
     facts = client.facts
     if core_address:
         try:
@@ -72,6 +75,34 @@ def build_engine_parts(
         InputProcessor(tokenizer, facts, client.facts.max_model_len),
         OutputProcessor(TokenTable(tokenizer)),
     )
+
+
+def _make_client(
+    config: EngineConfig, fingerprint: str, multiprocess: bool, core_address, curve: ClientCurve | None
+) -> MPClient | MultiCoreClient | InprocClient:
+    if isinstance(core_address, (list, tuple)) and len(core_address) > 1:
+        return _attach_all(config, fingerprint, core_address, curve)
+    if core_address:
+        address = core_address if isinstance(core_address, str) else core_address[0]
+        return MPClient(config, fingerprint, address, curve=curve)
+    if multiprocess:
+        return MPClient(config, fingerprint, None)
+    return InprocClient(config, fingerprint)
+
+
+def _timed_tokenizer(model: str, begun: float) -> object:
+    tokenizer = load_tokenizer(model)
+    logger.info("startup: tokenizer loaded after %.3f s", time.perf_counter() - begun)
+    return tokenizer
+
+
+def _tokenizer_or_shutdown(pending: Future, client: MPClient | MultiCoreClient | InprocClient) -> object:
+    """The tokenizer; a tokenizer that fails to load stops the core that started meanwhile."""
+    try:
+        return pending.result()
+    except BaseException:
+        client.shutdown()
+        raise
 
 
 def _attach_all(config: EngineConfig, fingerprint: str, addresses: list[str], curve) -> MultiCoreClient:

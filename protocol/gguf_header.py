@@ -11,8 +11,10 @@ which starts at the next multiple of `general.alignment` (32 when absent).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
 # metadata value type -> struct format of one value (8: string and 9: array are read apart)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,17 @@ def is_gguf(path: str) -> bool:
 
 
 def read_gguf_header(path: str) -> GGUFHeader:
-    """The header of `path`; a ValueError when it is not a GGUF file this reader understands."""
+    """The header of `path`; a ValueError when it is not a GGUF file this reader understands. Read once
+    per process while the file stays the same (the config, the weights, the tokenizer's facts all ask)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return _read_header(str(path), -1, -1)  # open() names the problem
+    return _read_header(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         try:
             return _Parser(data, str(path)).header()
@@ -108,7 +121,18 @@ class _Parser:
             values = np.frombuffer(self.data, dtype=dtype, count=count, offset=self.pos).copy()
             self.pos += dtype.itemsize * count
             return values
+        if item_type == _STRING:  # the vocabulary and merges: 10^5 of them, so one tight loop
+            return self.strings(count)
         return [self.value(item_type) for _ in range(count)]
+
+    def strings(self, count: int) -> list[str]:
+        data, pos, texts, length_of = self.data, self.pos, [], _U64.unpack_from
+        for _ in range(count):
+            (length,) = length_of(data, pos)
+            texts.append(data[pos + 8 : pos + 8 + length].decode("utf-8"))
+            pos += 8 + length
+        self.pos = pos
+        return texts
 
     def tensor_info(self) -> tuple[str, int, tuple[int, ...], int]:
         name = self.string()

@@ -9,7 +9,9 @@ chooses each step's path: the fused decode forward where it applies, else the mo
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -17,12 +19,13 @@ import torch
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.cpu.fused_decode import FusedForward
-from worker.cpu.huge_pages import move_linear_weights_to_huge_pages
-from worker.cpu.kernels import load_cpu_kernels
+from worker.cpu.huge_pages import move_linear_weights_to_huge_pages, zero_page_tensors
+from worker.cpu.kernels import CpuKernels, load_cpu_kernels
 from worker.cpu.ops import apply_cpu_backend
 from worker.executor import RunnerSpec
 from worker.input_batch import RequestState, StepInputs, build_step_inputs, next_window_step
 from worker.logprobs import prompt_logprobs
+from worker.models.llama import LlamaModel
 from worker.models.loader import load_model
 from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, apply_tp
@@ -52,13 +55,14 @@ class ModelRunner:
         self.block_size = spec.block_size
         self.group = group
         shard = None if group is None else Shard(group.rank, group.size)
-        self.model = load_model(spec.model, spec.dtype, self.device, shard)  # dtype "auto": the checkpoint's
-        weight_dtype = self.model.embed_tokens.weight.dtype
-        can_use = self.device.type == "cpu" and weight_dtype in (torch.float32, torch.bfloat16)
-        self.cpu_kernels = load_cpu_kernels() if can_use and spec.can_use_cpu_kernels else None
+        begun = time.perf_counter()
+        self.cpu_kernels: CpuKernels | None = None  # chosen by _place, once the weights' dtype is known
+        place = functools.partial(self._place, can_use_kernels=spec.can_use_cpu_kernels)
+        self.model = load_model(spec.model, spec.dtype, self.device, shard, place)  # "auto": the checkpoint's
         if self.cpu_kernels is not None:
             apply_cpu_backend(self.model, self.cpu_kernels, spec.batch_invariant, spec.block_size)
-            move_linear_weights_to_huge_pages(self.model)  # streamed once a step: fewer TLB misses
+        logger.info("startup: model load %.3f s (kernels %.3f s)", time.perf_counter() - begun, self.kernels_s)
+        weight_dtype = self.model.embed_tokens.weight.dtype
         if group is not None:
             apply_tp(self.model, group)
         self.dtype = torch.float32 if self.cpu_kernels is not None else weight_dtype  # activations, KV
@@ -73,6 +77,17 @@ class ModelRunner:
         # progress, so a long window or prefill chunk on a busy CPU is not taken for a hung loop.
         self.on_progress = on_progress
 
+    def _place(self, model: LlamaModel, can_use_kernels: bool) -> None:
+        """Before the weights are read: the CPU kernels where they apply, and then the linear weights'
+        place in huge pages (streamed once a step: fewer TLB misses), so they are written once."""
+        begun = time.perf_counter()
+        weight_dtype = model.embed_tokens.weight.dtype
+        if can_use_kernels and self.device.type == "cpu" and weight_dtype in (torch.float32, torch.bfloat16):
+            self.cpu_kernels = load_cpu_kernels()
+        self.kernels_s = time.perf_counter() - begun
+        if self.cpu_kernels is not None:
+            move_linear_weights_to_huge_pages(model, keep_values=False)
+
     def close(self) -> None:
         """Nothing to stop: the model lives in this process."""
 
@@ -85,19 +100,23 @@ class ModelRunner:
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        begun = time.perf_counter()
         a = self.model.args
         shape = (2, a.num_kv_heads, num_blocks * self.block_size, a.head_dim)
-        # Zeroed, so the memory is committed now: a cache too large fails at start, not mid-run.
-        self.kv_caches = [
+        # Zero pages on the CPU, committed as blocks are first written (writing 2 GiB of zeros would
+        # be a second of start-up); a cache larger than the machine's memory is refused by the mapping.
+        caches = zero_page_tensors(a.num_layers, shape, self.dtype) if self.device.type == "cpu" else None
+        self.kv_caches = caches or [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
         ]
         if self.can_fuse_decode:
             self.fused = FusedForward(self.cpu_kernels, self.model.weights(), self.kv_caches, a)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB); startup: KV cache %.3f s",
             num_blocks,
             self.block_size,
             num_blocks * self.bytes_per_block() / 2**20,
+            time.perf_counter() - begun,
         )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:

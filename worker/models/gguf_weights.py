@@ -3,11 +3,11 @@
 same bit for bit) and then converted to the destination's dtype (engine-core process).
 
 The same interface as safetensors_files.py (`list_tensors`, `read_into`, `read_tensor`), so the loader
-fills parameters from either. Each tensor's bytes are read with plain reads (no memory map), and
-loading holds the model plus one tensor: its raw bytes, its fp32 values and, for q/k, their permuted
-copy. llama.cpp stores the q and k projections of `llama`-architecture files with each head's rows
-interleaved in pairs (its RoPE rotates adjacent pairs, HF's rotates halves); they are put back in HF's
-order here, as transformers does.
+fills parameters from either. Each tensor's bytes are memory-mapped and dequantized a block of rows at
+a time straight into the model's parameter (q and k whole, with their permuted copy). llama.cpp
+stores the q and k projections of `llama`-architecture files with each head's rows interleaved in
+pairs (its RoPE rotates adjacent pairs, HF's rotates halves); they are put back in HF's order here, as
+transformers does.
 """
 
 from __future__ import annotations
@@ -78,27 +78,53 @@ def hf_name(gguf_name: str) -> tuple[str, str | None]:
 
 
 def read_into(entry: GGUFEntry, destination: torch.Tensor) -> None:
-    """Dequantizes the tensor into `destination` (same number of elements, any dtype and device)."""
+    """Dequantizes the tensor into `destination` (same number of elements, any dtype and device), a
+    block of rows at a time: only one block's fp32 values exist besides the destination."""
     if destination.numel() != int(np.prod(entry.shape)):
         raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit {list(destination.shape)}")
-    destination.copy_(read_tensor(entry).view(destination.shape))
+    if entry.interleaved_heads is not None or not destination.is_contiguous():  # q/k: small; reordered
+        destination.copy_(read_tensor(entry).view(destination.shape))
+        return
+    rows = _raw_rows(entry)  # [num_rows, bytes per row] uint8
+    out = destination.view(rows.shape[0], -1)
+    step = max(1, _BLOCK_BYTES // rows.shape[1])
+    for start in range(0, rows.shape[0], step):
+        out[start : start + step].copy_(torch.from_numpy(_dequantize(rows[start : start + step], entry)))
 
 
 def read_tensor(entry: GGUFEntry) -> torch.Tensor:
     """The tensor's values in float32 (what dequantization gives), HF's row order, new CPU memory."""
-    from gguf.quants import dequantize
-
-    raw = np.empty(entry.num_bytes, dtype=np.uint8)
-    with open(entry.path, "rb", buffering=0) as f:
-        f.seek(entry.info.offset)
-        if f.readinto(memoryview(raw)) != entry.num_bytes:
-            raise ValueError(f"{entry.path} is truncated (tensor {entry.info.name})")
-    rows = raw.reshape(-1, entry.num_bytes // _num_rows(entry.info))
-    values = torch.from_numpy(np.ascontiguousarray(dequantize(rows, entry.info.ggml_type), dtype=np.float32))
-    values = values.reshape(entry.shape)
+    values = torch.from_numpy(_dequantize(_raw_rows(entry), entry)).reshape(entry.shape)
     if entry.interleaved_heads is not None:
         values = _undo_pair_interleave(values, entry.interleaved_heads)
     return values
+
+
+_BLOCK_BYTES = 4 << 20  # raw bytes dequantized at a time
+
+
+def _raw_rows(entry: GGUFEntry) -> np.ndarray:
+    """The tensor's bytes [num_rows, bytes per row] uint8, memory-mapped from the file (read-only)."""
+    num_rows = _num_rows(entry.info)
+    try:
+        raw = np.memmap(entry.path, dtype=np.uint8, mode="r", offset=entry.info.offset, shape=(entry.num_bytes,))
+    except ValueError as exc:  # numpy's words for a region past the end of the file
+        raise ValueError(f"{entry.path} is truncated (tensor {entry.info.name})") from exc
+    return raw.reshape(num_rows, entry.num_bytes // num_rows)
+
+
+def _dequantize(rows: np.ndarray, entry: GGUFEntry) -> np.ndarray:
+    """[n, bytes per row] raw -> [n, values per row] float32, new memory, with gguf's routine for the
+    type applied to all the rows at once (gguf's own `dequantize` calls it 16 rows at a time)."""
+    import gguf.quants
+    from gguf.constants import GGMLQuantizationType
+
+    kind = GGMLQuantizationType(entry.info.ggml_type)
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.array(gguf.quants.dequantize(rows, kind), dtype=np.float32)
+    quant = getattr(gguf.quants, kind.name)
+    quant.init_grid()
+    return np.ascontiguousarray(quant.dequantize_rows(rows), dtype=np.float32)
 
 
 def _undo_pair_interleave(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -66,13 +66,15 @@ class ModelWeights(NamedTuple):
 class Rotary(nn.Module):
     def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
-        cos, sin = cos_sin_tables(spec, spec.max_position_embeddings)  # [max_positions, head_dim]
-        half = cos.shape[-1] // 2
+        # On the CPU even within a meta-device model (the loader's): meta arithmetic first imports
+        # torch._dynamo (seconds); the loader keeps these tables and moves them to the model's device.
+        with torch.device("cpu"):
+            cos, sin = cos_sin_tables(spec, spec.max_position_embeddings)  # [max_positions, head_dim]
+            half = cos.shape[-1] // 2
+            # rotate_half's minus folded in once: [-sin[:half], sin[half:]]
+            signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.register_buffer("cos", cos, persistent=False)
-        # rotate_half's minus folded in once: [-sin[:half], sin[half:]]
-        self.register_buffer(
-            "signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False
-        )
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [T, 1, D] of this step's positions, looked up once for all layers."""
@@ -138,7 +140,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.args = args
         self.rotary = Rotary(args.rope)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Given its (uninitialised) table: every weight is read from the checkpoint, and the default
+        # init's normal_ on a meta-device model first imports torch._dynamo (seconds).
+        table = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)

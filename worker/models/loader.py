@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from protocol.gguf_header import is_gguf, read_gguf_header
 from worker.models import gguf_weights, safetensors_files
 from worker.models.config import LlamaArgs
 from worker.models.gguf_config import hf_config_from_gguf
-from worker.models.llama import LlamaModel, Rotary
+from worker.models.llama import LlamaModel
 from worker.parallel.sharding import Shard, is_split, rank_part, shard_args
 
 logger = logging.getLogger(__name__)
@@ -47,10 +48,16 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
 
 
 def load_model(
-    model_dir: str, dtype: str | torch.dtype, device: torch.device, shard: Shard | None = None
+    model_dir: str,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    shard: Shard | None = None,
+    place: Callable[[LlamaModel], None] | None = None,
 ) -> LlamaModel:
     """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"). `shard`: this
-    rank's part of a tensor-parallel model (its heads and MLP columns; worker/parallel/sharding.py)."""
+    rank's part of a tensor-parallel model (its heads and MLP columns; worker/parallel/sharding.py).
+    `place`: called with the allocated model before its weights are read (where a backend wants its
+    weights to live, so they are written once, there)."""
     args = LlamaArgs.from_hf_config(read_config(model_dir))
     if shard is not None:
         args = shard_args(args, shard.size)
@@ -58,10 +65,14 @@ def load_model(
         dtype = resolve_dtype(dtype, args.torch_dtype, device)
     with torch.device("meta"):
         model = LlamaModel(args)
+    rotary = model.rotary  # float32 tables on the CPU, as HF computes them, kept out of the dtype cast
+    del model.rotary
     model = model.to(dtype=dtype).to_empty(device=device)  # uninitialized: every byte is read below
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(args.rope).to(device)  # float32 tables, as HF computes them
+    model.rotary = rotary.to(device)
+    if place is not None:
+        place(model)
     _load_weights(model, model_dir, shard)
     return model.eval().requires_grad_(False)
 
