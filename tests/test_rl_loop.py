@@ -6,13 +6,17 @@ and every output of a step carries that step's version: no request sees mixed we
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import IS_BF16_MODE, running_daemon
-from test_real_model import hf_reference_folder
 
 from frontend import LLM
-from protocol.builtin_model import builtin_model_path
+from protocol.builtin_model import builtin_model_path, default_cache_dir
+from protocol.gguf_header import read_gguf_header
 from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(IS_BF16_MODE, reason="the 1e-4 claim is fp32's (the trainer's weights)")
@@ -25,6 +29,30 @@ ROLLOUT = SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, seed=11)
 @pytest.fixture(scope="module")
 def smollm2() -> str:
     return builtin_model_path("smollm2")
+
+
+def hf_reference_folder(path: str) -> str:
+    """transformers' GGUF loader's model of `path`, saved once as a folder (config, safetensors): the
+    trainer starts from exactly the weights the engine dequantized."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    digest = read_gguf_header(path).tokenizer_digest
+    folder = default_cache_dir() / "hf-reference" / f"{Path(path).stem}-{digest}-{os.path.getsize(path)}"
+    if (folder / "model.safetensors").exists():
+        return str(folder)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(Path(path).parent), gguf_file=Path(path).name, dtype=torch.float32
+    )
+    tmp = folder.with_name(folder.name + f".{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config))
+    tensors = {n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    os.rename(tmp, folder)
+    return str(folder)
 
 
 def trainer(smollm2: str):
