@@ -86,7 +86,6 @@ class DecodeRows:
         blocks = tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
         return blocks.to(torch.int64) * self.block_size + positions % self.block_size
 
-
     def gather_on(self, device: torch.device) -> DecodeGather:
         """The torch path's gather, made at the first call of the step (of the window)."""
         if self.gather is None:
