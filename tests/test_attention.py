@@ -177,3 +177,36 @@ def _windowed_reference(q, cache, states, num_tokens, window: int) -> torch.Tens
             query = q[len(rows)].double()[:, None, :] * q.shape[2] ** -0.5
             rows.append(((query @ keys.transpose(1, 2)).softmax(dim=-1) @ values)[:, 0])
     return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("window", [None, 11])
+def test_batch_invariant_prefill_attends_each_token_as_its_decode_step_would(kernels, window):
+    """With batch invariance every token goes through the decode kernel over its own causal prefix: a
+    chunk's token at position p gets the bits p's decode step gets alone, in any mixed batch."""
+    generator = np.random.default_rng(3)
+    free_blocks = generator.permutation(200).tolist()
+    states, num_tokens = [], []
+    for context, scheduled in [(37, 1), (20, 12), (1, 1), (130, 1), (30, 30), (60, 9)]:
+        blocks = [free_blocks.pop() for _ in range(-(-context // BLOCK_SIZE))]
+        states.append(make_state(str(len(states)), context, blocks, context - scheduled))
+        num_tokens.append(scheduled)
+    cache = torch.randn(2, 2, 200 * BLOCK_SIZE, 32)
+    q = torch.randn(sum(num_tokens), 6, 32)
+    ops = CpuOps(kernels, is_batch_invariant=True, block_size=BLOCK_SIZE)
+    inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
+    slots = inputs.attn.slot_mapping
+    k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
+    batched = ops.attention(q, k, v, cache, inputs.attn, window)
+    row = 0
+    for state, num in zip(states, num_tokens):
+        for position in range(state.num_computed_tokens, state.num_computed_tokens + num):
+            one = make_state("one", position + 1, state.block_ids, position)
+            alone = build_step_inputs([one], [1], BLOCK_SIZE, torch.device("cpu"))
+            q_row = q[row : row + 1].contiguous()
+            got = ops.attention(q_row, k[row : row + 1], v[row : row + 1], cache, alone.attn, window)
+            assert torch.equal(got[0], batched[row]), (state.req_id, position)
+            row += 1
+    if window is None:
+        torch.testing.assert_close(
+            batched, reference_attention(q, cache, states, num_tokens), rtol=1e-5, atol=1e-5
+        )

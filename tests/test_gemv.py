@@ -117,3 +117,22 @@ def test_sums_do_not_depend_on_the_thread_count(kernels, num_rows):
         torch.set_num_threads(threads)
     for num_threads in (2, 3):
         assert all(torch.equal(a, b) for a, b in zip(results[num_threads], results[1]))
+
+
+@pytest.mark.parametrize("use_dot", [True, False])
+@pytest.mark.parametrize("num_out, num_in", [(37, 45), (100, 768), (67, 1000)])
+def test_each_row_gets_the_same_bits_at_every_row_count(kernels, num_out, num_in, use_dot):
+    """Batch invariance: one order of summation per output, whatever the row count (the one-row stream,
+    the 2-4 row streams, the 4x4 blocks and panels of many rows) and the thread count."""
+    x, weight, bias = operands(300, num_out, num_in, seed=num_in)
+    threads = torch.get_num_threads()
+    try:
+        for w in (weight, weight.to(torch.bfloat16)):
+            alone = torch.cat([gemv(kernels, x[i : i + 1], w, bias, use_dot) for i in range(0, 300, 7)])
+            for num_rows in (*ROWS, 17, 64, 300):
+                for num_threads in (1, 2):
+                    torch.set_num_threads(num_threads)
+                    together = gemv(kernels, x[:num_rows], w, bias, use_dot)
+                    assert torch.equal(together[::7], alone[: len(together[::7])]), (w.dtype, num_rows)
+    finally:
+        torch.set_num_threads(threads)
