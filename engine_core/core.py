@@ -24,6 +24,7 @@ from protocol.messages import (
     HandshakeReply,
 )
 from protocol.model_facts import eos_token_ids, tokenizer_fingerprint
+from protocol.request_rules import RequestLimits, RequestRuleError, check_request
 from worker.executor import Executor, RunnerSpec, make_executor
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class EngineCore:
         )
         self.eos_token_ids = eos_token_ids(config.model)
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
+        self.limits = RequestLimits.of(self.facts())
         self.control = CoreControl(self.scheduler, _executor_control(self.executor), self._reset_kv_pool)
 
     def _reset_kv_pool(self) -> None:
@@ -121,29 +123,13 @@ class EngineCore:
         return None
 
     def _check(self, client_id: bytes, request: EngineCoreRequest) -> str | None:
-        """The frontend validates first; this keeps a bad request from any client off the model."""
-        prompt, params = request.prompt_token_ids, request.sampling_params
-        if not prompt:
-            return "the prompt is empty"
-        if len(prompt) >= self.max_model_len:
-            return f"the prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}"
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            return f"prompt token ids must be in [0, {self.vocab_size})"
-        limit = self.config.max_logprobs
-        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-            if k is not None and limit != -1 and (k == -1 or k > limit):
-                return f"{name}={k} is more than max_logprobs={limit}"
-            if k is not None and k > self.vocab_size:
-                return f"{name}={k} is more than the vocabulary ({self.vocab_size} tokens)"
-        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            if any(not 0 <= t < self.vocab_size for t in getattr(params, name) or ()):
-                return f"{name} must be token ids in [0, {self.vocab_size}) (the vocabulary size)"
+        """The frontend checks the same rules first; this keeps a bad request from any client off the model."""
+        try:
+            check_request(request.prompt_token_ids, request.sampling_params, self.limits)
+        except RequestRuleError as exc:
+            return str(exc)
         if core_req_id(client_id, request.req_id) in self.scheduler.requests:
             return f"request id {request.req_id!r} is already in flight"
-        max_len = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        needed = self.kv_cache.num_blocks_needed(max_len)
-        if needed > self.num_kv_blocks:  # it could never finish, even alone
-            return f"the request needs up to {needed} KV blocks; the cache has {self.num_kv_blocks}"
         return None
 
     def abort_requests(self, client_id: bytes, req_ids: list[str]) -> None:

@@ -1,6 +1,7 @@
 """Turns a user's prompt and SamplingParams into a validated EngineCoreRequest (frontend process).
 
-Every user error is a ValueError raised here, before anything leaves for the core.
+Every user error is a ValueError raised here, before anything leaves for the core; the rules against
+the engine's limits are protocol/request_rules.py's, the same the core applies on arrival.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from protocol.messages import EngineCoreRequest, HandshakeReply
+from protocol.request_rules import RequestLimits, check_request
 from protocol.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int]
@@ -67,48 +69,8 @@ class InputProcessor:
         return EngineCoreRequest(req_id, prompt_token_ids, params, time.time())
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's request rules (protocol/request_rules.py) against this client's limits."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # again: the object may have been changed since it was built
-        facts = self.facts
-        num = len(prompt_token_ids)
-        if num == 0:
-            raise ValueError("the prompt is empty")
-        if num >= facts.max_model_len:
-            raise ValueError(
-                f"the prompt has {num} tokens, but max_model_len is {facts.max_model_len}: "
-                "it must be shorter, to leave room for at least one generated token"
-            )
-        bad = [t for t in prompt_token_ids if not 0 <= t < facts.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]} is out of vocabulary (valid ids are 0..{facts.vocab_size - 1})"
-            )
-        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-            if k is not None and facts.max_logprobs != -1 and (k == -1 or k > facts.max_logprobs):
-                asked = "the whole vocabulary (-1)" if k == -1 else str(k)
-                raise ValueError(
-                    f"{name}={asked} asks for more than max_logprobs={facts.max_logprobs}; "
-                    "ask for fewer or raise the engine's max_logprobs"
-                )
-            if k is not None and k > facts.vocab_size:
-                raise ValueError(f"{name}={k} is more than the vocabulary ({facts.vocab_size} tokens)")
-        _check_token_ids("stop_token_ids", params.stop_token_ids or (), facts.vocab_size)
-        _check_token_ids("logit_bias", params.logit_bias or (), facts.vocab_size)
-        _check_token_ids("allowed_token_ids", params.allowed_token_ids or (), facts.vocab_size)
-        max_len = min(num + (params.max_tokens or facts.max_model_len), facts.max_model_len)
-        needed = -(-max_len // facts.block_size)
-        if needed > facts.num_kv_blocks:
-            raise ValueError(
-                f"the request may need {needed} KV blocks ({max_len} tokens), but the cache has "
-                f"{facts.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
-            )
-
-
-def _check_token_ids(field: str, token_ids, vocab_size: int) -> None:
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(
-            f"{field}: token id {bad} is out of vocabulary (the vocabulary has {vocab_size} tokens, "
-            f"ids 0..{vocab_size - 1})"
-        )
+        check_request(prompt_token_ids, params, RequestLimits.of(self.facts))

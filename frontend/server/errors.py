@@ -42,10 +42,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 def bad_request_from_value_error(exc: ValueError, field_names: frozenset[str]) -> APIError:
     """The engine's and SamplingParams' messages start with the field they are about ("max_tokens must
     be ...", "SamplingParams.temperature=-1.0 is invalid ..."): that name is the param when it is a
-    request field."""
+    request field. A broken request rule (protocol/request_rules.py) names its field itself."""
     message = str(exc)
     match = _LEADING_NAME.match(message)
-    param = match.group(1) if match and match.group(1) in field_names else None
+    param = getattr(exc, "param", None)
+    if param not in field_names:
+        param = match.group(1) if match and match.group(1) in field_names else None
     if param is None and "prompt" in message:
         param = "prompt"
     return APIError(400, message, param)

@@ -1,18 +1,29 @@
 """A request body's prompts and sampling fields to token ids and SamplingParams, checked against the
 engine's facts so that each refusal is a 400 naming its field (frontend process, HTTP server).
 
-The engine checks again on submission (its ValueError is a 400 too); checking here first names the
-field and refuses a multi-prompt request before any of its prompts reaches the core.
+The rules against the engine's limits are protocol/request_rules.py's, the engine's own, plus vLLM's
+stricter length rule; the engine checks again on submission (its ValueError is a 400 too). Checking
+here first names the body's field and refuses a multi-prompt request before any prompt reaches the core.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from frontend.server.errors import APIError, bad_request_from_value_error
 from frontend.server.generation import Generation, PromptInput
 from frontend.server.schemas import CompletionRequest, SamplingFields
 from frontend.server.unsupported import refuse_unsupported
+from protocol.request_rules import (
+    RequestLimits,
+    RequestRuleError,
+    check_max_tokens_fit,
+    check_prompt,
+    check_token_ids,
+)
+from protocol.request_rules import check_logprobs as rule_check_logprobs
 from protocol.sampling_params import SamplingParams
 
 _OPTIONAL_SAMPLING = (
@@ -75,42 +86,27 @@ def check_request(body: SamplingFields) -> None:
 
 
 def check_prompts(prompts: list[PromptInput], facts, max_tokens: int | None, param: str = "prompt") -> None:
-    """vLLM's rule: prompt plus max_tokens fits max_model_len; every id in the vocabulary."""
+    """The engine's prompt rules with vLLM's stricter length rule (prompt plus max_tokens fits
+    max_model_len), each refusal a 400 naming its field."""
+    limits = RequestLimits.of(facts)
     for prompt in prompts:
-        _check_ids(prompt.token_ids, facts.vocab_size, param)
-        _check_length(len(prompt.token_ids), facts.max_model_len, max_tokens, param)
-
-
-def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    if not ids:
-        raise APIError(400, f"{param} is empty: there is nothing to complete", param)
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        message = f"{param}: token id {bad} is out of vocabulary (valid ids are 0..{vocab_size - 1})"
-        raise APIError(400, message, param)
-
-
-def _check_length(num_prompt: int, max_model_len: int, max_tokens: int | None, param: str) -> None:
-    if num_prompt >= max_model_len:
-        message = (
-            f"This model's maximum context length is {max_model_len} tokens; the {param} has {num_prompt} "
-            "tokens, leaving no room for a completion"
-        )
-        raise APIError(400, message, param)
-    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-        message = (
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt + max_tokens} tokens ({num_prompt} in the {param}, {max_tokens} in the completion). "
-            "Please reduce the length of the prompt or max_tokens."
-        )
-        raise APIError(400, message, "max_tokens")
+        with _as_bad_request():
+            check_prompt(prompt.token_ids, limits, param)
+            check_max_tokens_fit(len(prompt.token_ids), max_tokens, limits, param)
 
 
 def check_logprobs(name: str, k: int | None, facts) -> None:
-    if k is not None and facts.max_logprobs != -1 and k > facts.max_logprobs:
-        raise APIError(
-            400, f"{name}={k} is more than this server's max_logprobs ({facts.max_logprobs})", name
-        )
+    """The engine's logprobs rule, under the body's own name for the field (`top_logprobs` in chat)."""
+    with _as_bad_request():
+        rule_check_logprobs(name, k, RequestLimits.of(facts))
+
+
+@contextmanager
+def _as_bad_request() -> Iterator[None]:
+    try:
+        yield
+    except RequestRuleError as exc:
+        raise APIError(400, str(exc), exc.param) from exc
 
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -124,9 +120,8 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, floa
                 400, f"logit_bias: key {key!r} is not a token id (a non-negative integer)", "logit_bias"
             )
         token_id = int(key)
-        if token_id >= vocab_size:
-            message = f"logit_bias: token id {key} is out of vocabulary (valid ids are 0..{vocab_size - 1})"
-            raise APIError(400, message, "logit_bias")
+        with _as_bad_request():
+            check_token_ids("logit_bias", [token_id], vocab_size)
         if not -100.0 <= value <= 100.0:
             raise APIError(
                 400, f"logit_bias: the bias of {key} is {value}, outside [-100, 100]", "logit_bias"
