@@ -1,9 +1,9 @@
 """The core's two listening sockets (engine-core process): ipc folder and stale-file hygiene, refusal of
 an address a live core holds, ZeroMQ limits on what a peer can make the core buffer, and cleanup.
 
-Limits (docs/decisions.md): a frame on the input socket is at most MAX_INPUT_FRAME_BYTES (a peer that
-sends more is disconnected by ZeroMQ before the bytes are buffered); at most INPUT_HWM frames wait per
-peer. The output socket only sends: a peer that writes to it is cut off at OUTPUT_MAX_INBOUND_BYTES and
+Limits (protocol/limits.py, docs/decisions.md): a frame on the input socket is at most
+MAX_INPUT_FRAME_BYTES (a peer that sends more is disconnected by ZeroMQ before the bytes are
+buffered); at most INPUT_HWM frames wait per peer. The output socket only sends: a peer that writes to it is cut off at OUTPUT_MAX_INBOUND_BYTES and
 whatever arrives below that is read and thrown away by the output thread.
 """
 
@@ -18,10 +18,8 @@ import zmq
 
 from engine_core.curve_auth import CurveServer
 from protocol.addresses import split_address
+from protocol.limits import INPUT_HWM, MAX_INPUT_FRAME_BYTES, OUTPUT_MAX_INBOUND_BYTES
 
-MAX_INPUT_FRAME_BYTES = 64 * 2**20  # the frontend splits larger batches (protocol.limits)
-INPUT_HWM = 64
-OUTPUT_MAX_INBOUND_BYTES = 1024
 CLOSE_LINGER_MS = 1000  # time for the last frames (a fatal error's message) to leave on exit
 
 

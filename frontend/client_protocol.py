@@ -3,15 +3,22 @@
 Three clients implement it: `MPClient` (frontend/core_client.py: one core over ZeroMQ, spawned or a
 daemon), `InprocClient` (frontend/inproc_client.py: the core in this process, no sockets) and
 `MultiCoreClient` (frontend/multi_core_client.py: several daemons, data parallel). None is
-thread-safe; the frontend engine calls it from one thread. A new control call to the core (weights,
-pause, sleep) is a method here first, then in each client.
+thread-safe; the frontend engine calls it from one thread. A new kind of call to the core is a method
+here first, then in each client.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from protocol.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, HandshakeReply
+from protocol.messages import (
+    ControlCommand,
+    ControlReply,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    HandshakeReply,
+)
 
 
 class CoreClient(Protocol):
@@ -33,6 +40,10 @@ class CoreClient(Protocol):
 
     def get_stats(self) -> EngineStats:
         """The core's state after everything this client sent before, taken between two steps."""
+
+    def control(self, command: ControlCommand) -> ControlReply:
+        """Runs an RL control command (docs/rl.md) in the core(s) and waits for its reply; outputs that
+        arrive meanwhile go to the next get_outputs."""
 
     def shutdown(self) -> None:
         """Says goodbye, stops a spawned or in-process core and releases sockets; idempotent."""

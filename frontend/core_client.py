@@ -26,6 +26,7 @@ from protocol.addresses import split_address
 from protocol.codec import Codec
 from protocol.config import EngineConfig
 from protocol.curve_keys import KeyPair
+from protocol.limits import MAX_TOKENS_PER_FRAME
 from protocol.messages import (
     AbortRequests,
     ControlCommand,
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 POLL_MS = 100
 HEARTBEAT_EVERY_S = 1.0
 ATTACH_TIMEOUT_S = 15.0  # a daemon answers a hello at once; a spawned core first loads its model
-MAX_TOKENS_PER_FRAME = 1_000_000  # about 5 MB of prompt ids: well under the core's frame limit
 
 
 @dataclass(frozen=True)
@@ -286,6 +286,12 @@ class MPClient:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def wait_for_outputs(clients: list[MPClient], wait_ms: int, wake_fd: int | None) -> bool:
+    """Blocks until one of `clients` has a frame to read, `wake_fd` is readable, or `wait_ms` pass;
+    True when woken through `wake_fd` (MultiCoreClient waits on several cores at once)."""
+    return wait_for_frames([client.out_socket for client in clients], wait_ms, wake_fd)
 
 
 def wait_for_frames(sockets: list[zmq.Socket], wait_ms: int, wake_fd: int | None) -> bool:

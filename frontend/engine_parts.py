@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from frontend.client_protocol import CoreClient
 from frontend.core_client import ClientCurve, MPClient
 from frontend.engine_args import load_tokenizer, make_config
 from frontend.inproc_client import InprocClient
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 class EngineParts:
     config: EngineConfig
     tokenizer: object
-    client: MPClient | MultiCoreClient | InprocClient
+    client: CoreClient
     inputs: InputProcessor
     outputs: OutputProcessor
 
@@ -69,17 +70,17 @@ def build_engine_parts(
             client.shutdown()
             raise
     return EngineParts(
-        config,
-        tokenizer,
-        client,
-        InputProcessor(tokenizer, facts, client.facts.max_model_len),
-        OutputProcessor(TokenTable(tokenizer)),
+        config=config,
+        tokenizer=tokenizer,
+        client=client,
+        inputs=InputProcessor(tokenizer, facts, core_max_model_len=client.facts.max_model_len),
+        outputs=OutputProcessor(TokenTable(tokenizer)),
     )
 
 
 def _make_client(
     config: EngineConfig, fingerprint: str, multiprocess: bool, core_address, curve: ClientCurve | None
-) -> MPClient | MultiCoreClient | InprocClient:
+) -> CoreClient:
     if isinstance(core_address, (list, tuple)) and len(core_address) > 1:
         return _attach_all(config, fingerprint, core_address, curve)
     if core_address:
@@ -96,7 +97,7 @@ def _timed_tokenizer(model: str, begun: float) -> object:
     return tokenizer
 
 
-def _tokenizer_or_shutdown(pending: Future, client: MPClient | MultiCoreClient | InprocClient) -> object:
+def _tokenizer_or_shutdown(pending: Future, client: CoreClient) -> object:
     """The tokenizer; a tokenizer that fails to load stops the core that started meanwhile."""
     try:
         return pending.result()

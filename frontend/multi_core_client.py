@@ -12,8 +12,9 @@ from collections import defaultdict
 
 import msgspec
 
-from frontend.core_client import POLL_MS, MPClient, wait_for_frames
+from frontend.core_client import POLL_MS, MPClient, wait_for_outputs
 from frontend.errors import EngineDeadError
+from frontend.request_ids import parent_of
 from protocol.messages import (
     ControlCommand,
     ControlReply,
@@ -38,13 +39,13 @@ class MultiCoreClient:
         self.facts = _common_facts(cores)
 
     def send(self, requests: list[EngineCoreRequest]) -> None:
-        """Groups the n completions of a prompt (ids `<id>#<i>`) and gives each group to the core with
-        the fewest requests in flight."""
+        """Groups the n completions of a prompt (frontend/request_ids.py) and gives each group to the
+        core with the fewest requests in flight."""
         if not self.live:
             raise EngineDeadError("every engine core is gone")
         groups: dict[str, list[EngineCoreRequest]] = defaultdict(list)
         for request in requests:
-            groups[request.req_id.split("#", 1)[0]].append(request)
+            groups[parent_of(request.req_id)].append(request)
         batches: dict[MPClient, list[EngineCoreRequest]] = defaultdict(list)
         for group in groups.values():
             core = min(self.live, key=self.num_in_flight.__getitem__)
@@ -74,7 +75,7 @@ class MultiCoreClient:
             if not self.live:
                 raise EngineDeadError("every engine core is gone")
             wait_ms = min(POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))
-            is_woken = wait_for_frames([core.out_socket for core in self.live], wait_ms, wake_fd)
+            is_woken = wait_for_outputs(self.live, wait_ms, wake_fd)
             for core in list(self.live):
                 outputs.extend(core.take_pending() + (self._guarded(core, core.drain) or []))
             if is_woken or time.monotonic() >= deadline:
@@ -92,8 +93,8 @@ class MultiCoreClient:
         stats = [s for s in (self._guarded(core, core.get_stats) for core in list(self.live)) if s]
         if not stats:
             raise EngineDeadError("every engine core is gone")
-        sums = [sum(getattr(s, f) for s in stats) for f in EngineStats.__struct_fields__[1:]]
-        return EngineStats(0, *sums)
+        counts = EngineStats.__struct_fields__[1:]  # every field but the nonce is a count
+        return EngineStats(nonce=0, **{f: sum(getattr(s, f) for s in stats) for f in counts})
 
     def control(self, command: ControlCommand) -> ControlReply:
         """Every core runs the command (one model's daemons serve alike); the first refusal is the reply."""

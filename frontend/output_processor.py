@@ -9,12 +9,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import msgspec
-
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.logprob_rows import add_chosen, to_position_dicts
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from frontend.request_ids import child_ids, submission_id
+from frontend.request_ids import child_params, submission_id
 from frontend.token_text import IncrementalDetokenizer, TokenTable
 from protocol.messages import EngineCoreOutput, FinishReason
 from protocol.sampling_params import SamplingParams
@@ -96,17 +94,24 @@ class OutputProcessor:
         children = child_params(submission_id(request_id, next(self._serials)), params)
         completions = [
             CompletionState(
-                core_id,
-                i,
-                p,
-                IncrementalDetokenizer(self.table, p.skip_special_tokens, p.spaces_between_special_tokens),
-                [] if p.logprobs is not None else None,
-                0.0 if p.logprobs is not None else None,
+                core_req_id=core_id,
+                index=i,
+                params=p,
+                detokenizer=IncrementalDetokenizer(
+                    self.table, p.skip_special_tokens, p.spaces_between_special_tokens
+                ),
+                logprobs=[] if p.logprobs is not None else None,
+                cumulative_logprob=0.0 if p.logprobs is not None else None,
             )
             for i, (core_id, p) in enumerate(children)
         ]
         state = RequestState(
-            request_id, prompt, prompt_token_ids, completions, is_delta, metrics={"arrival_time": time.time()}
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            completions=completions,
+            is_delta=is_delta,
+            metrics={"arrival_time": time.time()},
         )
         self.requests[request_id] = state
         for completion in completions:
@@ -243,24 +248,6 @@ class OutputProcessor:
         return True
 
 
-def child_params(submission: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """n > 1: one core request per completion, seeds offset by the index, prompt logprobs only once."""
-    if params.n == 1:
-        return [(submission, params)]
-    return [
-        (
-            child_id,
-            msgspec.structs.replace(
-                params,
-                n=1,
-                seed=None if params.seed is None else params.seed + i,
-                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-            ),
-        )
-        for i, child_id in enumerate(child_ids(submission, params.n))
-    ]
-
-
 def make_request_output(state: RequestState) -> RequestOutput:
     """Streaming with n > 1: a delta carries only the completions this step changed (new tokens or
     text, or the finish), so that a finished completion is never sent again; n = 1 always has its one."""
@@ -272,15 +259,15 @@ def make_request_output(state: RequestState) -> RequestOutput:
         prompt_logprobs = None if state.has_sent_prompt_logprobs else prompt_logprobs
         state.has_sent_prompt_logprobs = state.has_sent_prompt_logprobs or prompt_logprobs is not None
     return RequestOutput(
-        state.request_id,
-        state.prompt,
-        state.prompt_token_ids,
-        prompt_logprobs,
-        completions,
-        state.finished,
-        dict(state.metrics),
-        state.num_cached_tokens,
-        state.weight_version,
+        request_id=state.request_id,
+        prompt=state.prompt,
+        prompt_token_ids=state.prompt_token_ids,
+        prompt_logprobs=prompt_logprobs,
+        outputs=completions,
+        finished=state.finished,
+        metrics=dict(state.metrics),
+        num_cached_tokens=state.num_cached_tokens,
+        weight_version=state.weight_version,
     )
 
 
@@ -288,13 +275,13 @@ def _completion_output(c: CompletionState, is_delta: bool, can_skip: bool) -> Co
     """The whole completion, or (streaming) what is new since the last delta: None when nothing is."""
     if not is_delta:
         return CompletionOutput(
-            c.index,
-            c.text,
-            list(c.token_ids),
-            c.cumulative_logprob,
-            list(c.logprobs) if c.logprobs is not None else None,
-            c.finish_reason,
-            c.stop_reason,
+            index=c.index,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            cumulative_logprob=c.cumulative_logprob,
+            logprobs=list(c.logprobs) if c.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
         )
     text = c.text
     if c.finish_reason is None and c.params.stop:  # hold back what could still become a stop string
@@ -305,13 +292,13 @@ def _completion_output(c: CompletionState, is_delta: bool, can_skip: bool) -> Co
     if can_skip and not token_ids and len(text) == c.num_sent_chars and not is_new_finish:
         return None
     delta = CompletionOutput(
-        c.index,
-        text[c.num_sent_chars :],
-        token_ids,
-        c.cumulative_logprob,
-        logprobs,
-        c.finish_reason,
-        c.stop_reason,
+        index=c.index,
+        text=text[c.num_sent_chars :],
+        token_ids=token_ids,
+        cumulative_logprob=c.cumulative_logprob,
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
     )
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
     c.has_sent_finish = c.finish_reason is not None

@@ -1,4 +1,5 @@
-"""The ids a user request takes on its way to the core, made and parsed here only (frontend process).
+"""The ids (and per-completion params) a user request takes to the core, made and parsed here only
+(frontend process).
 
 A submission (one `generate` of one prompt) is `<request id>@<serial>`: unique however often the user
 reuses the request id, so late outputs of an aborted request never reach its successor. With n > 1
@@ -7,6 +8,10 @@ holds neither character, so a user id containing `@` or `#` parses back unchange
 """
 
 from __future__ import annotations
+
+import msgspec
+
+from protocol.sampling_params import SamplingParams
 
 _SERIAL_MARK = "@"
 _CHILD_MARK = "#"
@@ -34,3 +39,21 @@ def parent_of(core_req_id: str) -> str:
     if core_req_id.rfind(_CHILD_MARK) > core_req_id.rfind(_SERIAL_MARK):  # '#<index>' after the serial
         return core_req_id.rpartition(_CHILD_MARK)[0]
     return core_req_id
+
+
+def child_params(submission: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """n > 1: one core request per completion, seeds offset by the index, prompt logprobs only once."""
+    if params.n == 1:
+        return [(submission, params)]
+    return [
+        (
+            child_id,
+            msgspec.structs.replace(
+                params,
+                n=1,
+                seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+            ),
+        )
+        for i, child_id in enumerate(child_ids(submission, params.n))
+    ]
