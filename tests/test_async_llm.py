@@ -144,3 +144,18 @@ def test_n_greater_than_one_streams_each_finished_completion_once(engine, llm_in
         assert "".join(c.text for c in pieces) == want.text
         assert [t for c in pieces for t in c.token_ids] == want.token_ids
         assert pieces[-1].finish_reason == want.finish_reason
+
+
+def test_an_engine_call_that_fails_fails_its_caller_alone(engine):
+    """EngineCall, the engine thread's command for engine-wide calls: an error goes to the caller only."""
+    from frontend.engine import FrontendEngine
+
+    async def main():
+        with pytest.raises(ZeroDivisionError):
+            await engine._call(lambda _: 1 / 0)
+        stream = collect(engine, PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True), "after-call")
+        return await engine._call(FrontendEngine.has_unfinished), await stream
+
+    has_unfinished, deltas = asyncio.run(main())
+    assert has_unfinished is False and not engine.is_dead
+    assert sum(len(d.outputs[0].token_ids) for d in deltas) == 3
