@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import HF_TOLERANCE, IS_BF16_MODE, ROOT, TEST_DTYPE, running_daemon
+from conftest import IS_BF16_MODE, ROOT, TEST_DTYPE, running_daemon
 from hf_reference import HFReference, RowScores, gguf_reference
 from server_harness import API_KEY, free_port, is_healthy
 
@@ -35,6 +35,10 @@ PROMPTS = [
     "To make a cup of tea, first",
 ]
 EVAL_FILE = Path(__file__).parent / "data" / "smollm2_mc.jsonl"
+# |logprob| against HF in fp32 on the file's values. bf16 (the values rounded, activations rounded to bf16
+# in each product): worst measured 0.149 over every listed logprob of 8 prompts (top 3, 16 greedy tokens),
+# above the random-weight models' 0.094 (HF_TOLERANCE's 0.15): trained weights have larger activations.
+TOLERANCE = 0.25 if IS_BF16_MODE else 1e-4
 CAPITAL_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -95,15 +99,19 @@ def _teacher_forced_questions(outputs: list) -> tuple[list[list[int]], list[dict
     return sequences, wanted
 
 
-def _worst_difference(outputs: list, answers: list[dict[int, RowScores]]) -> float:
-    worst = 0.0
+def _worst_difference(outputs: list, answers: list[dict[int, RowScores]]) -> tuple[float, str]:
+    """The largest |ours - HF| over every listed logprob, and where it is."""
+    worst, where = 0.0, ""
     for out, rows in zip(outputs, answers):
         num_prompt = len(out.prompt_token_ids)
-        listed = {p - 1: out.prompt_logprobs[p] for p in range(1, num_prompt)}
-        listed.update({num_prompt - 1 + k: entry for k, entry in enumerate(out.outputs[0].logprobs)})
-        for row, entry in listed.items():
-            worst = max([worst, *(abs(lp.logprob - rows[row].logprobs[t]) for t, lp in entry.items())])
-    return worst
+        listed = {p - 1: ("prompt", out.prompt_logprobs[p]) for p in range(1, num_prompt)}
+        listed.update({num_prompt - 1 + k: ("sampled", e) for k, e in enumerate(out.outputs[0].logprobs)})
+        for row, (kind, entry) in listed.items():
+            for token_id, lp in entry.items():
+                if abs(lp.logprob - rows[row].logprobs[token_id]) > worst:
+                    worst = abs(lp.logprob - rows[row].logprobs[token_id])
+                    where = f"{out.prompt!r} row {row} ({kind}), rank {lp.rank}"
+    return worst, where
 
 
 @pytest.mark.fp32_exact("64 greedy tokens equal HF's only with the weights HF uses (fp32)")
@@ -115,7 +123,8 @@ def test_greedy_tokens_and_logprobs_equal_hf_for_64_tokens_on_8_prompts(llm, hf)
         num_prompt, token_ids = len(out.prompt_token_ids), list(out.outputs[0].token_ids)
         assert len(token_ids) == 64
         assert token_ids == [rows[num_prompt - 1 + k].argmax for k in range(64)], out.prompt
-    assert _worst_difference(outputs, answers) <= 1e-4
+    worst, where = _worst_difference(outputs, answers)
+    assert worst <= 1e-4, (worst, where)
 
 
 def test_sample_and_prompt_logprobs_are_hfs_within_the_dtypes_tolerance(llm, hf):
@@ -124,15 +133,15 @@ def test_sample_and_prompt_logprobs_are_hfs_within_the_dtypes_tolerance(llm, hf)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3, prompt_logprobs=3)
     outputs = llm.generate(PROMPTS, params)
     answers = hf.teacher_forced(*_teacher_forced_questions(outputs))
-    worst, num_argmax, num_tokens = _worst_difference(outputs, answers), 0, 0
+    (worst, where), num_argmax, num_tokens = _worst_difference(outputs, answers), 0, 0
     for out, rows in zip(outputs, answers):
         for k, token_id in enumerate(out.outputs[0].token_ids):
             row = rows[len(out.prompt_token_ids) - 1 + k]
-            assert row.top_logprob - row.logprobs[token_id] <= HF_TOLERANCE, (out.prompt, k)
+            assert row.top_logprob - row.logprobs[token_id] <= TOLERANCE, (out.prompt, k)
             num_argmax, num_tokens = num_argmax + (token_id == row.argmax), num_tokens + 1
-    assert worst <= HF_TOLERANCE, worst
+    assert worst <= TOLERANCE, (worst, where)
     print(
-        f"smollm2 {TEST_DTYPE}: worst |ours - HF| {worst:.3g}, greedy = HF argmax on {num_argmax}/{num_tokens}"
+        f"smollm2 {TEST_DTYPE}: worst |ours - HF| {worst:.3g} at {where}; greedy = argmax {num_argmax}/{num_tokens}"
     )
 
 
@@ -235,7 +244,7 @@ def test_the_multiple_choice_eval_through_the_server_matches_hf(server, llm, hf)
     assert len(items) >= 40 and all(len(item["choices"]) == 4 for item in items)
     ours = _server_loglikelihoods(server)
     theirs = _hf_loglikelihoods(hf, llm.get_tokenizer())
-    tolerance = 1e-4 if not IS_BF16_MODE else 10 * HF_TOLERANCE  # bf16: a sum of a few tokens' errors
+    tolerance = 1e-4 if not IS_BF16_MODE else 4 * TOLERANCE  # bf16: a sum of 1-4 tokens' errors (0.238 seen)
     worst = max(abs(a - b) for row_a, row_b in zip(ours, theirs) for a, b in zip(row_a, row_b))
     assert worst <= tolerance, worst
     accuracy = _accuracy(ours)
