@@ -12,8 +12,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from protocol.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
 from real_tokenizers import real_tokenizer_path  # noqa: E402  (tests/: the family tests' tokenizers)
+
+from protocol.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
 
 # The suite's weight dtype: `CORESERVE_TEST_DTYPE=bfloat16` (`make test-bf16`) hands every engine the tests
 # build a bf16 copy of the same checkpoint (the engine's dtype "auto" takes the checkpoint's), so in
