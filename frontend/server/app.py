@@ -21,6 +21,7 @@ from frontend.server.errors import APIError, error_response, install_error_handl
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.limits import BodyLimitMiddleware
 from frontend.server.logprob_json import token_text
+from frontend.server.rl_routes import RL_PATHS, rl_router
 from frontend.server.schemas import DetokenizeRequest, TokenizeRequest
 from frontend.server.state import ServerState
 
@@ -40,7 +41,8 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server.max_request_bytes)
     if server.api_key:  # added last, so it runs first: a bad key is refused before the body is read
-        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+        rl_paths = RL_PATHS if server.enable_rl_endpoints else frozenset()
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key, extra_paths=rl_paths)
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
     app.get("/v1/models")(list_models)
@@ -48,18 +50,25 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.get("/metrics")(metrics)
     app.post("/tokenize")(tokenize)
     app.post("/detokenize")(detokenize)
+    if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
+        app.include_router(rl_router())
     return app
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on every /v1 route (as vLLM: /health, /metrics and /tokenize stay open)."""
+    """`Authorization: Bearer KEY` on every /v1 route and on `extra_paths` (the RL control endpoints);
+    as vLLM, /health, /metrics and /tokenize stay open."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, extra_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.extra_paths = extra_paths
+
+    def is_protected(self, path: str) -> bool:
+        return path.startswith("/v1") or path.rstrip("/") in self.extra_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and self.is_protected(scope["path"]) and scope["method"] != "OPTIONS":
             given = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
                 message = (

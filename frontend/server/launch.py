@@ -35,6 +35,7 @@ def serve(args: argparse.Namespace) -> None:
             chat_template,
             api_key(args),
             max_request_bytes=args.max_request_bytes,
+            enable_rl_endpoints=args.enable_rl_endpoints,
         )
         logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)
         app = build_app(state, lifespan)

@@ -24,6 +24,7 @@ class ServerState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     started_at: int = field(default_factory=lambda: int(time.time()))
     prompt_bound: PromptBound | None = None
+    enable_rl_endpoints: bool = False  # /update_weights_from_disk, /pause, /sleep, ... (rl_routes.py)
     _serials: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,112 @@
+"""The RL control endpoints under vLLM's and SGLang's names (frontend process, HTTP server): new weights
+from a checkpoint on disk, pause and resume, sleep and wake, the prefix-cache reset, and the state they
+leave (docs/rl.md, docs/serving.md). Routed only with `--enable-rl-endpoints`; behind the API key when
+one is set (the key middleware covers RL_PATHS). Each call runs on the AsyncLLM's engine thread, so the
+event loop keeps serving while an update waits for running requests.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend.server.errors import APIError
+from frontend.server.json_response import JSONBytesResponse
+
+RL_PATHS = frozenset(
+    ("/update_weights_from_disk", "/reset_prefix_cache", "/pause", "/resume", "/is_paused", "/sleep",
+     "/wake_up", "/is_sleeping", "/get_weight_version")
+)  # fmt: skip
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """SGLang's body: `model_path`, a safetensors file or a folder of them (HF names, whole or part)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field is a 400 naming it
+
+    model_path: str
+    mode: PauseMode = "wait"  # what running requests do first (docs/rl.md)
+
+
+def rl_router() -> APIRouter:
+    router = APIRouter()
+    router.post("/update_weights_from_disk")(update_weights_from_disk)
+    router.post("/reset_prefix_cache")(reset_prefix_cache)
+    router.post("/pause")(pause)
+    router.post("/resume")(resume)
+    router.get("/is_paused")(is_paused)
+    router.post("/sleep")(sleep)
+    router.post("/wake_up")(wake_up)
+    router.get("/is_sleeping")(is_sleeping)
+    router.get("/get_weight_version")(get_weight_version)
+    return router
+
+
+async def _engine_call(param: str | None, call) -> object:
+    """Awaits an AsyncLLM control coroutine; the engine's ValueError (a refused update, a bad level)
+    becomes a 400 naming `param`, and the engine goes on serving."""
+    try:
+        return await call
+    except ValueError as exc:
+        raise APIError(400, str(exc), param) from exc
+
+
+async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDiskRequest) -> Response:
+    engine = request.app.state.server.engine
+    version = await _engine_call("model_path", engine.update_weights(body.model_path, body.mode))
+    message = f"weights loaded from {body.model_path}; weight_version {version}"
+    return JSONBytesResponse({"success": True, "message": message, "weight_version": version})
+
+
+async def reset_prefix_cache(request: Request) -> Response:
+    await _engine_call(None, request.app.state.server.engine.reset_prefix_cache())
+    return Response(status_code=200)
+
+
+async def pause(request: Request, mode: str = "abort") -> Response:
+    """vLLM's `POST /pause?mode=abort|wait|keep`: nothing new is scheduled until /resume (a bad mode is
+    the engine's ValueError, a 400 naming `mode`)."""
+    await _engine_call("mode", request.app.state.server.engine.pause_generation(mode))
+    return Response(status_code=200)
+
+
+async def resume(request: Request) -> Response:
+    await _engine_call(None, request.app.state.server.engine.resume_generation())
+    return Response(status_code=200)
+
+
+async def is_paused(request: Request) -> Response:
+    state = await _engine_call(None, request.app.state.server.engine.control_state())
+    return JSONBytesResponse({"is_paused": state.is_paused})
+
+
+async def sleep(request: Request, level: int = 1) -> Response:
+    """vLLM's `POST /sleep?level=1|2`: 1 frees the KV cache, 2 drops the weights too."""
+    await _engine_call("level", request.app.state.server.engine.sleep(level))
+    return Response(status_code=200)
+
+
+async def wake_up(
+    request: Request, tags: Annotated[list[str] | None, Query()] = None, model_path: str | None = None
+) -> Response:
+    """vLLM's `POST /wake_up?tags=weights&tags=kv_cache` (none: both). After level 2 the weights come
+    back from `model_path` (a checkpoint), or from an /update_weights_from_disk holding every weight."""
+    engine = request.app.state.server.engine
+    await _engine_call("tags", engine.wake_up(tags, model_path))
+    return Response(status_code=200)
+
+
+async def is_sleeping(request: Request) -> Response:
+    state = await _engine_call(None, request.app.state.server.engine.control_state())
+    return JSONBytesResponse({"is_sleeping": state.sleep_level > 0, "level": state.sleep_level})
+
+
+async def get_weight_version(request: Request) -> Response:
+    state = await _engine_call(None, request.app.state.server.engine.control_state())
+    return JSONBytesResponse({"weight_version": state.weight_version})

@@ -1,0 +1,138 @@
+"""The RL control endpoints (frontend/server/rl_routes.py) through a real server on loopback: a 404
+without --enable-rl-endpoints, a 401 without the API key, and with both: new weights from a checkpoint
+folder (the logprobs become HF's on them, the version advances; a bad one is a 400 that changes
+nothing), pause and resume, sleep and wake."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+from conftest import HF_TOLERANCE, load_hf
+from server_harness import API_KEY, MODEL, running_server
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+SCORE = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 0}
+ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/reset_prefix_cache"), ("POST", "/pause"),
+             ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"), ("POST", "/wake_up"),
+             ("GET", "/is_sleeping"), ("GET", "/get_weight_version")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def http():
+    with running_server("--enable-rl-endpoints", "--api-key", API_KEY, "--num-kv-blocks", "64") as (base, _):
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+            yield client
+
+
+def checkpoint(tiny_path: str, folder, seed: int) -> tuple[str, object]:
+    """The tiny model's weights, each perturbed, saved as an HF folder; returns (folder, the HF model)."""
+    model = load_hf(tiny_path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.2 * param.abs().mean())
+    model.save_pretrained(str(folder))
+    return str(folder), model
+
+
+def scored(http: httpx.Client) -> torch.Tensor:
+    """The server's logprob of each prompt token after the first."""
+    reply = http.post("/v1/completions", json=SCORE)
+    assert reply.status_code == 200, reply.text
+    return torch.tensor(reply.json()["choices"][0]["logprobs"]["token_logprobs"][1:-1], dtype=torch.float64)
+
+
+def hf_scored(model, http: httpx.Client) -> torch.Tensor:
+    token_ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["tokens"]
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:]).unsqueeze(1))[:, 0]
+
+
+def version(http: httpx.Client) -> int:
+    return http.get("/get_weight_version").json()["weight_version"]
+
+
+def test_rl_endpoints_are_a_404_without_the_flag():
+    with running_server("--api-key", API_KEY, "--num-kv-blocks", "16") as (base, _):
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        for method, path in ENDPOINTS:
+            assert httpx.request(method, base + path, headers=headers).status_code == 404, path
+        assert httpx.get(base + "/v1/models", headers=headers).status_code == 200
+
+
+def test_rl_endpoints_are_a_401_without_the_api_key(http):
+    for method, path in ENDPOINTS:
+        assert httpx.request(method, f"{http.base_url}{path}").status_code == 401, path
+        wrong = {"Authorization": "Bearer not-the-key"}
+        assert httpx.request(method, f"{http.base_url}{path}", headers=wrong).status_code == 401, path
+    assert http.get("/is_sleeping").json()["is_sleeping"] is False  # nothing above reached the engine
+
+
+def test_update_weights_from_disk_serves_the_checkpoint_and_advances_the_version(http, tiny_path, tmp_path):
+    before, old_version = scored(http), version(http)
+    folder, model = checkpoint(tiny_path, tmp_path / "ckpt", seed=3)
+    reply = http.post("/update_weights_from_disk", json={"model_path": folder})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["success"] is True
+    assert reply.json()["weight_version"] == version(http) == old_version + 1
+    after = scored(http)
+    assert (after - before).abs().max() > 1e-3
+    assert torch.allclose(after, hf_scored(model, http), atol=HF_TOLERANCE)
+
+
+def test_a_bad_update_is_a_400_naming_the_field_and_the_old_weights_keep_serving(http, tmp_path):
+    before, old_version = scored(http), version(http)
+    missing = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nowhere")})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model_path"
+    from safetensors.torch import save_file
+
+    bad = str(tmp_path / "bad.safetensors")
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.ones(2, 2)}, bad)
+    mismatched = http.post("/update_weights_from_disk", json={"model_path": bad})
+    assert mismatched.status_code == 400 and "up_proj" in mismatched.json()["error"]["message"]
+    unknown = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "flush": True})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "flush"
+    assert version(http) == old_version
+    assert torch.equal(scored(http), before)
+
+
+def test_pause_holds_new_requests_until_resume(http):
+    assert http.post("/pause", params={"mode": "bogus"}).json()["error"]["param"] == "mode"
+    assert http.post("/pause", params={"mode": "abort"}).status_code == 200
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    replies = []
+    waiter = threading.Thread(target=lambda: replies.append(http.post("/v1/completions", json=SCORE)))
+    waiter.start()
+    waiter.join(timeout=2.0)
+    assert waiter.is_alive() and not replies  # accepted, waiting in the queue
+    assert http.post("/resume").status_code == 200
+    waiter.join(timeout=60)
+    assert replies[0].status_code == 200
+    assert http.get("/is_paused").json() == {"is_paused": False}
+
+
+def test_sleep_and_wake_up_levels_one_and_two(http, tiny_path, tmp_path):
+    assert http.post("/sleep", params={"level": 3}).json()["error"]["param"] == "level"
+    assert http.post("/sleep", params={"level": 1}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True, "level": 1}
+    assert http.post("/wake_up").status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False, "level": 0}
+    scored(http)
+
+    folder, model = checkpoint(tiny_path, tmp_path / "ckpt", seed=4)
+    old_version = version(http)
+    assert http.post("/sleep", params={"level": 2}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True, "level": 2}
+    refused = http.post("/wake_up", params={"tags": ["weights"]})  # the weights are gone: a path is needed
+    assert refused.status_code == 400, refused.text
+    reply = http.post("/wake_up", params={"tags": ["weights", "kv_cache"], "model_path": folder})
+    assert reply.status_code == 200, reply.text
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False, "level": 0}
+    assert version(http) == old_version + 1
+    assert torch.allclose(scored(http), hf_scored(model, http), atol=HF_TOLERANCE)
+    assert http.post("/reset_prefix_cache").status_code == 200
