@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--no-cpu-kernels", action="store_true", help="torch's ops only (the path CUDA takes)"
     )
+    parser.add_argument(
+        "--no-batch-invariant", action="store_true", help="batch_invariant=False (shape-tuned products)"
+    )
     parser.add_argument("--json", default="bench_out/decode_step.json")
     return parser.parse_args()
 
@@ -111,6 +114,7 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
     and of reading 1 GiB each way, measured turn about so that the machine's drifting speed affects
     all alike."""
     model, kernels = core.executor.model, core.executor.cpu_kernels
+    is_invariant = getattr(model.ops, "is_batch_invariant", False)  # CpuOps' choice of products
     dtype = core.executor.dtype  # the activations' and KV cache's (fp32 with the CPU kernels)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(batch, m.in_features, dtype=dtype, device=m.weight.device) for m in layers]
@@ -132,7 +136,7 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
         with torch.inference_mode():
             start = time.perf_counter()
             for x, layer in zip(inputs, layers):
-                linear(layer, x, kernels)  # the engine's own matmul call
+                linear(layer, x, kernels, is_invariant)  # the engine's own matmul call
             wait(model)
             times["linear"].append(time.perf_counter() - start)
             start = time.perf_counter()
@@ -152,6 +156,7 @@ def main() -> None:
             "max_num_batched_tokens": 4096,
             "can_use_cpu_kernels": not args.no_cpu_kernels,
             "dtype": args.dtype,
+            "batch_invariant": not args.no_batch_invariant,
         },
     )
     core = EngineCore(config)
