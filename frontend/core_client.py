@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import zmq
 
+from frontend.core_process import close_connection, spawn_core
 from frontend.errors import EngineDeadError
 from protocol import PROTOCOL_VERSION
 from protocol.addresses import split_address
@@ -82,7 +79,7 @@ class MPClient:
         if address is None:
             self.tmpdir = tempfile.mkdtemp(prefix="coreserve-")
             address = f"ipc://{self.tmpdir}/core"
-            self.proc = _spawn_core(config, address, self._error_path())
+            self.proc = spawn_core(config, address, self._error_path())
         self.client_id = uuid.uuid4().bytes
         in_address, out_address = split_address(address)
         self.out_socket = self._connect(zmq.DEALER, out_address)  # outputs arrive here
@@ -92,7 +89,7 @@ class MPClient:
         self._sockets = [self.in_socket, self.out_socket]  # closed by the finalizer, the monitor too
         self._finalizer = weakref.finalize(
             self,
-            _cleanup,
+            close_connection,
             self.ctx,
             self._sockets,
             self.proc,
@@ -314,56 +311,3 @@ def _silence_hint(address: str) -> str:
     if in_address.startswith("ipc://") and not os.path.exists(in_address[len("ipc://") :]):
         return f" (no socket file {in_address[len('ipc://') :]}: is python -m engine_core running there?)"
     return " (is python -m engine_core running there?)"
-
-
-def _spawn_core(config: EngineConfig, address: str, error_path: str) -> subprocess.Popen:
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    command = [
-        sys.executable,
-        "-m",
-        "engine_core",
-        "--address",
-        address,
-        "--log-level",
-        _core_log_level(),
-        "--config-json",
-        msgspec.json.encode(config).decode(),
-        "--parent-pid",
-        str(os.getpid()),
-        "--error-file",
-        error_path,
-    ]
-    logger.info("startup: spawning the engine core at %.3f (unix)", time.time())
-    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
-
-
-def _core_log_level() -> str:
-    """WARNING, unless this process set a level on the `engine_core` logger: then the core's is that."""
-    level = logging.getLogger("engine_core").level
-    return logging.getLevelName(level) if level else "WARNING"
-
-
-def _cleanup(
-    ctx: zmq.Context,
-    sockets: list[zmq.Socket],
-    proc: subprocess.Popen | None,
-    tmpdir: str | None,
-    goodbye: bytes,
-) -> None:
-    try:
-        sockets[0].send(goodbye, flags=zmq.NOBLOCK)  # the input socket
-    except zmq.ZMQError:
-        pass
-    for sock in sockets:
-        sock.close(linger=500)  # long enough for a goodbye to reach a daemon, never a hang
-    ctx.term()
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if tmpdir is not None:
-        shutil.rmtree(tmpdir, ignore_errors=True)
