@@ -1,11 +1,14 @@
-/* Matrix products with few rows, out = x @ W^T (+ bias), for the CPU (engine-core process).
+/* Matrix products, out = x @ W^T (+ bias), for the CPU (engine-core process): few rows and many.
  *
  * At decode a linear layer reads each weight once for a handful of activation rows, so its speed is
  * the memory's: the weights are streamed once, each thread taking its own run of output features
  * (no reduction between threads). Up to four rows a thread reads its weights front to back, one
  * row at a time (one stream, as fast as a plain sum); with more rows, where the arithmetic starts
  * to count, four weight rows at a time against up to four activation rows (sixteen accumulators,
- * each weight block reused from L1 for every group of rows), the next block prefetched.
+ * each weight block reused from L1 for every group of rows), the next block prefetched; many rows
+ * (prefill) in panels that stay in L2 while the thread's weights pass.
+ * Every output is summed in one order whatever the row count, the thread count or the split: one
+ * accumulator over K, then finish() (batch invariance, docs/decisions.md).
  * fp32 weights: fp32 products. bf16 weights: x is rounded to bf16 (to nearest even) and the exact
  * bf16 x bf16 products are summed in fp32, with AVX512-BF16's dot instruction where the CPU has it
  * (checked at run time; that function alone is built for that target) and by widening the
