@@ -1,0 +1,115 @@
+"""POST /generate (frontend/server/token_generate.py) through a real server on loopback: token ids in,
+token ids and logprobs out, equal to /v1/completions given the same ids and parameters; SGLang's
+answer shape, one object or a list; the weight version that computed each answer; each bad field a 400
+naming it. The 404 without --enable-rl-endpoints and the 401 without the key are test_rl_server.py's."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import load_hf
+from server_harness import API_KEY, MODEL, running_server
+
+PROMPTS = [[464, 3139, 286, 4881, 318], [7454, 2402, 257, 640]]  # "The capital of France is", ...
+
+
+@pytest.fixture(scope="module")
+def http():
+    with running_server("--enable-rl-endpoints", "--api-key", API_KEY, "--num-kv-blocks", "64") as (base, _):
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+            yield client
+
+
+def completions(http: httpx.Client, prompt: list[int], **fields) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "logprobs": 0, "return_token_ids": True, **fields}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def generated(http: httpx.Client, input_ids, **sampling) -> dict | list:
+    body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+    reply = http.post("/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_greedy_ids_and_logprobs_equal_completions_of_the_same_ids(http):
+    answers = generated(http, PROMPTS, temperature=0.0, max_new_tokens=8)
+    assert isinstance(answers, list) and len(answers) == 2
+    for prompt, answer in zip(PROMPTS, answers):
+        choice = completions(http, prompt, temperature=0.0, max_tokens=8)
+        assert answer["output_ids"] == choice["token_ids"] and len(answer["output_ids"]) == 8
+        assert answer["output_token_logprobs"] == choice["logprobs"]["token_logprobs"]
+        assert answer["text"] == choice["text"]
+        meta = answer["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 8}
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), 8)
+
+
+def test_a_seeded_sample_equals_completions_with_the_same_seed(http):
+    answer = generated(http, PROMPTS[0], temperature=1.0, max_new_tokens=6, sampling_seed=7)
+    assert isinstance(answer, dict)  # one input, n = 1: one object
+    choice = completions(http, PROMPTS[0], temperature=1.0, max_tokens=6, seed=7)
+    assert answer["output_ids"] == choice["token_ids"]
+    assert answer["output_token_logprobs"] == choice["logprobs"]["token_logprobs"]
+
+
+def test_n_completions_per_input_come_in_input_order(http):
+    answers = generated(http, PROMPTS, temperature=1.0, max_new_tokens=3, n=2, sampling_seed=1)
+    assert len(answers) == 4
+    ids = [a["meta_info"]["id"] for a in answers]
+    assert ids[0] == ids[1] != ids[2] == ids[3]
+    assert [a["meta_info"]["prompt_tokens"] for a in answers] == [5, 5, 4, 4]
+
+
+def test_a_stop_token_is_the_matched_finish_reason(http):
+    first = generated(http, PROMPTS[0], temperature=0.0, max_new_tokens=8)["output_ids"]
+    answer = generated(http, PROMPTS[0], temperature=0.0, max_new_tokens=8, stop_token_ids=[first[2]])
+    assert answer["output_ids"] == first[:3]
+    assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": first[2]}
+
+
+def test_without_return_logprob_there_are_no_logprobs(http):
+    reply = http.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})
+    assert reply.status_code == 200, reply.text
+    assert "output_token_logprobs" not in reply.json() and len(reply.json()["output_ids"]) == 2
+
+
+def test_the_weight_version_follows_an_update(http, tiny_path, tmp_path):
+    before = generated(http, PROMPTS[0], temperature=0.0, max_new_tokens=2)["meta_info"]["weight_version"]
+    load_hf(tiny_path).save_pretrained(str(tmp_path / "same"))
+    reply = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "same")})
+    assert reply.status_code == 200, reply.text
+    after = generated(http, PROMPTS[0], temperature=0.0, max_new_tokens=2)["meta_info"]["weight_version"]
+    assert after == before + 1 == reply.json()["weight_version"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        (
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "top_n": 3}},
+            "sampling_params",
+            "top_n",
+        ),
+        ({"input_ids": [1, 2], "text": "hello"}, "text", "text"),
+        ({"input_ids": [1, 2], "stream": True}, "stream", "stream"),
+        ({"input_ids": [1, 2], "logprobs_mode": "raw_logits"}, "logprobs_mode", "return_logprob"),
+        ({"input_ids": []}, "input_ids", "input_ids"),
+        ({"input_ids": [1, 10**9]}, "input_ids", "out of vocabulary"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1.0}}, "sampling_params", "temperature"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}},
+            "sampling_params",
+            "max_new_tokens",
+        ),
+    ],
+)
+def test_a_bad_field_is_a_400_naming_it(http, body, param, words):
+    reply = http.post("/generate", json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert generated(http, PROMPTS[1], max_new_tokens=1)["meta_info"]["completion_tokens"] == 1  # serving on
