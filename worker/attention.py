@@ -124,21 +124,23 @@ def every_token_rows(meta: AttentionMetadata, block_size: int) -> DecodeRows:
     if not meta.seqs and meta.decode is not None:
         meta.every_token = meta.decode
         return meta.decode
-    rows, tables, lens = [], [], []
+    rows, tables, lens = [], [], []  # per part: [R] rows, [R, blocks] tables, [R] context lengths
     if meta.decode is not None:
         rows.append(meta.decode.rows)
-        tables.extend(meta.decode.block_tables)
+        tables.append(meta.decode.block_tables)
         lens.append(meta.decode.context_lens)
     for seq in meta.seqs:
         table = np.concatenate([np.arange(first // block_size, -(-(first + count) // block_size))
                                 for first, count in seq.runs]).astype(np.int32)  # fmt: skip
         rows.append(np.arange(seq.token_start, seq.token_start + seq.num_tokens, dtype=np.int64))
-        tables.extend([table] * seq.num_tokens)
+        tables.append(np.broadcast_to(table, (seq.num_tokens, len(table))))
         first_len = seq.context_len - seq.num_tokens + 1
         lens.append(np.arange(first_len, seq.context_len + 1, dtype=np.int32))
-    stacked = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-    for i, table in enumerate(tables):
-        stacked[i, : len(table)] = table
+    stacked = np.zeros((sum(len(r) for r in rows), max(t.shape[1] for t in tables)), dtype=np.int32)
+    start = 0
+    for table in tables:
+        stacked[start : start + table.shape[0], : table.shape[1]] = table
+        start += table.shape[0]
     meta.every_token = DecodeRows(block_size, np.concatenate(rows), stacked, np.concatenate(lens))
     return meta.every_token
 
