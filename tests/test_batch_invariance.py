@@ -187,7 +187,7 @@ def test_negative_control_without_invariance_the_comparisons_find_differences(ti
         outputs = llm.generate(random_prompts(4, 11), SAMPLED, use_tqdm=False)
         assert sum(scoring_mismatches(llm, out) for out in outputs) > 0
         if not IS_BF16_MODE:  # bf16 products are the dot kernel's at every row count either way
-            assert alone_vs_batched(llm, random_prompts(32, 0), SAMPLED, range(0, 32, 4)) > 0
+            assert alone_vs_batched(llm, random_prompts(32, 0), SAMPLED, range(0, 32, 8)) > 0
 
 
 @pytest.fixture(scope="module")
