@@ -90,7 +90,7 @@ def hf_folder(gguf_path: str) -> str:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path.home() / ".cache" / "coreserve" / f"{Path(gguf_path).stem}-hf-v1"
+    folder = Path.home() / ".cache" / "coreserve" / f"{Path(gguf_path).stem}-hf-v2"
     if (folder / "model.safetensors").exists():
         return str(folder)
     source, name = str(Path(gguf_path).parent), Path(gguf_path).name
@@ -99,6 +99,7 @@ def hf_folder(gguf_path: str) -> str:
     tmp.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]  # empty from GGUF
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
