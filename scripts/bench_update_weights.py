@@ -22,7 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:smollm2")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="bench_update_weights.json")
+    parser.add_argument("--out", default="bench_out/update_weights.json")
     args = parser.parse_args()
 
     import torch
