@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 
 import msgspec
@@ -154,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     progress = ProgressClock()
     core = EngineCore(config, on_progress=progress.mark)
     built = time.perf_counter()
+    # The handlers come before the sockets are bound: a SIGTERM that arrives once the socket files exist
+    # (a supervisor that saw them) stops the server cleanly instead of killing the process.
+    stop_asked = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_asked.set())
+    signal.signal(signal.SIGINT, lambda *_: stop_asked.set())
     try:
         try:
             server = CoreServer(core, args.address, parent_pid=args.parent_pid, curve=curve, progress=progress)
@@ -161,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.exit(2, f"{parser.prog}: error: {exc}\n")
         signal.signal(signal.SIGTERM, lambda *_: server.stop())
         signal.signal(signal.SIGINT, lambda *_: server.stop())
+        if stop_asked.is_set():
+            server.stop()  # serve_forever then returns at once, closing the sockets and their files
         logging.getLogger(__name__).info("engine core serving %s on %s", config.model, args.address)
         logging.getLogger(__name__).info(
             "startup: process at %.3f (unix), arguments %.3f s, imports %.3f s, engine %.3f s, sockets %.3f s",
