@@ -72,7 +72,19 @@ def reward(text: str) -> float:
 def rollout(llm: LLM, version: int) -> list:
     outs = llm.generate(PROMPTS, ROLLOUT)
     assert {o.weight_version for o in outs} == {version}  # one version for the whole step
+    assert_scoring_equals_generation(llm, outs)
     return outs
+
+
+def assert_scoring_equals_generation(llm: LLM, outs) -> None:
+    """The engine's own scoring of each rollout (prompt logprobs of prompt + completion) gives the very
+    logprobs the completion was sampled with, bit for bit (batch invariance: issue 23)."""
+    sequences = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids} for o in outs]
+    scored = llm.generate(sequences, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    for out, score in zip(outs, scored):
+        start, completion = len(out.prompt_token_ids), out.outputs[0]
+        for step, token in enumerate(completion.token_ids):
+            assert score.prompt_logprobs[start + step][token].logprob == completion.logprobs[step][token].logprob
 
 
 def policy_gradient_loop(llm: LLM, model, num_updates: int) -> list[int]:
