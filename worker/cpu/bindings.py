@@ -91,6 +91,14 @@ SIGNATURES: dict[str, Signature] = {
     "cpu_has_bf16_dot": _sig(_INT),
     "gemm_bf16_amx": _sig(_INT, *_PRODUCT, ("num_threads", _I32)),
     "cpu_has_amx": _sig(_INT),
+    "gemv_quant": _sig(
+        _I32, ("x", _P), ("num_rows", _I64), ("num_in", _I64), ("weight", _P), ("ggml_type", _I32),
+        ("num_out", _I64), ("bias", _P), ("out", _P), ("num_threads", _I32),
+    ),  # fmt: skip
+    "dequantize_rows": _sig(
+        _I32, ("weight", _P), ("ggml_type", _I32), ("num_rows", _I64), ("num_in", _I64), ("out", _P)
+    ),
+    "quant_type_supported": _sig(_I32, ("ggml_type", _I32), ("num_in", _I64)),
     "decode_forward": _sig(
         _INT, ("model", ctypes.POINTER(ModelDesc)), ("step", ctypes.POINTER(StepDesc)), ("out", _P),
         ("eps", _F32), ("scale", _F32),
@@ -112,6 +120,9 @@ class CpuKernels:
     cpu_has_bf16_dot: ctypes._CFuncPtr
     gemm_bf16_amx: ctypes._CFuncPtr
     cpu_has_amx: ctypes._CFuncPtr
+    gemv_quant: ctypes._CFuncPtr
+    dequantize_rows: ctypes._CFuncPtr
+    quant_type_supported: ctypes._CFuncPtr
     decode_forward: ctypes._CFuncPtr
     decode_forward_layout: ctypes._CFuncPtr
     has_bf16_dot: bool = False  # this CPU runs AVX512-BF16's dot instruction (asked at load)

@@ -1,6 +1,6 @@
 /* The per-thread pieces of the CPU kernels that decode_forward.c strings together inside one parallel
  * region: each does one token's or one thread's share of its work, with no parallel region of its
- * own. Defined in fused_ops.c, decode_attention.c and gemv.c; and the bf16 rounding every bf16
+ * own. Defined in fused_ops.c, decode_attention.c, gemv.c and gemv_quant.c; and the bf16 rounding every bf16
  * product shares (engine-core process).
  */
 #ifndef CORESERVE_KERNEL_PARTS_H
@@ -37,5 +37,12 @@ void attend_one(const float *q, float *out, const float *keys, const float *valu
  * 4 bytes (bf16 weights only). */
 void gemv_share(const float *x, int64_t rows, int64_t K, const void *w, int32_t is_bf16, int32_t use_dot,
                 int64_t N, const float *bias, float *out, void *scratch, int64_t *cursor, int num_threads);
+
+/* gemv_quant.c: the same for weights in a GGUF block format (ggml type Q8_0, Q4_0 or Q4_1; K a multiple
+ * of 32), the sums bit for bit gemv_share's on the dequantized weights (0, or -1: no memory); and
+ * rows of such weights dequantized to fp32 (0, or -2: an unsupported type or K). */
+int gemv_quant_share(const float *x, int64_t rows, int64_t K, const uint8_t *w, int type, int64_t N,
+                     const float *bias, float *out, int64_t *cursor, int num_threads);
+int32_t dequantize_rows(const uint8_t *w, int32_t type, int64_t rows, int64_t K, float *out);
 
 #endif

@@ -1,0 +1,92 @@
+"""The C products of GGUF block weights (worker/cpu/csrc/gemv_quant.c through worker/cpu/quant_linear.py):
+their dequantization is gguf's numpy one bit for bit, and their products are gemv_f32's on those values
+bit for bit (torch.equal) for every row count 1..40 and prefill sizes, one thread and two, and within
+fp32 rounding of float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from worker.cpu.kernels import load_cpu_kernels
+from worker.cpu.linear import gemv
+from worker.cpu.quant_linear import dequantize_rows, quant_gemv
+from worker.models.quantized import QUANT_TYPES, dequantize
+
+TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0
+SHAPES = [(37, 96), (100, 576), (67, 1536)]  # (out, in): odd feature counts, SmolLM2's widths
+ROWS = [*range(1, 41), 83, 300]  # decode sizes, then panels of many rows past a 256-row chunk
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = load_cpu_kernels()
+    assert loaded is not None, "this machine has a C compiler: the kernels must build"
+    return loaded
+
+
+def random_blocks(ggml_type: int, num_out: int, num_in: int, seed: int) -> torch.Tensor:
+    """[num_out, row bytes] uint8: random quants, fp16 scales of every sign and size (subnormals too),
+    Q4_1's offsets of either sign; the bytes a file may hold, not only what a quantizer writes."""
+    rng = np.random.default_rng(seed)
+    block_bytes = QUANT_TYPES[ggml_type][1]
+    blocks = rng.integers(0, 256, (num_out, num_in // 32, block_bytes), dtype=np.uint8)
+    scales = (rng.standard_normal((num_out, num_in // 32)) * 0.02).astype(np.float16)
+    scales.flat[::7] = np.float16(3e-7)  # subnormal fp16
+    blocks[:, :, 0:2] = scales.view(np.uint8).reshape(num_out, -1, 2)
+    if ggml_type == 3:  # Q4_1's minimum m
+        offsets = (rng.standard_normal((num_out, num_in // 32)) * 0.1).astype(np.float16)
+        blocks[:, :, 2:4] = offsets.view(np.uint8).reshape(num_out, -1, 2)
+    return torch.from_numpy(blocks.reshape(num_out, -1))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_c_dequantization_is_ggufs_bit_for_bit(kernels, ggml_type):
+    raw = random_blocks(ggml_type, 64, 576, seed=ggml_type)
+    assert torch.equal(dequantize_rows(kernels, raw, ggml_type, 576), dequantize(raw, ggml_type))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("num_out, num_in", SHAPES)
+def test_product_equals_the_fp32_kernel_on_the_dequantized_weights_for_every_row_count(
+    kernels, ggml_type, num_out, num_in
+):
+    raw = random_blocks(ggml_type, num_out, num_in, seed=num_out)
+    weight = dequantize(raw, ggml_type)
+    generator = torch.Generator().manual_seed(num_in)
+    x_all = torch.randn(max(ROWS), num_in, generator=generator)
+    bias = torch.randn(num_out, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for num_rows in ROWS:
+                x = x_all[:num_rows]
+                for b in (None, bias):
+                    ours = quant_gemv(kernels, x, raw, ggml_type, b)
+                    assert torch.equal(ours, gemv(kernels, x, weight, b)), (num_threads, num_rows, b is None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_product_is_within_fp32_rounding_of_float64_and_each_row_its_own(kernels, ggml_type):
+    num_out, num_in = 100, 576
+    raw = random_blocks(ggml_type, num_out, num_in, seed=3)
+    weight = dequantize(raw, ggml_type).double()
+    x = torch.randn(40, num_in, generator=torch.Generator().manual_seed(4))
+    ours = quant_gemv(kernels, x, raw, ggml_type, None)
+    exact = x.double() @ weight.T
+    scale = x.double().abs() @ weight.abs().T
+    assert ((ours.double() - exact).abs() / scale).max().item() < 1e-6 * num_in**0.5
+    for row in (0, 17, 39):  # a row's numbers do not depend on its batch
+        assert torch.equal(quant_gemv(kernels, x[row : row + 1], raw, ggml_type, None), ours[row : row + 1])
+
+
+def test_unsupported_types_and_widths_are_refused(kernels):
+    raw = random_blocks(8, 4, 64, seed=0)
+    with pytest.raises(ValueError, match="ggml type 12"):
+        quant_gemv(kernels, torch.randn(1, 64), raw, 12, None)
+    with pytest.raises(ValueError, match="rows of 48 values"):
+        quant_gemv(kernels, torch.randn(1, 48), raw, 8, None)

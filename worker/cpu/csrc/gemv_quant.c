@@ -1,0 +1,279 @@
+/* Matrix products out = x @ W^T (+ bias) with W kept in a GGUF file's block format, for the CPU
+ * (engine-core process): Q8_0, Q4_0 and Q4_1, blocks of 32 weights, each row of W a run of blocks.
+ *
+ * Each block is dequantized in registers to exactly the fp32 values of the `gguf` package's numpy
+ * routines (the values the loader writes for a dequantized model): Q8_0 d * q, Q4_0 d * (q - 8),
+ * Q4_1 d * q + m, with d and m widened from fp16 exactly. d * q has at most 11 + 8 significant bits,
+ * so it is exact in fp32 and a fused multiply-add d * q + m rounds where numpy's two operations
+ * round: contraction cannot change the value.
+ * Those values then meet the fp32 activations as gemv.c's fp32 path meets its weights: the same
+ * lanes (one register), one accumulator per output over K in steps of LANES, fused multiply-adds,
+ * hsum's tree, the bias added last. K is a whole number of blocks, so gemv.c's scalar tail is empty.
+ * So each output is bit for bit gemv_f32's on the dequantized weights, for any row count, thread
+ * count or split (batch invariance, docs/decisions.md; docs/quantized.md).
+ * Up to four rows the weights stream once, dequantized block by block in registers; with more rows
+ * four weight rows at a time are dequantized into the thread's scratch and reused by every row of a
+ * panel that stays in L2 (the dequantization paid once per panel, not once per row).
+ * x: [rows, K] fp32 row-major, w: [N, K / 32 blocks] raw bytes, out: [rows, N] fp32.
+ */
+#include <omp.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernel_parts.h"
+
+#pragma GCC optimize("fp-contract=fast") /* fused multiply-adds, as gemv.c's */
+
+#define QK 32 /* weights per block */
+#define NB 4 /* weight rows per block of the many-row product */
+#define RB 4 /* activation rows per group */
+#define ROW_MAX 4
+#define SMALL_WORK 32768
+#define PANEL_BYTES (192 * 1024)
+#define GUIDED_MIN 32
+
+#ifdef __AVX512F__ /* gemv.c's register width: the lanes must be its lanes */
+#define LANES 16
+#define ROW_STREAMS 2
+#elif defined(__AVX__)
+#define LANES 8
+#define ROW_STREAMS 1
+#else
+#define LANES 4
+#define ROW_STREAMS 1
+#endif
+#define STEPS (QK / LANES) /* registers per block */
+
+typedef float floatv __attribute__((vector_size(4 * LANES)));
+typedef uint8_t bytev __attribute__((vector_size(LANES)));
+typedef int8_t sbytev __attribute__((vector_size(LANES)));
+
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's type numbers */
+
+static inline int block_bytes(int type) {
+    return type == TYPE_Q8_0 ? 34 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q4_0 ? 18 : 0;
+}
+
+static inline float hsum(floatv v) { /* gemv.c's */
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float total = 0.0f;
+    for (int i = 0; i < LANES; i++) total += v[i];
+    return total;
+#endif
+}
+
+/* fp16 bits (little-endian at p) -> fp32, exactly (subnormals included). */
+static inline float half_at(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0) {
+        const float magnitude = (float)mantissa * 0x1p-24f; /* exact: 10 bits times a power of two */
+        memcpy(&bits, &magnitude, sizeof bits);
+        bits |= sign;
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | mantissa << 13;
+    } else {
+        bits = sign | (exponent + 112) << 23 | mantissa << 13;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* One block's 32 weights as STEPS registers, element e in register e / LANES, lane e % LANES. Q4:
+ * elements 0-15 are the low nibbles of the 16 bytes, 16-31 the high ones. */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, floatv out[STEPS]) {
+    const float d = half_at(b);
+    if (type == TYPE_Q8_0) {
+        for (int v = 0; v < STEPS; v++) {
+            sbytev q;
+            memcpy(&q, b + 2 + v * LANES, sizeof q);
+            out[v] = __builtin_convertvector(q, floatv) * d;
+        }
+        return;
+    }
+    const float m = type == TYPE_Q4_1 ? half_at(b + 2) : 0.0f;
+    const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
+    for (int v = 0; v < STEPS; v++) {
+        const int e = v * LANES;
+        bytev raw;
+        memcpy(&raw, qs + e % 16, sizeof raw);
+        const bytev nibble = e < 16 ? raw & 0x0f : raw >> 4;
+        if (type == TYPE_Q4_1) {
+            out[v] = __builtin_convertvector(nibble, floatv) * d + m; /* exact product: see the top */
+        } else {
+            const sbytev centred = (sbytev)nibble - 8;
+            out[v] = __builtin_convertvector(centred, floatv) * d;
+        }
+    }
+}
+
+/* The row's values: [K] fp32, what the loader's dequantization writes. */
+static void dequant_row(const uint8_t *row, int type, int64_t K, float *out) {
+    const int bb = block_bytes(type);
+    floatv v[STEPS];
+    for (int64_t k = 0; k < K; k += QK) {
+        dequant_block(row + k / QK * bb, type, v);
+        memcpy(out + k, v, sizeof v);
+    }
+}
+
+static inline void store(float sums[RB][NB], int rb, int nb, const float *bias, float *out, int64_t N, int64_t n) {
+    for (int r = 0; r < rb; r++) /* gemv.c's: + 0.0f where there is no bias, as it adds */
+        for (int j = 0; j < nb; j++) out[r * N + n + j] = sums[r][j] + (bias ? bias[n + j] : 0.0f);
+}
+
+/* ns weight rows (1 or 2) against rb activation rows, dequantized block by block in registers. */
+static inline __attribute__((always_inline)) void row(const float *x, int64_t K, const uint8_t *w0,
+                                                      const uint8_t *w1, int type, int ns, int rb,
+                                                      float sums[2][RB][NB]) {
+    const uint8_t *w[2] = {w0, w1};
+    const int bb = block_bytes(type);
+    floatv acc[2][RB] = {{{0}}}, wv[2][STEPS], xv;
+    for (int64_t k = 0; k < K; k += QK) {
+        for (int s = 0; s < ns; s++) dequant_block(w[s] + k / QK * bb, type, wv[s]);
+        for (int v = 0; v < STEPS; v++)
+            for (int r = 0; r < rb; r++) {
+                memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
+                for (int s = 0; s < ns; s++) acc[s][r] += xv * wv[s][v];
+            }
+    }
+    for (int s = 0; s < ns; s++)
+        for (int r = 0; r < rb; r++) sums[s][r][0] = hsum(acc[s][r]);
+}
+
+static inline __attribute__((always_inline)) void row_run(const float *x, int64_t K, const uint8_t *w, int type,
+                                                          int rb, const float *bias, float *out, int64_t N,
+                                                          int64_t n_start, int64_t n_end) {
+    const int64_t row_bytes = K / QK * block_bytes(type);
+    float sums[2][RB][NB];
+    int64_t n = n_start;
+    if (ROW_STREAMS == 2) { /* the run's two halves side by side: two streams (gemv.c) */
+        const int64_t half = (n_end - n_start) / 2;
+        for (; n < n_start + half; n++) {
+            row(x, K, w + n * row_bytes, w + (n + half) * row_bytes, type, 2, rb, sums);
+            store(sums[0], rb, 1, bias, out, N, n);
+            store(sums[1], rb, 1, bias, out, N, n + half);
+        }
+        n += half;
+    }
+    for (; n < n_end; n++) {
+        row(x, K, w + n * row_bytes, NULL, type, 1, rb, sums);
+        store(sums[0], rb, 1, bias, out, N, n);
+    }
+}
+
+/* rb activation rows against nb dequantized weight rows (fp32, [nb, K]), gemv.c's block() sums. */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t K, const float *w, int rb, int nb,
+                                                        float sums[RB][NB]) {
+    floatv acc[RB][NB] = {{{0}}};
+    for (int64_t k = 0; k < K; k += LANES) {
+        floatv wv[NB], xv;
+        for (int j = 0; j < nb; j++) memcpy(&wv[j], w + j * K + k, sizeof xv);
+        for (int r = 0; r < rb; r++) {
+            memcpy(&xv, x + r * K + k, sizeof xv);
+            for (int j = 0; j < nb; j++) acc[r][j] += xv * wv[j];
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int j = 0; j < nb; j++) sums[r][j] = hsum(acc[r][j]);
+}
+
+/* Many rows: panels of activation rows, NB weight rows dequantized into tile ([NB, K] fp32) at a time. */
+static void panels(const float *x, int64_t rows, int64_t K, const uint8_t *w, int type, int64_t N,
+                   const float *bias, float *out, int64_t n_start, int64_t n_end, float *tile) {
+    const int64_t row_bytes = K / QK * block_bytes(type);
+    float sums[RB][NB];
+    int64_t panel = PANEL_BYTES / (K * (int64_t)sizeof(float)) / RB * RB;
+    panel = panel < RB ? RB : panel;
+    for (int64_t p = 0; p < rows; p += panel) {
+        const int64_t p_end = rows - p < panel ? rows : p + panel;
+        for (int64_t n = n_start; n < n_end;) {
+            const int nb = n_end - n < NB ? 1 : NB;
+            for (int j = 0; j < nb; j++) dequant_row(w + (n + j) * row_bytes, type, K, tile + j * K);
+            for (int64_t r = p; r < p_end; r += RB) {
+                const int rb = p_end - r < RB ? (int)(p_end - r) : RB;
+                const float *xr = x + r * K;
+                if (nb == NB && rb == RB)
+                    block(xr, K, tile, RB, NB, sums);
+                else if (nb == NB)
+                    block(xr, K, tile, rb, NB, sums);
+                else
+                    block(xr, K, tile, rb, 1, sums);
+                store(sums, rb, nb, bias, out + r * N, N, n);
+            }
+            n += nb;
+        }
+    }
+}
+
+/* Output features [n_start, n_end) for every row. Returns 0, or -1 when the tile cannot be allocated. */
+static int range(const float *x, int64_t rows, int64_t K, const uint8_t *w, int type, int64_t N,
+                 const float *bias, float *out, int64_t n_start, int64_t n_end) {
+    switch (rows) {
+    case 1: row_run(x, K, w, type, 1, bias, out, N, n_start, n_end); return 0;
+    case 2: row_run(x, K, w, type, 2, bias, out, N, n_start, n_end); return 0;
+    case 3: row_run(x, K, w, type, 3, bias, out, N, n_start, n_end); return 0;
+    case 4: row_run(x, K, w, type, 4, bias, out, N, n_start, n_end); return 0;
+    default: break;
+    }
+    float *tile = malloc(sizeof(float) * NB * K);
+    if (!tile) return -1;
+    panels(x, rows, K, w, type, N, bias, out, n_start, n_end, tile);
+    free(tile);
+    return 0;
+}
+
+/* Whether the type has a product here and K fills whole blocks. */
+int32_t quant_type_supported(int32_t type, int64_t K) { return block_bytes(type) > 0 && K > 0 && K % QK == 0; }
+
+/* w: [N, K / 32] blocks of ggml type `type`. Returns 0; -1: no memory for a tile; -2: a type without
+ * a product here or K not a multiple of 32. */
+int32_t gemv_quant(const float *x, int64_t rows, int64_t K, const uint8_t *w, int32_t type, int64_t N,
+                   const float *bias, float *out, int32_t num_threads) {
+    if (!quant_type_supported(type, K)) return -2;
+    if (N * K <= SMALL_WORK || num_threads <= 1) return range(x, rows, K, w, type, N, bias, out, 0, N);
+    const int64_t num_blocks = (N + NB - 1) / NB;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t start = num_blocks * t / nt * NB, end = num_blocks * (t + 1) / nt * NB;
+        if (start < N) failed |= range(x, rows, K, w, type, N, bias, out, start, end < N ? end : N) != 0;
+    }
+    return failed ? -1 : 0;
+}
+
+/* rows [rows, K / 32 blocks] -> out [rows, K] fp32: the values the products use. Returns 0, or -2 as
+ * gemv_quant. */
+int32_t dequantize_rows(const uint8_t *w, int32_t type, int64_t rows, int64_t K, float *out) {
+    if (!quant_type_supported(type, K)) return -2;
+    const int64_t row_bytes = K / QK * block_bytes(type);
+    for (int64_t r = 0; r < rows; r++) dequant_row(w + r * row_bytes, type, K, out + r * K);
+    return 0;
+}
+
+/* One thread's part of the product for the fused decode forward, runs taken from the shared cursor
+ * as gemv_share takes them (kernel_parts.h). Returns 0, or -1 when a tile could not be allocated. */
+int gemv_quant_share(const float *x, int64_t rows, int64_t K, const uint8_t *w, int type, int64_t N,
+                     const float *bias, float *out, int64_t *cursor, int num_threads) {
+    int64_t start = __atomic_load_n(cursor, __ATOMIC_RELAXED);
+    int failed = 0;
+    while (start < N) {
+        int64_t size = (N - start) / (2 * num_threads);
+        size = (size < GUIDED_MIN ? GUIDED_MIN : size + NB - 1) / NB * NB;
+        const int64_t end = start + size < N ? start + size : N;
+        if (__atomic_compare_exchange_n(cursor, &start, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            failed |= range(x, rows, K, w, type, N, bias, out, start, end);
+            start = end;
+        }
+    }
+    return failed ? -1 : 0;
+}

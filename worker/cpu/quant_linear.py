@@ -1,0 +1,54 @@
+"""The C products of weights kept in a GGUF block format (csrc/gemv_quant.c), and the C dequantization
+of such rows (engine-core process).
+
+Every row count takes the one kernel, whose sums are bit for bit gemv_f32's on the dequantized weights
+(one order per output: batch invariant whatever `is_batch_invariant` says; there is no MKL path to
+take, since MKL would need the weights in fp32). docs/quantized.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.cpu.bindings import CpuKernels
+from worker.models.quantized import QuantLinear
+
+_ROW_CHUNK = 256  # rows per call, as linear.py's chunks: the activations stay in cache per weight tile
+
+
+def quant_gemv(
+    kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x: [R, K] float32; weight: [N, K / 32 * block bytes] uint8 blocks of `ggml_type`; bias: [N] or
+    None. Returns [R, N] float32."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    (num_rows, num_in), num_out = x.shape, weight.shape[0]
+    assert x.dtype == torch.float32 and weight.dtype == torch.uint8 and weight.is_contiguous()
+    out = torch.empty(num_rows, num_out)
+    bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
+    status = kernels.gemv_quant(x.data_ptr(), num_rows, num_in, weight.data_ptr(), ggml_type, num_out, bias_ptr,
+                                out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    if status == -2:
+        raise ValueError(f"no product for ggml type {ggml_type} with rows of {num_in} values")
+    if status != 0:
+        raise MemoryError("the quantized product could not allocate its scratch memory")
+    return out
+
+
+def quant_linear(kernels: CpuKernels, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """x: [T, in] float32 -> [T, out] float32, `_ROW_CHUNK` rows a call (each row's sums are the same
+    in any chunk)."""
+    parts = [quant_gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.ggml_type, layer.bias)
+             for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def dequantize_rows(kernels: CpuKernels, raw: torch.Tensor, ggml_type: int, num_in: int) -> torch.Tensor:
+    """raw [R, row bytes] uint8 -> [R, num_in] float32, the values the products use."""
+    raw = raw.contiguous()
+    out = torch.empty(raw.shape[0], num_in)
+    status = kernels.dequantize_rows(raw.data_ptr(), ggml_type, raw.shape[0], num_in, out.data_ptr())
+    if status != 0:
+        raise ValueError(f"no dequantization for ggml type {ggml_type} with rows of {num_in} values")
+    return out
