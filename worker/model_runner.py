@@ -19,12 +19,12 @@ import torch
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.cpu.fused_decode import FusedForward
-from worker.cpu.huge_pages import move_linear_weights_to_huge_pages, zero_page_tensors
+from worker.cpu.huge_pages import collapse_in_background, place_linear_weights, zero_page_tensors
 from worker.cpu.kernels import CpuKernels, load_cpu_kernels
 from worker.cpu.ops import apply_cpu_backend
 from worker.executor import RunnerSpec
 from worker.input_batch import RequestState, StepInputs, build_step_inputs, next_window_step
-from worker.logprobs import prompt_logprobs
+from worker.logprobs import candidate_ids, prompt_logprobs
 from worker.models.llama import LlamaModel
 from worker.models.loader import load_model
 from worker.parallel.group import TensorParallelGroup
@@ -58,7 +58,11 @@ class ModelRunner:
         begun = time.perf_counter()
         self.cpu_kernels: CpuKernels | None = None  # chosen by _place, once the weights' dtype is known
         place = functools.partial(self._place, can_use_kernels=spec.can_use_cpu_kernels)
+        self.huge_page_memory: torch.Tensor | None = None  # the linear weights' mapping, set by _place
         self.model = load_model(spec.model, spec.dtype, self.device, shard, place)  # "auto": the checkpoint's
+        if self.huge_page_memory is not None:  # written: now into huge pages, off the first token's path
+            collapse_in_background(self.huge_page_memory)
+            self.huge_page_memory = None
         if self.cpu_kernels is not None:
             apply_cpu_backend(self.model, self.cpu_kernels, spec.batch_invariant, spec.block_size)
         logger.info("startup: model load %.3f s (kernels %.3f s)", time.perf_counter() - begun, self.kernels_s)
@@ -79,14 +83,15 @@ class ModelRunner:
 
     def _place(self, model: LlamaModel, can_use_kernels: bool) -> None:
         """Before the weights are read: the CPU kernels where they apply, and then the linear weights'
-        place in huge pages (streamed once a step: fewer TLB misses), so they are written once."""
+        place in one mapping collapsed into huge pages once loaded (streamed once a step: fewer TLB
+        misses), so they are written once."""
         begun = time.perf_counter()
         weight_dtype = model.embed_tokens.weight.dtype
         if can_use_kernels and self.device.type == "cpu" and weight_dtype in (torch.float32, torch.bfloat16):
             self.cpu_kernels = load_cpu_kernels()
         self.kernels_s = time.perf_counter() - begun
         if self.cpu_kernels is not None:
-            move_linear_weights_to_huge_pages(model, keep_values=False)
+            self.huge_page_memory = place_linear_weights(model, keep_values=False)
 
     def close(self) -> None:
         """Nothing to stop: the model lives in this process."""
@@ -151,9 +156,19 @@ class ModelRunner:
             tensors.add_step(out.sampled, _logprobs_of(out))
         if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
             for job in inputs.prompt_jobs:
+                params = self.states[job.req_id].params
                 targets = torch.tensor(job.target_ids, dtype=torch.int64, device=self.device)
+                candidates = candidate_ids(
+                    params.prompt_logprob_token_ids, job.first_position, len(job.target_ids), self.device
+                )
                 rows = prompt_logprobs(
-                    hidden[job.hidden_rows], targets, job.k, self.model.compute_logits, self.cpu_kernels
+                    hidden[job.hidden_rows],
+                    targets,
+                    job.k,
+                    self.model.compute_logits,
+                    self.cpu_kernels,
+                    candidates,
+                    params.prompt_logprobs_temperature,
                 )
                 tensors.prompt_logprobs[job.req_id] = LogprobsTensors(*rows)
         host = tensors.to_host()

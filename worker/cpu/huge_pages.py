@@ -1,16 +1,24 @@
 """The linear layers' weights moved into transparent huge pages, on the CPU (engine-core process).
 
 A decode step streams every linear weight once; in 4 KiB pages each page is a TLB miss and a restart
-of the hardware prefetcher. One anonymous mapping advised MADV_HUGEPAGE holds them all instead (2 MiB
-pages where the kernel grants them), which the few-row products read faster (docs/benchmarks.md).
-Where the advice is refused or unknown, the weights stay where they are.
+of the hardware prefetcher. One anonymous mapping holds them all instead, turned into 2 MiB pages
+where the kernel grants them, which the few-row products read faster (docs/benchmarks.md).
+The weights are written into ordinary pages and collapsed into huge ones afterwards, by a thread at
+the lowest priority (MADV_COLLAPSE, Linux 6.1+; before that the advice alone lets khugepaged do it):
+with the kernel's usual `defrag=madvise`, a 2 MiB fault in an advised region compacts memory first,
+which cost 13 ms a page here (6.8 s for 512 MiB, against 0.3 s in ordinary pages), and that must not
+stand between a restart and the first token. The weights' addresses never change.
+Where the mapping is refused, the weights stay where they are.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
+import os
+import threading
 
 import torch
 from torch import nn
@@ -19,19 +27,33 @@ logger = logging.getLogger(__name__)
 
 _HUGE_PAGE = 2 << 20
 _ALIGN = 4096  # each tensor's start, so no two tensors share a cache line or a 4 KiB page
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # <sys/mman.h>; Python's mmap module lacks MADV_COLLAPSE
+_COLLAPSE_CHUNK = 32 << 20  # bytes a call: a step never waits long on one range being collapsed
 
 
 def move_linear_weights_to_huge_pages(model: nn.Module, keep_values: bool = True) -> int:
     """Moves every nn.Linear weight (tied ones once) into one huge-page mapping, tensor by tensor, so
-    memory peaks at the model plus one tensor. Returns the bytes moved (0 where not possible).
-    `keep_values=False`: the weights are yet to be loaded, so only their place changes (no copy)."""
+    memory peaks at the model plus one tensor, and starts their collapse into huge pages
+    (`collapse_in_background`). Returns the bytes moved (0 where not possible)."""
+    memory = place_linear_weights(model, keep_values)
+    if memory is None:
+        return 0
+    collapse_in_background(memory)
+    return memory.numel()
+
+
+def place_linear_weights(model: nn.Module, keep_values: bool = True) -> torch.Tensor | None:
+    """Moves every nn.Linear weight (tied ones once) into one mapping of ordinary pages on a huge-page
+    boundary, tensor by tensor; returns the mapping's bytes (None where not possible) for
+    `collapse_in_background` once the weights are written. `keep_values=False`: the weights are yet
+    to be loaded, so only their place changes (no copy)."""
     weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}.values())
     if not weights or any(w.device.type != "cpu" for w in weights):
         return 0
     sizes = [-(-w.numel() * w.element_size() // _ALIGN) * _ALIGN for w in weights]
-    memory = huge_page_bytes(sum(sizes))
+    memory = huge_page_bytes(sum(sizes), advise=False)
     if memory is None:
-        return 0
+        return None
     offset = 0
     for weight, size in zip(weights, sizes):
         moved = memory[offset : offset + weight.numel() * weight.element_size()]
@@ -40,7 +62,33 @@ def move_linear_weights_to_huge_pages(model: nn.Module, keep_values: bool = True
             moved.copy_(weight.data)
         weight.data = moved  # the old storage is freed here, before the next tensor is copied
         offset += size
-    return sum(sizes)
+    return memory
+
+
+def collapse_in_background(memory: torch.Tensor) -> threading.Thread:
+    """Advises `memory` (from `huge_page_bytes`) MADV_HUGEPAGE and collapses it into huge pages, range by
+    range, in a daemon thread at the lowest priority; the values and addresses stay. The thread holds
+    the memory until it is done (a model dropped meanwhile frees it then)."""
+    thread = threading.Thread(target=_collapse, args=(memory,), name="huge-page-collapse", daemon=True)
+    thread.start()
+    return thread
+
+
+def _collapse(memory: torch.Tensor) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only, on Linux
+    except (AttributeError, OSError):
+        pass
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    start, size = memory.data_ptr(), -(-memory.numel() // _HUGE_PAGE) * _HUGE_PAGE
+    if madvise(start, size, _MADV_HUGEPAGE) != 0:
+        logger.info("no huge pages (madvise: errno %d)", ctypes.get_errno())
+        return
+    for offset in range(0, size, _COLLAPSE_CHUNK):  # ctypes lets go of the GIL for each call
+        if madvise(start + offset, min(_COLLAPSE_CHUNK, size - offset), _MADV_COLLAPSE) != 0:
+            logger.info("huge pages left to khugepaged (MADV_COLLAPSE: errno %d)", ctypes.get_errno())
+            return
 
 
 def zero_page_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -60,14 +108,17 @@ def zero_page_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype) ->
     return [memory[i * size : i * size + num_bytes].view(dtype).view(shape) for i in range(count)]
 
 
-def huge_page_bytes(num_bytes: int) -> torch.Tensor | None:
-    """[num_bytes] uint8 in an anonymous mapping advised MADV_HUGEPAGE, starting on a huge-page
-    boundary (the tensor keeps the mapping alive); None where the advice is refused or unknown."""
+def huge_page_bytes(num_bytes: int, advise: bool = True) -> torch.Tensor | None:
+    """[num_bytes] uint8 in an anonymous mapping starting on a huge-page boundary (the tensor keeps the
+    mapping alive), advised MADV_HUGEPAGE now (`advise`) or left for `collapse_in_background`; None
+    where the advice is refused or unknown."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     try:
-        mapping = mmap.mmap(-1, num_bytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        size = -(-num_bytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE  # whole huge pages from the boundary
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if advise:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError) as exc:
         logger.info("no huge pages (%s)", exc)
         return None

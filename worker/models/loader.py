@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from protocol.gguf_header import is_gguf, read_gguf_header
 from worker.models import gguf_weights, safetensors_files
@@ -67,7 +68,7 @@ def load_model(
         model = LlamaModel(args)
     rotary = model.rotary  # float32 tables on the CPU, as HF computes them, kept out of the dtype cast
     del model.rotary
-    model = model.to(dtype=dtype).to_empty(device=device)  # uninitialized: every byte is read below
+    _allocate(model, dtype, device)  # uninitialized: every byte is read below
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = rotary.to(device)
@@ -75,6 +76,24 @@ def load_model(
         place(model)
     _load_weights(model, model_dir, shard)
     return model.eval().requires_grad_(False)
+
+
+def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Gives every meta parameter and buffer uninitialized memory of `dtype` on `device` (floating ones;
+    others keep theirs; a tensor shared by two modules stays shared). Not `to_empty`: its `empty_like`
+    of meta tensors imports torch's symbolic shapes and sympy, 0.75 s of a start meant to take 4."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    kind = dtype if tensor.is_floating_point() else tensor.dtype
+                    fresh = torch.empty(tensor.shape, dtype=kind, device=device)
+                    is_param = isinstance(tensor, nn.Parameter)
+                    made[id(tensor)] = nn.Parameter(fresh, tensor.requires_grad) if is_param else fresh
+                table[name] = made[id(tensor)]
 
 
 def _load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None:
