@@ -114,12 +114,14 @@ def from_wire(wire: WireRunnerOutput) -> ModelRunnerOutput:
 
 
 def _arrays(rows: HostLogprobs) -> LogprobsArrays:
-    return LogprobsArrays.from_numpy(rows.token_ids, rows.logprobs, rows.ranks)
+    return LogprobsArrays.from_numpy(rows.token_ids, rows.logprobs, rows.ranks, rows.candidate_ranks)
 
 
 def _host(arrays: LogprobsArrays) -> HostLogprobs:
+    candidate_ranks = arrays.candidate_ranks_np()
     return HostLogprobs(
         arrays.token_ids_np().astype(np.int32),
         arrays.logprobs_np().astype(np.float32),
         arrays.ranks_np().astype(np.int32),
+        None if candidate_ranks is None else candidate_ranks.astype(np.int32),
     )
