@@ -50,7 +50,11 @@ def _rows_for(k: int, step_logprobs: list[HostLogprobs], row: int) -> LogprobsAr
 
 def _prompt_logprobs(req: Request) -> LogprobsArrays:
     if not req.prompt_logprob_parts:  # a one-token prompt has no prompt logprob rows
-        width = 1 if req.params.prompt_logprobs == -1 else req.params.prompt_logprobs + 1
+        num_candidates = len((req.params.prompt_logprob_token_ids or [[]])[0])
+        width = (1 if req.params.prompt_logprobs == -1 else req.params.prompt_logprobs + 1) + num_candidates
         empty = np.zeros((0, width), dtype=np.int32)
-        return LogprobsArrays.from_numpy(empty, empty.astype(np.float32), np.zeros(0, dtype=np.int32))
+        candidate_ranks = np.zeros((0, num_candidates), dtype=np.int32) if num_candidates else None
+        return LogprobsArrays.from_numpy(
+            empty, empty.astype(np.float32), np.zeros(0, dtype=np.int32), candidate_ranks
+        )
     return concat_logprobs(req.prompt_logprob_parts)

@@ -71,8 +71,16 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
-    def add_prompt_logprobs(self, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> None:
-        self.prompt_logprob_parts.append(LogprobsArrays.from_numpy(token_ids, logprobs, ranks))
+    def add_prompt_logprobs(
+        self,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        ranks: np.ndarray,
+        candidate_ranks: np.ndarray | None = None,
+    ) -> None:
+        self.prompt_logprob_parts.append(
+            LogprobsArrays.from_numpy(token_ids, logprobs, ranks, candidate_ranks)
+        )
 
     def reset_for_recompute(self) -> None:
         """Preempted: its KV is gone; prompt logprob chunks not yet sent are computed again."""

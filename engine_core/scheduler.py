@@ -241,7 +241,7 @@ class Scheduler:
             )
             chunk = runner_output.prompt_logprobs.get(req_id)
             if chunk is not None and not req.has_sent_prompt_logprobs:
-                req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks)
+                req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks, chunk.candidate_ranks)
             if req_id not in sampled:
                 continue  # a prefill chunk that did not reach the last token
             num_new = self._append_tokens(req, sampled[req_id])

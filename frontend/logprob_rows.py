@@ -9,20 +9,29 @@ from protocol.arrays import LogprobsArrays
 
 def to_position_dicts(arrays: LogprobsArrays, table: TokenTable) -> list[PositionLogprobs]:
     """Column 0 (the sampled or prompt token) comes first with its true rank; top-k entries follow with
-    ranks 1..k. A token that is both keeps its one entry."""
+    ranks 1..k, then the caller's candidate ids (prompt_logprob_token_ids) with their true ranks. A token
+    that is more than one of these keeps its one entry (its values are the same bits)."""
     token_rows = arrays.token_ids_np().tolist()
     value_rows = arrays.logprobs_np().tolist()
     ranks = arrays.ranks_np().tolist()
+    candidate_ranks = arrays.candidate_ranks_np()
+    candidate_rank_rows = [[]] * arrays.num_rows if candidate_ranks is None else candidate_ranks.tolist()
+    num_top = arrays.num_cols - arrays.num_candidates  # column 0 and the top-k
     decoded = table.decoded
     num_decoded = len(decoded)
     positions = []
-    for token_ids, values, rank in zip(token_rows, value_rows, ranks):
+    for token_ids, values, rank, cand_ranks in zip(token_rows, value_rows, ranks, candidate_rank_rows):
         chosen = token_ids[0]
         entry = {chosen: Logprob(values[0], rank, decoded[chosen] if chosen < num_decoded else "")}
-        for top_rank, (token_id, value) in enumerate(zip(token_ids[1:], values[1:]), start=1):
+        for top_rank, (token_id, value) in enumerate(zip(token_ids[1:num_top], values[1:num_top]), start=1):
             if token_id not in entry:
                 entry[token_id] = Logprob(
                     value, top_rank, decoded[token_id] if token_id < num_decoded else ""
+                )
+        for token_id, value, cand_rank in zip(token_ids[num_top:], values[num_top:], cand_ranks):
+            if token_id not in entry:
+                entry[token_id] = Logprob(
+                    value, cand_rank, decoded[token_id] if token_id < num_decoded else ""
                 )
         positions.append(entry)
     return positions

@@ -12,16 +12,26 @@ import numpy as np
 
 
 class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
-    """Logprobs of `num_rows` positions, `num_cols` = k + 1 candidates each (column 0 = the chosen token)."""
+    """Logprobs of `num_rows` positions, `num_cols` = k + 1 + num_candidates columns each: column 0 the
+    chosen token, then the top-k, then the caller's candidate ids (prompt_logprob_token_ids) in their
+    order. The candidate fields trail with defaults, so a peer without them reads the rest."""
 
     num_rows: int
     num_cols: int
     token_ids: memoryview  # [num_rows, num_cols] int32 little-endian, column 0 = sampled/prompt token
     logprobs: memoryview  # [num_rows, num_cols] float32 little-endian
     ranks: memoryview  # [num_rows] int32 little-endian, 1-based rank of column 0 in the vocabulary
+    num_candidates: int = 0  # the last columns of token_ids / logprobs
+    candidate_ranks: memoryview = b""  # [num_rows, num_candidates] int32 little-endian, 1-based ranks
 
     @classmethod
-    def from_numpy(cls, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> LogprobsArrays:
+    def from_numpy(
+        cls,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        ranks: np.ndarray,
+        candidate_ranks: np.ndarray | None = None,
+    ) -> LogprobsArrays:
         num_rows, num_cols = token_ids.shape
         return cls(
             num_rows,
@@ -29,6 +39,8 @@ class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
             np.ascontiguousarray(token_ids, dtype="<i4").tobytes(),
             np.ascontiguousarray(logprobs, dtype="<f4").tobytes(),
             np.ascontiguousarray(ranks, dtype="<i4").tobytes(),
+            0 if candidate_ranks is None else candidate_ranks.shape[1],
+            b"" if candidate_ranks is None else np.ascontiguousarray(candidate_ranks, dtype="<i4").tobytes(),
         )
 
     def token_ids_np(self) -> np.ndarray:  # [num_rows, num_cols] int32
@@ -40,17 +52,24 @@ class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
     def ranks_np(self) -> np.ndarray:  # [num_rows] int32
         return np.frombuffer(self.ranks, dtype="<i4")
 
+    def candidate_ranks_np(self) -> np.ndarray | None:  # [num_rows, num_candidates] int32; None: none asked
+        if not self.num_candidates:
+            return None
+        return np.frombuffer(self.candidate_ranks, dtype="<i4").reshape(self.num_rows, self.num_candidates)
+
     @property
     def num_bytes(self) -> int:
-        return len(self.token_ids) + len(self.logprobs) + len(self.ranks)
+        return len(self.token_ids) + len(self.logprobs) + len(self.ranks) + len(self.candidate_ranks)
 
 
 def concat_logprobs(parts: list[LogprobsArrays]) -> LogprobsArrays:
     """Stacks row blocks of the same width (e.g. prompt logprobs computed chunk by chunk)."""
     if len(parts) == 1:
         return parts[0]
+    candidate_ranks = [p.candidate_ranks_np() for p in parts]
     return LogprobsArrays.from_numpy(
         np.concatenate([p.token_ids_np() for p in parts]),
         np.concatenate([p.logprobs_np() for p in parts]),
         np.concatenate([p.ranks_np() for p in parts]),
+        None if candidate_ranks[0] is None else np.concatenate(candidate_ranks),
     )

@@ -60,6 +60,7 @@ def check_request(
         check_max_tokens_fit(len(prompt_token_ids), params.max_tokens, limits, prompt_param)
     check_logprobs("logprobs", params.logprobs, limits)
     check_logprobs("prompt_logprobs", params.prompt_logprobs, limits)
+    check_prompt_candidates(params.prompt_logprob_token_ids, len(prompt_token_ids), limits.vocab_size)
     check_token_ids("stop_token_ids", params.stop_token_ids or (), limits.vocab_size)
     check_token_ids("logit_bias", params.logit_bias or (), limits.vocab_size)
     check_token_ids("allowed_token_ids", params.allowed_token_ids or (), limits.vocab_size)
@@ -106,6 +107,24 @@ def check_logprobs(name: str, k: int | None, limits: RequestLimits) -> None:
         )
     if k > limits.vocab_size:
         raise RequestRuleError(f"{name}={k} is more than the vocabulary ({limits.vocab_size} tokens)", name)
+
+
+def check_prompt_candidates(rows: list[list[int]] | None, num_prompt_tokens: int, vocab_size: int) -> None:
+    """prompt_logprob_token_ids: one row for every position, or one per scored position (1..P-1), all
+    of one width, every id in the vocabulary."""
+    if rows is None:
+        return
+    name = "prompt_logprob_token_ids"
+    if len(rows) != 1 and len(rows) != num_prompt_tokens - 1:
+        raise RequestRuleError(
+            f"{name} has {len(rows)} rows; it takes one row of candidate ids for every prompt position, or "
+            f"one row per scored position: {num_prompt_tokens - 1} for this {num_prompt_tokens}-token prompt",
+            name,
+        )
+    if any(len(row) != len(rows[0]) for row in rows):
+        raise RequestRuleError(f"{name}: every row must have the same number of candidate ids", name)
+    for row in rows:
+        _check_ids(name, f"{name}: token id", row, vocab_size)
 
 
 def check_token_ids(name: str, token_ids: Iterable[int], vocab_size: int) -> None:

@@ -34,6 +34,9 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 # Below the vocabulary size too: checked against the handshake's facts (frontend) and by the core.
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]  # OpenAI's range for logit_bias values
+# Candidate ids scored at one prompt position: bounded so a reply stays prompt length x this many values.
+MAX_PROMPT_CANDIDATES = 256
+CandidateRow = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CANDIDATES)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -61,6 +64,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: LogprobsK | None = None
     prompt_logprobs: LogprobsK | None = None
+    # Also score these candidate ids at each prompt position (vLLM's name): one row for every position,
+    # or one row per position 1..P-1 (row i: the candidates for prompt token i + 1). A flat list is the
+    # one row. Implies prompt_logprobs=0 when that is unset; docs/rl.md ("Scoring").
+    prompt_logprob_token_ids: list[CandidateRow] | None = None
+    # Prompt logprobs of logits / T (vLLM's name); None: the raw logits, whatever the logprobs mode.
+    prompt_logprobs_temperature: Annotated[float, msgspec.Meta(ge=1e-5, le=_FLOAT_MAX)] | None = None
     logprobs_mode: LogprobsMode | None = None
     # Added to the logits of these tokens before sampling (after allowed_token_ids, before penalties).
     logit_bias: dict[TokenId, Bias] | None = None
@@ -76,11 +85,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        rows = self.prompt_logprob_token_ids
+        if isinstance(rows, list) and rows and all(isinstance(t, int) for t in rows):
+            self.prompt_logprob_token_ids = [rows]  # one flat list: the row for every position
+        if self.prompt_logprob_token_ids is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = 0
         self.validate()
 
     def validate(self) -> None:
         """Raises ValueError naming the first field of the wrong type or out of range. Called when the
         object is built and again before it is sent, so that a field changed afterwards is caught."""
+        _check_candidate_widths(self.prompt_logprob_token_ids)
         for name, annotation in _field_types().items():
             value = getattr(self, name)
             try:
@@ -91,6 +106,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (not self.stop or all(self.stop), "stop strings must not be empty"),
             (self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every token)"),
             (self.truncate_prompt_tokens != 0, "truncate_prompt_tokens must be at least 1, or -1"),
+            (
+                self.prompt_logprobs is not None or self.prompt_logprobs_temperature is None,
+                "prompt_logprobs_temperature needs prompt_logprobs (the prompt logprobs it scales)",
+            ),
+            (
+                self.prompt_logprobs is not None or self.prompt_logprob_token_ids is None,
+                "prompt_logprob_token_ids needs prompt_logprobs (0: the prompt token and the candidates)",
+            ),
+            (
+                all(len(set(row)) == len(row) for row in self.prompt_logprob_token_ids or ()),
+                "prompt_logprob_token_ids: the candidate ids of a position must be distinct",
+            ),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
@@ -113,6 +140,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _check_candidate_widths(rows: object) -> None:
+    """A short message for too many candidates (the generic one would print the whole matrix)."""
+    if isinstance(rows, list) and rows and isinstance(rows[0], list):
+        widest = max(len(row) if isinstance(row, list) else 0 for row in rows)
+        if widest > MAX_PROMPT_CANDIDATES:
+            raise ValueError(
+                f"SamplingParams.prompt_logprob_token_ids has {widest} candidate ids at a position; at most "
+                f"{MAX_PROMPT_CANDIDATES} are allowed (MAX_PROMPT_CANDIDATES)"
+            )
 
 
 @functools.cache

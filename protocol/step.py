@@ -50,6 +50,7 @@ class HostLogprobs:
     token_ids: np.ndarray  # [num_rows, k + 1] int32, column 0 = sampled (or prompt) token
     logprobs: np.ndarray  # [num_rows, k + 1] float32
     ranks: np.ndarray  # [num_rows] int32, 1-based rank of column 0
+    candidate_ranks: np.ndarray | None = None  # [num_rows, C] int32: the last C columns are candidate ids
 
 
 @dataclass

@@ -69,6 +69,7 @@ class PromptLogprobsJob:
     hidden_rows: slice  # rows of this step's hidden states whose next token is a prompt token
     target_ids: list[int]  # [rows] the prompt tokens they predict
     k: int
+    first_position: int = 0  # the prompt position of the first row (row i predicts token i + 1)
 
 
 @dataclass
@@ -121,6 +122,7 @@ def build_step_inputs(
                     slice(row, row + last - start),
                     state.token_ids[start + 1 : last + 1],
                     state.prompt_logprobs_k,
+                    start,
                 )
             )
         row += num

@@ -21,9 +21,13 @@ class LogprobsTensors(NamedTuple):
     token_ids: torch.Tensor  # [R, k + 1] int32, column 0 = the sampled (or prompt) token
     logprobs: torch.Tensor  # [R, k + 1] float32
     ranks: torch.Tensor  # [R] int32, 1-based rank of column 0
+    candidate_ranks: torch.Tensor | None = None  # [R, C] int32: the last C columns are candidate ids
+
+    def present(self) -> list[torch.Tensor]:
+        return [tensor for tensor in self if tensor is not None]
 
     def to_host(self) -> HostLogprobs:
-        return HostLogprobs(*copy_to_host(list(self)))
+        return HostLogprobs(*copy_to_host(self.present()))
 
 
 @dataclass
@@ -61,9 +65,9 @@ class StepTensors:
         elif self.sampled:
             sampled = [torch.stack(self.sampled, dim=1)]
         rows = [*self.logprobs, *self.prompt_logprobs.values()]
-        arrays = iter(copy_to_host([*sampled, *(tensor for triple in rows for tensor in triple)]))
+        arrays = iter(copy_to_host([*sampled, *(tensor for triple in rows for tensor in triple.present())]))
         sampled_ids = next(arrays) if sampled else np.zeros((0, 1), dtype=np.int32)
-        host_rows = [HostLogprobs(*(next(arrays) for _ in LogprobsTensors._fields)) for _ in rows]
+        host_rows = [HostLogprobs(*(next(arrays) for _ in triple.present())) for triple in rows]
         return HostStep(
             sampled_ids,
             host_rows[: len(self.logprobs)],

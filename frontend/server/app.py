@@ -23,6 +23,7 @@ from frontend.server.limits import BodyLimitMiddleware
 from frontend.server.logprob_json import token_text
 from frontend.server.rl_routes import RL_PATHS, rl_router
 from frontend.server.schemas import DetokenizeRequest, TokenizeRequest
+from frontend.server.sequence_logprobs import SEQUENCE_LOGPROBS_PATH, get_sequence_logprobs
 from frontend.server.state import ServerState
 from frontend.server.token_generate import GENERATE_PATH, generate
 
@@ -42,7 +43,9 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server.max_request_bytes)
     if server.api_key:  # added last, so it runs first: a bad key is refused before the body is read
-        rl_paths = RL_PATHS | {GENERATE_PATH} if server.enable_rl_endpoints else frozenset()
+        rl_paths = (
+            RL_PATHS | {GENERATE_PATH, SEQUENCE_LOGPROBS_PATH} if server.enable_rl_endpoints else frozenset()
+        )
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key, extra_paths=rl_paths)
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
@@ -54,6 +57,8 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
         app.include_router(rl_router())
         app.post(GENERATE_PATH)(generate)  # token ids in and out (token_generate.py)
+        app.post(SEQUENCE_LOGPROBS_PATH + "/")(get_sequence_logprobs)  # TRL's scoring (sequence_logprobs.py)
+        app.post(SEQUENCE_LOGPROBS_PATH)(get_sequence_logprobs)
     return app
 
 

@@ -26,6 +26,7 @@ from frontend.server.inputs import (
 )
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.logprob_json import LegacyLogprobs, vllm_prompt_logprobs
+from frontend.server.prompt_scoring import prompt_scoring_k, with_prompt_scoring
 from frontend.server.schemas import CompletionRequest
 from frontend.server.state import ServerState
 from frontend.server.transport import sse_response, until_disconnected
@@ -60,7 +61,8 @@ def _params(server: ServerState, body: CompletionRequest, prompts: list[PromptIn
     asked = [k for k in (echo_k, body.prompt_logprobs) if k is not None]
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
     prompt_logprobs = max(asked) if asked else None
-    return sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, server.facts.vocab_size)
+    params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, server.facts.vocab_size)
+    return with_prompt_scoring(params, body)
 
 
 class CompletionResponse:
@@ -129,6 +131,7 @@ class CompletionChoice:
     def __init__(self, index: int, prompt: PromptInput, body: CompletionRequest, server: ServerState) -> None:
         self.index, self.prompt, self.body = index, prompt, body
         self.is_scoring = body.max_tokens == 0
+        self.prompt_k = prompt_scoring_k(body)  # the k of the prompt logprobs the choice shows; None: none
         self.logprobs = (
             LegacyLogprobs(server.table, body.skip_special_tokens, body.return_tokens_as_token_ids)
             if body.logprobs is not None
@@ -141,7 +144,7 @@ class CompletionChoice:
         self._held: list[CompletionOutput] = []  # deltas that came before the prompt's logprobs
 
     def piece(self, completion: CompletionOutput, prompt_positions) -> dict | None:
-        needs_prompt = (self.body.echo and self.logprobs is not None) or self.body.prompt_logprobs is not None
+        needs_prompt = (self.body.echo and self.logprobs is not None) or self.prompt_k is not None
         if self.is_finished:
             return None
         if not self.is_started and needs_prompt and prompt_positions is None:
@@ -164,8 +167,9 @@ class CompletionChoice:
         piece = self._empty()
         if self.body.return_token_ids:
             piece["prompt_token_ids"] = list(self.prompt.token_ids)
-        if self.body.prompt_logprobs is not None:
-            piece["prompt_logprobs"] = vllm_prompt_logprobs(prompt_positions or [], self.body.prompt_logprobs)
+        if self.prompt_k is not None:
+            candidates = self.body.prompt_logprob_token_ids
+            piece["prompt_logprobs"] = vllm_prompt_logprobs(prompt_positions or [], self.prompt_k, candidates)
         if not self.body.echo:
             return piece
         prompt = self.prompt

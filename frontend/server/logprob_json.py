@@ -125,14 +125,18 @@ def _chat_entry(token_id: int, logprob: Logprob, as_token_ids: bool) -> dict:
     }
 
 
-def vllm_prompt_logprobs(positions: list[PositionLogprobs | None], k: int) -> list[dict | None]:
+def vllm_prompt_logprobs(
+    positions: list[PositionLogprobs | None], k: int, candidates: list[int] | list[list[int]] | None = None
+) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: per prompt position {token id: {logprob, rank, decoded_token}}, the prompt
-    token first, then the top k."""
+    token first, then the top k, then the position's candidate ids (prompt_logprob_token_ids: a flat list
+    for every position, or one row per position 1..P-1) whatever their rank."""
     rows: list[dict | None] = []
-    for position in positions:
+    for index, position in enumerate(positions):
         if position is None:
             rows.append(None)
             continue
+        kept = _candidates_at(candidates, index)
         rows.append(
             {
                 token_id: {
@@ -141,7 +145,16 @@ def vllm_prompt_logprobs(positions: list[PositionLogprobs | None], k: int) -> li
                     "decoded_token": token_text(lp.decoded_token or ""),
                 }
                 for n, (token_id, lp) in enumerate(position.items())
-                if n == 0 or (lp.rank is not None and lp.rank <= k)
+                if n == 0 or (lp.rank is not None and lp.rank <= k) or token_id in kept
             }
         )
     return rows
+
+
+def _candidates_at(candidates: list[int] | list[list[int]] | None, index: int) -> frozenset[int]:
+    """The candidate ids of prompt position `index` (>= 1)."""
+    if not candidates:
+        return frozenset()
+    if isinstance(candidates[0], int):
+        return frozenset(candidates)
+    return frozenset(candidates[0] if len(candidates) == 1 else candidates[index - 1])

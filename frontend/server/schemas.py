@@ -95,6 +95,10 @@ class CompletionRequest(SamplingFields, CompletionUnsupportedFields):
     add_special_tokens: bool = True
     suffix: Text | None = None  # refused: no insertion
     best_of: Int64 | None = None  # refused unless it equals n
+    # vLLM's names: candidate ids scored at every prompt position (a flat list), or one row per position
+    # 1..P-1 of a single prompt; and the temperature of the scored prompt distribution (docs/rl.md).
+    prompt_logprob_token_ids: list[Int64] | list[list[Int64]] | None = None
+    prompt_logprobs_temperature: float | None = None
 
 
 class TextPart(_Request):
