@@ -48,6 +48,7 @@ class CoreControl:
         self.is_kv_asleep = False
         self.is_weights_asleep = False
         self.pending: list[tuple[bytes, ControlCommand]] = []
+        self.timings: dict[str, float] | None = None  # the running command's phases, for its reply
 
     def submit(self, client: bytes, command: ControlCommand, outbox: Outbox) -> None:
         self.pending.append((client, command))
@@ -60,6 +61,7 @@ class CoreControl:
             if _drains(command) and self.scheduler.running and not self.scheduler.is_frozen:
                 break  # running requests finish first; admissions are held meanwhile
             self.pending.pop(0)
+            self.timings = None
             try:
                 self._run(command, outbox)
             except Exception as exc:  # a ValueError refuses this command alone; anything else is fatal
@@ -68,12 +70,14 @@ class CoreControl:
                 if not isinstance(exc, ValueError):
                     raise
                 continue
-            outbox(client, self.reply(command.nonce))
+            outbox(client, self.reply(command.nonce, timings=self.timings))
         self._apply_holds()
 
-    def reply(self, nonce: int, error: str | None = None) -> ControlReply:
+    def reply(
+        self, nonce: int, error: str | None = None, timings: dict[str, float] | None = None
+    ) -> ControlReply:
         level = 2 if self.is_weights_asleep else 1 if self.is_kv_asleep else 0
-        return ControlReply(nonce, error, self.weight_version, self.pause_mode is not None, level)
+        return ControlReply(nonce, error, self.weight_version, self.pause_mode is not None, level, timings)
 
     def _apply_holds(self) -> None:
         is_asleep = self.is_kv_asleep or self.is_weights_asleep
@@ -100,14 +104,27 @@ class CoreControl:
             assert isinstance(command, GetControlState)
 
     def _update(self, command: UpdateWeights, outbox: Outbox) -> None:
+        """`timings`: the phases in this core (check: TP ranks' checks before any copies; load: checks
+        and copies; derive: what depends on the weights' addresses; reset_prefix_cache), seconds."""
+        begun = time.perf_counter()
+        if command.check_only:  # several cores: each checks before any of them changes
+            self.control.check_weights(command.path)
+            self.timings = {"check": time.perf_counter() - begun}
+            return
         if command.mode == "abort":
             self.abort_all(outbox)
-        begun = time.perf_counter()
         self.control.update_weights(command.path)  # a ValueError leaves the old weights serving
         self.is_weights_asleep = False
         self.weight_version += 1
+        loaded = time.perf_counter()
         self.scheduler.kv_cache.reset_prefix_cache()
-        logger.info("weights version %d in %.3f s", self.weight_version, time.perf_counter() - begun)
+        done = time.perf_counter()
+        self.timings = {
+            **self.control.last_timings,
+            "reset_prefix_cache": done - loaded,
+            "core": done - begun,
+        }
+        logger.info("weights version %d in %.3f s", self.weight_version, done - begun)
 
     def _sleep(self, level: int) -> None:
         self.scheduler.preempt_running()  # only frozen ones ("keep") are left: computed again on wake
@@ -144,6 +161,8 @@ class CoreControl:
 
 def _drains(command: ControlCommand) -> bool:
     """Whether the command waits for running requests to finish first."""
-    if isinstance(command, UpdateWeights | PauseGeneration):
+    if isinstance(command, UpdateWeights):
+        return command.mode == "wait" and not command.check_only
+    if isinstance(command, PauseGeneration):
         return command.mode == "wait"
     return isinstance(command, Sleep)

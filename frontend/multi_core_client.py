@@ -14,6 +14,7 @@ import msgspec
 
 from frontend.core_client import POLL_MS, MPClient, wait_for_outputs
 from frontend.errors import EngineDeadError
+from frontend.multi_core_control import control_every_core
 from frontend.request_ids import parent_of
 from protocol.messages import (
     ControlCommand,
@@ -97,9 +98,11 @@ class MultiCoreClient:
         return EngineStats(nonce=0, **{f: sum(getattr(s, f) for s in stats) for f in counts})
 
     def control(self, command: ControlCommand) -> ControlReply:
-        """Every core runs the command (one model's daemons serve alike); the first refusal is the reply."""
-        replies = [core.control(command) for core in self.cores]
-        return next((r for r in replies if r.error is not None), replies[0])
+        """Every live core runs the command (one model's daemons serve alike): an update checked by all
+        before any copies, the first refusal the reply (frontend/multi_core_control.py)."""
+        if not self.live:
+            raise EngineDeadError("every engine core is gone")
+        return control_every_core(self.live, command)
 
     def shutdown(self) -> None:
         for core in self.cores:

@@ -41,7 +41,7 @@ class RLControl:
     def __init__(self, client) -> None:
         self.client = client
         self._nonces = itertools.count(1)
-        self.last_timings: dict[str, float] = {}  # update_weights' breakdown, seconds
+        self.last_timings: dict[str, float] = {}  # update_weights' breakdown, seconds (docs/rl.md)
 
     def update_weights(self, weights: str | os.PathLike | Iterable, mode: str = "wait") -> int:
         """`weights`: (HF name, tensor) pairs (a trainer's `named_parameters()`, whole or in part) or
@@ -50,7 +50,7 @@ class RLControl:
         begun = time.perf_counter()
         if isinstance(weights, (str, os.PathLike)):
             path, folder = os.fspath(weights), None
-            if not os.path.exists(path):
+            if not os.path.exists(path) and not _has_remote_core(self.client):  # a remote one's own path
                 raise ValueError(f"update_weights: {path} does not exist")
         else:
             folder = tempfile.mkdtemp(prefix="coreserve-weights-", dir=_shared_memory_dir())
@@ -64,7 +64,10 @@ class RLControl:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         done = time.perf_counter()
-        self.last_timings = {"write": written - begun, "core": done - written, "total": done - begun}
+        core = dict(reply.timings or {})  # the core's phases; "core": its whole part
+        wire = max(0.0, done - written - core.get("core", 0.0))  # the messages and the waits between
+        self.last_timings = {"write": written - begun, "round trip": done - written, "wire": wire, **core,
+                             "total": done - begun}  # fmt: skip
         return reply.weight_version
 
     def pause_generation(self, mode: str = "abort") -> None:
@@ -127,6 +130,14 @@ def write_safetensors(weights: Iterable, path: str) -> int:
         for tensor in tensors.values():
             f.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
     return 8 + len(encoded) + offset
+
+
+def _has_remote_core(client) -> bool:
+    """Whether a core is a daemon at a tcp address off this machine's loopback."""
+    from protocol.addresses import is_loopback
+
+    cores = getattr(client, "cores", [client])
+    return any(getattr(c, "address", None) and not is_loopback(c.address) for c in cores)
 
 
 def _shared_memory_dir() -> str | None:

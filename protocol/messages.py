@@ -82,6 +82,7 @@ class UpdateWeights(msgspec.Struct, tag="update", array_like=True):
     nonce: int
     path: str
     mode: PauseMode = "wait"  # what happens to running requests before the weights change
+    check_only: bool = False  # validate every name and shape, copy nothing (several cores: all check first)
 
 
 class PauseGeneration(msgspec.Struct, tag="pause", array_like=True):
@@ -180,6 +181,7 @@ class ControlReply(msgspec.Struct, tag="done", array_like=True):
     weight_version: int
     is_paused: bool
     sleep_level: int  # 0 awake; 1 KV cache freed; 2 the weights too
+    timings: dict[str, float] | None = None  # an update's phases in the core, seconds (docs/rl.md)
 
 
 class EngineError(msgspec.Struct, tag="fatal", array_like=True):

@@ -17,7 +17,7 @@ import torch
 from worker.cpu.fused_decode import FusedForward
 from worker.cpu.huge_pages import move_linear_weights_to_huge_pages
 from worker.models.loader import _load_weights as load_checkpoint_into
-from worker.models.weight_update import update_weights_from_path
+from worker.models.weight_update import check_weights, update_weights_from_path
 from worker.parallel.sharding import Shard
 
 logger = logging.getLogger(__name__)
@@ -32,10 +32,22 @@ class RunnerControl:
         self.shard = None if group is None else Shard(group.rank, group.size)
         self.num_kv_blocks = 0  # what the KV cache held when it was freed
         self.dropped: list[tuple[torch.nn.Parameter, torch.Size]] = []  # sleep level 2: the weights' shapes
+        self.last_timings: dict[str, float] = {}  # the last update's phases, seconds
+
+    def check_weights(self, path: str) -> int:
+        """update_weights' checks of every name and shape, nothing copied (a ValueError when one does
+        not fit): what the tensor-parallel ranks and several cores all pass before any of them writes."""
+        if not self.dropped:
+            return check_weights(self.runner.model, path, self.shard)
+        kept = {id(param): shape for param, shape in self.dropped}
+        stand_ins = {name: torch.empty(kept[id(param)], device="meta")
+                     for name, param in self.runner.model.named_parameters(remove_duplicate=False)}  # fmt: skip
+        return check_weights(self.runner.model, path, self.shard, stand_ins)
 
     def update_weights(self, path: str) -> int:
         """Validates every tensor of `path` before copying any; returns how many it copied. After
-        sleep level 2 the memory is allocated again and the update must hold every weight."""
+        sleep level 2 the memory is allocated again and the update must hold every weight.
+        `last_timings`: the load (checks and copies) and derive phases, seconds."""
         begun = time.perf_counter()
         if self.dropped:
             self._allocate_weights()
@@ -47,7 +59,9 @@ class RunnerControl:
             count = sum(1 for _ in self.runner.model.parameters())
         else:
             count = update_weights_from_path(self.runner.model, path, self.shard)
+        loaded = time.perf_counter()
         self._rederive()
+        self.last_timings = {"load": loaded - begun, "derive": time.perf_counter() - loaded}
         logger.info("update_weights: %d tensors in %.3f s", count, time.perf_counter() - begun)
         return count
 

@@ -10,7 +10,8 @@ addresses, stay valid as they are.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -31,29 +32,54 @@ def safetensors_paths(path: str) -> list[Path]:
         files = sorted(where.glob("*.safetensors"))
         if files:
             return files
+    if not where.exists():
+        raise ValueError(
+            f"update_weights: {path} does not exist on the engine core's machine; tensors travel as a file "
+            "in the frontend's /dev/shm, so a daemon on another host cannot read them: run the daemon on "
+            "the trainer's machine, or pass a checkpoint path that the daemon's machine can read"
+        )
     raise ValueError(f"update_weights: {path} is neither a safetensors file nor a folder holding some")
 
 
 def update_weights_from_path(model: LlamaModel, path: str, shard: Shard | None = None) -> int:
     """Loads every tensor of `path` into the model; returns how many tensors changed."""
-    from safetensors import safe_open
-
-    with ExitStack() as stack:  # memory-mapped: a file in /dev/shm is read where it lies
-        handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in safetensors_paths(path)]
-        named = [(name, handle.get_slice(name)) for handle in handles for name in handle.keys()]
-        plan = plan_update(model, [(n, tuple(s.get_shape())) for n, s in named], shard)
-        tensors = {name: part for name, part in named}
+    with _opened(path) as named:
+        plan = plan_update(model, [(n, tuple(s.get_shape())) for n, s in named.items()], shard)
         for name, target in plan:
-            copy_into(target, tensors[name][:], name, shard)
+            copy_into(target, named[name], name, shard)
     return len(plan)
 
 
+def check_weights(
+    model: LlamaModel, path: str, shard: Shard | None = None, params: dict[str, torch.Tensor] | None = None
+) -> int:
+    """Every name and shape of `path` checked against the model, nothing copied (a ValueError as
+    update_weights_from_path's); returns how many tensors an update would change."""
+    with _opened(path) as named:
+        return len(plan_update(model, [(n, tuple(s.get_shape())) for n, s in named.items()], shard, params))
+
+
+@contextmanager
+def _opened(path: str) -> Iterator[dict]:
+    """HF name -> a lazy slice of the memory-mapped file (a file in /dev/shm is read where it lies)."""
+    from safetensors import safe_open
+
+    files = safetensors_paths(path)
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
+        yield {name: handle.get_slice(name) for handle in handles for name in handle.keys()}
+
+
 def plan_update(
-    model: LlamaModel, shapes: list[tuple[str, tuple[int, ...]]], shard: Shard | None = None
+    model: LlamaModel,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    shard: Shard | None = None,
+    params: dict[str, torch.Tensor] | None = None,  # None: the model's; else stand-ins of their shapes
 ) -> list[tuple[str, torch.Tensor]]:
     """(HF name, the parameter view it fills) for each tensor, every name and shape checked first;
     a ValueError names the first that does not fit. Tied checkpoints' lm_head.weight is skipped."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    if params is None:
+        params = dict(model.named_parameters(remove_duplicate=False))
     plan, errors = [], []
     for name, shape in shapes:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.args.tie_word_embeddings):
@@ -63,7 +89,7 @@ def plan_update(
             errors.append(f"{name} is not a weight of this model")
             continue
         param, rows = params[target[0]], target[1]
-        view = param.data[rows] if rows is not None else param.data
+        view = param.data[rows] if rows is not None else param.data  # a view: copies land in the model
         expected = full_shape(name, tuple(view.shape), shard)
         if tuple(shape) != expected:
             errors.append(f"{name} has shape {list(shape)}; the model's is {list(expected)}")
@@ -82,7 +108,21 @@ def full_shape(name: str, part_shape: tuple[int, ...], shard: Shard | None) -> t
     return tuple(size * shard.size if d == dim else size for d, size in enumerate(part_shape))
 
 
-def copy_into(target: torch.Tensor, tensor: torch.Tensor, name: str, shard: Shard | None) -> None:
+def copy_into(target: torch.Tensor, lazy, name: str, shard: Shard | None) -> None:
+    """Reads from the file only what this rank keeps (its rows or columns of a split tensor)."""
     if shard is not None and is_split(name):
-        tensor = rank_part(name, tensor, shard)
+        tensor = _rank_slice(lazy, name, shard)
+    else:
+        tensor = lazy[:]
     target.copy_(tensor.reshape(target.shape))  # converts the dtype (bf16 <-> fp32) and the device
+
+
+def _rank_slice(lazy, name: str, shard: Shard) -> torch.Tensor:
+    """rank_part's rows or columns, sliced out of the file (the same split: equal contiguous chunks)."""
+    if name.endswith("self_attn.o_proj.bias"):
+        return rank_part(name, lazy[:], shard)
+    shape = lazy.get_shape()
+    dim = 1 if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")) else 0
+    size = shape[dim] // shard.size
+    part = slice(shard.rank * size, (shard.rank + 1) * size)
+    return lazy[part] if dim == 0 else lazy[:, part]

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from worker.models.config import LlamaArgs
 from worker.models.loader import read_config
 from worker.parallel.messages import (
     AllocateKvCache,
+    CheckWeights,
     Done,
     Execute,
     Failed,
@@ -66,6 +68,7 @@ class TensorParallelExecutor:
         self.sockets: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToCore)
+        self.last_timings: dict[str, float] = {}  # the last update's phases, seconds
         try:
             for rank in range(size):
                 self.procs.append(_spawn(WorkerSpec(
@@ -92,9 +95,22 @@ class TensorParallelExecutor:
         assert first is not None
         return from_wire(first)
 
+    def check_weights(self, path: str) -> None:
+        """Every rank checks its part, nothing copied; the first refusal is a ValueError."""
+        self._control(CheckWeights(path))
+
     def update_weights(self, path: str) -> None:
-        """Every rank loads its part; a ValueError (the same on every rank) leaves the old weights."""
-        self._control(LoadWeights(path))
+        """Every rank checks, then (all passed) every rank copies its part: a refusal on any rank
+        leaves every rank on the old weights. A rank that fails while copying (not a ValueError)
+        stops the engine (WorkerFailed), so no mix of weights ever serves. `last_timings`: the
+        check, and the slowest rank's load and derive, seconds."""
+        begun = time.perf_counter()
+        self._control(CheckWeights(path))
+        checked = time.perf_counter()
+        replies = self._control(LoadWeights(path))
+        phases = [r.timings or {} for r in replies]
+        self.last_timings = {"check": checked - begun, **{k: max(p.get(k, 0.0) for p in phases)
+                                                          for k in ("load", "derive")}}  # fmt: skip
 
     def sleep(self, level: int) -> None:
         self._control(SleepRank(level))
@@ -102,12 +118,13 @@ class TensorParallelExecutor:
     def wake_up(self, kv_cache: bool, path: str | None) -> None:
         self._control(WakeRank(kv_cache, path))
 
-    def _control(self, message: msgspec.Struct) -> None:
+    def _control(self, message: msgspec.Struct) -> list:
         self._send_all(message)
         replies = self._gather((Done, Refused))
         refused = [r.reason for r in replies if isinstance(r, Refused)]
         if refused:
             raise ValueError(refused[0])
+        return replies
 
     def close(self) -> None:
         """Stops the workers (politely, then by force) and removes their folder; safe to call twice."""

@@ -3,7 +3,7 @@ PAIR socket per worker on `ipc://` (engine-core process and worker processes). N
 decodes a closed, typed union.
 
 Core -> worker: AllocateKvCache, Execute (the SchedulerOutput, as the scheduler made it), Shutdown;
-for RL, LoadWeights, SleepRank and WakeRank (worker/models/runner_control.py on each rank).
+for RL, CheckWeights, LoadWeights, SleepRank and WakeRank (worker/models/runner_control.py on each rank).
 Worker -> core: Ready (after loading), Done (rank 0's carries the runner output), Progress (a long
 step still moves), Refused (a control command's ValueError; the rank goes on), Failed (the reason,
 before the worker exits).
@@ -42,6 +42,10 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class CheckWeights(msgspec.Struct, tag=True):
+    path: str  # LoadWeights' checks alone: every rank passes them before any rank copies
+
+
 class LoadWeights(msgspec.Struct, tag=True):
     path: str  # a safetensors file or folder; each rank keeps its part of the split tensors
 
@@ -74,6 +78,7 @@ class Ready(msgspec.Struct, tag=True):
 
 class Done(msgspec.Struct, tag=True):
     output: WireRunnerOutput | None = None  # rank 0's, after Execute
+    timings: dict[str, float] | None = None  # after LoadWeights: this rank's phases, seconds
 
 
 class Progress(msgspec.Struct, tag=True):
@@ -84,7 +89,7 @@ class Failed(msgspec.Struct, tag=True):
     reason: str
 
 
-ToWorker = AllocateKvCache | Execute | Shutdown | LoadWeights | SleepRank | WakeRank
+ToWorker = AllocateKvCache | Execute | Shutdown | CheckWeights | LoadWeights | SleepRank | WakeRank
 ToCore = Ready | Done | Progress | Refused | Failed
 
 

@@ -19,6 +19,7 @@ import zmq
 
 from worker.parallel.messages import (
     AllocateKvCache,
+    CheckWeights,
     Done,
     Execute,
     Failed,
@@ -97,15 +98,18 @@ def _serve(runner, sock: zmq.Socket, parent: int) -> None:
         elif isinstance(message, Execute):
             output = runner.execute(message.scheduler_output)
             sock.send(encoder.encode(Done(to_wire(output) if is_first else None)))
-        elif isinstance(message, LoadWeights | SleepRank | WakeRank):
+        elif isinstance(message, CheckWeights | LoadWeights | SleepRank | WakeRank):
             sock.send(encoder.encode(_control(control, message)))
 
 
-def _control(control, message: LoadWeights | SleepRank | WakeRank) -> Done | Refused:
+def _control(control, message: CheckWeights | LoadWeights | SleepRank | WakeRank) -> Done | Refused:
     """A ValueError (a bad update) is this command's refusal; the rank keeps its old weights and serves."""
     try:
-        if isinstance(message, LoadWeights):
+        if isinstance(message, CheckWeights):
+            control.check_weights(message.path)
+        elif isinstance(message, LoadWeights):
             control.update_weights(message.path)
+            return Done(timings=control.last_timings)
         elif isinstance(message, SleepRank):
             control.sleep(message.level)
         else:
