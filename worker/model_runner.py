@@ -69,7 +69,8 @@ class ModelRunner:
         weight_dtype = self.model.embed_tokens.weight.dtype
         if group is not None:
             apply_tp(self.model, group)
-        self.dtype = torch.float32 if self.cpu_kernels is not None else weight_dtype  # activations, KV
+        is_fp32 = self.cpu_kernels is not None or weight_dtype == torch.uint8  # uint8: GGUF blocks
+        self.dtype = torch.float32 if is_fp32 else weight_dtype  # activations, KV
         self.vocab_size = self.model.args.vocab_size
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -87,7 +88,8 @@ class ModelRunner:
         misses), so they are written once."""
         begun = time.perf_counter()
         weight_dtype = model.embed_tokens.weight.dtype
-        if can_use_kernels and self.device.type == "cpu" and weight_dtype in (torch.float32, torch.bfloat16):
+        kernel_dtypes = (torch.float32, torch.bfloat16, torch.uint8)  # uint8: blocks (worker/models/quantized.py)
+        if can_use_kernels and self.device.type == "cpu" and weight_dtype in kernel_dtypes:
             self.cpu_kernels = load_cpu_kernels()
         self.kernels_s = time.perf_counter() - begun
         if self.cpu_kernels is not None:

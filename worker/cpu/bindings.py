@@ -12,13 +12,13 @@ _P, _I32, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ct
 
 
 class LayerDesc(ctypes.Structure):
-    """struct layer_desc: one decoder layer's weights (bf16 bits or fp32), KV cache and shapes."""
+    """struct layer_desc: one decoder layer's weights (fp32, bf16 bits or GGUF blocks), KV cache and shapes."""
 
     _fields_ = [
         *((name, _P) for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
                                   "post_norm", "gate_up", "down", "key_cache", "value_cache")),
         *((name, _I64) for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate",
-                                    "num_slots", "is_bf16", "window")),
+                                    "num_slots", "is_bf16", "window", "quant_type")),
     ]  # fmt: skip
 
 
@@ -33,6 +33,7 @@ class ModelDesc(ctypes.Structure):
         ("signed_sin", _P),
         ("num_layers", _I64),
         ("layers", ctypes.POINTER(LayerDesc)),
+        ("embed_quant_type", _I64),
     ]
 
 

@@ -6,7 +6,8 @@ The runner builds a `FusedForward` for a model on the CPU backend and its KV cac
 for each step: it applies when every token of the step is a decode row (one token with context)
 and there are at most `FUSED_MAX_ROWS` of them; elsewhere the model runs op by op. The model is
 read through `LlamaModel.weights()`, its one description of its tensors; the C reads it as
-`struct model_desc` (bindings.py). Both paths give the same numbers (Qwen3's per-head q/k norms: to
+`struct model_desc` (bindings.py). Weights kept in GGUF blocks take the quantized products
+(csrc/gemv_quant.c), the embedding rows dequantized in C: the numbers of the op-by-op path still. Both paths give the same numbers (Qwen3's per-head q/k norms: to
 float rounding, C's RMSNorm against torch's). Token ids and positions are trusted as the scheduler
 bounds them (the C reads them). Layers split over ranks (tensor parallelism) never come here: the
 sums over ranks sit between a layer's halves.
@@ -23,6 +24,7 @@ from worker.cpu.linear import GEMV_MAX_ROWS
 from worker.input_batch import StepInputs
 from worker.models.config import LlamaArgs
 from worker.models.llama import LayerWeights, ModelWeights
+from worker.models.quantized import ggml_type_of
 
 FUSED_MAX_ROWS = GEMV_MAX_ROWS  # the few-row products' range: past it prefill-sized products win
 
@@ -45,13 +47,16 @@ class FusedForward:
     ) -> None:
         assert len(caches) == len(weights.layers) > 0
         self.kernels, self.args, self.caches = kernels, args, list(caches)
+        self.applies = all(_one_kind(w) for w in weights.layers)  # else every step runs op by op
+        if not self.applies:
+            return
         self.layers = (LayerDesc * len(caches))(
             *(layer_desc(w, cache, args) for w, cache in zip(weights.layers, caches))
         )
         shapes = {tuple(getattr(d, f) for f in _SHAPE_FIELDS) for d in self.layers}
         assert len(shapes) == 1, "decode_forward.c reads one shape for all layers"
         embed = weights.embed
-        assert embed.dtype in (torch.float32, torch.bfloat16) and embed.is_contiguous()
+        assert embed.dtype in (torch.float32, torch.bfloat16, torch.uint8) and embed.is_contiguous()
         self.desc = ModelDesc(
             embed=embed.data_ptr(),
             embed_is_bf16=int(embed.dtype == torch.bfloat16),
@@ -60,6 +65,7 @@ class FusedForward:
             signed_sin=_address(weights.signed_sin),
             num_layers=len(caches),
             layers=self.layers,
+            embed_quant_type=ggml_type_of(embed),
         )
         self.keep_alive = weights  # the tensors whose addresses the descriptors hold
         self.pointer = ctypes.byref(self.desc)
@@ -68,7 +74,7 @@ class FusedForward:
         """The step's rows for decode_forward.c, or None where the op-by-op path must run."""
         meta, num_tokens = inputs.attn, inputs.input_ids.shape[0]
         decode = meta.decode
-        if decode is None or meta.seqs or num_tokens > FUSED_MAX_ROWS or len(decode.rows) != num_tokens:
+        if not self.applies or decode is None or meta.seqs or num_tokens > FUSED_MAX_ROWS or len(decode.rows) != num_tokens:
             return None
         # a multi-step window feeds back its sampled tokens, which may be a column of the top-k ids
         input_ids, positions, slots = (
@@ -103,13 +109,21 @@ class FusedForward:
         return out
 
 
-_SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "is_bf16")
+_SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "is_bf16", "quant_type")
+
+
+def _one_kind(w: LayerWeights) -> bool:
+    """Whether the layer's four products share one kind of weight (a dtype, and a ggml type where the
+    weights are GGUF blocks): decode_forward.c reads one kind a layer. A GGUF file whose layers mix
+    types kept in blocks with types dequantized at load runs op by op."""
+    products = (w.qkv, w.o, w.gate_up, w.down)
+    return len({(p.dtype, ggml_type_of(p)) for p in products}) == 1
 
 
 def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs) -> LayerDesc:
     """One layer's struct layer_desc over its `cache` [2, Hkv, slots, D] float32."""
     products = (w.qkv, w.o, w.gate_up, w.down)
-    assert all(p.dtype == w.qkv.dtype and p.is_contiguous() for p in products)
+    assert _one_kind(w) and all(p.is_contiguous() for p in products)
     assert cache.is_contiguous() and cache.dtype == torch.float32
     key_cache = cache.data_ptr()
     return LayerDesc(
@@ -119,7 +133,7 @@ def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs) -> LayerDesc:
         key_cache=key_cache, value_cache=key_cache + cache.stride(0) * cache.element_size(),
         hidden=a.hidden_size, num_q_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
         intermediate=a.intermediate_size, num_slots=cache.shape[2],
-        is_bf16=int(w.qkv.dtype == torch.bfloat16), window=a.sliding_window or 0,
+        is_bf16=int(w.qkv.dtype == torch.bfloat16), window=a.sliding_window or 0, quant_type=ggml_type_of(w.qkv),
     )  # fmt: skip
 
 

@@ -9,7 +9,8 @@ x @ W^T up to a few hundred rows) and then plain `F.linear`; bf16 weights stay w
 where the CPU has AVX512-BF16 (its dot instruction beats MKL's fp32 products at any row count),
 elsewhere they are widened to fp32 a block of output features at a time for MKL (torch's own bf16
 products run far slower than its fp32 ones on this CPU). Without kernels (CUDA, no compiler) it is
-`F.linear` in the weights' dtype.
+`F.linear` in the weights' dtype. Weights kept in a GGUF file's blocks take csrc/gemv_quant.c
+(worker/cpu/quant_linear.py) at every row count.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.cpu.kernels import CpuKernels
+from worker.cpu.quant_linear import quant_linear
+from worker.models.quantized import QuantLinear
 
 GEMV_MAX_ROWS = 16  # rows up to which the C fp32 product beats MKL (scripts/bench_gemv.py)
 _ROW_CHUNK = 256  # rows per bf16 dot product call, so the activations stay in cache per weight block
@@ -83,6 +86,8 @@ def linear(
     one order per output whatever the rows (no MKL, no AMX: their orders depend on the shape)."""
     if kernels is None:
         return layer(x)
+    if isinstance(layer, QuantLinear):  # GGUF blocks: one kernel, one order of summation, any row count
+        return quant_linear(kernels, layer, x)
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(kernels, x, layer.weight, layer.bias)
     is_bf16 = layer.weight.dtype == torch.bfloat16

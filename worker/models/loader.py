@@ -1,6 +1,7 @@
 """Builds a model from a Hugging Face folder (config.json, then the safetensors weights) or a GGUF file
-(worker/models/gguf_*.py: the config from its metadata, its tensors dequantized), one tensor at a time
-into the model's own parameters, in the target dtype on the target device (engine-core process).
+(worker/models/gguf_*.py: the config from its metadata, its tensors dequantized or kept in their
+blocks), one tensor at a time into the model's own parameters, in the target dtype on the target
+device (engine-core process).
 
 Loading holds the model once plus one checkpoint tensor (no fp32 copy of everything on the host). The
 fused projections (q/k/v, gate/up) are filled row block by row block from their HF tensors.
@@ -8,6 +9,7 @@ fused projections (q/k/v, gate/up) are filled row block by row block from their 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -17,10 +19,12 @@ import torch
 from torch import nn
 
 from protocol.gguf_header import is_gguf, read_gguf_header
-from worker.models import gguf_weights, safetensors_files
+from worker.models import gguf_quantized, gguf_weights, safetensors_files
 from worker.models.config import LlamaArgs
 from worker.models.gguf_config import hf_config_from_gguf
+from worker.models.gguf_quantized import quantization_plan
 from worker.models.llama import LlamaModel
+from worker.models.quantized import quantize_modules
 from worker.parallel.sharding import Shard, is_split, rank_part, shard_args
 
 logger = logging.getLogger(__name__)
@@ -55,13 +59,17 @@ def load_model(
     shard: Shard | None = None,
     place: Callable[[LlamaModel], None] | None = None,
 ) -> LlamaModel:
-    """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"). `shard`: this
+    """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"); "auto" keeps a GGUF
+    file's Q8_0/Q4_0/Q4_1 weights in their blocks (gguf_quantized.py), the rest in fp32. `shard`: this
     rank's part of a tensor-parallel model (its heads and MLP columns; worker/parallel/sharding.py).
     `place`: called with the allocated model before its weights are read (where a backend wants its
     weights to live, so they are written once, there)."""
     args = LlamaArgs.from_hf_config(read_config(model_dir))
     if shard is not None:
         args = shard_args(args, shard.size)
+    keeps_blocks = dtype == "auto" and is_gguf(model_dir)  # GGUF's default: its quantization kept
+    if keeps_blocks:
+        dtype = "float32"  # what is not kept in blocks: its dequantized values, exactly
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, args.torch_dtype, device)
     with torch.device("meta"):
@@ -72,6 +80,8 @@ def load_model(
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = rotary.to(device)
+    if keeps_blocks:
+        quantize_modules(model, quantization_plan(model_dir, model, functools.partial(_destination, args)))
     if place is not None:
         place(model)
     _load_weights(model, model_dir, shard)
@@ -110,7 +120,9 @@ def _load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> Non
         if name not in params:
             raise ValueError(f"{model_dir}: weight {entry.name} does not belong to this model's config")
         destination = params[name].data[rows] if rows is not None else params[name].data
-        if shard is not None and is_split(entry.name):  # the whole tensor once, this rank's part kept
+        if destination.dtype == torch.uint8:  # a module kept in the file's blocks
+            gguf_quantized.read_blocks_into(entry, destination, shard)
+        elif shard is not None and is_split(entry.name):  # the whole tensor once, this rank's part kept
             part = rank_part(entry.name, source.read_tensor(entry), shard)
             if part.numel() != destination.numel():
                 raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit this model's config")

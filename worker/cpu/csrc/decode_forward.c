@@ -24,12 +24,13 @@
 struct buffers {
     float *qkv, *q, *k, *attn, *o_out, *normed, *gate_up, *act, *down, *streams[2];
     int64_t *cursors; /* [num_layers, 4]: where the threads stand in each product (gemv_share) */
+    int *failed;      /* a quantized product found no memory for its tile */
 };
 
 /* The shapes every layer shares, and this step's. */
 struct shapes {
     int64_t T, H, I, qkv_size, q_size;
-    int num_q, num_kv, head_dim, group, is_bf16, use_dot, block_size, max_len;
+    int num_q, num_kv, head_dim, group, is_bf16, use_dot, block_size, max_len, quant_type;
 };
 
 struct thread_scratch {
@@ -46,6 +47,18 @@ static float *carve(float **next, int64_t count) {
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     const int64_t ab = a > b ? a : b;
     return ab > c ? ab : c;
+}
+
+/* A thread's part of one of a layer's four products: fp32 or bf16 weights (gemv.c) or GGUF blocks
+ * (gemv_quant.c), the same sums either way as the op-by-op path's. */
+static void product(const struct shapes *s, const struct buffers *b, const float *x, int64_t K, const void *w,
+                    int64_t N, const float *bias, float *out, const struct thread_scratch *own, int64_t *cursor) {
+    if (s->quant_type) {
+        if (gemv_quant_share(x, s->T, K, w, s->quant_type, N, bias, out, cursor, own->team))
+            __atomic_store_n(b->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    gemv_share(x, s->T, K, w, s->is_bf16, s->use_dot, N, bias, out, own->rounded, cursor, own->team);
 }
 
 /* Qwen3: RMSNorm over each head of q and k, in place in the qkv row, before RoPE. */
@@ -70,8 +83,7 @@ static void attention_half(const struct model_desc *model, const struct layer_de
 #pragma omp for
     for (int64_t t = 0; t < T; t++)
         rms_norm_token(x, NULL, t, s->H, layer->input_norm, eps, NULL, b->normed);
-    gemv_share(b->normed, T, s->H, layer->qkv, s->is_bf16, s->use_dot, s->qkv_size,
-               layer->qkv_bias, b->qkv, own->rounded, &cursors[0], own->team);
+    product(s, b, b->normed, s->H, layer->qkv, s->qkv_size, layer->qkv_bias, b->qkv, own, &cursors[0]);
 #pragma omp barrier
 #pragma omp for
     for (int64_t t = 0; t < T; t++) {
@@ -93,8 +105,7 @@ static void attention_half(const struct model_desc *model, const struct layer_de
                        s->group, s->head_dim, s->block_size, scale, own->scores,
                        own->scores + (int64_t)s->group * s->max_len);
         }
-    gemv_share(b->attn, T, s->q_size, layer->o, s->is_bf16, s->use_dot, s->H,
-               layer->o_bias, b->o_out, own->rounded, &cursors[1], own->team);
+    product(s, b, b->attn, s->q_size, layer->o, s->H, layer->o_bias, b->o_out, own, &cursors[1]);
 #pragma omp barrier
 }
 
@@ -105,23 +116,28 @@ static void mlp_half(const struct layer_desc *layer, const struct shapes *s, con
 #pragma omp for
     for (int64_t t = 0; t < T; t++) /* out = h for now */
         rms_norm_token(x, b->o_out, t, s->H, layer->post_norm, eps, out, b->normed);
-    gemv_share(b->normed, T, s->H, layer->gate_up, s->is_bf16, s->use_dot, 2 * s->I, NULL,
-               b->gate_up, own->rounded, &cursors[0], own->team);
+    product(s, b, b->normed, s->H, layer->gate_up, 2 * s->I, NULL, b->gate_up, own, &cursors[0]);
 #pragma omp barrier
 #pragma omp for
     for (int64_t t = 0; t < T; t++) silu_mul_token(b->gate_up, t, s->I, b->act);
-    gemv_share(b->act, T, s->I, layer->down, s->is_bf16, s->use_dot, s->H, NULL, b->down,
-               own->rounded, &cursors[1], own->team);
+    product(s, b, b->act, s->I, layer->down, s->H, NULL, b->down, own, &cursors[1]);
 #pragma omp barrier
 #pragma omp for
     for (int64_t i = 0; i < T * s->H; i++) out[i] += b->down[i];
 }
 
-/* x[t] = the embedding table's row of token t, widened to fp32 from bf16 bits where it is bf16. */
+/* x[t] = the embedding table's row of token t, widened to fp32 from bf16 bits where it is bf16,
+ * dequantized from GGUF blocks where it is blocks. */
 static void embed(const struct model_desc *model, const struct step_desc *step, int64_t T, int64_t H, float *x) {
     const int64_t *input_ids = step->input_ids;
 #pragma omp for
     for (int64_t t = 0; t < T; t++) {
+        if (model->embed_quant_type) {
+            const int32_t type = (int32_t)model->embed_quant_type;
+            const uint8_t *row = (const uint8_t *)model->embed + input_ids[t] * quant_row_bytes(type, H);
+            dequantize_rows(row, type, 1, H, x + t * H);
+            continue;
+        }
         if (!model->embed_is_bf16) {
             memcpy(x + t * H, (const float *)model->embed + input_ids[t] * H, sizeof(float) * H);
             continue;
@@ -139,7 +155,7 @@ static struct shapes shapes_of(const struct layer_desc *layer, const struct step
     s.T = step->num_tokens, s.H = layer->hidden, s.I = layer->intermediate;
     s.num_q = (int)layer->num_q_heads, s.num_kv = (int)layer->num_kv_heads, s.head_dim = (int)layer->head_dim;
     s.group = s.num_q / s.num_kv, s.is_bf16 = (int)layer->is_bf16, s.use_dot = (int)step->use_dot;
-    s.block_size = (int)step->block_size;
+    s.block_size = (int)step->block_size, s.quant_type = (int)layer->quant_type;
     s.qkv_size = (int64_t)(s.num_q + 2 * s.num_kv) * s.head_dim, s.q_size = (int64_t)s.num_q * s.head_dim;
     const int32_t *context_lens = step->context_lens;
     s.max_len = 1;
@@ -176,6 +192,8 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     const int64_t total = T * (s.qkv_size + 3 * s.q_size + 6 * s.H + 3 * s.I + (int64_t)s.num_kv * s.head_dim);
     float *memory = malloc(sizeof(float) * (total + 12 * 16 + per_thread * num_threads)), *next = memory;
     struct buffers b;
+    int failed = 0;
+    b.failed = &failed;
     b.cursors = calloc(4 * model->num_layers, sizeof(int64_t));
     if (!memory || !b.cursors) {
         free(memory);
@@ -202,7 +220,7 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     }
     free(memory);
     free(b.cursors);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* The layout of decode_forward.h's structs by name, for the test that checks worker/cpu/bindings.py's
@@ -219,10 +237,10 @@ static const struct {
     FIELD(layer_desc, key_cache), FIELD(layer_desc, value_cache), FIELD(layer_desc, hidden),
     FIELD(layer_desc, num_q_heads), FIELD(layer_desc, num_kv_heads), FIELD(layer_desc, head_dim),
     FIELD(layer_desc, intermediate), FIELD(layer_desc, num_slots), FIELD(layer_desc, is_bf16),
-    FIELD(layer_desc, window),
+    FIELD(layer_desc, window), FIELD(layer_desc, quant_type),
     SIZE(model_desc), FIELD(model_desc, embed), FIELD(model_desc, embed_is_bf16), FIELD(model_desc, final_norm),
     FIELD(model_desc, cos), FIELD(model_desc, signed_sin), FIELD(model_desc, num_layers),
-    FIELD(model_desc, layers),
+    FIELD(model_desc, layers), FIELD(model_desc, embed_quant_type),
     SIZE(step_desc), FIELD(step_desc, input_ids), FIELD(step_desc, positions), FIELD(step_desc, slots),
     FIELD(step_desc, rows), FIELD(step_desc, block_tables), FIELD(step_desc, max_blocks),
     FIELD(step_desc, context_lens), FIELD(step_desc, num_tokens), FIELD(step_desc, block_size),

@@ -10,7 +10,7 @@
 /* One decoder layer's weights, KV cache and shapes (every layer of one model has the same shapes). */
 struct layer_desc {
     const float *input_norm;  /* [hidden] */
-    const void *qkv;          /* [(Hq + 2 Hkv) D, hidden] fp32, or bf16 bits where is_bf16 */
+    const void *qkv;          /* [(Hq + 2 Hkv) D, hidden] fp32, bf16 bits (is_bf16) or blocks (quant_type) */
     const float *qkv_bias;    /* [(Hq + 2 Hkv) D] or NULL */
     const float *q_norm;      /* [D] Qwen3's per-head norm, or NULL */
     const float *k_norm;      /* [D] or NULL (set together with q_norm) */
@@ -24,6 +24,7 @@ struct layer_desc {
     int64_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate, num_slots;
     int64_t is_bf16;          /* the four products' weights are bf16 */
     int64_t window;           /* sliding window in positions, 0 for none */
+    int64_t quant_type;       /* the four products' weights are GGUF blocks of this ggml type; 0: not */
 };
 
 /* What every step of one model shares. */
@@ -34,6 +35,7 @@ struct model_desc {
     const float *cos, *signed_sin;    /* [max_positions, D]; rotate_half's minus folded into the sin */
     int64_t num_layers;
     const struct layer_desc *layers;  /* [num_layers] */
+    int64_t embed_quant_type;         /* embed is GGUF blocks of this ggml type; 0: not */
 };
 
 /* This step's rows: T decode tokens, one per request. */

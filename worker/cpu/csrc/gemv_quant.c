@@ -231,6 +231,9 @@ static int range(const float *x, int64_t rows, int64_t K, const uint8_t *w, int 
     return 0;
 }
 
+/* Bytes of a row of K weights of the type (0 for a type without a product here). */
+int64_t quant_row_bytes(int32_t type, int64_t K) { return K / QK * block_bytes(type); }
+
 /* Whether the type has a product here and K fills whole blocks. */
 int32_t quant_type_supported(int32_t type, int64_t K) { return block_bytes(type) > 0 && K > 0 && K % QK == 0; }
 

@@ -44,5 +44,6 @@ void gemv_share(const float *x, int64_t rows, int64_t K, const void *w, int32_t 
 int gemv_quant_share(const float *x, int64_t rows, int64_t K, const uint8_t *w, int type, int64_t N,
                      const float *bias, float *out, int64_t *cursor, int num_threads);
 int32_t dequantize_rows(const uint8_t *w, int32_t type, int64_t rows, int64_t K, float *out);
+int64_t quant_row_bytes(int32_t type, int64_t K);
 
 #endif
