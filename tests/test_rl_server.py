@@ -17,7 +17,8 @@ PROMPT = "The capital of France is Paris. The capital of Germany is"
 SCORE = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 0}
 ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/reset_prefix_cache"), ("POST", "/pause"),
              ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"), ("POST", "/wake_up"),
-             ("GET", "/is_sleeping"), ("GET", "/get_weight_version"), ("POST", "/generate")]  # fmt: skip
+             ("GET", "/is_sleeping"), ("GET", "/get_weight_version"), ("POST", "/generate"),
+             ("POST", "/get_sequence_logprobs/")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
