@@ -101,7 +101,9 @@ def run_lm_eval(port: int, tokenizer_dir: str, work_dir: Path) -> dict:
     results = json.loads(next(out_dir.rglob("results_*.json")).read_text())
     samples = [json.loads(line) for line in next(out_dir.rglob("samples_*.jsonl")).read_text().splitlines()]
     per_item = [[float(r[0]) for r in sample["filtered_resps"]] for sample in samples]
-    correct = [max(range(len(s)), key=s.__getitem__) == int(sample["target"]) for s, sample in zip(per_item, samples)]
+    correct = [
+        max(range(len(s)), key=s.__getitem__) == int(sample["target"]) for s, sample in zip(per_item, samples)
+    ]
     return {
         "lm_eval acc": results["results"]["coreserve_smollm2_mc"]["acc,none"],
         "acc from the logged log-likelihoods": sum(correct) / len(correct),
