@@ -11,9 +11,9 @@ whole blocks of each row (split by input features) of the rank's part. docs/quan
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -46,7 +46,9 @@ def quantization_plan(path: str, model: nn.Module, destination: Destination) -> 
 def read_blocks_into(entry: gguf_weights.GGUFEntry, destination: torch.Tensor, shard: Shard | None) -> None:
     """The tensor's blocks (this rank's part under `shard`) into `destination` [rows, row bytes] uint8,
     HF's row order."""
-    raw = torch.from_numpy(np.array(gguf_weights._raw_rows(entry)))  # [rows, row bytes]: one tensor's copy
+    with warnings.catch_warnings():  # read-only memory-mapped bytes, only ever read: no copy on the heap
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(gguf_weights._raw_rows(entry))  # [rows, row bytes]
     if entry.interleaved_heads is not None:  # whole rows permuted: the values travel with their bytes
         raw = gguf_weights._undo_pair_interleave(raw, entry.interleaved_heads)
     if shard is not None and is_split(entry.name):
