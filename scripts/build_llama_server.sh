@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's HTTP server (llama-server) from the llama.cpp that the llama-cpp-python 0.3.36
+# source package on PyPI vendors (the package scripts/setup.sh fetches the vocab files from), for a
+# side-by-side run against coreserve on the same GGUF file (docs/quantized.md). Native CPU flags, so
+# its AMX / AVX-512 paths where the CPU has them; no CUDA, no curl.
+#
+#   scripts/build_llama_server.sh            # -> ~/.cache/coreserve/llama.cpp-0.3.36/build/bin/llama-server
+#   ~/.cache/coreserve/llama.cpp-0.3.36/build/bin/llama-server -m "$(.venv/bin/python -c \
+#       'from protocol.builtin_model import builtin_model_path; print(builtin_model_path("smollm2"))')" \
+#       --port 8081 -t 2 -np 32 -c 16384 --cont-batching
+#
+# Heavy (minutes of both cores): run it on a quiet machine. Needs cmake and a C++ compiler.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=0.3.36
+DEST="${LLAMA_CPP_DIR:-$HOME/.cache/coreserve/llama.cpp-$VERSION}"
+JOBS="${JOBS:-$(nproc)}"
+command -v cmake >/dev/null || { echo "cmake is needed (pip install cmake, or the system's)" >&2; exit 1; }
+if [ ! -f "$DEST/CMakeLists.txt" ]; then
+  SDIST_TMP=$(mktemp -d)
+  trap 'rm -rf "$SDIST_TMP"' EXIT
+  .venv/bin/python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$SDIST_TMP"
+  mkdir -p "$DEST"
+  tar -xzf "$SDIST_TMP/llama_cpp_python-$VERSION.tar.gz" -C "$DEST" --strip-components=3 \
+    "llama_cpp_python-$VERSION/vendor/llama.cpp"
+fi
+cmake -S "$DEST" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+cmake --build "$DEST/build" --target llama-server -j "$JOBS"
+echo "built $DEST/build/bin/llama-server"
