@@ -3,7 +3,8 @@ sleep and wake, as commands to the core (docs/rl.md). `LLM` and `AsyncLLM` call 
 
 Tensors cross the process boundary as one safetensors file in shared memory (/dev/shm; a temporary
 folder where there is none), written straight from each tensor's bytes and named on the wire; the core
-maps it and copies into its parameters. No pickle. torch is imported inside the writer only.
+maps it and copies into its parameters; the file is removed once the core answered, by a thread (not
+a daemon one: the interpreter waits for it at exit). No pickle. torch is imported inside the writer only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -55,18 +57,20 @@ class RLControl:
         else:
             folder = tempfile.mkdtemp(prefix="coreserve-weights-", dir=_shared_memory_dir())
             path = os.path.join(folder, "model.safetensors")
+        written = replied = begun
         try:
             if folder is not None:
                 write_safetensors(weights, path)
             written = time.perf_counter()
             reply = self._run(UpdateWeights(next(self._nonces), path, mode))
+            replied = time.perf_counter()
         finally:
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+            if folder is not None:  # freeing the file's pages off the caller's path; not a daemon
+                threading.Thread(target=shutil.rmtree, args=(folder, True), name="coreserve-rm").start()
         done = time.perf_counter()
         core = dict(reply.timings or {})  # the core's phases; "core": its whole part
-        wire = max(0.0, done - written - core.get("core", 0.0))  # the messages and the waits between
-        self.last_timings = {"write": written - begun, "round trip": done - written, "wire": wire, **core,
+        wire = max(0.0, replied - written - core.get("core", 0.0))  # the messages and the waits between
+        self.last_timings = {"write": written - begun, "round trip": replied - written, "wire": wire, **core,
                              "total": done - begun}  # fmt: skip
         return reply.weight_version
 

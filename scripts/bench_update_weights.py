@@ -1,11 +1,14 @@
 """update_weights of a model's whole state across the process boundary (target: <= 0.5 s for the 135M
-SmolLM2), with its breakdown: write (the frontend's safetensors file in /dev/shm), the core's round
-trip, and inside the core, load (validate and copy in place) and derive (the fused forward rebuilt).
-The load and derive times are measured on a model in this process, from the same file.
+SmolLM2), with its breakdown: write (the frontend's safetensors file in /dev/shm), wire (the command
+and reply, the round trip less the core's part), and in the core: check (tensor parallel: every rank's
+checks before any copies), load (checks and copies in place; with TP the slowest rank), derive (the
+fused forward rebuilt over the new weights' addresses), reset_prefix_cache.
 
     .venv/bin/python scripts/bench_update_weights.py [--model builtin:smollm2] [--repeats 5]
+        [--daemon] [--tensor-parallel-size 2] [--num-threads N] [--dtype float32]
 
-Prints a table and writes JSON (--out). The machine is shared and noisy: note its load beside the numbers.
+--daemon starts `python -m engine_core` on an ipc socket and attaches to it (else the frontend spawns
+its core). Prints a table and writes JSON (--out). The machine is shared and noisy: note its load.
 """
 
 from __future__ import annotations
@@ -14,63 +17,85 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("write", "wire", "check", "load", "derive", "reset_prefix_cache", "total")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:smollm2")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--daemon", action="store_true", help="through an attached daemon")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--num-threads", type=int, default=None, help="the core's torch threads")
+    parser.add_argument(
+        "--dtype", default="float32", help="the engine's (a GGUF kept quantized takes no update)"
+    )
     parser.add_argument("--out", default="bench_out/update_weights.json")
     args = parser.parse_args()
 
     import torch
 
     from engine_core.core import EngineCore
-    from frontend import LLM
-    from frontend.rl_control import write_safetensors
     from protocol.builtin_model import builtin_model_path
     from protocol.config import EngineConfig
-    from worker.models.weight_update import update_weights_from_path
 
     model = builtin_model_path(args.model[8:]) if args.model.startswith("builtin:") else args.model
-    core = EngineCore(EngineConfig(model=model, num_kv_blocks=64))
-    control = core.control.control  # the in-process runner's RunnerControl
-    state = [(name, p.detach().clone()) for name, p in _hf_named(core.executor.model)]
-    folder = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    path = os.path.join(folder, "model.safetensors")
-    num_bytes = write_safetensors(state, path)
-    loads, derives = [], []
-    for _ in range(args.repeats):
-        begun = time.perf_counter()
-        update_weights_from_path(core.executor.model, path)
-        loaded = time.perf_counter()
-        control._rederive()
-        loads.append(loaded - begun)
-        derives.append(time.perf_counter() - loaded)
+    engine = {"num_kv_blocks": 64, "tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype}
+    if args.num_threads:
+        engine["num_threads"] = args.num_threads
+    core = EngineCore(EngineConfig(model=model, num_kv_blocks=64, dtype=args.dtype))  # the engine's dtypes
+    state = list(_hf_named(core.executor.model))  # the trainer's side: HF names, copies of its own
     core.close()
-    os.remove(path)
-    os.rmdir(folder)
-
-    writes, trips, totals = [], [], []
-    with LLM(model, num_kv_blocks=64) as llm:
+    rounds: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    with _engine(model, engine, args.daemon) as llm:
         for _ in range(args.repeats):
             llm.update_weights(state)
             timings = llm._rl_control().last_timings
-            writes.append(timings["write"])
-            trips.append(timings["core"])
-            totals.append(timings["total"])
-    rows = {"write": writes, "core round trip": trips, "total": totals, "core: load": loads,
-            "core: derive": derives}  # fmt: skip
-    print(f"{args.model}: {num_bytes / 2**20:.0f} MiB of weights, {len(state)} tensors, load avg "
-          f"{os.getloadavg()[0]:.1f}")  # fmt: skip
-    for name, values in rows.items():
-        print(f"{name:>18}: median {statistics.median(values):.3f} s  min {min(values):.3f} s")
-    result = {name: values for name, values in rows.items()}
-    result.update(model=args.model, bytes=num_bytes, loadavg=os.getloadavg()[0], torch=torch.__version__)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+            for phase in PHASES:
+                rounds[phase].append(timings.get(phase, 0.0))
+    num_bytes = sum(t.numel() * t.element_size() for _, t in state)
+    mode = f"{'daemon' if args.daemon else 'spawned core'}, TP={args.tensor_parallel_size}"
+    print(f"{args.model} ({mode}): {num_bytes / 2**20:.0f} MiB of weights, {len(state)} tensors, "
+          f"load avg {os.getloadavg()[0]:.1f}")  # fmt: skip
+    for phase, values in rounds.items():
+        print(f"{phase:>18}: median {statistics.median(values):.3f} s  min {min(values):.3f} s")
+    result = dict(rounds, model=args.model, mode=mode, bytes=num_bytes, loadavg=os.getloadavg()[0],
+                  torch=torch.__version__)  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+@contextmanager
+def _engine(model: str, engine: dict, is_daemon: bool):
+    from frontend import LLM
+
+    if not is_daemon:
+        with LLM(model, **engine) as llm:
+            yield llm
+        return
+    folder = tempfile.mkdtemp(prefix="coreserve-bench-")
+    address = f"ipc://{folder}/core"
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in engine.items()]
+    command = [sys.executable, "-m", "engine_core", "--model", model, "--address", address, *flags]
+    daemon = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        while not os.path.exists(f"{folder}/core.in"):  # it binds once its model is loaded
+            if daemon.poll() is not None:
+                raise SystemExit(f"the daemon exited with code {daemon.returncode}")
+            time.sleep(0.1)
+        with LLM(model, core_address=address) as llm:
+            yield llm
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
 
 
 def _hf_named(model):
@@ -87,7 +112,7 @@ def _hf_named(model):
     params = dict(model.named_parameters(remove_duplicate=False))
     for name in names:
         target, rows = _destination(a, name)
-        yield name, params[target].data[rows] if rows is not None else params[target].data
+        yield name, (params[target].data[rows] if rows is not None else params[target].data).detach().clone()
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ def plan_update(
             continue
         param, rows = params[target[0]], target[1]
         view = param.data[rows] if rows is not None else param.data  # a view: copies land in the model
+        if view.dtype == torch.uint8:  # a GGUF module kept in its blocks (worker/models/gguf_quantized.py)
+            errors.append(f"{name} is held in quantized blocks: new weights need an engine started with "
+                          "dtype float32 or bfloat16")  # fmt: skip
+            continue
         expected = full_shape(name, tuple(view.shape), shard)
         if tuple(shape) != expected:
             errors.append(f"{name} has shape {list(shape)}; the model's is {list(expected)}")
