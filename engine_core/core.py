@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from engine_core.grammars import Grammars
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from engine_core.rl_control import CoreControl
@@ -50,14 +51,15 @@ class EngineCore:
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.executor.allocate_kv_cache(self.num_kv_blocks)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = eos_token_ids(config.model)
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             num_scheduler_steps=config.num_scheduler_steps,
+            grammars=Grammars(config.model, self.vocab_size, self.eos_token_ids),
         )
-        self.eos_token_ids = eos_token_ids(config.model)
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
         self.limits = RequestLimits.of(self.facts())
         self.control = CoreControl(self.scheduler, _executor_control(self.executor), self._reset_kv_pool)
@@ -156,7 +158,8 @@ class EngineCore:
         return outputs
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks, if any; the core is not used after this."""
+        """Stops the tensor-parallel ranks, if any, and the grammar thread; the core is not used after this."""
+        self.scheduler.grammars.close()
         self.executor.close()
 
 

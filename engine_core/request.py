@@ -47,6 +47,7 @@ class Request:
         self.stop_reason: int | None = None
         self.prompt_logprob_parts: list[LogprobsArrays] = []  # chunks until the first sampled token
         self.has_sent_prompt_logprobs = params.prompt_logprobs is None
+        self.grammar = None  # engine_core/grammars.py's RequestGrammar, for structured outputs
 
     @property
     def num_prompt_tokens(self) -> int:

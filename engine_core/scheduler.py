@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from engine_core.grammars import Grammars, wait_for_any
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.outputs import make_output
 from engine_core.prefix_index import ROOT
@@ -25,8 +26,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_scheduler_steps: int = 1,
+        grammars: Grammars | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.grammars = grammars  # structured outputs; None: every request is unconstrained
+        self.compiling: list[Request] = []  # waiting for their grammar; the others are scheduled meanwhile
+        self.failed: list[tuple[Request, str]] = []  # grammars that did not compile, with why: reported next
+        self.num_with_grammar = 0  # requests in flight with a grammar: 0 skips every grammar step
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -44,14 +50,21 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        if req.params.structured_outputs is None:
+            self.waiting.append(req)
+            return
+        assert self.grammars is not None, "a scheduler without grammars got a structured request"
+        req.grammar = self.grammars.for_request(req.params)
+        self.num_with_grammar += 1
+        self.compiling.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.compiling)
 
     def has_schedulable_requests(self) -> bool:
         """Whether a step now would schedule anything (held admissions and a freeze say no)."""
-        return not self.is_frozen and bool(self.running or (self.can_admit and self.waiting))
+        is_queued = bool(self.waiting or self.compiling or self.failed)
+        return not self.is_frozen and bool(self.running or (self.can_admit and is_queued))
 
     def preempt_running(self) -> None:
         """Every running request back to the head of the waiting queue, its blocks freed: it is
@@ -68,7 +81,9 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None:
                 continue
-            if req.status == RequestStatus.WAITING:
+            if req in self.compiling:
+                self.compiling.remove(req)
+            elif req.status == RequestStatus.WAITING:
                 self.waiting.remove(req)
             elif req in self.running:
                 self.running.remove(req)
@@ -77,6 +92,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = 0 if self.is_frozen else self.max_num_batched_tokens
+        if self.compiling and not self.is_frozen:
+            self._take_compiled()
         output = SchedulerOutput([], [], {}, self.finished_req_ids)
         self.finished_req_ids = set()
         num_dropped_before = len(output.finished_req_ids)
@@ -102,7 +119,27 @@ class Scheduler:
             budget -= num_new
         if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs:
             self._extend_to_window(output)
+        if self.num_with_grammar:
+            self.grammars.add_bitmask(output, [self.requests[r] for r in output.num_scheduled_tokens])
         return output
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; one that failed is reported with its
+        error. With nothing else to run, the step waits a moment for a compile rather than spin."""
+        if not self.running and not self.waiting:
+            wait_for_any([req.grammar for req in self.compiling])
+        pending = []
+        for req in self.compiling:
+            if not req.grammar.is_compiled:
+                pending.append(req)
+            elif (error := req.grammar.error()) is not None:
+                req.finish(FinishReason.ERROR)
+                self.failed.append((req, error))
+                self._free(req)
+            else:
+                self.grammars.start(req.grammar)
+                self.waiting.append(req)
+        self.compiling = pending
 
     def _admit(self, req: Request, budget: int, output: SchedulerOutput) -> int | None:
         """Schedules the head of the waiting queue, after its cached prefix when it may read the cache;
@@ -152,6 +189,8 @@ class Scheduler:
         reqs = [self.requests[data.req_id] for data in output.cached_reqs]
         if not reqs or any(n != 1 for n in output.num_scheduled_tokens.values()):
             return
+        if any(r.grammar is not None for r in reqs):
+            return  # the matchers advance on the host, token by token: one step
         if any(r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens for r in reqs):
             return  # a prefill (a first one, or a recompute after preemption) is in the batch: run single
         num_steps = min(
@@ -230,6 +269,10 @@ class Scheduler:
         sampled = dict(zip(runner_output.sampled_req_ids, runner_output.sampled_token_ids.tolist()))
         logprob_rows = {req_id: row for row, req_id in enumerate(runner_output.logprob_req_ids)}
         by_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        for req, error in self.failed:
+            failure = EngineCoreOutput(req.client_req_id, [], finish_reason=FinishReason.ERROR, error=error)
+            by_client[req.client_id].append(failure)
+        self.failed = []
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
@@ -249,7 +292,10 @@ class Scheduler:
             step_logprobs = (
                 [runner_output.logprobs[step] for step in range(num_new)] if row is not None else []
             )
-            by_client[req.client_id].append(make_output(req, num_new, step_logprobs, row))
+            output = make_output(req, num_new, step_logprobs, row)
+            if req_id in runner_output.constraint_masses:
+                output.constraint_masses = [runner_output.constraint_masses[req_id]]
+            by_client[req.client_id].append(output)
             if req.is_finished:
                 self._free(req)
         if any(r.is_finished for r in self.running):
@@ -261,12 +307,16 @@ class Scheduler:
         for num, token_id in enumerate(token_ids, start=1):
             req.append_token(token_id)
             stop = check_stop(req, self.max_model_len)
+            if stop is None and req.grammar is not None and req.grammar.has_ended_after(token_id):
+                stop = FinishReason.STOP, None  # the grammar's output is complete
             if stop is not None:
                 req.finish(*stop)
                 return num
         return len(token_ids)
 
     def _free(self, req: Request) -> None:
+        if req.grammar is not None and req.req_id in self.requests:
+            self.num_with_grammar -= 1
         self.kv_cache.free(req.req_id)
         self.requests.pop(req.req_id, None)
         self.finished_req_ids.add(req.req_id)

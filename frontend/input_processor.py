@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from frontend.structured_outputs import check_structured_outputs
 from protocol.messages import EngineCoreRequest, HandshakeReply
 from protocol.request_rules import RequestLimits, check_request
 from protocol.sampling_params import SamplingParams
@@ -74,3 +75,5 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # again: the object may have been changed since it was built
         check_request(prompt_token_ids, params, RequestLimits.of(self.facts))
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)

@@ -6,11 +6,17 @@ from frontend.outputs import Logprob, PositionLogprobs
 from frontend.token_text import TokenTable
 from protocol.arrays import LogprobsArrays
 
+_NEG_INF = float("-inf")
 
-def to_position_dicts(arrays: LogprobsArrays, table: TokenTable) -> list[PositionLogprobs]:
+
+def to_position_dicts(
+    arrays: LogprobsArrays, table: TokenTable, drop_masked: bool = False
+) -> list[PositionLogprobs]:
     """Column 0 (the sampled or prompt token) comes first with its true rank; top-k entries follow with
     ranks 1..k, then the caller's candidate ids (prompt_logprob_token_ids) with their true ranks. A token
-    that is more than one of these keeps its one entry (its values are the same bits)."""
+    that is more than one of these keeps its one entry (its values are the same bits). `drop_masked`
+    (structured outputs): top-k entries at -inf, tokens the grammar forbade, are left out, so fewer
+    than k remain where fewer were allowed."""
     token_rows = arrays.token_ids_np().tolist()
     value_rows = arrays.logprobs_np().tolist()
     ranks = arrays.ranks_np().tolist()
@@ -24,7 +30,7 @@ def to_position_dicts(arrays: LogprobsArrays, table: TokenTable) -> list[Positio
         chosen = token_ids[0]
         entry = {chosen: Logprob(values[0], rank, decoded[chosen] if chosen < num_decoded else "")}
         for top_rank, (token_id, value) in enumerate(zip(token_ids[1:num_top], values[1:num_top]), start=1):
-            if token_id not in entry:
+            if token_id not in entry and not (drop_masked and value == _NEG_INF):
                 entry[token_id] = Logprob(
                     value, top_rank, decoded[token_id] if token_id < num_decoded else ""
                 )

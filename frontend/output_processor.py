@@ -34,6 +34,7 @@ class CompletionState:
     num_sent_tokens: int = 0  # streaming: what earlier deltas already carried
     num_sent_chars: int = 0
     has_sent_finish: bool = False  # streaming: a finished completion is in one delta, never after
+    constraint_masses: list[float] | None = None  # grammar requests with logprobs: one per token
 
     @property
     def text(self) -> str:
@@ -102,6 +103,7 @@ class OutputProcessor:
                 ),
                 logprobs=[] if p.logprobs is not None else None,
                 cumulative_logprob=0.0 if p.logprobs is not None else None,
+                constraint_masses=[] if p.logprobs is not None and p.structured_outputs is not None else None,
             )
             for i, (core_id, p) in enumerate(children)
         ]
@@ -198,10 +200,14 @@ class OutputProcessor:
         is_core_done = output.finish_reason is not None
         num_kept, is_stopped = self._append_text(completion, output.new_token_ids, is_core_done)
         if output.new_logprobs is not None and completion.logprobs is not None:
-            completion.logprobs.extend(to_position_dicts(output.new_logprobs, self.table)[:num_kept])
+            is_masked = completion.params.structured_outputs is not None  # its -inf entries are not shown
+            positions = to_position_dicts(output.new_logprobs, self.table, drop_masked=is_masked)
+            completion.logprobs.extend(positions[:num_kept])
             completion.cumulative_logprob = add_chosen(
                 completion.cumulative_logprob, output.new_logprobs, num_kept
             )
+        if output.constraint_masses is not None and completion.constraint_masses is not None:
+            completion.constraint_masses.extend(output.constraint_masses[:num_kept])
         if is_core_done and not is_stopped:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason
@@ -282,6 +288,7 @@ def _completion_output(c: CompletionState, is_delta: bool, can_skip: bool) -> Co
             logprobs=list(c.logprobs) if c.logprobs is not None else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            constraint_masses=None if c.constraint_masses is None else list(c.constraint_masses),
         )
     text = c.text
     if c.finish_reason is None and c.params.stop:  # hold back what could still become a stop string
@@ -299,6 +306,7 @@ def _completion_output(c: CompletionState, is_delta: bool, can_skip: bool) -> Co
         logprobs=logprobs,
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
+        constraint_masses=None if c.constraint_masses is None else c.constraint_masses[c.num_sent_tokens :],
     )
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
     c.has_sent_finish = c.finish_reason is not None

@@ -35,6 +35,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # With structured_outputs and logprobs, one per token: the probability the model's own distribution
+    # gave the tokens the grammar allowed there (docs/structured_outputs.md); None otherwise.
+    constraint_masses: list[float] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

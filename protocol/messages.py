@@ -135,6 +135,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None  # with FinishReason.ERROR: why the core refused the request
     num_cached_tokens: int = 0  # in the first output: prompt tokens read from the prefix cache
     weight_version: int = 0  # the core's weights that computed this output (0 = those it started with)
+    # Per new token of a request with a grammar that asked for logprobs: the probability the model's own
+    # distribution gave the tokens the grammar allowed (docs/structured_outputs.md).
+    constraint_masses: list[float] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from protocol.structured_outputs import StructuredOutputsParams
+
 # vLLM's names: logprobs or logits, of the model's output (raw) or after every logit rule, penalty,
 # temperature and filter (processed). "raw" and "processed" are the older names of the logprobs modes.
 LogprobsMode = Literal[
@@ -79,6 +81,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # The grammar the output must follow (vLLM's name; docs/structured_outputs.md); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +135,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+            if self.min_tokens:  # the grammar alone decides where its output may end
+                raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @property
     def has_logit_rules(self) -> bool:

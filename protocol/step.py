@@ -41,6 +41,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step, in batch order
     finished_req_ids: set[str]  # finished or preempted since the last step: the worker drops them
     num_steps: int = 1  # > 1 only for decode-only batches (multi-step)
+    grammar_req_ids: list[str] = field(default_factory=list)  # rows that sample under a grammar this step
+    # [len(grammar_req_ids), ceil(V / 32)] int32 little-endian; bit j of word w set: token 32 w + j allowed
+    grammar_bitmask: bytes = b""
 
 
 @dataclass
@@ -60,3 +63,5 @@ class ModelRunnerOutput:
     logprob_req_ids: list[str] = field(default_factory=list)  # subset of sampled_req_ids that asked
     logprobs: list[HostLogprobs] = field(default_factory=list)  # one per step, rows follow logprob_req_ids
     prompt_logprobs: dict[str, HostLogprobs] = field(default_factory=dict)  # rows of this step's chunk
+    # req_id -> the probability mass its grammar allowed under the model's own distribution (logprob rows only)
+    constraint_masses: dict[str, float] = field(default_factory=dict)

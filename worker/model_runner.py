@@ -23,6 +23,7 @@ from worker.cpu.huge_pages import collapse_in_background, place_linear_weights, 
 from worker.cpu.kernels import CpuKernels, load_cpu_kernels
 from worker.cpu.ops import apply_cpu_backend
 from worker.executor import RunnerSpec
+from worker.grammar_mask import build_grammar_mask
 from worker.input_batch import RequestState, StepInputs, build_step_inputs, next_window_step
 from worker.logprobs import candidate_ids, prompt_logprobs
 from worker.models.llama import LlamaModel
@@ -143,6 +144,7 @@ class ModelRunner:
             return ModelRunnerOutput([], np.zeros((0, 1), dtype=np.int32))
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
         if scheduler_output.num_steps > 1:
+            assert not scheduler_output.grammar_req_ids  # the scheduler cuts windows with a grammar row
             return self._execute_window(states, scheduler_output.num_steps)
         num_tokens = list(scheduler_output.num_scheduled_tokens.values())
         inputs = build_step_inputs(states, num_tokens, self.block_size, self.device)
@@ -151,11 +153,20 @@ class ModelRunner:
             state.num_computed_tokens += num
         sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
         tensors = StepTensors()
+        masses: dict[str, float] = {}
         if sampling_states:
             meta = build_sampling_metadata(sampling_states, self.vocab_size, self.device)
+            meta.grammar = build_grammar_mask(
+                scheduler_output.grammar_req_ids,
+                scheduler_output.grammar_bitmask,
+                inputs.sampled_req_ids,
+                self.vocab_size,
+                self.device,
+            )
             sampled_hidden = hidden if inputs.sample_rows is None else hidden[inputs.sample_rows]
             out = self._agreed(self.sampler(self.model.compute_logits(sampled_hidden), meta))
             tensors.add_step(out.sampled, _logprobs_of(out))
+            masses = _constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
         if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
             for job in inputs.prompt_jobs:
                 params = self.states[job.req_id].params
@@ -176,7 +187,9 @@ class ModelRunner:
         host = tensors.to_host()
         for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
             state.token_ids.append(token_id)
-        return host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
+        output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
+        output.constraint_masses = masses
+        return output
 
     def _execute_window(self, states: list[RequestState], num_steps: int) -> ModelRunnerOutput:
         """Decode-only multi-step: each step's sampled tokens feed the next on the device; tokens and
@@ -229,6 +242,16 @@ def _logprobs_of(out: SamplerOutput) -> LogprobsTensors | None:
     if out.logprobs is None:
         return None
     return LogprobsTensors(out.logprob_token_ids, out.logprobs, out.ranks)
+
+
+def _constraint_masses(grammar_req_ids: list[str], out: SamplerOutput, states: dict) -> dict[str, float]:
+    """The grammar rows' allowed mass, for those that asked for logprobs (a second small copy, only on
+    steps with such a row)."""
+    wanted = [row for row, r in enumerate(grammar_req_ids) if states[r].logprobs_k is not None]
+    if not wanted or out.constraint_masses is None:
+        return {}
+    values = out.constraint_masses.cpu().tolist()
+    return {grammar_req_ids[row]: values[row] for row in wanted}
 
 
 def _logprob_req_ids(states: list[RequestState]) -> list[str]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.cpu.kernels import CpuKernels, argmax_rows
+from worker.grammar_mask import GrammarMask, allowed_mass, apply_grammar_mask
 from worker.logit_rules import LogitRules, apply_logit_rules
 from worker.logprobs import gather_logprobs, top_logprobs
 
@@ -42,6 +43,7 @@ class SamplingMetadata:
     is_all_rows: bool = False  # every row asked for logprobs: no row gather needed
     is_logits: torch.Tensor | None = None  # [R'] bool, row wants logits, not logprobs; None: no row does
     logit_rules: LogitRules | None = None  # allowed_token_ids and logit_bias; None: no row has them
+    grammar: GrammarMask | None = None  # structured outputs' masks; None: no row has a grammar
     device: torch.device = torch.device("cpu")  # where the rows' tensors live
 
 
@@ -51,6 +53,7 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None  # [R', k + 1] int32, column 0 = sampled token
     logprobs: torch.Tensor | None  # [R', k + 1] float32
     ranks: torch.Tensor | None  # [R'] int32
+    constraint_masses: torch.Tensor | None = None  # [G] float32 mass each grammar row allowed (raw softmax)
 
 
 class Sampler:
@@ -61,9 +64,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] float32 (not modified)."""
         processed = self._process(logits, meta)
+        masses = None if meta.grammar is None else allowed_mass(logits, meta.grammar)
         rows = meta.logprob_rows
         if rows is None:
-            return SamplerOutput(self._sample(processed, meta), None, None, None)
+            return SamplerOutput(self._sample(processed, meta), None, None, None, masses)
         scores = logits if meta.is_all_rows else logits[rows]
         if meta.is_processed is not None:
             chosen_scores = processed if meta.is_all_rows else processed[rows]
@@ -76,19 +80,22 @@ class Sampler:
         token_ids, values, ranks = gather_logprobs(top, sampled[rows], meta.num_logprobs)
         if meta.is_logits is not None:  # the logits modes: the same tokens and ranks, their scores' values
             values = torch.where(meta.is_logits[:, None], scores.gather(-1, token_ids.long()), values)
-        return SamplerOutput(sampled, token_ids, values, ranks)
+        return SamplerOutput(sampled, token_ids, values, ranks, masses)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Logit rules (allowed tokens, bias), penalties, min_tokens bans, temperature, min-p, top-k,
-        top-p; a copy, or `logits` itself when nothing applies (greedy rows with no penalties or rules:
-        the common case, spared a [R, V] copy)."""
+        """Logit rules (allowed tokens, bias), the grammar's mask, penalties, min_tokens bans, temperature,
+        min-p, top-k, top-p; a copy, or `logits` itself when nothing applies (greedy rows with no penalties
+        or rules: the common case, spared a [R, V] copy)."""
         is_filtered = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
         is_changed = meta.penalties is not None or meta.banned or meta.logit_rules is not None
+        is_changed = is_changed or meta.grammar is not None
         if meta.all_greedy and not is_changed and not is_filtered:
             return logits
         logits = logits.clone()
         if meta.logit_rules is not None:
             logits = apply_logit_rules(logits, meta.logit_rules)
+        if meta.grammar is not None:  # after the rules: a biased token the grammar forbids stays -inf
+            logits = apply_grammar_mask(logits, meta.grammar)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         for row, token_ids in meta.banned:
