@@ -4,14 +4,15 @@ Every core gets every command. An update is checked by every core before any cor
 command with `check_only`), so a name or shape that one core refuses is refused for all and no core
 changes: the cores' weight versions stay in step. A core that refuses after all checks passed (its
 copy of the file gone, say) leaves the cores on different weights; that is said in the reply's error,
-naming which cores took the update. A reply whose cores disagree on the version says so too.
+naming which cores took the update. Versions that came apart (a core updated by another frontend, or
+restarted) make an update's and a state query's reply an error listing them; other commands go on.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import ControlCommand, ControlReply, UpdateWeights
+from protocol.messages import ControlCommand, ControlReply, GetControlState, UpdateWeights
 
 
 def control_every_core(cores: list, command: ControlCommand) -> ControlReply:
@@ -34,10 +35,11 @@ def control_every_core(cores: list, command: ControlCommand) -> ControlReply:
     if refused:
         return replies[refused[0]]
     versions = {core.address: r.weight_version for core, r in zip(cores, replies)}
-    if len(set(versions.values())) > 1:
+    if len(set(versions.values())) > 1 and isinstance(command, UpdateWeights | GetControlState):
+        done = "the update was applied on every core, but " if isinstance(command, UpdateWeights) else ""
         error = (
-            f"the engine cores' weight versions differ {versions}: one was updated or restarted "
-            "apart from the others (each counts its own updates); update every core from one frontend"
+            f"{done}the engine cores' weight versions differ {versions}: one was updated or restarted "
+            "apart from the others (each core counts its own updates; each output carries its core's)"
         )  # fmt: skip
         return msgspec.structs.replace(replies[0], error=error)
     return replies[0]

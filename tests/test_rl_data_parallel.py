@@ -97,3 +97,8 @@ def test_an_update_one_core_refuses_changes_no_core(daemons, tiny_path):
         assert all(torch.equal(a, b) for a, b in zip(scores(llm), scored_before))
         with pytest.raises(ValueError, match="weight versions differ"):
             llm.get_weight_version()
+        llm.pause_generation("abort")  # the other commands go on
+        llm.resume_generation()
+        with pytest.raises(ValueError, match="applied on every core, but .* versions differ"):
+            llm.update_weights([("model.norm.weight", torch.ones(256))])  # both models have it
+        assert [v - b for v, b in zip(core_versions(llm), before)] == [1, 1]
