@@ -165,7 +165,7 @@ BAD_FIELDS = [
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"7": 100.5}}, "logit_bias"),
     ({"prompt": None}, "prompt"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"no_such_field": 1}, "no_such_field"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

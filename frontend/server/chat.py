@@ -159,7 +159,10 @@ class ChatResponse:
 def _piece(completion: CompletionOutput, k: int, as_token_ids: bool) -> dict:
     logprobs = None
     if completion.logprobs is not None:
-        logprobs = {"content": chat_content(completion.token_ids, completion.logprobs, k, as_token_ids)}
+        content = chat_content(
+            completion.token_ids, completion.logprobs, k, as_token_ids, completion.constraint_masses
+        )
+        logprobs = {"content": content}
     return {
         "index": completion.index,
         "text": completion.text,

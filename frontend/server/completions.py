@@ -195,7 +195,12 @@ class CompletionChoice:
         if "token_ids" in piece:
             piece["token_ids"].extend(completion.token_ids)
         if self.logprobs is not None and completion.logprobs is not None:
-            self.logprobs.add(completion.token_ids, completion.logprobs, self.body.logprobs)
+            self.logprobs.add(
+                completion.token_ids,
+                completion.logprobs,
+                self.body.logprobs,
+                masses=completion.constraint_masses,
+            )
 
 
 def _empty_choice(index: int) -> dict:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from frontend.server.errors import APIError, bad_request_from_value_error
 from frontend.server.generation import Generation, PromptInput
 from frontend.server.schemas import CompletionRequest, SamplingFields
+from frontend.server.structured_fields import StructuredFields, structured_outputs_of
 from frontend.server.unsupported import refuse_unsupported
 from protocol.request_rules import (
     RequestLimits,
@@ -154,6 +155,7 @@ def sampling_params(
             logit_bias=logit_bias(body.logit_bias, vocab_size),
             allowed_token_ids=body.allowed_token_ids,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
+            structured_outputs=structured_outputs_of(body) if isinstance(body, StructuredFields) else None,
             **fields,
         )
     except ValueError as exc:

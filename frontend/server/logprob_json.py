@@ -64,8 +64,13 @@ class LegacyLogprobs:
         positions: list[PositionLogprobs | None],
         k: int,
         is_prompt: bool = False,
+        masses: list[float] | None = None,
     ) -> None:
+        """`masses`: structured outputs' constraint_masses, one per token: `constraint_mass`, beside
+        `token_logprobs` (null for echoed prompt tokens), docs/structured_outputs.md."""
         piece = self._piece
+        if masses is not None:
+            piece.setdefault("constraint_mass", [None] * len(piece["tokens"])).extend(masses)
         for token_id, position in zip(token_ids, positions):
             piece["text_offset"].append(self.offset)
             self._advance(token_id, is_prompt)
@@ -104,14 +109,20 @@ def _empty_piece() -> dict:
 
 
 def chat_content(
-    token_ids: list[int], positions: list[PositionLogprobs], k: int, as_token_ids: bool = False
+    token_ids: list[int],
+    positions: list[PositionLogprobs],
+    k: int,
+    as_token_ids: bool = False,
+    masses: list[float] | None = None,
 ) -> list[dict]:
     """`choices[i].logprobs.content`: per generated token its text (or "token_id:N"), logprob, exact
-    bytes, and the top k."""
+    bytes, and the top k; with structured outputs, `constraint_mass` (docs/structured_outputs.md)."""
     content = []
-    for token_id, position in zip(token_ids, positions):
+    for index, (token_id, position) in enumerate(zip(token_ids, positions)):
         entry = _chat_entry(token_id, position[token_id], as_token_ids)
         entry["top_logprobs"] = [_chat_entry(i, lp, as_token_ids) for i, lp in top_entries(position, k)]
+        if masses is not None:
+            entry["constraint_mass"] = masses[index]
         content.append(entry)
     return content
 

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from frontend.server.structured_fields import StructuredFields
 from frontend.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -87,7 +88,7 @@ class SamplingFields(_Request):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
-class CompletionRequest(SamplingFields, CompletionUnsupportedFields):
+class CompletionRequest(SamplingFields, StructuredFields, CompletionUnsupportedFields):
     prompt: Prompt
     max_tokens: NonNegativeInt64 | None = 16  # 0 with echo: score the prompt, generate nothing
     logprobs: NonNegativeInt64 | None = None
@@ -112,7 +113,7 @@ class ChatMessage(_Request):
     content: Text | list[TextPart] | None = None
 
 
-class ChatCompletionRequest(SamplingFields, ChatUnsupportedFields):
+class ChatCompletionRequest(SamplingFields, StructuredFields, ChatUnsupportedFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: NonNegativeInt64 | None = None
     max_completion_tokens: NonNegativeInt64 | None = None

@@ -1,8 +1,9 @@
 """Request fields of OpenAI's and vLLM's APIs that coreserve does not implement (frontend process, HTTP).
 
 Each is declared (any JSON value) so that `refuse_unsupported` can answer a 400 naming it, with the
-reason, rather than a client's JSON mode or tool call getting unconstrained text. A field holding its
-no-op value (`response_format: {"type": "text"}`, `use_beam_search: false`, `tools: []`) asks for
+reason, rather than a client's tool call getting unconstrained text (structured outputs are taken:
+frontend/server/structured_fields.py). A field holding its
+no-op value (`use_beam_search: false`, `tools: []`) asks for
 nothing coreserve lacks and passes. Fields unknown to both APIs are refused by the schemas themselves
 (`extra="forbid"`). docs/serving.md lists the fields and these decisions.
 """
@@ -15,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, create_model
 
 from frontend.server.errors import APIError
 
-_STRUCTURED = "structured output (JSON mode, schemas, grammars, choices) is not implemented"
 _TOOLS = "tool and function calling is not implemented"
 _BEAM = "beam search is not implemented"
 _MEDIA = "only text models are served"
@@ -23,15 +23,9 @@ _PD = "disaggregated prefill (KV transfer) is not implemented"
 
 # field -> (no-op values that pass, why anything else is refused)
 COMMON: dict[str, tuple[list, str]] = {
-    "response_format": ([{"type": "text"}], _STRUCTURED),
-    "guided_json": ([], _STRUCTURED),
-    "guided_regex": ([], _STRUCTURED),
-    "guided_choice": ([], _STRUCTURED),
-    "guided_grammar": ([], _STRUCTURED),
-    "guided_decoding_backend": ([], _STRUCTURED),
-    "guided_whitespace_pattern": ([], _STRUCTURED),
-    "structural_tag": ([], _STRUCTURED),
-    "structured_outputs": ([], _STRUCTURED),
+    "guided_decoding_backend": ([], "the grammar engine (xgrammar) is not chosen per request"),
+    "guided_whitespace_pattern": ([], "whitespace patterns for JSON are not implemented"),
+    "structural_tag": ([], "structural tags are not implemented"),
     "use_beam_search": ([False], _BEAM),
     "length_penalty": ([1.0], _BEAM),
     "bad_words": ([[]], "bad_words is not implemented"),
