@@ -2,8 +2,8 @@
 
 OpenAI's `response_format` (`text`, `json_object`, `json_schema`), vLLM's `structured_outputs` object and
 vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` all become one
-`StructuredOutputsParams`; asking for two at once is a 400 naming the second. The grammar itself is
-checked when the request is submitted (frontend/structured_outputs.py): a bad one is a 400 too.
+`StructuredOutputsParams`; asking for two at once is a 400 naming the second, and a grammar that does
+not parse (frontend/structured_outputs.py) a 400 naming the field that held it.
 docs/structured_outputs.md.
 """
 
@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.server.errors import APIError
+from frontend.structured_outputs import check_structured_outputs
 from protocol.structured_outputs import StructuredOutputsParams
 
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
@@ -77,6 +78,8 @@ def structured_outputs_of(body: StructuredFields) -> StructuredOutputsParams | N
         raise APIError(400, f"{name} cannot be combined with {asked[0][0]}: ask for one output format", name)
     name, fields = asked[0]
     try:
-        return StructuredOutputsParams(**fields)
+        params = StructuredOutputsParams(**fields)
+        check_structured_outputs(params)  # here, to name the body's field; the engine's check is cached
+        return params
     except ValueError as exc:
         raise APIError(400, f"{name}: {exc}", name) from exc
