@@ -115,7 +115,8 @@ def policy_gradient_loop(llm: LLM, model, num_updates: int) -> list[int]:
 def test_a_policy_gradient_loop_through_a_spawned_core_scores_with_the_trainers_weights():
     smollm2 = builtin_model_path("smollm2")
     model = trainer(gguf_reference_folder(smollm2))  # the weights the engine dequantized, as HF holds them
-    with LLM(smollm2, max_num_seqs=4, num_kv_blocks=32, num_threads=1) as llm:
+    # float32: dtype auto would keep the GGUF's Q8_0 blocks, which take no new weights
+    with LLM(smollm2, dtype="float32", max_num_seqs=4, num_kv_blocks=32, num_threads=1) as llm:
         assert policy_gradient_loop(llm, model, num_updates=2) == [0, 1, 2]
 
 

@@ -80,7 +80,7 @@ def plan_update(
     a ValueError names the first that does not fit. Tied checkpoints' lm_head.weight is skipped."""
     if params is None:
         params = dict(model.named_parameters(remove_duplicate=False))
-    plan, errors = [], []
+    plan, errors, quantized = [], [], []
     for name, shape in shapes:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.args.tie_word_embeddings):
             continue
@@ -91,14 +91,16 @@ def plan_update(
         param, rows = params[target[0]], target[1]
         view = param.data[rows] if rows is not None else param.data  # a view: copies land in the model
         if view.dtype == torch.uint8:  # a GGUF module kept in its blocks (worker/models/gguf_quantized.py)
-            errors.append(f"{name} is held in quantized blocks: new weights need an engine started with "
-                          "dtype float32 or bfloat16")  # fmt: skip
+            quantized.append(name)
             continue
         expected = full_shape(name, tuple(view.shape), shard)
         if tuple(shape) != expected:
             errors.append(f"{name} has shape {list(shape)}; the model's is {list(expected)}")
             continue
         plan.append((name, view))
+    if quantized:
+        errors.insert(0, f"{len(quantized)} weights ({', '.join(quantized[:3])}...) are held in quantized "
+                         "blocks: new weights need an engine started with dtype float32 or bfloat16")  # fmt: skip
     if errors:
         raise ValueError(f"update_weights refused, the weights are unchanged: {'; '.join(errors[:5])}")
     return plan
