@@ -43,11 +43,13 @@ def runs(model: str, prompts: list, dtype: str) -> tuple[list, list, object]:
         return batched, alone, (runner.model, runner.fused)
 
 
-def assert_quantized_run_is_the_fp32_run(model: str, prompts: list, ggml_type: int) -> None:
+def assert_quantized_run_is_the_fp32_run(
+    model: str, prompts: list, ggml_type: int, is_fused: bool = True
+) -> None:
     batched, alone, (quantized_model, fused) = runs(model, prompts, "auto")
     assert isinstance(quantized_model.layers[0].qkv_proj, QuantLinear)
     assert quantized_model.layers[0].down_proj.ggml_type == ggml_type
-    assert fused is not None and fused.applies  # decode steps took the fused forward
+    assert fused is not None and fused.applies == is_fused  # decode steps took the fused forward, or not
     fp32_batched, fp32_alone, (fp32_model, _) = runs(model, prompts, "float32")
     assert fp32_model.layers[0].qkv_proj.weight.dtype == torch.float32
     assert batched == fp32_batched
@@ -68,6 +70,18 @@ def random_files(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("type_name, ggml_type", [("Q8_0", 8), ("Q4_0", 2)])
 def test_a_random_gguf_run_quantized_gives_the_bits_of_its_fp32_dequantization(random_files, type_name, ggml_type):
     assert_quantized_run_is_the_fp32_run(random_files[type_name], RANDOM_PROMPTS, ggml_type)
+
+
+def test_layers_of_different_types_run_op_by_op_with_the_fp32_bits(tmp_path):
+    """Q4_0 layers and a Q8_0 one: decode_forward.c reads one kind of weight for the whole model, so
+    decode runs op by op (the engine starts; it once failed an assertion building the fused forward)."""
+    path = tmp_path / "mixed.gguf"
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
+    write_gguf_model(path, {f"model.layers.1.{n}.weight": "Q8_0" for n in names}, "Q4_0", vocab_size=2048)
+    model = load_model(str(path), "auto", torch.device("cpu"))
+    assert (model.layers[0].qkv_proj.ggml_type, model.layers[1].qkv_proj.ggml_type) == (2, 8)
+    assert_quantized_run_is_the_fp32_run(str(path), RANDOM_PROMPTS, 2, is_fused=False)
 
 
 def test_smollm2_q4_1_run_quantized_gives_the_bits_of_its_fp32_dequantization():

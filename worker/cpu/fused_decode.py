@@ -47,7 +47,7 @@ class FusedForward:
     ) -> None:
         assert len(caches) == len(weights.layers) > 0
         self.kernels, self.args, self.caches = kernels, args, list(caches)
-        self.applies = all(_one_kind(w) for w in weights.layers)  # else every step runs op by op
+        self.applies = _one_kind(weights.layers)  # else every step runs op by op
         if not self.applies:
             return
         self.layers = (LayerDesc * len(caches))(
@@ -112,18 +112,19 @@ class FusedForward:
 _SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "is_bf16", "quant_type")
 
 
-def _one_kind(w: LayerWeights) -> bool:
-    """Whether the layer's four products share one kind of weight (a dtype, and a ggml type where the
-    weights are GGUF blocks): decode_forward.c reads one kind a layer. A GGUF file whose layers mix
-    types kept in blocks with types dequantized at load runs op by op."""
-    products = (w.qkv, w.o, w.gate_up, w.down)
-    return len({(p.dtype, ggml_type_of(p)) for p in products}) == 1
+def _one_kind(layers: list[LayerWeights]) -> bool:
+    """Whether every layer's four products share one kind of weight (a dtype, and a ggml type where the
+    weights are GGUF blocks): decode_forward.c reads one kind for the whole model. A GGUF file that mixes
+    types kept in blocks with types dequantized at load, within a layer or across layers (Q4_0 layers
+    and a Q8_0 one), runs op by op."""
+    kinds = {(p.dtype, ggml_type_of(p)) for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)}
+    return len(kinds) == 1
 
 
 def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs) -> LayerDesc:
     """One layer's struct layer_desc over its `cache` [2, Hkv, slots, D] float32."""
     products = (w.qkv, w.o, w.gate_up, w.down)
-    assert _one_kind(w) and all(p.is_contiguous() for p in products)
+    assert _one_kind([w]) and all(p.is_contiguous() for p in products)
     assert cache.is_contiguous() and cache.dtype == torch.float32
     key_cache = cache.data_ptr()
     return LayerDesc(
