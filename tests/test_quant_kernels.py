@@ -90,3 +90,5 @@ def test_unsupported_types_and_widths_are_refused(kernels):
         quant_gemv(kernels, torch.randn(1, 64), raw, 12, None)
     with pytest.raises(ValueError, match="rows of 48 values"):
         quant_gemv(kernels, torch.randn(1, 48), raw, 8, None)
+    with pytest.raises(ValueError, match="rows of 96 values"):  # the C would read past each 2-block row
+        quant_gemv(kernels, torch.randn(1, 96), raw, 8, None)

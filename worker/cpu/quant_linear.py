@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from worker.cpu.bindings import CpuKernels
-from worker.models.quantized import QuantLinear
+from worker.models.quantized import QUANT_TYPES, QuantLinear, row_bytes
 
 _ROW_CHUNK = 256  # rows per call, as linear.py's chunks: the activations stay in cache per weight tile
 
@@ -25,6 +25,9 @@ def quant_gemv(
         x = x.contiguous()
     (num_rows, num_in), num_out = x.shape, weight.shape[0]
     assert x.dtype == torch.float32 and weight.dtype == torch.uint8 and weight.is_contiguous()
+    if ggml_type in QUANT_TYPES and weight.shape[1] != row_bytes(ggml_type, num_in):  # the C reads K's bytes
+        raise ValueError(f"weight rows of {weight.shape[1]} bytes do not hold rows of {num_in} values "
+                         f"of ggml type {ggml_type} ({row_bytes(ggml_type, num_in)} bytes)")  # fmt: skip
     out = torch.empty(num_rows, num_out)
     bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
     status = kernels.gemv_quant(x.data_ptr(), num_rows, num_in, weight.data_ptr(), ggml_type, num_out, bias_ptr,
