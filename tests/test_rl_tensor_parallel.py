@@ -1,7 +1,8 @@
 """update_weights with tensor parallelism (worker/parallel/, worker/models/weight_update.py): each rank
 loads its part of the new weights in place, sliced out of the frontend's file, after every rank passed
 the checks. Against TP=1 given the very same new weights (fp32): TP=2 sums the row-parallel products
-in two halves, so equal within 1e-5, not bit for bit (docs/decisions.md)."""
+in two halves, so equal within 1e-5 plus 1e-6 of the value, not bit for bit (docs/decisions.md): a
+tail token's logprob near -25 is 2e-6 per fp32 step, and a few steps' rounding measured 1.1e-5."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.skipif(IS_BF16_MODE, reason="the 1e-5 claim is fp32's")
 
 PROMPTS = ["The capital of France is Paris. The capital of Germany is", "Once upon a time there was"]
 SCORE = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0, logprobs=3, ignore_eos=True)
-TP_TOLERANCE = 1e-5
+TP_TOLERANCE = 1e-5  # absolute, plus TP_RELATIVE of |logprob|
+TP_RELATIVE = 1e-6
 
 
 def perturbed(tiny_path: str, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -38,6 +40,11 @@ def logprob_values(llm: LLM) -> tuple[torch.Tensor, list[list[int]]]:
     return torch.tensor(values), tokens
 
 
+def within(tp1: torch.Tensor, tp2: torch.Tensor) -> bool:
+    worst = ((tp1 - tp2).abs() - TP_RELATIVE * tp1.abs()).max().item()
+    return worst <= TP_TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def two_engines(tiny_path):
     with LLM(tiny_path, num_kv_blocks=64, num_threads=1) as one:
@@ -54,7 +61,7 @@ def test_after_an_update_tp2_scores_as_tp1_with_the_same_new_weights(two_engines
     assert {"write", "check", "load", "derive", "reset_prefix_cache", "wire"} <= timings.keys()
     (tp1, tp1_tokens), (tp2, tp2_tokens) = logprob_values(one), logprob_values(two)
     assert tp2_tokens == tp1_tokens
-    assert tp1.shape == tp2.shape and (tp1 - tp2).abs().max().item() <= TP_TOLERANCE
+    assert tp1.shape == tp2.shape and within(tp1, tp2)
     assert (tp2 - before).abs().max().item() > 1e-2  # the update moved them: the check can fail
 
 
@@ -65,7 +72,7 @@ def test_a_partial_update_reaches_every_ranks_part(two_engines, tiny_path):
     layer = [(n, t) for n, t in perturbed(tiny_path, seed=22) if n.startswith("model.layers.1.")]
     assert one.update_weights(layer) == two.update_weights(layer) == 2
     (tp1, _), (tp2, _) = logprob_values(one), logprob_values(two)
-    assert (tp1 - tp2).abs().max().item() <= TP_TOLERANCE
+    assert within(tp1, tp2)
 
 
 def test_a_mismatch_leaves_every_rank_on_the_old_weights(two_engines, tiny_path):
@@ -82,3 +89,18 @@ def test_a_mismatch_leaves_every_rank_on_the_old_weights(two_engines, tiny_path)
         )
     assert two.get_weight_version() == version
     assert torch.equal(logprob_values(two)[0], before)
+
+
+def test_after_sleep_level_2_every_rank_takes_the_whole_state_back(two_engines, tiny_path):
+    """The weights dropped on every rank: the checks run against their kept shapes, then each rank
+    allocates and loads its part again."""
+    one, two = two_engines
+    weights = perturbed(tiny_path, seed=25)
+    two.sleep(2)
+    with pytest.raises(ValueError, match="shape"):
+        two.update_weights(weights[:-1] + [(weights[-1][0], torch.ones(3))])
+    version = two.update_weights(weights)
+    two.wake_up()
+    assert one.update_weights(weights) and version == two.get_weight_version()
+    (tp1, _), (tp2, _) = logprob_values(one), logprob_values(two)
+    assert within(tp1, tp2)

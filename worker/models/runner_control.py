@@ -39,10 +39,12 @@ class RunnerControl:
         not fit): what the tensor-parallel ranks and several cores all pass before any of them writes."""
         if not self.dropped:
             return check_weights(self.runner.model, path, self.shard)
+        if not path.endswith(".safetensors"):
+            return 0  # a checkpoint folder or GGUF file: the loader's own checks, when it loads
         kept = {id(param): shape for param, shape in self.dropped}
         stand_ins = {name: torch.empty(kept[id(param)], device="meta")
                      for name, param in self.runner.model.named_parameters(remove_duplicate=False)}  # fmt: skip
-        return check_weights(self.runner.model, path, self.shard, stand_ins)
+        return check_weights(self.runner.model, path, self.shard, stand_ins, is_whole=True)
 
     def update_weights(self, path: str) -> int:
         """Validates every tensor of `path` before copying any; returns how many it copied. After
@@ -50,9 +52,15 @@ class RunnerControl:
         `last_timings`: the load (checks and copies) and derive phases, seconds."""
         begun = time.perf_counter()
         if self.dropped:
+            is_file = path.endswith(".safetensors")  # the frontend's file of tensors: checked whole first
+            if is_file:
+                self.check_weights(path)
             self._allocate_weights()
-            try:
-                load_checkpoint_into(self.runner.model, path, self.shard)  # every weight, or a ValueError
+            try:  # a folder or GGUF file: the loader's, which needs every weight or raises a ValueError
+                if is_file:
+                    update_weights_from_path(self.runner.model, path, self.shard)
+                else:
+                    load_checkpoint_into(self.runner.model, path, self.shard)
             except BaseException:
                 self.drop_weights()
                 raise

@@ -51,12 +51,28 @@ def update_weights_from_path(model: LlamaModel, path: str, shard: Shard | None =
 
 
 def check_weights(
-    model: LlamaModel, path: str, shard: Shard | None = None, params: dict[str, torch.Tensor] | None = None
+    model: LlamaModel,
+    path: str,
+    shard: Shard | None = None,
+    params: dict[str, torch.Tensor] | None = None,
+    is_whole: bool = False,  # every weight must be there (after sleep level 2)
 ) -> int:
     """Every name and shape of `path` checked against the model, nothing copied (a ValueError as
     update_weights_from_path's); returns how many tensors an update would change."""
     with _opened(path) as named:
-        return len(plan_update(model, [(n, tuple(s.get_shape())) for n, s in named.items()], shard, params))
+        plan = plan_update(model, [(n, tuple(s.get_shape())) for n, s in named.items()], shard, params)
+    if is_whole:
+        filled: dict[str, int] = {}
+        for name, view in plan:
+            target = destination_of(model.args, name)[0]
+            filled[target] = filled.get(target, 0) + view.numel()
+        params = params if params is not None else dict(model.named_parameters(remove_duplicate=False))
+        tied = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
+        missing = sorted(n for n, p in params.items() if n not in tied and filled.get(n) != p.numel())
+        if missing:
+            raise ValueError(f"the weights were dropped (sleep level 2): an update must hold them all; "
+                             f"{len(missing)} missing, as {missing[:3]}")  # fmt: skip
+    return len(plan)
 
 
 @contextmanager
