@@ -52,11 +52,13 @@ class RunnerControl:
         `last_timings`: the load (checks and copies) and derive phases, seconds."""
         begun = time.perf_counter()
         if self.dropped:
-            is_file = path.endswith(".safetensors")  # the frontend's file of tensors: checked whole first
+            # A safetensors file (the frontend's tensors) is checked whole first; a folder or GGUF file
+            # goes through the loader, which needs every weight or raises a ValueError.
+            is_file = path.endswith(".safetensors")
             if is_file:
                 self.check_weights(path)
             self._allocate_weights()
-            try:  # a folder or GGUF file: the loader's, which needs every weight or raises a ValueError
+            try:
                 if is_file:
                     update_weights_from_path(self.runner.model, path, self.shard)
                 else:

@@ -101,13 +101,16 @@ class TensorParallelExecutor:
 
     def update_weights(self, path: str) -> None:
         """Every rank checks, then (all passed) every rank copies its part: a refusal on any rank
-        leaves every rank on the old weights. A rank that fails while copying (not a ValueError)
-        stops the engine (WorkerFailed), so no mix of weights ever serves. `last_timings`: the
+        leaves every rank on the old weights. A rank that fails while copying stops the engine
+        (WorkerFailed), so no mix of weights ever serves. `last_timings`: the
         check, and the slowest rank's load and derive, seconds."""
         begun = time.perf_counter()
         self._control(CheckWeights(path))
         checked = time.perf_counter()
-        replies = self._control(LoadWeights(path))
+        try:
+            replies = self._control(LoadWeights(path))
+        except ValueError as exc:  # after every check passed (the file changed?): the ranks now differ
+            raise WorkerFailed(f"a rank refused an update that every rank's checks passed: {exc}") from exc
         phases = [r.timings or {} for r in replies]
         self.last_timings = {"check": checked - begun, **{k: max(p.get(k, 0.0) for p in phases)
                                                           for k in ("load", "derive")}}  # fmt: skip
