@@ -28,7 +28,7 @@ def fingerprint(model_dir: str) -> str:
 
 
 def logprob_rows(array: list) -> list[tuple[list[int], list[float], int]]:
-    num_rows, num_cols, token_ids, logprobs, ranks = array
+    num_rows, num_cols, token_ids, logprobs, ranks = array[:5]  # trailing fields: see the document
     ids = struct.unpack(f"<{num_rows * num_cols}i", token_ids)
     values = struct.unpack(f"<{num_rows * num_cols}f", logprobs)
     rank_values = struct.unpack(f"<{num_rows}i", ranks)
