@@ -61,8 +61,9 @@ class ModelRunner:
         place = functools.partial(self._place, can_use_kernels=spec.can_use_cpu_kernels)
         self.huge_page_memory: torch.Tensor | None = None  # the linear weights' mapping, set by _place
         self.model = load_model(spec.model, spec.dtype, self.device, shard, place)  # "auto": the checkpoint's
+        self.last_step_at = 0.0  # time.monotonic() of the last step with tokens: the collapse waits on it
         if self.huge_page_memory is not None:  # written: now into huge pages, off the first token's path
-            collapse_in_background(self.huge_page_memory)
+            collapse_in_background(self.huge_page_memory, busy=self._stepped_lately)
             self.huge_page_memory = None
         if self.cpu_kernels is not None:
             apply_cpu_backend(self.model, self.cpu_kernels, spec.batch_invariant, spec.block_size)
@@ -95,6 +96,9 @@ class ModelRunner:
         self.kernels_s = time.perf_counter() - begun
         if self.cpu_kernels is not None:
             self.huge_page_memory = place_linear_weights(model, keep_values=False)
+
+    def _stepped_lately(self) -> bool:
+        return time.monotonic() - self.last_step_at < 0.25
 
     def close(self) -> None:
         """Nothing to stop: the model lives in this process."""
@@ -142,6 +146,7 @@ class ModelRunner:
         self._apply_diffs(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], np.zeros((0, 1), dtype=np.int32))
+        self.last_step_at = time.monotonic()
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
         if scheduler_output.num_steps > 1:
             assert not scheduler_output.grammar_req_ids  # the scheduler cuts windows with a grammar row
