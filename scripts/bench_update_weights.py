@@ -32,6 +32,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:smollm2")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--settle", type=float, default=12.0,
+                        help="seconds between start and the first update: a new core spends its first "
+                        "idle seconds collapsing its weights into huge pages (worker/cpu/huge_pages.py)")  # fmt: skip
     parser.add_argument("--daemon", action="store_true", help="through an attached daemon")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-threads", type=int, default=None, help="the core's torch threads")
@@ -56,6 +59,7 @@ def main() -> None:
     core.close()
     rounds: dict[str, list[float]] = {phase: [] for phase in PHASES}
     with _engine(model, engine, args.daemon) as llm:
+        time.sleep(args.settle)  # a long-running RL engine's steady state, not its first seconds
         for _ in range(args.repeats):
             llm.update_weights(state)
             timings = llm._rl_control().last_timings

@@ -51,6 +51,7 @@ class RunnerControl:
         sleep level 2 the memory is allocated again and the update must hold every weight.
         `last_timings`: the load (checks and copies) and derive phases, seconds."""
         begun = time.perf_counter()
+        self.runner.last_step_at = time.monotonic()  # the huge-page collapse waits, as on a step
         if self.dropped:
             # A safetensors file (the frontend's tensors) is checked whole first; a folder or GGUF file
             # goes through the loader, which needs every weight or raises a ValueError.
@@ -73,6 +74,7 @@ class RunnerControl:
         self._rederive()
         self.last_timings = {"load": loaded - begun, "derive": time.perf_counter() - loaded}
         logger.info("update_weights: %d tensors in %.3f s", count, time.perf_counter() - begun)
+        self.runner.last_step_at = time.monotonic()
         return count
 
     def sleep(self, level: int) -> None:
