@@ -161,13 +161,12 @@ static inline void store(float sums[RB][NB], int rb, int nb, const float *bias, 
         for (int j = 0; j < nb; j++) out[r * N + n + j] = sums[r][j] + (bias ? bias[n + j] : 0.0f);
 }
 
-/* ns weight rows (1 or 2) against rb activation rows, dequantized block by block in registers. */
-static inline __attribute__((always_inline)) void row(const float *x, int64_t K, const uint8_t *w0,
-                                                      const uint8_t *w1, int type, int ns, int rb,
-                                                      float sums[2][RB][NB]) {
-    const uint8_t *w[2] = {w0, w1};
+/* ns weight rows (1, 2 or 4) against rb activation rows, dequantized block by block in registers.
+ * Each output keeps its one accumulator (gemv.c's order); the streams only interleave outputs. */
+static inline __attribute__((always_inline)) void row(const float *x, int64_t K, const uint8_t *const w[4], int type,
+                                                      int ns, int rb, float sums[4][RB][NB]) {
     const int bb = block_bytes(type);
-    floatv acc[2][RB] = {{{0}}}, wv[2][STEPS], xv;
+    floatv acc[4][RB] = {{{0}}}, wv[4][STEPS], xv;
     for (int64_t k = 0; k < K; k += QK) {
         for (int s = 0; s < ns; s++) dequant_block(w[s] + k / QK * bb, type, wv[s]);
         for (int v = 0; v < STEPS; v++)
@@ -180,25 +179,38 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
         for (int r = 0; r < rb; r++) sums[s][r][0] = hsum(acc[s][r]);
 }
 
+/* The run in `ns` equal parts side by side (ns streams of weights), then the rest one at a time. */
+static inline __attribute__((always_inline)) void row_parts(const float *x, int64_t K, const uint8_t *w, int type,
+                                                            int ns, int rb, const float *bias, float *out,
+                                                            int64_t N, int64_t n_start, int64_t n_end) {
+    const int64_t row_bytes = K / QK * block_bytes(type), part = (n_end - n_start) / ns;
+    float sums[4][RB][NB];
+    for (int64_t n = n_start; n < n_start + part; n++) {
+        const uint8_t *const rows[4] = {w + n * row_bytes, w + (n + part) * row_bytes,
+                                        w + (n + (ns > 2 ? 2 : 0) * part) * row_bytes,
+                                        w + (n + (ns > 2 ? 3 : 0) * part) * row_bytes};
+        row(x, K, rows, type, ns, rb, sums);
+        for (int s = 0; s < ns; s++) store(sums[s], rb, 1, bias, out, N, n + s * part);
+    }
+    for (int64_t n = n_start + ns * part; n < n_end; n++) {
+        const uint8_t *const rows[4] = {w + n * row_bytes, NULL, NULL, NULL};
+        row(x, K, rows, type, 1, rb, sums);
+        store(sums[0], rb, 1, bias, out, N, n);
+    }
+}
+
+/* Up to ROW_MAX rows. With AVX-512, four streams for one or two rows: each output's sum is one chain
+ * of dependent multiply-adds (the fixed order), so two chains left the FMA units waiting on their
+ * latency once the dequantization is in registers; four keep them busy. */
 static inline __attribute__((always_inline)) void row_run(const float *x, int64_t K, const uint8_t *w, int type,
                                                           int rb, const float *bias, float *out, int64_t N,
                                                           int64_t n_start, int64_t n_end) {
-    const int64_t row_bytes = K / QK * block_bytes(type);
-    float sums[2][RB][NB];
-    int64_t n = n_start;
-    if (ROW_STREAMS == 2) { /* the run's two halves side by side: two streams (gemv.c) */
-        const int64_t half = (n_end - n_start) / 2;
-        for (; n < n_start + half; n++) {
-            row(x, K, w + n * row_bytes, w + (n + half) * row_bytes, type, 2, rb, sums);
-            store(sums[0], rb, 1, bias, out, N, n);
-            store(sums[1], rb, 1, bias, out, N, n + half);
-        }
-        n += half;
-    }
-    for (; n < n_end; n++) {
-        row(x, K, w + n * row_bytes, NULL, type, 1, rb, sums);
-        store(sums[0], rb, 1, bias, out, N, n);
-    }
+    if (ROW_STREAMS == 2 && rb <= 2)
+        row_parts(x, K, w, type, 4, rb, bias, out, N, n_start, n_end);
+    else if (ROW_STREAMS == 2)
+        row_parts(x, K, w, type, 2, rb, bias, out, N, n_start, n_end);
+    else
+        row_parts(x, K, w, type, 1, rb, bias, out, N, n_start, n_end);
 }
 
 /* rb activation rows against nb dequantized weight rows (fp32, [nb, K]), gemv.c's block() sums. */
