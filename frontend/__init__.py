@@ -5,6 +5,7 @@ from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.llm import LLM
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from protocol.sampling_params import SamplingParams
+from protocol.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "AsyncLLM",
@@ -15,4 +16,5 @@ __all__ = [
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
