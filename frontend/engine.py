@@ -149,3 +149,6 @@ class FrontendEngine:
 
     def shutdown(self) -> None:
         self.client.shutdown()
+        control = self.__dict__.get("_rl")  # frontend/rl_control.py's, where update_weights ran
+        if control is not None:
+            control.buffer.release()  # its shared-memory weights file

@@ -1,24 +1,19 @@
 """RL control from the user's process (frontend): new weights, pause and resume, prefix-cache reset,
 sleep and wake, as commands to the core (docs/rl.md). `LLM` and `AsyncLLM` call these.
 
-Tensors cross the process boundary as one safetensors file in shared memory (/dev/shm; a temporary
-folder where there is none), written straight from each tensor's bytes and named on the wire; the core
-maps it and copies into its parameters; the file is removed once the core answered, by a thread (not
-a daemon one: the interpreter waits for it at exit). No pickle. torch is imported inside the writer only.
+Tensors cross the process boundary as one safetensors file in shared memory, named on the wire
+(frontend/weights_buffer.py: kept between updates and rewritten in place). No pickle. torch is
+imported inside the writer only.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import shutil
-import tempfile
-import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
+from frontend.weights_buffer import WeightsBuffer
 from protocol.messages import (
     ControlCommand,
     ControlReply,
@@ -33,7 +28,6 @@ from protocol.messages import (
 
 PAUSE_MODES = ("abort", "wait", "keep")
 WAKE_TAGS = ("weights", "kv_cache")
-_SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
 
 
 class RLControl:
@@ -44,29 +38,31 @@ class RLControl:
         self.client = client
         self._nonces = itertools.count(1)
         self.last_timings: dict[str, float] = {}  # update_weights' breakdown, seconds (docs/rl.md)
+        self.buffer = WeightsBuffer()
 
-    def update_weights(self, weights: str | os.PathLike | Iterable, mode: str = "wait") -> int:
+    def update_weights(
+        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+    ) -> int:
         """`weights`: (HF name, tensor) pairs (a trainer's `named_parameters()`, whole or in part) or
-        a checkpoint (a safetensors file or folder). Returns the new weight_version."""
+        a checkpoint (a safetensors file or folder). Returns the new weight_version. `keep_buffer`:
+        keep the shared-memory file for the next update (rewritten in place, faster) or free it."""
         _check_mode(mode)
         begun = time.perf_counter()
-        if isinstance(weights, (str, os.PathLike)):
-            path, folder = os.fspath(weights), None
+        is_path = isinstance(weights, (str, os.PathLike))
+        if is_path:
+            path = os.fspath(weights)
             if not os.path.exists(path) and not _has_remote_core(self.client):  # a remote one's own path
                 raise ValueError(f"update_weights: {path} does not exist")
-        else:
-            folder = tempfile.mkdtemp(prefix="coreserve-weights-", dir=_shared_memory_dir())
-            path = os.path.join(folder, "model.safetensors")
         written = replied = begun
         try:
-            if folder is not None:
-                write_safetensors(weights, path)
+            if not is_path:
+                path = self.buffer.write(weights)
             written = time.perf_counter()
             reply = self._run(UpdateWeights(next(self._nonces), path, mode))
             replied = time.perf_counter()
         finally:
-            if folder is not None:  # freeing the file's pages off the caller's path; not a daemon
-                threading.Thread(target=shutil.rmtree, args=(folder, True), name="coreserve-rm").start()
+            if not keep_buffer:
+                self.buffer.release()
         done = time.perf_counter()
         core = dict(reply.timings or {})  # the core's phases; "core": its whole part
         wire = max(0.0, replied - written - core.get("core", 0.0))  # the messages and the waits between
@@ -107,45 +103,12 @@ class RLControl:
         return reply
 
 
-def write_safetensors(weights: Iterable, path: str) -> int:
-    """(name, tensor) pairs into one safetensors file, each tensor's bytes written as they lie (a copy
-    only for a tensor on another device or not contiguous). Returns the bytes written."""
-    import torch
-
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise ValueError("update_weights takes (name, tensor) pairs or a checkpoint path")
-        if str(tensor.dtype) not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}; float32, bfloat16 or float16")
-        tensors[name] = tensor.detach().to("cpu").contiguous()
-    if not tensors:
-        raise ValueError("update_weights got no tensors")
-    header, offset = {}, 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[str(tensor.dtype)], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}  # fmt: skip
-        offset += size
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little") + encoded)
-        for tensor in tensors.values():
-            f.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
-    return 8 + len(encoded) + offset
-
-
 def _has_remote_core(client) -> bool:
     """Whether a core is a daemon at a tcp address off this machine's loopback."""
     from protocol.addresses import is_loopback
 
     cores = getattr(client, "cores", [client])
     return any(getattr(c, "address", None) and not is_loopback(c.address) for c in cores)
-
-
-def _shared_memory_dir() -> str | None:
-    return "/dev/shm" if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else None
 
 
 def _check_mode(mode: str) -> None:
@@ -159,11 +122,15 @@ class LLMControlMethods:
     def _rl_control(self) -> RLControl:
         return _control_of(self.engine)
 
-    def update_weights(self, weights: str | os.PathLike | Iterable, mode: str = "wait") -> int:
+    def update_weights(
+        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+    ) -> int:
         """New weights in place: (HF name, tensor) pairs or a checkpoint path. `mode` says what running
         requests do first: "wait" (finish on the old weights), "abort", or "keep" (go on with the new).
+        `keep_buffer`: the tensors' shared-memory file stays for the next update (rewritten in place;
+        it holds the update's size until shutdown) or is freed now.
         Returns the new weight_version; a name or shape mismatch is a ValueError, old weights kept."""
-        return self._rl_control().update_weights(weights, mode)
+        return self._rl_control().update_weights(weights, mode, keep_buffer)
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Nothing new is scheduled until resume_generation; "abort" ends requests in flight, "wait"
