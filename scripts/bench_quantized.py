@@ -110,6 +110,7 @@ def measure(path: str, dtype: str, workloads: dict[int, list], args) -> list[dic
         engine_args["num_threads"] = args.num_threads
     rows = []
     with LLM(path, **engine_args) as llm:
+        loaded_rss = rss_bytes(core_pid())  # the model alone: no KV written, no activations yet
         generate(llm, workloads[max(workloads)][:2], 4, 2)  # warm-up
         for concurrency, prompts in workloads.items():
             seconds = []
@@ -122,6 +123,7 @@ def measure(path: str, dtype: str, workloads: dict[int, list], args) -> list[dic
         rss = rss_bytes(core_pid())
     for row in rows:
         row["core_rss_mib"] = rss / 2**20
+        row["loaded_rss_mib"] = loaded_rss / 2**20
     return rows
 
 
@@ -150,8 +152,9 @@ def main() -> None:
             row["gb_s"] = num_bytes * row["tok_s"] / 1e9
             row["of_bandwidth"] = row["gb_s"] / args.bandwidth_gbs if args.bandwidth_gbs else None
         row["model_rss_mib"] = row["core_rss_mib"] - base
+        row["loaded_model_mib"] = row["loaded_rss_mib"] - base
     print_table(rows, ["dtype", "concurrency", "tok_s", "mb_per_token", "gb_s", "of_bandwidth", "core_rss_mib",
-                       "model_rss_mib"])  # fmt: skip
+                       "model_rss_mib", "loaded_model_mib"])  # fmt: skip
     kv_text = ", ".join(f"concurrency {c}: {mib:.1f}" for c, mib in kv_mib.items())
     print(f"file {file_mib:.1f} MiB; a process with the core's imports and no model {base:.1f} MiB; "
           f"KV cache written at most ({kv_text}) MiB")  # fmt: skip
