@@ -19,7 +19,12 @@ import torch
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.cpu.fused_decode import FusedForward
-from worker.cpu.huge_pages import collapse_in_background, place_linear_weights, zero_page_tensors
+from worker.cpu.huge_pages import (
+    COLLAPSE_DELAY_S,
+    collapse_in_background,
+    place_linear_weights,
+    zero_page_tensors,
+)
 from worker.cpu.kernels import CpuKernels, load_cpu_kernels
 from worker.cpu.ops import apply_cpu_backend
 from worker.executor import RunnerSpec
@@ -63,7 +68,7 @@ class ModelRunner:
         self.model = load_model(spec.model, spec.dtype, self.device, shard, place)  # "auto": the checkpoint's
         self.last_step_at = 0.0  # time.monotonic() of the last step with tokens: the collapse waits on it
         if self.huge_page_memory is not None:  # written: now into huge pages, off the first token's path
-            collapse_in_background(self.huge_page_memory, busy=self._stepped_lately)
+            collapse_in_background(self.huge_page_memory, busy=self._stepped_lately, delay_s=COLLAPSE_DELAY_S)
             self.huge_page_memory = None
         if self.cpu_kernels is not None:
             apply_cpu_backend(self.model, self.cpu_kernels, spec.batch_invariant, spec.block_size)

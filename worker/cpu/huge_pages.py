@@ -31,6 +31,7 @@ _HUGE_PAGE = 2 << 20
 _ALIGN = 4096  # each tensor's start, so no two tensors share a cache line or a 4 KiB page
 _MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # <sys/mman.h>; Python's mmap module lacks MADV_COLLAPSE
 _COLLAPSE_CHUNK = 2 << 20  # one huge page a call (13 ms here): a step that starts meanwhile waits little
+COLLAPSE_DELAY_S = 5.0  # the runner's wait before collapsing: short-lived engines never collapse
 _MAX_DEFER_S = 30.0  # a core that never stops stepping gets its huge pages after this, a page at a time
 
 
@@ -68,18 +69,23 @@ def place_linear_weights(model: nn.Module, keep_values: bool = True) -> torch.Te
     return memory
 
 
-def collapse_in_background(memory: torch.Tensor, busy: Callable[[], bool] | None = None) -> threading.Thread:
+def collapse_in_background(
+    memory: torch.Tensor, busy: Callable[[], bool] | None = None, delay_s: float = 0.0
+) -> threading.Thread:
     """Advises `memory` (from `huge_page_bytes`) MADV_HUGEPAGE and collapses it into huge pages, one at a
     time, in a daemon thread at the lowest priority; the values and addresses stay. While `busy()` (the
     runner stepped lately) it waits, up to _MAX_DEFER_S in all: a collapse beside a step made the first
-    token 0.3-0.7 s late instead of 0.08. The thread holds the memory until it is done (a model
-    dropped meanwhile frees it then)."""
-    thread = threading.Thread(target=_collapse, args=(memory, busy), name="huge-page-collapse", daemon=True)
+    token 0.3-0.7 s late instead of 0.08. `delay_s`: first wait this long, so an engine that lives a
+    few seconds (a script, a test) does not pay the compaction at all. The thread holds the memory
+    until it is done (a model dropped meanwhile frees it then)."""
+    args = (memory, busy, delay_s)
+    thread = threading.Thread(target=_collapse, args=args, name="huge-page-collapse", daemon=True)
     thread.start()
     return thread
 
 
-def _collapse(memory: torch.Tensor, busy: Callable[[], bool] | None) -> None:
+def _collapse(memory: torch.Tensor, busy: Callable[[], bool] | None, delay_s: float) -> None:
+    time.sleep(delay_s)
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only, on Linux
     except (AttributeError, OSError):
