@@ -32,10 +32,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, startup_timeout_s: float = 180.0):
-    """`python -m frontend serve builtin:tiny --port P FLAGS` until /health answers; yields (url, process)."""
+def running_server(*flags: str, startup_timeout_s: float = 180.0, model: str | None = None):
+    """`python -m frontend serve MODEL --port P FLAGS` until /health answers; yields (url, process).
+    MODEL: builtin:tiny (its bf16 copy in bf16 mode), or `model` as given (e.g. the SmolLM2 GGUF)."""
     port = free_port()
-    command = [sys.executable, "-m", "frontend", "serve", *served_model(), "--port", str(port)]
+    command = [
+        sys.executable,
+        "-m",
+        "frontend",
+        "serve",
+        *([model] if model else served_model()),
+        "--port",
+        str(port),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("CORESERVE_API_KEY", None)
     proc = subprocess.Popen([*command, "--log-level", "warning", *flags], cwd=REPO, env=env)

@@ -10,16 +10,12 @@ is teacher-forced over the engine's sequences, batched, and cached on disk (test
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import IS_BF16_MODE, ROOT, TEST_DTYPE, running_daemon
+from conftest import IS_BF16_MODE, TEST_DTYPE, running_daemon
 from hf_reference import HFReference, RowScores, gguf_reference
-from server_harness import API_KEY, free_port, is_healthy
+from server_harness import API_KEY, running_server
 
 from frontend import LLM, SamplingParams
 from protocol.builtin_model import builtin_model_path
@@ -70,20 +66,9 @@ def llm(smollm2, daemon):
 
 @pytest.fixture(scope="module")
 def server(smollm2, daemon):
-    port = free_port()
-    command = [sys.executable, "-m", "frontend", "serve", smollm2, "--served-model-name", "smollm2",
-               "--port", str(port), "--api-key", API_KEY, "--core-address", daemon, "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not is_healthy(base):
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    flags = ("--served-model-name", "smollm2", "--api-key", API_KEY, "--core-address", daemon)
+    with running_server(*flags, model=smollm2) as (url, _):
+        yield url
 
 
 def _teacher_forced_questions(outputs: list) -> tuple[list[list[int]], list[dict[int, list[int]]]]:

@@ -8,17 +8,13 @@ the kinds vLLM's server tests for structured outputs use. docs/structured_output
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import REPO, free_port, is_healthy
+from server_harness import running_server
 
 from protocol.builtin_model import builtin_model_path
 
@@ -36,20 +32,9 @@ YES_NO = 'root ::= "yes" | "no"'
 
 @pytest.fixture(scope="module")
 def base():
-    port = free_port()
-    command = [sys.executable, "-m", "frontend", "serve", builtin_model_path("smollm2"), "--served-model-name",
-               MODEL, "--port", str(port), "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not is_healthy(url):
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    # the Q4_1 GGUF file, the same in either test dtype
+    with running_server("--served-model-name", MODEL, model=builtin_model_path("smollm2")) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +70,9 @@ def test_chat_json_schema_strict_and_json_object_give_json(client):
 
 def test_completions_take_structured_outputs_response_format_and_the_guided_fields(client):
     def complete(prompt: str, **extra) -> str:
-        result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+        result = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra
+        )
         assert result.choices[0].finish_reason == "stop", result
         return result.choices[0].text
 

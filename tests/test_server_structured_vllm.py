@@ -11,16 +11,12 @@ pattern, a structural tag) is asserted as the 400 naming the field. docs/structu
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 
 import jsonschema
 import openai
 import pytest
-from server_harness import REPO, free_port, is_healthy
+from server_harness import running_server
 
 from protocol.builtin_model import builtin_model_path
 
@@ -73,23 +69,9 @@ SYSTEM = {"role": "system", "content": "you are a helpful assistant"}
 
 @pytest.fixture(scope="module")
 def base():
-    port = free_port()
-    model = builtin_model_path("smollm2")  # the Q4_1 GGUF file, the same in either test dtype
-    command = [sys.executable, "-m", "frontend", "serve", model, "--served-model-name", MODEL,
-               "--port", str(port), "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("CORESERVE_API_KEY", None)
-    proc = subprocess.Popen(command, cwd=REPO, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while not is_healthy(url):
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    # the Q4_1 GGUF file, the same in either test dtype
+    with running_server("--served-model-name", MODEL, model=builtin_model_path("smollm2")) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
