@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import torch
 from conftest import HF_TOLERANCE, load_hf
+from rl_checks import hf_scored, perturb
 
 from frontend import LLM, AsyncLLM
 from protocol.sampling_params import SamplingParams
@@ -20,19 +21,6 @@ PROMPT = "The capital of France is Paris. The capital of Germany is"
 def scored(llm: LLM) -> torch.Tensor:
     out = llm.generate([PROMPT], SCORE)[0]
     return torch.tensor([next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]])
-
-
-def hf_scored(model, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:]).unsqueeze(1))[:, 0]
-
-
-def perturb(model, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.2 * param.abs().mean())
 
 
 @pytest.fixture(scope="module")

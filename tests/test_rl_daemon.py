@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HF_TOLERANCE, load_hf, running_daemon
+from conftest import HF_TOLERANCE, running_daemon
+from rl_checks import hf_scored, perturbed_hf
 
 from frontend import LLM
 from protocol.messages import UpdateWeights
@@ -21,21 +22,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 def scored(llm: LLM) -> torch.Tensor:
     out = llm.generate([PROMPT], SCORE, use_tqdm=False)[0]
     return torch.tensor([next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]])
-
-
-def hf_scored(model, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:]).unsqueeze(1))[:, 0]
-
-
-def perturbed_hf(tiny_path: str, seed: int):
-    model = load_hf(tiny_path)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.2 * param.abs().mean())
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HF_TOLERANCE, load_hf, running_daemon
+from conftest import HF_TOLERANCE, running_daemon
+from rl_checks import hf_scored, perturbed_hf
 
 from frontend import LLM
 from protocol.builtin_model import PRESETS, ensure_model
@@ -20,21 +21,6 @@ from protocol.sampling_params import SamplingParams
 PROMPTS = ["The capital of France is Paris. The capital of Germany is", "Once upon a time there was"]
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 DAEMON_FLAGS = ("--num-threads", "1", "--log-level", "ERROR")
-
-
-def perturbed_hf(path: str, seed: int):
-    model = load_hf(path)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.2 * param.abs().mean())
-    return model
-
-
-def hf_scored(model, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:]).unsqueeze(1))[:, 0]
 
 
 def core_versions(llm: LLM) -> list[int]:
