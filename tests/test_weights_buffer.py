@@ -51,6 +51,8 @@ def test_updates_reuse_one_file_and_shutdown_frees_it(tiny_path):
         params = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
         before = llm.generate(["a b c"], params, use_tqdm=False)[0].outputs[0]
         assert llm.update_weights([(n, t * 0.5) for n, t in state]) == 1
+        halved = llm.generate(["a b c"], params, use_tqdm=False)[0].outputs[0]
+        assert halved.logprobs[0][halved.token_ids[0]].logprob != before.logprobs[0][before.token_ids[0]].logprob
         path = llm._rl_control().buffer.folder
         inode = os.stat(os.path.join(path, "model.safetensors")).st_ino
         assert llm.update_weights(state) == 2  # the original weights again, through the same file
