@@ -14,11 +14,14 @@
  * Up to four rows the weights stream once, dequantized block by block in registers; with more rows
  * four weight rows at a time are dequantized into the thread's scratch and reused by every row of a
  * panel that stays in L2 (the dequantization paid once per panel, not once per row).
+ * The scales of 16 blocks at a time are widened together (block_scales); each block's quants then
+ * become floats by a lookup in its 16 values (AVX-512) or by widening, conversion and d * q (+ m)
+ * (AVX2; generic vector code elsewhere): the same values either way.
  * x: [rows, K] fp32 row-major, w: [N, K / 32 blocks] raw bytes, out: [rows, N] fp32.
  */
 #include <omp.h>
 #include <stdint.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -38,6 +41,9 @@
 
 #ifdef __AVX512F__ /* gemv.c's register width: the lanes must be its lanes */
 #define LANES 16
+#define ROW_STREAMS 2
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define LANES 8
 #define ROW_STREAMS 2
 #elif defined(__AVX__)
 #define LANES 8
@@ -87,16 +93,50 @@ static inline float half_at(const uint8_t *p) {
     return value;
 }
 
-/* One block's 32 weights as STEPS registers, element e in register e / LANES, lane e % LANES. Q4:
- * elements 0-15 are the low nibbles of the 16 bytes, 16-31 the high ones. */
+/* The scales of n <= CHUNK consecutive blocks from b, widened from fp16 exactly: d[i] and (Q4_1) m[i].
+ * Converted CHUNK at a time, so a block's weights cost no scalar conversion or broadcast of its own. */
+#define CHUNK 16
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *b, int type, int n, float d[CHUNK],
+                                                               float m[CHUNK]) {
+    const int bb = block_bytes(type);
 #if defined(__AVX512F__) && defined(__F16C__)
-/* AVX-512: the bytes widened by vpmovzx/sx, the scales by F16C's conversion (exact for every fp16
- * value, subnormals included, as half_at). gcc's generic code for the same vector arithmetic widened
- * byte by byte and ran at 2-4 GB/s, an eighth of the fp32 kernel's speed. */
-static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, floatv out[STEPS]) {
-    uint16_t bits;
-    memcpy(&bits, b, sizeof bits);
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(bits));
+    /* One gather of the blocks' first 4 bytes (d, then Q4_1's m or the first quants), narrowed to their
+     * halves: a vector built from 2-byte stores would stall on the store-to-load forwarding. */
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(bb));
+    const __m512i heads = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << n) - 1u), offsets,
+                                                      (const void *)b, 1);
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads)));
+    if (type == TYPE_Q4_1) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(heads, 16))));
+#elif defined(__F16C__)
+    /* Each block's first 4 bytes (d, then Q4_1's m) widened by one vcvtph2ps: stores of whole floats,
+     * so the broadcasts that read them back are forwarded. */
+    for (int i = 0; i < n; i++) {
+        uint32_t head;
+        memcpy(&head, b + i * bb, sizeof head);
+        const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128((int)head));
+        d[i] = _mm_cvtss_f32(halves);
+        m[i] = type == TYPE_Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(halves)) : 0.0f;
+    }
+#else
+    for (int i = 0; i < n; i++) {
+        d[i] = half_at(b + i * bb);
+        m[i] = type == TYPE_Q4_1 ? half_at(b + i * bb + 2) : 0.0f;
+    }
+#endif
+}
+
+/* One block's 32 weights as STEPS registers, element e in register e / LANES, lane e % LANES, from its
+ * widened scales d and m. Q4: elements 0-15 are the low nibbles of the 16 bytes, 16-31 the high ones. */
+#if defined(__AVX512F__) && defined(__F16C__)
+/* AVX-512. Q4: the block's 16 possible values, T[i] = d * i + m (Q4_1) or d * (i - 8) (Q4_0), are one
+ * register, the very values d * q + m and d * (q - 8) give per weight (the same operations on the same
+ * operands); each weight is then looked up by its nibble (vpermps reads an index's low 4 bits, so the
+ * widened bytes index the low nibbles as they are). That is 2 widenings, 2 conversions and 2 multiply-
+ * adds per block replaced by 1 widening, 1 shift and 1 multiply-add. Q8_0: widened by vpmovsx. */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d_scale,
+                                                                float m_scale, floatv out[STEPS]) {
+    const __m512 d = _mm512_set1_ps(d_scale);
     if (type == TYPE_Q8_0) {
         for (int v = 0; v < STEPS; v++) {
             const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + v * LANES));
@@ -104,23 +144,44 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
         }
         return;
     }
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2)));
-    const __m128i low_bits = _mm_set1_epi8(0x0f);
-    const __m512i nibbles[2] = {_mm512_cvtepu8_epi32(_mm_and_si128(raw, low_bits)),
-                                _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low_bits))};
-    if (type == TYPE_Q4_1) {
-        memcpy(&bits, b + 2, sizeof bits);
-        const __m512 m = _mm512_set1_ps(_cvtsh_ss(bits));
-        for (int v = 0; v < STEPS; v++) /* d * q exact, so one rounding as numpy's two: see the top */
-            out[v] = (floatv)_mm512_fmadd_ps(_mm512_cvtepi32_ps(nibbles[v]), d, m);
-    } else {
-        for (int v = 0; v < STEPS; v++)
-            out[v] = (floatv)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles[v], _mm512_set1_epi32(8))), d);
+    const __m512 table = type == TYPE_Q4_1
+        ? _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d,
+                          _mm512_set1_ps(m_scale)) /* d * q exact, so one rounding as numpy's two */
+        : _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2))));
+    out[0] = (floatv)_mm512_permutexvar_ps(bytes, table);
+    out[1] = (floatv)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+#elif LANES == 8 && ROW_STREAMS == 2
+/* AVX2: the 16 bytes of a Q4 block widened once per half (vpmovzxbd), each widening giving one register
+ * of low nibbles (and) and one of high nibbles (shift); converted and scaled as d * q + m, d * (q - 8)
+ * and d * q, the operations of the generic code below. */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d_scale,
+                                                                float m_scale, floatv out[STEPS]) {
+    const __m256 d = _mm256_set1_ps(d_scale);
+    if (type == TYPE_Q8_0) {
+        for (int v = 0; v < STEPS; v++) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + v * LANES)));
+            out[v] = (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+        }
+        return;
+    }
+    const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    const __m256i q[STEPS] = {_mm256_and_si256(first, low), _mm256_and_si256(second, low),
+                              _mm256_srli_epi32(first, 4), _mm256_srli_epi32(second, 4)};
+    for (int v = 0; v < STEPS; v++) {
+        if (type == TYPE_Q4_1)
+            out[v] = (floatv)_mm256_fmadd_ps(_mm256_cvtepi32_ps(q[v]), d, _mm256_set1_ps(m_scale));
+        else
+            out[v] = (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))), d);
     }
 }
 #else
-static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, floatv out[STEPS]) {
-    const float d = half_at(b);
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d, float m,
+                                                                floatv out[STEPS]) {
     if (type == TYPE_Q8_0) {
         for (int v = 0; v < STEPS; v++) {
             sbytev q;
@@ -129,7 +190,6 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
         }
         return;
     }
-    const float m = type == TYPE_Q4_1 ? half_at(b + 2) : 0.0f;
     const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
     for (int v = 0; v < STEPS; v++) {
         const int e = v * LANES;
@@ -149,10 +209,16 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
 /* The row's values: [K] fp32, what the loader's dequantization writes. */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row, int type, int64_t K, float *out) {
     const int bb = block_bytes(type);
+    const int64_t blocks = K / QK;
     floatv v[STEPS];
-    for (int64_t k = 0; k < K; k += QK) {
-        dequant_block(row + k / QK * bb, type, v);
-        memcpy(out + k, v, sizeof v);
+    float d[CHUNK], m[CHUNK];
+    for (int64_t c = 0; c < blocks; c += CHUNK) {
+        const int n = blocks - c < CHUNK ? (int)(blocks - c) : CHUNK;
+        block_scales(row + c * bb, type, n, d, m);
+        for (int i = 0; i < n; i++) {
+            dequant_block(row + (c + i) * bb, type, d[i], m[i], v);
+            memcpy(out + (c + i) * QK, v, sizeof v);
+        }
     }
 }
 
@@ -166,14 +232,21 @@ static inline void store(float sums[RB][NB], int rb, int nb, const float *bias, 
 static inline __attribute__((always_inline)) void row(const float *x, int64_t K, const uint8_t *const w[4], int type,
                                                       int ns, int rb, float sums[4][RB][NB]) {
     const int bb = block_bytes(type);
+    const int64_t blocks = K / QK;
     floatv acc[4][RB] = {{{0}}}, wv[4][STEPS], xv;
-    for (int64_t k = 0; k < K; k += QK) {
-        for (int s = 0; s < ns; s++) dequant_block(w[s] + k / QK * bb, type, wv[s]);
-        for (int v = 0; v < STEPS; v++)
-            for (int r = 0; r < rb; r++) {
-                memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
-                for (int s = 0; s < ns; s++) acc[s][r] += xv * wv[s][v];
-            }
+    float d[4][CHUNK], m[4][CHUNK];
+    for (int64_t c = 0; c < blocks; c += CHUNK) {
+        const int n = blocks - c < CHUNK ? (int)(blocks - c) : CHUNK;
+        for (int s = 0; s < ns; s++) block_scales(w[s] + c * bb, type, n, d[s], m[s]);
+        for (int i = 0; i < n; i++) {
+            const int64_t k = (c + i) * QK;
+            for (int s = 0; s < ns; s++) dequant_block(w[s] + (c + i) * bb, type, d[s][i], m[s][i], wv[s]);
+            for (int v = 0; v < STEPS; v++)
+                for (int r = 0; r < rb; r++) {
+                    memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
+                    for (int s = 0; s < ns; s++) acc[s][r] += xv * wv[s][v];
+                }
+        }
     }
     for (int s = 0; s < ns; s++)
         for (int r = 0; r < rb; r++) sums[s][r][0] = hsum(acc[s][r]);
