@@ -46,7 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--logprobs", type=int, default=None)
     parser.add_argument("--profile", action="store_true", help="print a torch profiler table of one step")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="auto: a GGUF file's quantized weights kept in their blocks")
     parser.add_argument(
         "--no-cpu-kernels", action="store_true", help="torch's ops only (the path CUDA takes)"
     )
