@@ -153,31 +153,29 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
     out[1] = (floatv)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 #elif LANES == 8 && ROW_STREAMS == 2
-/* AVX2: the 16 bytes of a Q4 block widened once per half (vpmovzxbd), each widening giving one register
- * of low nibbles (and) and one of high nibbles (shift); converted and scaled as d * q + m, d * (q - 8)
- * and d * q, the operations of the generic code below. */
+#define STEP_MAJOR 1
+/* AVX2: register v (8 weights) of a block, from its broadcast scales. Q4: the 8 bytes holding the
+ * register's nibbles widened by vpmovzxbd, the low nibbles masked or the high ones shifted down, then
+ * converted and scaled as d * q + m and d * (q - 8); Q8_0 widened by vpmovsxbd, d * q: the operations
+ * of the generic code below. One register at a time, so four streams fit AVX2's 16 registers (a whole
+ * block per stream spilled). */
+static inline __attribute__((always_inline)) floatv dequant_step(const uint8_t *b, int type, int v, __m256 d,
+                                                                 __m256 m) {
+    if (type == TYPE_Q8_0) {
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + v * LANES)));
+        return (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+    }
+    const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2) + (v & 1) * LANES;
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    const __m256i q = v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(bytes, 4);
+    if (type == TYPE_Q4_1) return (floatv)_mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+    return (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))), d);
+}
+
 static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d_scale,
                                                                 float m_scale, floatv out[STEPS]) {
-    const __m256 d = _mm256_set1_ps(d_scale);
-    if (type == TYPE_Q8_0) {
-        for (int v = 0; v < STEPS; v++) {
-            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + v * LANES)));
-            out[v] = (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
-        }
-        return;
-    }
-    const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
-    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
-    const __m256i low = _mm256_set1_epi32(0x0f);
-    const __m256i q[STEPS] = {_mm256_and_si256(first, low), _mm256_and_si256(second, low),
-                              _mm256_srli_epi32(first, 4), _mm256_srli_epi32(second, 4)};
-    for (int v = 0; v < STEPS; v++) {
-        if (type == TYPE_Q4_1)
-            out[v] = (floatv)_mm256_fmadd_ps(_mm256_cvtepi32_ps(q[v]), d, _mm256_set1_ps(m_scale));
-        else
-            out[v] = (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))), d);
-    }
+    const __m256 d = _mm256_set1_ps(d_scale), m = _mm256_set1_ps(m_scale);
+    for (int v = 0; v < STEPS; v++) out[v] = dequant_step(b, type, v, d, m);
 }
 #else
 static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d, float m,
@@ -240,6 +238,21 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
         for (int s = 0; s < ns; s++) block_scales(w[s] + c * bb, type, n, d[s], m[s]);
         for (int i = 0; i < n; i++) {
             const int64_t k = (c + i) * QK;
+#ifdef STEP_MAJOR /* Q8_0: each stream's register v dequantized just before its products */
+            if (type == TYPE_Q8_0) {
+                __m256 ds[4], ms[4];
+                for (int s = 0; s < ns; s++) ds[s] = _mm256_set1_ps(d[s][i]), ms[s] = _mm256_set1_ps(m[s][i]);
+                for (int v = 0; v < STEPS; v++)
+                    for (int s = 0; s < ns; s++) {
+                        const floatv step = dequant_step(w[s] + (c + i) * bb, type, v, ds[s], ms[s]);
+                        for (int r = 0; r < rb; r++) {
+                            memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
+                            acc[s][r] += xv * step;
+                        }
+                    }
+                continue;
+            }
+#endif
             for (int s = 0; s < ns; s++) dequant_block(w[s] + (c + i) * bb, type, d[s][i], m[s][i], wv[s]);
             for (int v = 0; v < STEPS; v++)
                 for (int r = 0; r < rb; r++) {
@@ -272,13 +285,15 @@ static inline __attribute__((always_inline)) void row_parts(const float *x, int6
     }
 }
 
-/* Up to ROW_MAX rows. With AVX-512, four streams for one or two rows: each output's sum is one chain
- * of dependent multiply-adds (the fixed order), so two chains left the FMA units waiting on their
- * latency once the dequantization is in registers; four keep them busy. */
+/* Up to ROW_MAX rows. Four streams for one row (AVX-512: one or two rows): each output's sum is one
+ * chain of dependent multiply-adds (the fixed order), so two chains left the FMA units waiting on their
+ * latency once the dequantization is in registers; four keep them busy. AVX2 has the registers for
+ * four at one row only (a Zen 3, Q4_1 at 1 row: 5.0, 3.2, 3.0 ns a block for 1, 2, 4 streams; at 2 rows
+ * 3.4 ns for 2 streams, 3.9 for 4). */
 static inline __attribute__((always_inline)) void row_run(const float *x, int64_t K, const uint8_t *w, int type,
                                                           int rb, const float *bias, float *out, int64_t N,
                                                           int64_t n_start, int64_t n_end) {
-    if (ROW_STREAMS == 2 && rb <= 2)
+    if (ROW_STREAMS == 2 && (rb == 1 || (rb == 2 && LANES == 16)))
         row_parts(x, K, w, type, 4, rb, bias, out, N, n_start, n_end);
     else if (ROW_STREAMS == 2)
         row_parts(x, K, w, type, 2, rb, bias, out, N, n_start, n_end);
