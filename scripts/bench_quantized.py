@@ -1,12 +1,17 @@
 """A GGUF model kept quantized in memory (dtype auto) against the same file dequantized to bf16 and to
 fp32 at load: output tokens/s at concurrency 1 and 32 (greedy, EOS ignored, engines alternated ABBA),
 the bytes a batch-1 decode step reads and the bandwidth that implies, and the engine core's resident
-memory against the file's size plus the KV cache it wrote (issue 25; docs/quantized.md).
+memory against the file's size plus its KV cache (issue 25; docs/quantized.md).
 
 Each engine is a spawned core (its own process, so its RSS is its own), one at a time. Bytes per step:
 every linear weight once (lm_head included; a tied table counted as lm_head's read), the embedding row,
 and the KV cache attended to (both layers' K and V of every position, fp32). Baseline RSS: a process that
-imports what the core imports, with no model.
+imports what the core imports, with no model. Memory is VmRSS and RssAnon (the process's own pages:
+VmRSS less the shared library code that running torch's operators pages in, ~8 MiB), each less the
+baseline's, right after load and after the runs. The KV cache is sized to the workload (`--kv-blocks`,
+default: the largest concurrency's sequences at full length), since the pool's free blocks are handed
+out least recently used first: over the rounds every block of the pool is written, so the cache's
+resident bytes are the pool's, not the positions live at once.
 
     python scripts/bench_quantized.py --model builtin:smollm2 --concurrency 1,32 --rounds 2
     python scripts/bench_quantized.py --max-tokens 4 --rounds 1 --single-prompts 1   # a smoke run
@@ -27,6 +32,7 @@ from frontend import LLM, SamplingParams  # noqa: E402
 from protocol.builtin_model import builtin_model_path  # noqa: E402
 
 _CORE_IMPORTS = "import torch, transformers, engine_core.__main__, worker.model_runner"
+_BLOCK_SIZE = 16  # the engine's default KV-cache block
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-threads", type=int, default=0, help="the core's threads; 0: its default")
+    parser.add_argument("--kv-blocks", type=int, default=0, help="KV-cache blocks; 0: the workload's at most")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.0, help="the machine's measured GB/s, for the fraction")
     parser.add_argument("--json", default="bench_out/quantized.json")
     return parser.parse_args()
@@ -72,18 +79,20 @@ def step_bytes(path: str, dtype: str, context: int) -> int:
     return total + table[0].numel() * table.element_size() + context * kv_bytes_per_position(path)
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+def _resident(status: str) -> dict[str, float]:
+    """VmRSS and RssAnon (MiB) of a /proc/PID/status text."""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return {name: int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "RssAnon")}
 
 
-def baseline_rss() -> int:
-    """The resident bytes of a process that imports what the core imports."""
+def rss_mib(pid: int) -> dict[str, float]:
+    return _resident(Path(f"/proc/{pid}/status").read_text())
+
+
+def baseline_rss() -> dict[str, float]:
+    """The resident MiB of a process that imports what the core imports."""
     code = f"{_CORE_IMPORTS}; import os; print(open('/proc/self/status').read())"
-    status = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+    return _resident(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def core_pid() -> int:
@@ -105,12 +114,12 @@ def generate(llm: LLM, prompts: list, max_tokens: int, concurrency: int) -> int:
 
 def measure(path: str, dtype: str, workloads: dict[int, list], args) -> list[dict]:
     """One engine: per concurrency, each round's seconds; its core's RSS after the runs."""
-    engine_args = {"dtype": dtype, "max_num_seqs": max(workloads)}
+    engine_args = {"dtype": dtype, "max_num_seqs": max(workloads), "num_kv_blocks": kv_blocks(args, max(workloads))}
     if args.num_threads:
         engine_args["num_threads"] = args.num_threads
     rows = []
     with LLM(path, **engine_args) as llm:
-        loaded_rss = rss_bytes(core_pid())  # the model alone: no KV written, no activations yet
+        loaded = rss_mib(core_pid())  # the model alone: no KV written, no activations yet
         generate(llm, workloads[max(workloads)][:2], 4, 2)  # warm-up
         for concurrency, prompts in workloads.items():
             seconds = []
@@ -120,11 +129,15 @@ def measure(path: str, dtype: str, workloads: dict[int, list], args) -> list[dic
                 print(f"  {dtype} concurrency {concurrency}: {count} tokens in {elapsed:.2f} s", flush=True)
             rows.append({"dtype": dtype, "concurrency": concurrency, "tokens": count,
                          "tok_s": count / median(seconds), "seconds": seconds})  # fmt: skip
-        rss = rss_bytes(core_pid())
+        after = rss_mib(core_pid())
     for row in rows:
-        row["core_rss_mib"] = rss / 2**20
-        row["loaded_rss_mib"] = loaded_rss / 2**20
+        row["loaded"], row["after"] = loaded, after
     return rows
+
+
+def kv_blocks(args, concurrency: int) -> int:
+    """The KV-cache blocks of `concurrency` sequences of the workload at full length (a block to spare each)."""
+    return args.kv_blocks or concurrency * (-(-(args.prompt_len + args.max_tokens) // _BLOCK_SIZE) + 1)
 
 
 def main() -> None:
@@ -140,10 +153,9 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         rows += measure(path, dtype, workloads, args)
     context = args.prompt_len + args.max_tokens // 2  # the mean position of a decode step
-    base = baseline_rss() / 2**20
+    base = baseline_rss()
     file_mib = os.path.getsize(path) / 2**20
-    kv_mib = {c: c * (args.prompt_len + args.max_tokens) * kv_bytes_per_position(path) / 2**20
-              for c in concurrencies}  # the positions written, at most at once  # fmt: skip
+    kv_mib = kv_blocks(args, max(concurrencies)) * _BLOCK_SIZE * kv_bytes_per_position(path) / 2**20
     per_step = {dtype: step_bytes(path, dtype, context) for dtype in args.dtypes.split(",")}
     for row in rows:
         num_bytes = per_step[row["dtype"]]
@@ -151,13 +163,17 @@ def main() -> None:
         if row["concurrency"] == 1:
             row["gb_s"] = num_bytes * row["tok_s"] / 1e9
             row["of_bandwidth"] = row["gb_s"] / args.bandwidth_gbs if args.bandwidth_gbs else None
-        row["model_rss_mib"] = row["core_rss_mib"] - base
-        row["loaded_model_mib"] = row["loaded_rss_mib"] - base
-    print_table(rows, ["dtype", "concurrency", "tok_s", "mb_per_token", "gb_s", "of_bandwidth", "core_rss_mib",
-                       "model_rss_mib", "loaded_model_mib"])  # fmt: skip
-    kv_text = ", ".join(f"concurrency {c}: {mib:.1f}" for c, mib in kv_mib.items())
-    print(f"file {file_mib:.1f} MiB; a process with the core's imports and no model {base:.1f} MiB; "
-          f"KV cache written at most ({kv_text}) MiB")  # fmt: skip
+        for name, key in (("rss", "VmRSS"), ("anon", "RssAnon")):
+            row[f"loaded_{name}_mib"] = row["loaded"][key] - base[key]
+            row[f"after_{name}_mib"] = row["after"][key] - base[key]
+    print_table(rows, ["dtype", "concurrency", "tok_s", "mb_per_token", "gb_s", "of_bandwidth", "loaded_rss_mib",
+                       "loaded_anon_mib", "after_rss_mib", "after_anon_mib"])  # fmt: skip
+    print(f"file {file_mib:.1f} MiB; KV cache {kv_mib:.1f} MiB; a process with the core's imports and no model: "
+          f"VmRSS {base['VmRSS']:.1f}, RssAnon {base['RssAnon']:.1f} MiB")  # fmt: skip
+    for row in [r for r in rows if r["dtype"] == "auto"][:1]:  # the file's blocks: the ratios of issue 25
+        print(f"{row['dtype']}: loaded / file {row['loaded_rss_mib'] / file_mib:.3f} (RssAnon "
+              f"{row['loaded_anon_mib'] / file_mib:.3f}); after / (file + KV cache) "
+              f"{row['after_rss_mib'] / (file_mib + kv_mib):.3f} (RssAnon {row['after_anon_mib'] / (file_mib + kv_mib):.3f})")
     write_json(args.json, {"machine": machine(), "model": path, "file_mib": file_mib, "baseline_rss_mib": base,
                            "kv_mib": kv_mib, "rows": rows, "args": vars(args)})  # fmt: skip
 
