@@ -23,6 +23,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -129,6 +130,7 @@ def measure(path: str, dtype: str, workloads: dict[int, list], args) -> list[dic
                 print(f"  {dtype} concurrency {concurrency}: {count} tokens in {elapsed:.2f} s", flush=True)
             rows.append({"dtype": dtype, "concurrency": concurrency, "tokens": count,
                          "tok_s": count / median(seconds), "seconds": seconds})  # fmt: skip
+        time.sleep(1.0)  # the core hands its heap's free pages back when it goes idle (release_heap)
         after = rss_mib(core_pid())
     for row in rows:
         row["loaded"], row["after"] = loaded, after
