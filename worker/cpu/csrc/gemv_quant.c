@@ -15,7 +15,7 @@
  * four weight rows at a time are dequantized into the thread's scratch and reused by every row of a
  * panel that stays in L2 (the dequantization paid once per panel, not once per row).
  * The scales of 16 blocks at a time are widened together (block_scales; AVX2's few-row products widen
- * each block's where they read it, block_head); each block's quants then
+ * each block's where they read it, and so does the AVX2 tile, block_head); each block's quants then
  * become floats by a lookup in its 16 values (AVX-512) or by widening, conversion and d * q (+ m)
  * (AVX2; generic vector code elsewhere): the same values either way.
  * x: [rows, K] fp32 row-major, w: [N, K / 32 blocks] raw bytes, out: [rows, N] fp32.
@@ -225,6 +225,17 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row, int type, int64_t K, float *out) {
     const int bb = block_bytes(type);
     const int64_t blocks = K / QK;
+#ifdef STEP_MAJOR
+    for (int64_t i = 0; i < blocks; i++) {
+        __m256 d, m;
+        block_head(row + i * bb, &d, &m);
+        for (int v = 0; v < STEPS; v++) {
+            const floatv step = dequant_step(row + i * bb, type, v, d, m);
+            memcpy(out + i * QK + v * LANES, &step, sizeof step);
+        }
+    }
+    return;
+#endif
     floatv v[STEPS];
     float d[CHUNK], m[CHUNK];
     for (int64_t c = 0; c < blocks; c += CHUNK) {
