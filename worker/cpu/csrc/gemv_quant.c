@@ -22,7 +22,7 @@
  */
 #include <omp.h>
 #include <stdint.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__) /* F16C alone: block_scales */
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -114,8 +114,9 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *b,
     _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads)));
     if (type == TYPE_Q4_1) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(heads, 16))));
 #elif defined(__F16C__)
-    /* Each block's first 4 bytes (d, then Q4_1's m) widened by one vcvtph2ps: stores of whole floats,
-     * so the broadcasts that read them back are forwarded. */
+    /* AVX with F16C but no AVX2 (AVX2 builds widen each block's in registers, block_head). Each block's
+     * first 4 bytes (d, then Q4_1's m) widened by one vcvtph2ps: stores of whole floats, so the
+     * broadcasts that read them back are forwarded. */
     for (int i = 0; i < n; i++) {
         uint32_t head;
         memcpy(&head, b + i * bb, sizeof head);
@@ -158,7 +159,7 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
     out[1] = (floatv)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 #elif LANES == 8 && ROW_STREAMS == 2
-#define STEP_MAJOR 1
+#define AVX2_BLOCKS 1 /* row() and dequant_row() take block_head and dequant_step below */
 /* AVX2: register v (8 weights) of a block, from its broadcast scales. Q4: the 8 bytes holding the
  * register's nibbles widened by vpmovzxbd, the low nibbles masked or the high ones shifted down, then
  * converted and scaled as d * q + m and d * (q - 8); Q8_0 widened by vpmovsxbd, d * q: the operations
@@ -189,11 +190,6 @@ static inline __attribute__((always_inline)) void block_head(const uint8_t *b, _
     *m = _mm256_broadcastss_ps(_mm_movehdup_ps(halves));
 }
 
-static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d_scale,
-                                                                float m_scale, floatv out[STEPS]) {
-    const __m256 d = _mm256_set1_ps(d_scale), m = _mm256_set1_ps(m_scale);
-    for (int v = 0; v < STEPS; v++) out[v] = dequant_step(b, type, v, d, m);
-}
 #else
 static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d, float m,
                                                                 floatv out[STEPS]) {
@@ -225,7 +221,7 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row, int type, int64_t K, float *out) {
     const int bb = block_bytes(type);
     const int64_t blocks = K / QK;
-#ifdef STEP_MAJOR
+#ifdef AVX2_BLOCKS
     for (int64_t i = 0; i < blocks; i++) {
         __m256 d, m;
         block_head(row + i * bb, &d, &m);
@@ -234,8 +230,7 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row
             memcpy(out + i * QK + v * LANES, &step, sizeof step);
         }
     }
-    return;
-#endif
+#else
     floatv v[STEPS];
     float d[CHUNK], m[CHUNK];
     for (int64_t c = 0; c < blocks; c += CHUNK) {
@@ -246,6 +241,7 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row
             memcpy(out + (c + i) * QK, v, sizeof v);
         }
     }
+#endif
 }
 
 static inline void store(float sums[RB][NB], int rb, int nb, const float *bias, float *out, int64_t N, int64_t n) {
@@ -260,7 +256,7 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
     const int bb = block_bytes(type);
     const int64_t blocks = K / QK;
     floatv acc[4][RB] = {{{0}}}, wv[4][STEPS], xv;
-#ifdef STEP_MAJOR /* AVX2: each block's scales widened where the block is read */
+#ifdef AVX2_BLOCKS /* each block's scales widened where the block is read */
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t k = i * QK;
         __m256 d[4], m[4];
