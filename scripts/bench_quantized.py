@@ -33,7 +33,7 @@ from frontend import LLM, SamplingParams  # noqa: E402
 from protocol.builtin_model import builtin_model_path  # noqa: E402
 
 _CORE_IMPORTS = "import torch, transformers, engine_core.__main__, worker.model_runner"
-_BLOCK_SIZE = 16  # the engine's default KV-cache block
+_BLOCK_SIZE = 16  # tokens per KV-cache block, set on the engine with the pool's size
 
 
 def parse_args() -> argparse.Namespace:
@@ -114,8 +114,9 @@ def generate(llm: LLM, prompts: list, max_tokens: int, concurrency: int) -> int:
 
 
 def measure(path: str, dtype: str, workloads: dict[int, list], args) -> list[dict]:
-    """One engine: per concurrency, each round's seconds; its core's RSS after the runs."""
-    engine_args = {"dtype": dtype, "max_num_seqs": max(workloads), "num_kv_blocks": kv_blocks(args, max(workloads))}
+    """One engine: per concurrency, each round's seconds; its core's RSS right after load and after the runs."""
+    engine_args = {"dtype": dtype, "max_num_seqs": max(workloads), "block_size": _BLOCK_SIZE,
+                   "num_kv_blocks": kv_blocks(args, max(workloads))}  # fmt: skip
     if args.num_threads:
         engine_args["num_threads"] = args.num_threads
     rows = []
@@ -172,7 +173,8 @@ def main() -> None:
                        "loaded_anon_mib", "after_rss_mib", "after_anon_mib"])  # fmt: skip
     print(f"file {file_mib:.1f} MiB; KV cache {kv_mib:.1f} MiB; a process with the core's imports and no model: "
           f"VmRSS {base['VmRSS']:.1f}, RssAnon {base['RssAnon']:.1f} MiB")  # fmt: skip
-    for row in [r for r in rows if r["dtype"] == "auto"][:1]:  # the file's blocks: the ratios of issue 25
+    row = next((r for r in rows if r["dtype"] == "auto"), None)  # the file's blocks: issue 25's ratios
+    if row is not None:
         print(f"{row['dtype']}: loaded / file {row['loaded_rss_mib'] / file_mib:.3f} (RssAnon "
               f"{row['loaded_anon_mib'] / file_mib:.3f}); after / (file + KV cache) "
               f"{row['after_rss_mib'] / (file_mib + kv_mib):.3f} (RssAnon {row['after_anon_mib'] / (file_mib + kv_mib):.3f})")
