@@ -30,7 +30,7 @@ class ModelDesc(ctypes.Structure):
         ("embed_is_bf16", _I64),
         ("final_norm", _P),
         ("cos", _P),
-        ("signed_sin", _P),
+        ("sin", _P),
         ("num_layers", _I64),
         ("layers", ctypes.POINTER(LayerDesc)),
         ("embed_quant_type", _I64),

@@ -62,7 +62,7 @@ class FusedForward:
             embed_is_bf16=int(embed.dtype == torch.bfloat16),
             final_norm=_address(weights.final_norm),
             cos=_address(weights.cos),
-            signed_sin=_address(weights.signed_sin),
+            sin=_address(weights.sin),
             num_layers=len(caches),
             layers=self.layers,
             embed_quant_type=ggml_type_of(embed),

@@ -58,12 +58,15 @@ class LayerWeights(NamedTuple):
 class ModelWeights(NamedTuple):
     embed: torch.Tensor  # [vocab, hidden]
     final_norm: torch.Tensor  # [hidden]
-    cos: torch.Tensor  # [max_positions, D] float32
-    signed_sin: torch.Tensor  # [max_positions, D] float32, rotate_half's minus folded in
+    cos: torch.Tensor  # [max_positions, D / 2] float32, the half HF's [max_positions, D] repeats
+    sin: torch.Tensor  # [max_positions, D / 2] float32
     layers: list[LayerWeights]
 
 
 class Rotary(nn.Module):
+    """HF's cos and sin tables [max_positions, D] repeat their first half ([freqs, freqs]), so only that
+    half is kept: 1 MiB each, not 2, for 8192 positions of D 64 (issue 25's memory at load)."""
+
     def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
         # On the CPU even within a meta-device model (the loader's): meta arithmetic first imports
@@ -71,14 +74,18 @@ class Rotary(nn.Module):
         with torch.device("cpu"):
             cos, sin = cos_sin_tables(spec, spec.max_position_embeddings)  # [max_positions, head_dim]
             half = cos.shape[-1] // 2
-            # rotate_half's minus folded in once: [-sin[:half], sin[half:]]
-            signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("signed_sin", signed_sin, persistent=False)
+            # The full width is computed as HF computes it; its halves are the same values.
+            if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+                raise RuntimeError("RoPE tables whose halves differ: half-width tables would change the bits")
+            cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+        self.register_buffer("cos", cos, persistent=False)  # [max_positions, D / 2]
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [T, 1, D] of this step's positions, looked up once for all layers."""
-        cos, signed_sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        """cos and sign-folded sin [T, 1, D] of this step's positions, looked up once for all layers:
+        [cos, cos] and rotate_half's minus folded in, [-sin, sin]."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        cos, signed_sin = torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
         if cos.dtype == dtype:
             return cos, signed_sin
         return cos.to(dtype), signed_sin.to(dtype)
@@ -175,7 +182,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens.weight,
             self.norm.weight,
             self.rotary.cos,
-            self.rotary.signed_sin,
+            self.rotary.sin,
             [layer.weights() for layer in self.layers],
         )
 

@@ -71,6 +71,15 @@ static void norm_heads(float *row, const float *q_norm, const float *k_norm, int
     }
 }
 
+/* A position's full rows from the half tables: c = [cos, cos], s = [-sin, sin] (rotate_half's minus). */
+static void rope_rows(const float *cos, const float *sin, int64_t D, float *c, float *s) {
+    for (int64_t i = 0; i < D / 2; i++) {
+        c[i] = c[i + D / 2] = cos[i];
+        s[i] = -sin[i];
+        s[i + D / 2] = sin[i];
+    }
+}
+
 /* The attention half: b->o_out = o(attention(rope(qkv(norm(x))))), the KV cache written. */
 static void attention_half(const struct model_desc *model, const struct layer_desc *layer, const struct step_desc *step, const struct shapes *s,
                            const struct buffers *b, int64_t *cursors, const float *x,
@@ -88,9 +97,9 @@ static void attention_half(const struct model_desc *model, const struct layer_de
 #pragma omp for
     for (int64_t t = 0; t < T; t++) {
         if (q_norm) norm_heads(b->qkv + t * s->qkv_size, q_norm, k_norm, s->num_q, s->num_kv, s->head_dim, eps);
-        rope_write_kv_token(b->qkv, model->cos + positions[t] * D,
-                            model->signed_sin + positions[t] * D,
-                            step->slots, t, s->num_q, s->num_kv, s->head_dim, b->q, b->k,
+        float c[D], signed_s[D];
+        rope_rows(model->cos + positions[t] * (D / 2), model->sin + positions[t] * (D / 2), D, c, signed_s);
+        rope_write_kv_token(b->qkv, c, signed_s, step->slots, t, s->num_q, s->num_kv, s->head_dim, b->q, b->k,
                             layer->key_cache, layer->value_cache, num_slots);
     }
 #pragma omp for schedule(dynamic, 1) collapse(2)
@@ -239,7 +248,7 @@ static const struct {
     FIELD(layer_desc, intermediate), FIELD(layer_desc, num_slots), FIELD(layer_desc, is_bf16),
     FIELD(layer_desc, window), FIELD(layer_desc, quant_type),
     SIZE(model_desc), FIELD(model_desc, embed), FIELD(model_desc, embed_is_bf16), FIELD(model_desc, final_norm),
-    FIELD(model_desc, cos), FIELD(model_desc, signed_sin), FIELD(model_desc, num_layers),
+    FIELD(model_desc, cos), FIELD(model_desc, sin), FIELD(model_desc, num_layers),
     FIELD(model_desc, layers), FIELD(model_desc, embed_quant_type),
     SIZE(step_desc), FIELD(step_desc, input_ids), FIELD(step_desc, positions), FIELD(step_desc, slots),
     FIELD(step_desc, rows), FIELD(step_desc, block_tables), FIELD(step_desc, max_blocks),

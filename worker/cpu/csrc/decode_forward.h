@@ -32,7 +32,7 @@ struct model_desc {
     const void *embed;                /* [vocab, hidden] fp32, or bf16 bits where embed_is_bf16 */
     int64_t embed_is_bf16;
     const float *final_norm;          /* [hidden] */
-    const float *cos, *signed_sin;    /* [max_positions, D]; rotate_half's minus folded into the sin */
+    const float *cos, *sin;           /* [max_positions, D / 2]: the half HF's [max_positions, D] repeats */
     int64_t num_layers;
     const struct layer_desc *layers;  /* [num_layers] */
     int64_t embed_quant_type;         /* embed is GGUF blocks of this ggml type; 0: not */
