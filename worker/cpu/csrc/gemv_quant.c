@@ -255,32 +255,26 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
                                                       int ns, int rb, float sums[4][RB][NB]) {
     const int bb = block_bytes(type);
     const int64_t blocks = K / QK;
-    floatv acc[4][RB] = {{{0}}}, wv[4][STEPS], xv;
+    floatv acc[4][RB] = {{{0}}}, xv;
 #ifdef AVX2_BLOCKS /* each block's scales widened where the block is read */
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t k = i * QK;
         __m256 d[4], m[4];
         for (int s = 0; s < ns; s++) block_head(w[s] + i * bb, &d[s], &m[s]);
-        if (type == TYPE_Q8_0) { /* each stream's register v dequantized just before its products */
-            for (int v = 0; v < STEPS; v++)
-                for (int s = 0; s < ns; s++) {
-                    const floatv step = dequant_step(w[s] + i * bb, type, v, d[s], m[s]);
-                    for (int r = 0; r < rb; r++) {
-                        memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
-                        acc[s][r] += xv * step;
-                    }
-                }
-            continue;
-        }
+        /* Stream by stream, each register dequantized just before its products: the streams' weights
+         * all dequantized first spilled (Q4, one row: 7 registers to the stack and back each block);
+         * this way Q4_0 at one row is 5-13% faster, Q4_1 2-5%, Q8_0 and more rows the same (a Zen 3). */
         for (int s = 0; s < ns; s++)
-            for (int v = 0; v < STEPS; v++) wv[s][v] = dequant_step(w[s] + i * bb, type, v, d[s], m[s]);
-        for (int v = 0; v < STEPS; v++)
-            for (int r = 0; r < rb; r++) {
-                memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
-                for (int s = 0; s < ns; s++) acc[s][r] += xv * wv[s][v];
+            for (int v = 0; v < STEPS; v++) {
+                const floatv step = dequant_step(w[s] + i * bb, type, v, d[s], m[s]);
+                for (int r = 0; r < rb; r++) {
+                    memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
+                    acc[s][r] += xv * step;
+                }
             }
     }
 #else
+    floatv wv[4][STEPS];
     float d[4][CHUNK], m[4][CHUNK];
     for (int64_t c = 0; c < blocks; c += CHUNK) {
         const int n = blocks - c < CHUNK ? (int)(blocks - c) : CHUNK;
