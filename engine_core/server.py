@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from engine_core.core import EngineCore
@@ -101,6 +102,7 @@ class CoreServer:
         self.last_seen: dict[bytes, float] = {}  # greeted client -> monotonic time of its last frame
         self.is_stopping = threading.Event()
         self.thread_failure: str | None = None  # why a thread of the core died, if one did
+        self.heap_releases = 0  # release_heap calls (the core went idle after a step), in its stats
 
     def serve_forever(self) -> None:
         threads = [
@@ -154,6 +156,7 @@ class CoreServer:
                     self.outputs.put((client, outputs))
                 if not self.core.has_unfinished_requests():  # idle now: the outputs are queued first
                     logger.debug("heap released in %.4f s", release_heap())
+                    self.heap_releases += 1
             self.core.control.poll(self._outbox)  # a command waiting for running requests to finish
             if time.monotonic() >= next_check:
                 self._check_liveness()
@@ -182,7 +185,8 @@ class CoreServer:
         if isinstance(message, AbortRequests):
             self.core.abort_requests(client, message.req_ids)
         elif isinstance(message, GetStats):  # here, in order after this client's earlier messages
-            self.outputs.put((client, self.core.stats(message.nonce)))
+            stats = msgspec.structs.replace(self.core.stats(message.nonce), num_heap_releases=self.heap_releases)
+            self.outputs.put((client, stats))
         elif isinstance(message, Goodbye):
             self.core.abort_client(client)
             self.last_seen.pop(client, None)

@@ -173,6 +173,8 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True):
     prefix_cache_queries: int = 0  # prompt tokens of requests that looked their prefix up, since start
     prefix_cache_hits: int = 0  # of those, tokens read from the cache
     num_prefill_tokens: int = 0  # prompt positions computed since start (cache hits are not)
+    num_heap_releases: int = 0  # times a core process went idle after a step and gave its free C heap
+    # back to the OS (engine_core/server.py's release_heap), since start; 0 in process
 
 
 class ControlReply(msgspec.Struct, tag="done", array_like=True):

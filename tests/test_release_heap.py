@@ -1,5 +1,6 @@
-"""engine_core/server.py's release_heap: the freed pages glibc keeps in its heap go back to the OS (the
-busy loop calls it when the core goes idle, so a burst's activations do not stay resident)."""
+"""engine_core/server.py's release_heap: the freed pages glibc keeps in its heap go back to the OS; and
+a core process's busy loop calls it when the core goes idle after a step, once a burst (so a burst's
+activations do not stay resident), counted in its stats."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import PROMPTS
+
+from frontend import SamplingParams
 
 from engine_core.server import _MALLOC_TRIM, release_heap
 
@@ -30,3 +34,16 @@ def test_freed_heap_pages_go_back_to_the_os():
     released = _anon_mib()
     assert released < retained - 150, (committed, retained, released)
     assert all(float(t[0]) == 1.0 for t in kept)  # the live ones untouched
+
+
+def test_a_core_process_releases_its_heap_once_each_time_it_goes_idle(llm_mp):
+    before = llm_mp.get_engine_stats().num_heap_releases
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm_mp.generate(PROMPTS[:3], params, use_tqdm=False)
+    # The release follows the last step's outputs in the busy loop, so a GetStats sent after them is
+    # answered after it.
+    after_burst = llm_mp.get_engine_stats().num_heap_releases
+    assert after_burst >= before + 1
+    assert llm_mp.get_engine_stats().num_heap_releases == after_burst  # idle turns of the loop: no more
+    llm_mp.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert llm_mp.get_engine_stats().num_heap_releases == after_burst + 1
