@@ -10,9 +10,8 @@ import pytest
 import torch
 from conftest import PROMPTS
 
-from frontend import SamplingParams
-
 from engine_core.server import _MALLOC_TRIM, release_heap
+from frontend import SamplingParams
 
 
 def _anon_mib() -> float:

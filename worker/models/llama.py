@@ -84,8 +84,8 @@ class Rotary(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [T, 1, D] of this step's positions, looked up once for all layers:
         [cos, cos] and rotate_half's minus folded in, [-sin, sin]."""
-        cos, sin = self.cos[positions], self.sin[positions]
-        cos, signed_sin = torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         if cos.dtype == dtype:
             return cos, signed_sin
         return cos.to(dtype), signed_sin.to(dtype)
