@@ -42,6 +42,7 @@ from protocol.messages import (
 logger = logging.getLogger(__name__)
 
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
+_heap_releases = 0  # malloc_trim calls made by release_heap in this process
 
 
 def release_heap() -> float:
@@ -51,9 +52,16 @@ def release_heap() -> float:
     (0 where the C library has no malloc_trim)."""
     if _MALLOC_TRIM is None:
         return 0.0
+    global _heap_releases
     begun = time.perf_counter()
     _MALLOC_TRIM(ctypes.c_size_t(0))  # ctypes drops the GIL: the output thread goes on sending
+    _heap_releases += 1
     return time.perf_counter() - begun
+
+
+def heap_releases() -> int:
+    """How many times release_heap gave the heap back in this process (the engine stats' count)."""
+    return _heap_releases
 
 HEARTBEAT_INTERVAL_S = 0.5
 HANG_AFTER_S = 15.0  # a busy loop stuck this long stops the heartbeats, so clients declare it dead
@@ -102,7 +110,6 @@ class CoreServer:
         self.last_seen: dict[bytes, float] = {}  # greeted client -> monotonic time of its last frame
         self.is_stopping = threading.Event()
         self.thread_failure: str | None = None  # why a thread of the core died, if one did
-        self.heap_releases = 0  # release_heap calls (the core went idle after a step), in its stats
 
     def serve_forever(self) -> None:
         threads = [
@@ -156,7 +163,6 @@ class CoreServer:
                     self.outputs.put((client, outputs))
                 if not self.core.has_unfinished_requests():  # idle now: the outputs are queued first
                     logger.debug("heap released in %.4f s", release_heap())
-                    self.heap_releases += 1
             self.core.control.poll(self._outbox)  # a command waiting for running requests to finish
             if time.monotonic() >= next_check:
                 self._check_liveness()
@@ -185,7 +191,7 @@ class CoreServer:
         if isinstance(message, AbortRequests):
             self.core.abort_requests(client, message.req_ids)
         elif isinstance(message, GetStats):  # here, in order after this client's earlier messages
-            stats = msgspec.structs.replace(self.core.stats(message.nonce), num_heap_releases=self.heap_releases)
+            stats = msgspec.structs.replace(self.core.stats(message.nonce), num_heap_releases=heap_releases())
             self.outputs.put((client, stats))
         elif isinstance(message, Goodbye):
             self.core.abort_client(client)

@@ -125,7 +125,7 @@ class LLM(LLMControlMethods):
 
     def get_engine_stats(self) -> EngineStats:
         """The engine core's state, engine-wide (a daemon's other clients included): running and
-        waiting requests, free and total KV blocks, preemptions so far. Taken by the core after all
+        waiting requests, free and total KV blocks, preemptions and heap releases so far. Taken by the core after all
         this LLM sent before (so after the aborts of its finished requests), between two steps. At
         idle every block is free. Like generate, not to be called from two threads at once."""
         return self.engine.get_stats()
