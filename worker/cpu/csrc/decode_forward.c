@@ -6,7 +6,8 @@
  * entering and leaving a parallel region, and more once the weights just streamed through have evicted
  * the interpreter from the caches (docs/benchmarks.md has the figures).
  * Here the threads stay in one region for the whole forward and meet at a barrier between dependent
- * steps. Every step is the same per-token or per-thread function the separate kernels run
+ * steps; each thread computes the norms before the products itself (a row's few thousand operations
+ * against a barrier each), and SiLU is split within a row. Every step is the same per-token or per-thread function the separate kernels run
  * (kernel_parts.h), so the numbers are those of the op-by-op path bit for bit, except Qwen3's
  * per-head q/k norms (C's RMSNorm here, torch's there: equal to float rounding).
  *
@@ -22,7 +23,7 @@
 #include "kernel_parts.h"
 
 struct buffers {
-    float *qkv, *q, *k, *attn, *o_out, *normed, *gate_up, *act, *down, *streams[2];
+    float *qkv, *q, *k, *attn, *o_out, *gate_up, *act, *down, *streams[2];
     int64_t *cursors; /* [num_layers, 4]: where the threads stand in each product (gemv_share) */
     int *failed;      /* a quantized product found no memory for its tile */
 };
@@ -34,9 +35,11 @@ struct shapes {
 };
 
 struct thread_scratch {
-    int team;
+    int team, me;
     float *scores, *rounded; /* attention's [group, max_len + head_dim]; x rounded to bf16 */
+    float *normed, *sum;     /* [T, H] each: the thread's own copy of a norm's output and of the residual sum */
 };
+
 
 static float *carve(float **next, int64_t count) {
     float *start = *next;
@@ -89,10 +92,9 @@ static void attention_half(const struct model_desc *model, const struct layer_de
     const int32_t *context_lens = step->context_lens;
     const float *q_norm = layer->q_norm, *k_norm = layer->k_norm;
     const int window = (int)layer->window;
-#pragma omp for
-    for (int64_t t = 0; t < T; t++)
-        rms_norm_token(x, NULL, t, s->H, layer->input_norm, eps, NULL, b->normed);
-    product(s, b, b->normed, s->H, layer->qkv, s->qkv_size, layer->qkv_bias, b->qkv, own, &cursors[0]);
+    for (int64_t t = 0; t < T; t++) /* each thread its own copy: no barrier between the norm and the product */
+        rms_norm_token(x, NULL, t, s->H, layer->input_norm, eps, NULL, own->normed);
+    product(s, b, own->normed, s->H, layer->qkv, s->qkv_size, layer->qkv_bias, b->qkv, own, &cursors[0]);
 #pragma omp barrier
 #pragma omp for
     for (int64_t t = 0; t < T; t++) {
@@ -122,17 +124,21 @@ static void attention_half(const struct model_desc *model, const struct layer_de
 static void mlp_half(const struct layer_desc *layer, const struct shapes *s, const struct buffers *b, int64_t *cursors,
                      const float *x, float *out, const struct thread_scratch *own, float eps) {
     const int64_t T = s->T;
-#pragma omp for
-    for (int64_t t = 0; t < T; t++) /* out = h for now */
-        rms_norm_token(x, b->o_out, t, s->H, layer->post_norm, eps, out, b->normed);
-    product(s, b, b->normed, s->H, layer->gate_up, 2 * s->I, NULL, b->gate_up, own, &cursors[0]);
+    for (int64_t t = 0; t < T; t++) /* h and its norm, each thread its own copy (no barrier before the product) */
+        rms_norm_token(x, b->o_out, t, s->H, layer->post_norm, eps, own->sum, own->normed);
+    product(s, b, own->normed, s->H, layer->gate_up, 2 * s->I, NULL, b->gate_up, own, &cursors[0]);
 #pragma omp barrier
+    const int64_t I = s->I, team = own->team;
 #pragma omp for
-    for (int64_t t = 0; t < T; t++) silu_mul_token(b->gate_up, t, s->I, b->act);
+    for (int64_t item = 0; item < T * team; item++) { /* a row in team parts, each a multiple of 8 long */
+        const int64_t t = item / team, part = item % team;
+        silu_mul_range(b->gate_up, t, I, b->act, I / 8 * part / team * 8,
+                       part + 1 == team ? I : I / 8 * (part + 1) / team * 8);
+    }
     product(s, b, b->act, s->I, layer->down, s->H, NULL, b->down, own, &cursors[1]);
 #pragma omp barrier
 #pragma omp for
-    for (int64_t i = 0; i < T * s->H; i++) out[i] += b->down[i];
+    for (int64_t i = 0; i < T * s->H; i++) out[i] = own->sum[i] + b->down[i];
 }
 
 /* x[t] = the embedding table's row of token t, widened to fp32 from bf16 bits where it is bf16,
@@ -197,7 +203,7 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     const int64_t num_scores = s.group * ((int64_t)s.max_len + s.head_dim);
     const int64_t rounding = T * max3(s.H, s.q_size, s.I) + 32; /* x rounded to bf16 */
     const int num_threads = (int)step->num_threads > 0 ? (int)step->num_threads : 1;
-    const int64_t per_thread = num_scores + rounding + 16;
+    const int64_t per_thread = num_scores + rounding + 2 * T * s.H + 48;
     const int64_t total = T * (s.qkv_size + 3 * s.q_size + 6 * s.H + 3 * s.I + (int64_t)s.num_kv * s.head_dim);
     float *memory = malloc(sizeof(float) * (total + 12 * 16 + per_thread * num_threads)), *next = memory;
     struct buffers b;
@@ -214,7 +220,6 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     b.k = carve(&next, T * s.num_kv * s.head_dim);
     b.attn = carve(&next, T * s.q_size);
     b.o_out = carve(&next, T * s.H);
-    b.normed = carve(&next, T * s.H);
     b.gate_up = carve(&next, 2 * T * s.I);
     b.act = carve(&next, T * s.I);
     b.down = carve(&next, T * s.H);
@@ -224,7 +229,9 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     {
         struct thread_scratch own;
         own.team = omp_get_num_threads();
-        own.scores = next + per_thread * omp_get_thread_num(), own.rounded = own.scores + num_scores;
+        own.me = omp_get_thread_num();
+        own.scores = next + per_thread * own.me, own.rounded = own.scores + num_scores;
+        own.normed = own.rounded + rounding + 16, own.sum = own.normed + T * s.H + 16;
         forward(model, step, &s, &b, out, &own, eps, scale);
     }
     free(memory);

@@ -66,21 +66,25 @@ static inline float8 silu_mul8(float8 g, float8 u) {
 }
 
 /* gate_up: [T, 2 I] (gate then up, as the fused projection lays them out); out: [T, I]. */
-void silu_mul_token(const float *gate_up, int64_t t, int64_t intermediate, float *out) {
+void silu_mul_range(const float *gate_up, int64_t t, int64_t intermediate, float *out, int64_t begin, int64_t end) {
     const float *gate = gate_up + t * 2 * intermediate, *up = gate + intermediate;
     float *row = out + t * intermediate;
-    int64_t i = 0;
-    for (; i + 8 <= intermediate; i += 8) {
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
         float8 g, u, y;
         memcpy(&g, gate + i, sizeof g);
         memcpy(&u, up + i, sizeof u);
         y = silu_mul8(g, u);
         memcpy(row + i, &y, sizeof y);
     }
-    for (; i < intermediate; i++) {
+    for (; i < end; i++) {
         float8 g = {gate[i]}, u = {up[i]};
         row[i] = silu_mul8(g, u)[0];
     }
+}
+
+void silu_mul_token(const float *gate_up, int64_t t, int64_t intermediate, float *out) {
+    silu_mul_range(gate_up, t, intermediate, out, 0, intermediate);
 }
 
 void silu_mul(const float *gate_up, int64_t num_tokens, int64_t intermediate, float *out,

@@ -22,6 +22,8 @@ static inline uint16_t to_bf16(float value) {
 void rms_norm_token(const float *x, const float *delta, int64_t t, int64_t hidden, const float *weight,
                     float eps, float *sum_out, float *out);
 void silu_mul_token(const float *gate_up, int64_t t, int64_t intermediate, float *out);
+/* silu_mul_token's elements [begin, end) (begin a multiple of 8: the same values as the whole row's). */
+void silu_mul_range(const float *gate_up, int64_t t, int64_t intermediate, float *out, int64_t begin, int64_t end);
 void rope_write_kv_token(const float *qkv, const float *c, const float *s, const int64_t *slots, int64_t t,
                          int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, float *q_out, float *k_out,
                          float *key_cache, float *value_cache, int64_t num_slots);
