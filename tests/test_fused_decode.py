@@ -1,7 +1,8 @@
 """The fused decode forward (worker/cpu/fused_decode.py, worker/cpu/csrc/decode_forward.c) against the op-by-op path
 of the same model on the same paged cache: bit for bit, for every family's features (q/k/v and o
 biases, sliding window, tied embeddings, Qwen3's q/k norms to float rounding), fp32 and bf16
-weights, with and without the bf16 dot instruction, one row and many."""
+weights, with and without the bf16 dot instruction, one row and many; and its lm_head products equal
+compute_logits' on the same hidden states."""
 
 from __future__ import annotations
 
@@ -61,10 +62,13 @@ def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> lis
             if step == num_steps:
                 break
             inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, device)
-            fused_step = fused.step(inputs)
+            fused_step = fused.step(inputs, with_logits=True)
             assert (fused_step is not None) == (len(states) <= FUSED_MAX_ROWS)
             if fuse and fused_step is not None:
                 hidden.append(fused.run(fused_step))
+                # lm_head in the same region: compute_logits' numbers on the same hidden states
+                assert fused_step.logits is not None
+                assert torch.equal(fused_step.logits, model.compute_logits(hidden[-1]))
             else:
                 hidden.append(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
     return hidden

@@ -136,15 +136,24 @@ class ModelRunner:
             time.perf_counter() - begun,
         )
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's final-normed hidden states [T, hidden]: fused where it applies, else op by op."""
-        step = self.fused.step(inputs) if self.fused is not None else None
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's final-normed hidden states [T, hidden], and the logits [R, vocab] of its sampled
+        rows where the fused forward computed them too (None: compute_logits' to run): fused where it
+        applies, else op by op."""
+        wants_logits = inputs.sample_rows is None  # every row samples (a decode-only step)
+        step = self.fused.step(inputs, wants_logits) if self.fused is not None else None
         if step is None:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, self.on_progress)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, self.on_progress)
+            return hidden, None
         hidden = self.fused.run(step)
         if self.on_progress is not None:
             self.on_progress()
-        return hidden
+        return hidden, step.logits
+
+    def _logits(self, hidden: torch.Tensor, fused_logits: torch.Tensor | None) -> torch.Tensor:
+        """The sampled rows' logits: the fused forward's (the same products in C, the same numbers) or
+        compute_logits'."""
+        return fused_logits if fused_logits is not None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -158,7 +167,7 @@ class ModelRunner:
             return self._execute_window(states, scheduler_output.num_steps)
         num_tokens = list(scheduler_output.num_scheduled_tokens.values())
         inputs = build_step_inputs(states, num_tokens, self.block_size, self.device)
-        hidden = self.forward(inputs)
+        hidden, fused_logits = self.forward(inputs)
         for state, num in zip(states, num_tokens):
             state.num_computed_tokens += num
         sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
@@ -174,7 +183,8 @@ class ModelRunner:
                 self.device,
             )
             sampled_hidden = hidden if inputs.sample_rows is None else hidden[inputs.sample_rows]
-            out = self._agreed(self.sampler(self.model.compute_logits(sampled_hidden), meta))
+            logits = self._logits(sampled_hidden, fused_logits if inputs.sample_rows is None else None)
+            out = self._agreed(self.sampler(logits, meta))
             tensors.add_step(out.sampled, _logprobs_of(out))
             masses = _constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
         if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
@@ -210,8 +220,8 @@ class ModelRunner:
         inputs = build_step_inputs(states, [1] * len(states), self.block_size, self.device)
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         for step in range(num_steps):
-            hidden = self.forward(inputs)
-            out = self._agreed(self.sampler(self.model.compute_logits(hidden), meta))
+            hidden, fused_logits = self.forward(inputs)
+            out = self._agreed(self.sampler(self._logits(hidden, fused_logits), meta))
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)

@@ -34,6 +34,11 @@ class ModelDesc(ctypes.Structure):
         ("num_layers", _I64),
         ("layers", ctypes.POINTER(LayerDesc)),
         ("embed_quant_type", _I64),
+        ("lm_head", _P),
+        ("lm_head_bias", _P),
+        ("lm_head_is_bf16", _I64),
+        ("lm_head_quant_type", _I64),
+        ("vocab", _I64),
     ]
 
 
@@ -45,6 +50,7 @@ class StepDesc(ctypes.Structure):
         ("max_blocks", _I64),
         ("context_lens", _P),
         *((name, _I64) for name in ("num_tokens", "block_size", "use_dot", "num_threads")),
+        ("logits", _P),
     ]
 
 

@@ -32,9 +32,10 @@ FUSED_MAX_ROWS = GEMV_MAX_ROWS  # the few-row products' range: past it prefill-s
 class FusedStep:
     """This step's rows as decode_forward.c reads them, and the tensors whose addresses it holds."""
 
-    def __init__(self, desc: StepDesc, keep_alive: tuple) -> None:
+    def __init__(self, desc: StepDesc, keep_alive: tuple, logits: torch.Tensor | None = None) -> None:
         self.desc = desc
         self.keep_alive = keep_alive
+        self.logits = logits  # [T, vocab] float32, written by the run where asked; None: not asked
         self.pointer = ctypes.byref(desc)
 
 
@@ -66,12 +67,15 @@ class FusedForward:
             num_layers=len(caches),
             layers=self.layers,
             embed_quant_type=ggml_type_of(embed),
+            **_lm_head_fields(weights),
         )
+        self.vocab = self.desc.vocab  # 0: lm_head stays with the op-by-op product
         self.keep_alive = weights  # the tensors whose addresses the descriptors hold
         self.pointer = ctypes.byref(self.desc)
 
-    def step(self, inputs: StepInputs) -> FusedStep | None:
-        """The step's rows for decode_forward.c, or None where the op-by-op path must run."""
+    def step(self, inputs: StepInputs, with_logits: bool = False) -> FusedStep | None:
+        """The step's rows for decode_forward.c, or None where the op-by-op path must run; with_logits:
+        lm_head's products of every row too, in the same region (where the model's lm_head has them)."""
         meta, num_tokens = inputs.attn, inputs.input_ids.shape[0]
         decode = meta.decode
         if not self.applies or decode is None or meta.seqs or num_tokens > FUSED_MAX_ROWS or len(decode.rows) != num_tokens:
@@ -95,10 +99,14 @@ class FusedForward:
             use_dot=int(self.kernels.has_bf16_dot),
             num_threads=torch.get_num_threads(),
         )
-        return FusedStep(desc, (input_ids, positions, slots, decode))
+        logits = torch.empty(num_tokens, self.vocab) if with_logits and self.vocab else None
+        if logits is not None:
+            desc.logits = logits.data_ptr()
+        return FusedStep(desc, (input_ids, positions, slots, decode), logits)
 
     def run(self, step: FusedStep) -> torch.Tensor:
-        """The final-normed hidden states [T, hidden] float32 of the step's tokens."""
+        """The final-normed hidden states [T, hidden] float32 of the step's tokens (and step.logits
+        filled where the step asked for them)."""
         a = self.args
         out = torch.empty(step.desc.num_tokens, a.hidden_size)
         status = self.kernels.decode_forward(
@@ -107,6 +115,21 @@ class FusedForward:
         if status != 0:
             raise MemoryError("the fused decode forward could not allocate its scratch memory")
         return out
+
+
+def _lm_head_fields(weights: ModelWeights) -> dict:
+    """ModelDesc's lm_head fields: its weight where decode_forward.c's products take it as the op-by-op
+    path's few-row product does (gemv.c's fp32 or bf16, gemv_quant.c's blocks), else vocab 0."""
+    weight, bias = weights.lm_head, weights.lm_head_bias
+    quant_type = 0 if weight is None else ggml_type_of(weight)
+    kinds = (torch.float32, torch.bfloat16) if not quant_type else (torch.uint8,)
+    if weight is None or weight.dtype not in kinds or not weight.is_contiguous():
+        return {"vocab": 0}
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return {"vocab": 0}
+    return {"lm_head": weight.data_ptr(), "lm_head_bias": _address(bias),
+            "lm_head_is_bf16": int(weight.dtype == torch.bfloat16), "lm_head_quant_type": quant_type,
+            "vocab": weight.shape[0]}  # fmt: skip
 
 
 _SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "is_bf16", "quant_type")

@@ -61,6 +61,8 @@ class ModelWeights(NamedTuple):
     cos: torch.Tensor  # [max_positions, D / 2] float32, the half HF's [max_positions, D] repeats
     sin: torch.Tensor  # [max_positions, D / 2] float32
     layers: list[LayerWeights]
+    lm_head: torch.Tensor | None = None  # [vocab, hidden]: floats or GGUF blocks (the embedding's where tied)
+    lm_head_bias: torch.Tensor | None = None
 
 
 class Rotary(nn.Module):
@@ -184,6 +186,8 @@ class LlamaModel(nn.Module):
             self.rotary.cos,
             self.rotary.sin,
             [layer.weights() for layer in self.layers],
+            self.lm_head.weight,
+            self.lm_head.bias,
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

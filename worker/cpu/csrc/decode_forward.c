@@ -179,7 +179,7 @@ static struct shapes shapes_of(const struct layer_desc *layer, const struct step
 }
 
 /* Every thread runs this: embedding, the layers (their outputs turn about between two buffers), the
- * final norm into out. */
+ * final norm into out, and lm_head's products into the step's logits where it asks. */
 static void forward(const struct model_desc *model, const struct step_desc *step, const struct shapes *s, const struct buffers *b,
                     float *out, const struct thread_scratch *own, float eps, float scale) {
     embed(model, step, s->T, s->H, b->streams[0]);
@@ -193,6 +193,16 @@ static void forward(const struct model_desc *model, const struct step_desc *step
     for (int64_t t = 0; t < s->T; t++)
         rms_norm_token(b->streams[model->num_layers % 2], NULL, t, s->H, model->final_norm,
                        eps, NULL, out);
+    if (!step->logits) return;
+    int64_t *cursor = b->cursors + 4 * model->num_layers; /* the op-by-op path's few-row product, in C */
+    if (model->lm_head_quant_type) {
+        if (gemv_quant_share(out, s->T, s->H, model->lm_head, (int)model->lm_head_quant_type, model->vocab,
+                             model->lm_head_bias, step->logits, cursor, own->team))
+            __atomic_store_n(b->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    gemv_share(out, s->T, s->H, model->lm_head, (int32_t)model->lm_head_is_bf16, s->use_dot, model->vocab,
+               model->lm_head_bias, step->logits, own->rounded, cursor, own->team);
 }
 
 /* out: [num_tokens, hidden] fp32, the final-normed hidden states. Returns 0, or -1 when scratch
@@ -209,7 +219,7 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     struct buffers b;
     int failed = 0;
     b.failed = &failed;
-    b.cursors = calloc(4 * model->num_layers, sizeof(int64_t));
+    b.cursors = calloc(4 * model->num_layers + 1, sizeof(int64_t));
     if (!memory || !b.cursors) {
         free(memory);
         free(b.cursors);
@@ -256,11 +266,13 @@ static const struct {
     FIELD(layer_desc, window), FIELD(layer_desc, quant_type),
     SIZE(model_desc), FIELD(model_desc, embed), FIELD(model_desc, embed_is_bf16), FIELD(model_desc, final_norm),
     FIELD(model_desc, cos), FIELD(model_desc, sin), FIELD(model_desc, num_layers),
-    FIELD(model_desc, layers), FIELD(model_desc, embed_quant_type),
+    FIELD(model_desc, layers), FIELD(model_desc, embed_quant_type), FIELD(model_desc, lm_head),
+    FIELD(model_desc, lm_head_bias), FIELD(model_desc, lm_head_is_bf16), FIELD(model_desc, lm_head_quant_type),
+    FIELD(model_desc, vocab),
     SIZE(step_desc), FIELD(step_desc, input_ids), FIELD(step_desc, positions), FIELD(step_desc, slots),
     FIELD(step_desc, rows), FIELD(step_desc, block_tables), FIELD(step_desc, max_blocks),
     FIELD(step_desc, context_lens), FIELD(step_desc, num_tokens), FIELD(step_desc, block_size),
-    FIELD(step_desc, use_dot), FIELD(step_desc, num_threads),
+    FIELD(step_desc, use_dot), FIELD(step_desc, num_threads), FIELD(step_desc, logits),
 };
 
 int64_t decode_forward_layout(const char *type, const char *field) {

@@ -36,6 +36,9 @@ struct model_desc {
     int64_t num_layers;
     const struct layer_desc *layers;  /* [num_layers] */
     int64_t embed_quant_type;         /* embed is GGUF blocks of this ggml type; 0: not */
+    const void *lm_head;              /* [vocab, hidden] fp32, bf16 bits or GGUF blocks (as the layers' kinds) */
+    const float *lm_head_bias;        /* [vocab] or NULL */
+    int64_t lm_head_is_bf16, lm_head_quant_type, vocab;
 };
 
 /* This step's rows: T decode tokens, one per request. */
@@ -48,6 +51,7 @@ struct step_desc {
     int64_t num_tokens, block_size;
     int64_t use_dot;                               /* bf16 products take the dot instruction */
     int64_t num_threads;
+    float *logits;                                 /* [T, vocab]: lm_head's products too; NULL: not */
 };
 
 #endif
