@@ -5,10 +5,13 @@
     python scripts/bench_llama_cpp.py --rounds 3 --max-tokens 128 --json bench_out/llama_cpp.json
 
 Both servers get the same prompts as text over /v1/completions: greedy, `ignore_eos`, `max_tokens`
-out each; output tokens/s is the completion tokens of a round over its wall time. The rounds
-alternate the two servers (A B B A ...), and each is up only while it is measured, so neither runs
-beside the other. coreserve serves the file as it is (quantized in memory, the default `dtype`);
-llama-server runs with as many threads as cores and one slot per concurrent request.
+out each; output tokens/s is the completion tokens of a batch of `concurrency` requests over its wall
+time. The rounds alternate the two servers (A B B A ...), and each is up only while it is measured, so
+neither runs beside the other. Each round warms its server with one short request, then measures
+`--repeats` batches (a server's first request after its start ran up to 10% slower, and one 1-second
+request is a noisy sample); the figure is each server's median over all its batches. coreserve serves
+the file as it is (quantized in memory, the default `dtype`); llama-server runs with as many threads
+as cores and one slot per concurrent request.
 
 Logprob distance: for each prompt, llama-server's greedy tokens and their logprobs (`n_probs`, taken
 before sampling) are scored by coreserve with the same file dequantized to fp32 at load (the
@@ -52,6 +55,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds per concurrency")
+    parser.add_argument("--repeats", type=int, default=3, help="measured batches per round, after a warm-up")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     gguf = gguf_path(args.model)
@@ -65,7 +69,9 @@ def main() -> None:
             order = ["coreserve", "llama.cpp"] if round_ % 2 == 0 else ["llama.cpp", "coreserve"]
             for name in order:
                 with start(name, gguf, binary, concurrency) as base:
-                    rows[name].append(asyncio.run(throughput(base, concurrency, args.max_tokens)))
+                    asyncio.run(throughput(base, 1, 8))  # warm-up, not counted
+                    for _ in range(args.repeats):
+                        rows[name].append(asyncio.run(throughput(base, concurrency, args.max_tokens)))
         summary = {name: sorted(values)[len(values) // 2] for name, values in rows.items()}
         summary["coreserve / llama.cpp"] = summary["coreserve"] / summary["llama.cpp"]
         results["runs"][f"concurrency {concurrency}"] = {"tokens/s (median)": summary, "rounds": rows}
