@@ -11,20 +11,20 @@
  * hsum's tree, the bias added last. K is a whole number of blocks, so gemv.c's scalar tail is empty.
  * So each output is bit for bit gemv_f32's on the dequantized weights, for any row count, thread
  * count or split (batch invariance, docs/decisions.md; docs/quantized.md).
- * Up to four rows the weights stream once, dequantized block by block in registers (AVX2: up to 32
- * rows, in passes of four: on a Zen 3 at 1.19-1.22 ns a Q4_1 block and row for 8-32 rows, against the
- * panels' 1.44-1.75; past 32 the panels win, 1.05 at 40, 1.01 at 64); with more rows four weight rows
- * at a time are dequantized into the thread's scratch and reused by every row of a panel that stays
- * in L2 (the dequantization paid once per panel, not once per row).
- * The scales of 16 blocks at a time are widened together (block_scales; AVX2's few-row products widen
- * each block's where they read it, and so does the AVX2 tile, block_head); each block's quants then
- * become floats by a lookup in its 16 values (AVX-512) or by widening, conversion and d * q (+ m)
- * (AVX2; generic vector code elsewhere): the same values either way.
+ * Up to PASS_ROWS rows the weights stream once a pass of up to four rows, dequantized block by block
+ * in registers (AVX-512 and AVX2: 32 rows, where the passes beat the panels on a Zen 4 and a Zen 3;
+ * elsewhere four); with more rows four weight rows at a time are dequantized into the thread's scratch
+ * and reused by every row of a panel that stays in L2 (the dequantization paid once per panel, not
+ * once per row).
+ * AVX-512 and AVX2 widen each block's scales where the block is read (block_head), other CPUs 16
+ * blocks at a time (block_scales); each block's quants then become floats by a lookup in its 16
+ * values (AVX-512) or by widening, conversion and d * q (+ m) (AVX2; generic vector code elsewhere):
+ * the same values either way. docs/benchmarks.md has the figures behind each choice.
  * x: [rows, K] fp32 row-major, w: [N, K / 32 blocks] raw bytes, out: [rows, N] fp32.
  */
 #include <omp.h>
 #include <stdint.h>
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__) /* F16C alone: block_scales */
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -46,6 +46,7 @@
 #define LANES 16
 #define ROW_STREAMS 2
 #define BLOCK_RB 4 /* activation rows per block of the many-row product: 16 accumulators */
+#define PASS_ROWS 32 /* rows up to which the few-row product runs in passes of ROW_MAX rows */
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define LANES 8
 #define ROW_STREAMS 2
@@ -61,7 +62,7 @@
 #define BLOCK_RB 2
 #endif
 #define STEPS (QK / LANES) /* registers per block */
-#ifndef PASS_ROWS /* rows up to which the few-row product runs in passes of ROW_MAX rows */
+#ifndef PASS_ROWS
 #define PASS_ROWS ROW_MAX
 #endif
 
@@ -104,25 +105,15 @@ static inline float half_at(const uint8_t *p) {
     return value;
 }
 
-/* The scales of n <= CHUNK consecutive blocks from b, widened from fp16 exactly: d[i] and (Q4_1) m[i].
- * Converted CHUNK at a time, so a block's weights cost no scalar conversion or broadcast of its own. */
+/* The scales of n <= CHUNK consecutive blocks from b, widened from fp16 exactly: d[i] and (Q4_1) m[i]
+ * (CPUs without AVX2 or AVX-512; those take block_head). */
 #define CHUNK 16
 static inline __attribute__((always_inline)) void block_scales(const uint8_t *b, int type, int n, float d[CHUNK],
                                                                float m[CHUNK]) {
     const int bb = block_bytes(type);
-#if defined(__AVX512F__) && defined(__F16C__)
-    /* One gather of the blocks' first 4 bytes (d, then Q4_1's m or the first quants), narrowed to their
-     * halves: a vector built from 2-byte stores would stall on the store-to-load forwarding. */
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(bb));
-    const __m512i heads = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << n) - 1u), offsets,
-                                                      (const void *)b, 1);
-    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads)));
-    if (type == TYPE_Q4_1) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(heads, 16))));
-#elif defined(__F16C__)
-    /* AVX with F16C but no AVX2 (AVX2 builds widen each block's in registers, block_head). Each block's
-     * first 4 bytes (d, then Q4_1's m) widened by one vcvtph2ps: stores of whole floats, so the
-     * broadcasts that read them back are forwarded. */
+#if defined(__F16C__)
+    /* AVX with F16C: each block's first 4 bytes (d, then Q4_1's m) widened by one vcvtph2ps; stores of
+     * whole floats, so the broadcasts that read them back are forwarded. */
     for (int i = 0; i < n; i++) {
         uint32_t head;
         memcpy(&head, b + i * bb, sizeof head);
@@ -138,6 +129,26 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *b,
 #endif
 }
 
+#if (defined(__AVX512F__) || (LANES == 8 && ROW_STREAMS == 2)) && defined(__F16C__)
+#define REGISTER_SCALES 1 /* row() and dequant_row() take block_head, and dequant_block or dequant_step */
+/* A block's d and (Q4_1) m, widened by one vcvtph2ps of its first 4 bytes and broadcast from the
+ * register. Widened 16 blocks at a time through memory they cost a store and a reload each, and on
+ * AVX-512 a gather, as slow for a row's last 2 blocks as for 16 (docs/benchmarks.md has the figures).
+ * Q8_0's and Q4_0's m is their first quants' bits, unused. */
+static inline __attribute__((always_inline)) void block_head(const uint8_t *b, floatv *d, floatv *m) {
+    uint32_t head;
+    memcpy(&head, b, sizeof head);
+    const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128((int)head));
+#ifdef __AVX512F__
+    *d = (floatv)_mm512_broadcastss_ps(halves);
+    *m = (floatv)_mm512_broadcastss_ps(_mm_movehdup_ps(halves));
+#else
+    *d = (floatv)_mm256_broadcastss_ps(halves);
+    *m = (floatv)_mm256_broadcastss_ps(_mm_movehdup_ps(halves));
+#endif
+}
+#endif
+
 /* One block's 32 weights as STEPS registers, element e in register e / LANES, lane e % LANES, from its
  * widened scales d and m. Q4: elements 0-15 are the low nibbles of the 16 bytes, 16-31 the high ones. */
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -145,34 +156,35 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *b,
  * register, the very values d * q + m and d * (q - 8) give per weight (the same operations on the same
  * operands); each weight is then looked up by its nibble (vpermps reads an index's low 4 bits, so the
  * widened bytes index the low nibbles as they are). That is 2 widenings, 2 conversions and 2 multiply-
- * adds per block replaced by 1 widening, 1 shift and 1 multiply-add. Q8_0: widened by vpmovsx. */
-static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d_scale,
-                                                                float m_scale, floatv out[STEPS]) {
-    const __m512 d = _mm512_set1_ps(d_scale);
+ * adds per block replaced by 1 widening, 1 shift and 1 multiply-add. Q8_0: widened by vpmovsx.
+ * d and m: the block's scales in every lane (block_head). */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, floatv d, floatv m,
+                                                                floatv out[STEPS]) {
     if (type == TYPE_Q8_0) {
         for (int v = 0; v < STEPS; v++) {
             const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + v * LANES));
-            out[v] = (floatv)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+            out[v] = (floatv)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), (__m512)d);
         }
         return;
     }
     const __m512 table = type == TYPE_Q4_1
-        ? _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d,
-                          _mm512_set1_ps(m_scale)) /* d * q exact, so one rounding as numpy's two */
-        : _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
+        ? _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), (__m512)d,
+                          (__m512)m) /* d * q exact, so one rounding as numpy's two */
+        : _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), (__m512)d);
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2))));
     out[0] = (floatv)_mm512_permutexvar_ps(bytes, table);
     out[1] = (floatv)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 #elif LANES == 8 && ROW_STREAMS == 2
-#define AVX2_BLOCKS 1 /* row() and dequant_row() take block_head and dequant_step below */
+#define AVX2_BLOCKS 1 /* row() and dequant_row() take dequant_step below */
 /* AVX2: register v (8 weights) of a block, from its broadcast scales. Q4: the 8 bytes holding the
  * register's nibbles widened by vpmovzxbd, the low nibbles masked or the high ones shifted down, then
  * converted and scaled as d * q + m and d * (q - 8); Q8_0 widened by vpmovsxbd, d * q: the operations
  * of the generic code below. One register at a time, so four streams fit AVX2's 16 registers (a whole
  * block per stream spilled). */
-static inline __attribute__((always_inline)) floatv dequant_step(const uint8_t *b, int type, int v, __m256 d,
-                                                                 __m256 m) {
+static inline __attribute__((always_inline)) floatv dequant_step(const uint8_t *b, int type, int v, floatv dv,
+                                                                 floatv mv) {
+    const __m256 d = (__m256)dv, m = (__m256)mv;
     if (type == TYPE_Q8_0) {
         const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + v * LANES)));
         return (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
@@ -182,18 +194,6 @@ static inline __attribute__((always_inline)) floatv dequant_step(const uint8_t *
     const __m256i q = v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(bytes, 4);
     if (type == TYPE_Q4_1) return (floatv)_mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
     return (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))), d);
-}
-
-/* A block's d and (Q4_1) m, widened by one vcvtph2ps of its first 4 bytes and broadcast from the
- * register: widened 16 blocks at a time through memory (block_scales) they cost a store and a reload
- * each, 15-30% of a one-row product (a Zen 3: Q4_1 3.1 -> 2.7 ns a block, Q8_0 2.6 -> 2.2). Q8_0's and
- * Q4_0's m is their first quants' bits, unused. */
-static inline __attribute__((always_inline)) void block_head(const uint8_t *b, __m256 *d, __m256 *m) {
-    uint32_t head;
-    memcpy(&head, b, sizeof head);
-    const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128((int)head));
-    *d = _mm256_broadcastss_ps(halves);
-    *m = _mm256_broadcastss_ps(_mm_movehdup_ps(halves));
 }
 
 #else
@@ -227,14 +227,16 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row, int type, int64_t K, float *out) {
     const int bb = block_bytes(type);
     const int64_t blocks = K / QK;
-#ifdef AVX2_BLOCKS
+#ifdef REGISTER_SCALES
     for (int64_t i = 0; i < blocks; i++) {
-        __m256 d, m;
+        floatv d, m, v[STEPS];
         block_head(row + i * bb, &d, &m);
-        for (int v = 0; v < STEPS; v++) {
-            const floatv step = dequant_step(row + i * bb, type, v, d, m);
-            memcpy(out + i * QK + v * LANES, &step, sizeof step);
-        }
+#ifdef AVX2_BLOCKS
+        for (int j = 0; j < STEPS; j++) v[j] = dequant_step(row + i * bb, type, j, d, m);
+#else
+        dequant_block(row + i * bb, type, d, m, v);
+#endif
+        memcpy(out + i * QK, v, sizeof v);
     }
 #else
     floatv v[STEPS];
@@ -265,7 +267,7 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
 #ifdef AVX2_BLOCKS /* each block's scales widened where the block is read */
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t k = i * QK;
-        __m256 d[4], m[4];
+        floatv d[4], m[4];
         for (int s = 0; s < ns; s++) block_head(w[s] + i * bb, &d[s], &m[s]);
         /* Stream by stream, each register dequantized just before its products: the streams' weights
          * all dequantized first spilled (Q4, one row: 7 registers to the stack and back each block);
@@ -278,6 +280,20 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
                     acc[s][r] += xv * step;
                 }
             }
+    }
+#elif defined(REGISTER_SCALES) /* AVX-512: stream by stream, each block's products right after it */
+    for (int64_t i = 0; i < blocks; i++) {
+        const int64_t k = i * QK;
+        for (int s = 0; s < ns; s++) {
+            floatv d, m, wv[STEPS];
+            block_head(w[s] + i * bb, &d, &m);
+            dequant_block(w[s] + i * bb, type, d, m, wv);
+            for (int v = 0; v < STEPS; v++)
+                for (int r = 0; r < rb; r++) {
+                    memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
+                    acc[s][r] += xv * wv[v];
+                }
+        }
     }
 #else
     floatv wv[4][STEPS];
