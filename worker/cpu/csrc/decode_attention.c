@@ -18,17 +18,25 @@
  * remainder than on a head's 64 or 128 products (84 us a layer for one row at 140 positions). */
 typedef float float4 __attribute__((vector_size(16)));
 
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int n) {
-    float8 acc0 = {0}, acc1 = {0}, x, y;
+/* dot()'s two accumulators over its first n - n % 16 elements; returns that count. */
+static inline __attribute__((always_inline)) int dot_pairs(const float *a, const float *b, int n, float8 *acc0,
+                                                           float8 *acc1) {
+    float8 x, y;
     int i = 0;
     for (; i + 16 <= n; i += 16) {
         memcpy(&x, a + i, sizeof x);
         memcpy(&y, b + i, sizeof y);
-        acc0 += x * y;
+        *acc0 += x * y;
         memcpy(&x, a + i + 8, sizeof x);
         memcpy(&y, b + i + 8, sizeof y);
-        acc1 += x * y;
+        *acc1 += x * y;
     }
+    return i;
+}
+
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int n) {
+    float8 acc0 = {0}, acc1 = {0}, x, y;
+    int i = dot_pairs(a, b, n, &acc0, &acc1);
     for (; i + 8 <= n; i += 8) {
         memcpy(&x, a + i, sizeof x);
         memcpy(&y, b + i, sizeof y);
@@ -44,15 +52,8 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 
 /* dot()'s sums before its last steps, for n a multiple of 16: acc0 + acc1 (the tail loops are empty). */
 static inline __attribute__((always_inline)) float8 dot_lanes(const float *a, const float *b, int n) {
-    float8 acc0 = {0}, acc1 = {0}, x, y;
-    for (int i = 0; i + 16 <= n; i += 16) {
-        memcpy(&x, a + i, sizeof x);
-        memcpy(&y, b + i, sizeof y);
-        acc0 += x * y;
-        memcpy(&x, a + i + 8, sizeof x);
-        memcpy(&y, b + i + 8, sizeof y);
-        acc1 += x * y;
-    }
+    float8 acc0 = {0}, acc1 = {0};
+    dot_pairs(a, b, n, &acc0, &acc1);
     return acc0 + acc1;
 }
 
