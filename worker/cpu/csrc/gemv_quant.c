@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *b,
 }
 
 #if (defined(__AVX512F__) || (LANES == 8 && ROW_STREAMS == 2)) && defined(__F16C__)
-#define REGISTER_SCALES 1 /* row() and dequant_row() take block_head, and dequant_block or dequant_step */
+#define REGISTER_SCALES 1 /* row() and dequant_row() take block_head and block_register */
 /* A block's d and (Q4_1) m, widened by one vcvtph2ps of its first 4 bytes and broadcast from the
  * register. Widened 16 blocks at a time through memory they cost a store and a reload each, and on
  * AVX-512 a gather, as slow for a row's last 2 blocks as for 16 (docs/benchmarks.md has the figures).
@@ -176,7 +176,7 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
     out[1] = (floatv)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 #elif LANES == 8 && ROW_STREAMS == 2
-#define AVX2_BLOCKS 1 /* row() and dequant_row() take dequant_step below */
+#define AVX2_BLOCKS 1 /* block_register() takes dequant_step below */
 /* AVX2: register v (8 weights) of a block, from its broadcast scales. Q4: the 8 bytes holding the
  * register's nibbles widened by vpmovzxbd, the low nibbles masked or the high ones shifted down, then
  * converted and scaled as d * q + m and d * (q - 8); Q8_0 widened by vpmovsxbd, d * q: the operations
@@ -196,7 +196,26 @@ static inline __attribute__((always_inline)) floatv dequant_step(const uint8_t *
     return (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))), d);
 }
 
+#endif
+
+#ifdef REGISTER_SCALES
+/* Register v of a block's weights, from its scales in registers (block_head). AVX2 makes each register
+ * just before its products: a whole block's registers made first spilled (Q4, one row: 7 registers to
+ * the stack and back each block; Q4_0 at one row 5-13% slower, Q4_1 2-5%, a Zen 3). AVX-512 makes the
+ * whole block into wv at v == 0 (one 16-value table a block) and reads it from there. */
+static inline __attribute__((always_inline)) floatv block_register(const uint8_t *b, int type, int v, floatv d,
+                                                                   floatv m, floatv wv[STEPS]) {
+#ifdef AVX2_BLOCKS
+    (void)wv;
+    return dequant_step(b, type, v, d, m);
 #else
+    if (v == 0) dequant_block(b, type, d, m, wv);
+    return wv[v];
+#endif
+}
+#endif
+
+#ifndef REGISTER_SCALES
 static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b, int type, float d, float m,
                                                                 floatv out[STEPS]) {
     if (type == TYPE_Q8_0) {
@@ -229,14 +248,12 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row
     const int64_t blocks = K / QK;
 #ifdef REGISTER_SCALES
     for (int64_t i = 0; i < blocks; i++) {
-        floatv d, m, v[STEPS];
+        floatv d, m, wv[STEPS];
         block_head(row + i * bb, &d, &m);
-#ifdef AVX2_BLOCKS
-        for (int j = 0; j < STEPS; j++) v[j] = dequant_step(row + i * bb, type, j, d, m);
-#else
-        dequant_block(row + i * bb, type, d, m, v);
-#endif
-        memcpy(out + i * QK, v, sizeof v);
+        for (int v = 0; v < STEPS; v++) {
+            const floatv weights = block_register(row + i * bb, type, v, d, m, wv);
+            memcpy(out + i * QK + v * LANES, &weights, sizeof weights);
+        }
     }
 #else
     floatv v[STEPS];
@@ -264,35 +281,20 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
     const int bb = block_bytes(type);
     const int64_t blocks = K / QK;
     floatv acc[4][RB] = {{{0}}}, xv;
-#ifdef AVX2_BLOCKS /* each block's scales widened where the block is read */
-    for (int64_t i = 0; i < blocks; i++) {
-        const int64_t k = i * QK;
-        floatv d[4], m[4];
-        for (int s = 0; s < ns; s++) block_head(w[s] + i * bb, &d[s], &m[s]);
-        /* Stream by stream, each register dequantized just before its products: the streams' weights
-         * all dequantized first spilled (Q4, one row: 7 registers to the stack and back each block);
-         * this way Q4_0 at one row is 5-13% faster, Q4_1 2-5%, Q8_0 and more rows the same (a Zen 3). */
-        for (int s = 0; s < ns; s++)
-            for (int v = 0; v < STEPS; v++) {
-                const floatv step = dequant_step(w[s] + i * bb, type, v, d[s], m[s]);
-                for (int r = 0; r < rb; r++) {
-                    memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
-                    acc[s][r] += xv * step;
-                }
-            }
-    }
-#elif defined(REGISTER_SCALES) /* AVX-512: stream by stream, each block's products right after it */
+#ifdef REGISTER_SCALES /* stream by stream, each block's scales widened where it is read */
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t k = i * QK;
         for (int s = 0; s < ns; s++) {
+            const uint8_t *b = w[s] + i * bb;
             floatv d, m, wv[STEPS];
-            block_head(w[s] + i * bb, &d, &m);
-            dequant_block(w[s] + i * bb, type, d, m, wv);
-            for (int v = 0; v < STEPS; v++)
+            block_head(b, &d, &m);
+            for (int v = 0; v < STEPS; v++) {
+                const floatv weights = block_register(b, type, v, d, m, wv);
                 for (int r = 0; r < rb; r++) {
                     memcpy(&xv, x + r * K + k + v * LANES, sizeof xv);
-                    acc[s][r] += xv * wv[v];
+                    acc[s][r] += xv * weights;
                 }
+            }
         }
     }
 #else
