@@ -1,9 +1,12 @@
 """The C products of GGUF block weights (worker/cpu/csrc/gemv_quant.c through worker/cpu/quant_linear.py):
 their dequantization is gguf's numpy one bit for bit, and their products are gemv_f32's on those values
 bit for bit (torch.equal) for every row count 1..40 and prefill sizes, one thread and two, and within
-fp32 rounding of float64."""
+fp32 rounding of float64. The kernels build for the CPU they run on, so the builds for narrower x86
+instruction sets (AVX2, AVX, generic vector code) are built here too and held to the same."""
 
 from __future__ import annotations
+
+import platform
 
 import numpy as np
 import pytest
@@ -17,6 +20,13 @@ from worker.models.quantized import QUANT_TYPES, dequantize
 TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0
 SHAPES = [(37, 96), (100, 576), (67, 1536)]  # (out, in): odd feature counts, SmolLM2's widths
 ROWS = [*range(1, 41), 83, 300]  # decode sizes, then panels of many rows past a 256-row chunk
+# Each path of gemv_quant.c that the native build of an AVX-512 host does not take; on a narrower host
+# a build may equal the native one, and is checked all the same.
+NARROWER_BUILDS = {
+    "avx2": ("-mno-avx512f",),
+    "avx": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
+    "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx", "-mno-f16c"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +102,28 @@ def test_unsupported_types_and_widths_are_refused(kernels):
         quant_gemv(kernels, torch.randn(1, 48), raw, 8, None)
     with pytest.raises(ValueError, match="rows of 96 values"):  # the C would read past each 2-block row
         quant_gemv(kernels, torch.randn(1, 96), raw, 8, None)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set flags")
+@pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
+def test_builds_for_narrower_instruction_sets_keep_their_fp32_kernels_sums(build):
+    """Each build against its own gemv_f32: its lanes, and so the order of its sums, are its own."""
+    narrow = load_cpu_kernels(extra_flags=NARROWER_BUILDS[build])
+    assert narrow is not None, f"the {build} build failed"
+    generator = torch.Generator().manual_seed(7)
+    x_all, bias = torch.randn(40, 576, generator=generator), torch.randn(67, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        for ggml_type in TYPES:
+            raw = random_blocks(ggml_type, 67, 576, seed=ggml_type)
+            weight = dequantize(raw, ggml_type)
+            assert torch.equal(dequantize_rows(narrow, raw, ggml_type, 576), weight)
+            for num_threads in (1, 2):
+                torch.set_num_threads(num_threads)
+                for num_rows in (1, 2, 3, 4, 5, 8, 32, 33, 40):  # passes of rows, then panels
+                    x = x_all[:num_rows]
+                    for b in (None, bias):
+                        ours, fp32 = quant_gemv(narrow, x, raw, ggml_type, b), gemv(narrow, x, weight, b)
+                        assert torch.equal(ours, fp32), (ggml_type, num_threads, num_rows)
+    finally:
+        torch.set_num_threads(threads)

@@ -34,37 +34,46 @@ def find_compiler() -> str | None:
 
 
 def load_library(
-    name: str, sources: list[Path], headers: list[Path], compiler: str, cache_dir: Path | None = None
+    name: str,
+    sources: list[Path],
+    headers: list[Path],
+    compiler: str,
+    cache_dir: Path | None = None,
+    extra_flags: tuple[str, ...] = (),
 ) -> ctypes.CDLL:
-    """The built library, loaded (built first where it is missing or damaged). Raises OSError,
+    """The built library, loaded (built first where it is missing or damaged). extra_flags: after the
+    usual ones (the tests narrow the instruction set with them, e.g. `-mno-avx512f`). Raises OSError,
     RuntimeError or subprocess.SubprocessError when it cannot be built or loaded."""
-    library = _library_path(name, sources + headers, compiler, cache_dir)
+    library = _library_path(name, sources + headers, compiler, cache_dir, extra_flags)
     if not library.exists():
-        _compile(compiler, sources, library)
+        _compile(compiler, sources, library, extra_flags)
     try:
         return ctypes.CDLL(str(library))
     except OSError:  # a damaged cached build: rebuild it once
         library.unlink(missing_ok=True)
-        _compile(compiler, sources, library)
+        _compile(compiler, sources, library, extra_flags)
         return ctypes.CDLL(str(library))
 
 
-def _library_path(name: str, files: list[Path], compiler: str, cache_dir: Path | None) -> Path:
+def _library_path(
+    name: str, files: list[Path], compiler: str, cache_dir: Path | None, extra_flags: tuple[str, ...]
+) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-    digest = hashlib.sha256(" ".join(_flags(version)).encode() + version + _cpu_signature())
+    flags = (*_flags(version), *extra_flags)
+    digest = hashlib.sha256(" ".join(flags).encode() + version + _cpu_signature())
     for file in files:
         digest.update(file.read_bytes())
     folder = cache_dir or Path.home() / ".cache" / "coreserve" / "kernels"
     return folder / f"{name}-{digest.hexdigest()[:16]}.so"
 
 
-def _compile(compiler: str, sources: list[Path], library: Path) -> None:
+def _compile(compiler: str, sources: list[Path], library: Path, extra_flags: tuple[str, ...]) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-        command = [compiler, *_flags(version), *map(str, sources), "-o", tmp, "-lm"]
+        command = [compiler, *_flags(version), *extra_flags, *map(str, sources), "-o", tmp, "-lm"]
         try:
             subprocess.run(command, check=True, capture_output=True, timeout=120)
         except subprocess.CalledProcessError as exc:

@@ -33,14 +33,15 @@ _HEADERS = [_CSRC / name for name in (
 )]  # fmt: skip
 
 
-def load_cpu_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
-    """The kernels, or None (with a warning) when they cannot be built here."""
+def load_cpu_kernels(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
+    """The kernels, or None (with a warning) when they cannot be built here. extra_flags: see
+    build.load_library."""
     compiler = find_compiler()
     if compiler is None:
         logger.warning("no C compiler found: attention and logprobs run on the slower torch paths")
         return None
     try:
-        return bind(load_library("cpu_kernels", _SOURCES, _HEADERS, compiler, cache_dir))
+        return bind(load_library("cpu_kernels", _SOURCES, _HEADERS, compiler, cache_dir, extra_flags))
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)
         return None
