@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import machine, write_json  # noqa: E402
+from bench_common import machine, median, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = Path.home() / ".cache" / "coreserve" / "llama.cpp-0.3.36" / "build" / "bin" / "llama-server"
@@ -72,9 +72,9 @@ def main() -> None:
                     asyncio.run(throughput(base, 1, 8))  # warm-up, not counted
                     for _ in range(args.repeats):
                         rows[name].append(asyncio.run(throughput(base, concurrency, args.max_tokens)))
-        summary = {name: sorted(values)[len(values) // 2] for name, values in rows.items()}
+        summary = {name: median(values) for name, values in rows.items()}
         summary["coreserve / llama.cpp"] = summary["coreserve"] / summary["llama.cpp"]
-        results["runs"][f"concurrency {concurrency}"] = {"tokens/s (median)": summary, "rounds": rows}
+        results["runs"][f"concurrency {concurrency}"] = {"tokens/s (median)": summary, "batches": rows}
         print(
             f"concurrency {concurrency}: " + ", ".join(f"{k} {v:.2f}" for k, v in summary.items()), flush=True
         )
