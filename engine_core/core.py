@@ -62,7 +62,7 @@ class EngineCore:
         )
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
         self.limits = RequestLimits.of(self.facts())
-        self.control = CoreControl(self.scheduler, _executor_control(self.executor), self._reset_kv_pool)
+        self.control = CoreControl(self.scheduler, self.executor, self._reset_kv_pool)
 
     def _reset_kv_pool(self) -> None:
         """A fresh block pool (after sleep freed the KV cache): every block free, nothing indexed."""
@@ -161,12 +161,6 @@ class EngineCore:
         """Stops the tensor-parallel ranks, if any, and the grammar thread; the core is not used after this."""
         self.scheduler.grammars.close()
         self.executor.close()
-
-
-def _executor_control(executor: Executor):
-    from worker.models.runner_control import executor_control  # torch: inside, as make_executor
-
-    return executor_control(executor)
 
 
 def runner_spec(config: EngineConfig) -> RunnerSpec:

@@ -3,7 +3,7 @@ advances with each accepted token and fills the step's token bitmask (engine-cor
 
 The scheduler holds a request here until its grammar is compiled (others are scheduled meanwhile),
 asks for the bitmask of the rows that sample under a grammar, and feeds each accepted token back.
-Compilation (xgrammar, in worker/grammar_compiler.py's thread) and the matchers run on the CPU.
+Compilation (xgrammar, in engine_core/grammar_compiler.py's thread) and the matchers run on the CPU.
 docs/structured_outputs.md.
 """
 
@@ -13,10 +13,10 @@ import concurrent.futures
 
 import numpy as np
 
+from engine_core.grammar_compiler import GrammarCompiler
 from engine_core.request import Request
 from protocol.sampling_params import SamplingParams
 from protocol.step import SchedulerOutput
-from worker.grammar_compiler import GrammarCompiler
 
 WAIT_S = 0.02  # how long an idle step waits for a compile before the loop looks at its sockets again
 

@@ -30,6 +30,7 @@ from protocol.messages import (
     UpdateWeights,
     WakeUp,
 )
+from worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,12 @@ Outbox = Callable[[bytes, object], None]  # (client, message): the server's outp
 
 
 class CoreControl:
-    """`control` is the executor's weights and memory control (worker/models/runner_control.py)."""
+    """Drives the executor's control verbs (worker/executor.py's Executor: the same in this process
+    and across tensor-parallel ranks) between steps, and holds the scheduler meanwhile."""
 
-    def __init__(self, scheduler: Scheduler, control, reset_kv_pool: Callable[[], None]) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, reset_kv_pool: Callable[[], None]) -> None:
         self.scheduler = scheduler
-        self.control = control
+        self.executor = executor
         self.reset_kv_pool = reset_kv_pool  # a fresh block pool: every block free, nothing indexed
         self.weight_version = 0
         self.pause_mode: str | None = None  # the user's pause_generation, until resume_generation
@@ -108,19 +110,19 @@ class CoreControl:
         and copies; derive: what depends on the weights' addresses; reset_prefix_cache), seconds."""
         begun = time.perf_counter()
         if command.check_only:  # several cores: each checks before any of them changes
-            self.control.check_weights(command.path)
+            self.executor.check_weights(command.path)
             self.timings = {"check": time.perf_counter() - begun}
             return
         if command.mode == "abort":
             self.abort_all(outbox)
-        self.control.update_weights(command.path)  # a ValueError leaves the old weights serving
+        phases = self.executor.update_weights(command.path)  # a ValueError leaves the old weights serving
         self.is_weights_asleep = False
         self.weight_version += 1
         loaded = time.perf_counter()
         self.scheduler.kv_cache.reset_prefix_cache()
         done = time.perf_counter()
         self.timings = {
-            **self.control.last_timings,
+            **phases,
             "reset_prefix_cache": done - loaded,
             "core": done - begun,
         }
@@ -128,7 +130,7 @@ class CoreControl:
 
     def _sleep(self, level: int) -> None:
         self.scheduler.preempt_running()  # only frozen ones ("keep") are left: computed again on wake
-        self.control.sleep(level)
+        self.executor.sleep(level)
         self.reset_kv_pool()
         self.is_kv_asleep = True
         self.is_weights_asleep = self.is_weights_asleep or level >= 2
@@ -139,11 +141,11 @@ class CoreControl:
             if command.path is None:
                 raise ValueError("sleep level 2 dropped the weights: wake_up needs a checkpoint path "
                                  "(or call update_weights with the whole state)")  # fmt: skip
-            self.control.update_weights(command.path)
+            self.executor.update_weights(command.path)
             self.is_weights_asleep = False
             self.weight_version += 1
         if "kv_cache" in tags and self.is_kv_asleep:
-            self.control.wake_up(True, None)
+            self.executor.wake_up(True, None)
             self.is_kv_asleep = False
 
     def abort_all(self, outbox: Outbox) -> None:

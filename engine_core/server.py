@@ -41,7 +41,7 @@ from protocol.messages import (
 
 logger = logging.getLogger(__name__)
 
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
+MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
 _heap_releases = 0  # malloc_trim calls made by release_heap in this process
 
 
@@ -50,11 +50,11 @@ def release_heap() -> float:
     are freed, but glibc keeps them, and a burst of prefill left ~100 MiB resident after it ended
     (SmolLM2, 32 prompts). Called when the core goes idle, so no step waits on it. Returns its seconds
     (0 where the C library has no malloc_trim)."""
-    if _MALLOC_TRIM is None:
+    if MALLOC_TRIM is None:
         return 0.0
     global _heap_releases
     begun = time.perf_counter()
-    _MALLOC_TRIM(ctypes.c_size_t(0))  # ctypes drops the GIL: the output thread goes on sending
+    MALLOC_TRIM(ctypes.c_size_t(0))  # ctypes drops the GIL: the output thread goes on sending
     _heap_releases += 1
     return time.perf_counter() - begun
 

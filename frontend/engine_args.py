@@ -31,7 +31,7 @@ def make_config(model: str | None, engine_args: dict) -> EngineConfig:
 def load_tokenizer(model_dir: str):
     """The folder's tokenizer, or a GGUF file's (converted once, then cached: frontend/gguf_tokenizer.py)."""
     folder = gguf_tokenizer_folder(model_dir) if is_gguf(model_dir) else model_dir
-    direct = _direct_tokenizer_class(folder)
+    direct = direct_tokenizer_class(folder)
     if direct is not None:
         import transformers
 
@@ -47,7 +47,7 @@ _DIRECT_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenize
 _DIRECT_MODEL_TYPES = {"", "llama"}  # AutoTokenizer substitutes another class for some (qwen2 ...)
 
 
-def _direct_tokenizer_class(folder: str) -> str | None:
+def direct_tokenizer_class(folder: str) -> str | None:
     """The class named by tokenizer_config.json where AutoTokenizer would pick that same class; else None."""
     tokenizer_config = _read_json(Path(folder) / "tokenizer_config.json")
     name = tokenizer_config.get("tokenizer_class")

@@ -2,7 +2,7 @@
 
 The schema, regex or EBNF grammar is parsed by xgrammar here, once per distinct text (cached), so a
 bad one is a ValueError naming the problem (a 400 over HTTP) and never reaches the core. The core
-compiles it again against the vocabulary (worker/grammar_compiler.py). xgrammar (and with it torch)
+compiles it again against the vocabulary (engine_core/grammar_compiler.py). xgrammar (and with it torch)
 is imported on the first grammar only. docs/structured_outputs.md.
 """
 

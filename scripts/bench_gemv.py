@@ -21,7 +21,7 @@ from bench_common import machine, print_table, write_json  # noqa: E402
 
 from protocol.builtin_model import GPT2_VOCAB_SIZE, PRESETS  # noqa: E402
 from worker.cpu.kernels import load_cpu_kernels  # noqa: E402
-from worker.cpu.linear import _transposed_linear, gemv  # noqa: E402
+from worker.cpu.linear import gemv, transposed_linear  # noqa: E402
 
 
 def step_shapes(preset: str) -> list[tuple[int, int]]:
@@ -61,7 +61,7 @@ def main() -> None:
     gb32 = sum(m.weight.numel() for m in fp32) * 4 / 1e9
     configs = {
         "c_fp32": (fp32, lambda m, x: gemv(kernels, x, m.weight, None)),
-        "mkl_transposed_fp32": (fp32, _transposed_linear),
+        "mkl_transposed_fp32": (fp32, transposed_linear),
         "mkl_fp32": (fp32, lambda m, x: m(x)),
         "c_bf16_dot": (bf16, lambda m, x: gemv(kernels, x, m.weight, None, use_bf16_dot=True)),
         "c_bf16_widened": (bf16, lambda m, x: gemv(kernels, x, m.weight, None, use_bf16_dot=False)),

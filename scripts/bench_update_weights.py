@@ -104,7 +104,7 @@ def _engine(model: str, engine: dict, is_daemon: bool):
 
 def _hf_named(model):
     """The engine model's weights under HF names (fused row blocks split back)."""
-    from worker.models.loader import _destination
+    from worker.models.loader import weight_destination
 
     a = model.args
     names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -115,7 +115,7 @@ def _hf_named(model):
     names += [f"model.layers.{i}.{part}.weight" for i in range(a.num_layers) for part in parts]
     params = dict(model.named_parameters(remove_duplicate=False))
     for name in names:
-        target, rows = _destination(a, name)
+        target, rows = weight_destination(a, name)
         yield name, (params[target].data[rows] if rows is not None else params[target].data).detach().clone()
 
 

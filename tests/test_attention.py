@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from protocol.sampling_params import SamplingParams
+from worker.backend import TorchBackend
+from worker.cpu.backend import CpuBackend
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.ops import CpuOps
 from worker.input_batch import RequestState, build_step_inputs
@@ -26,6 +30,18 @@ def kernels():
 def ops_of(kernels):
     """The C kernels' ops, or torch's (None: no compiler needed)."""
     return TorchOps() if kernels is None else CpuOps(kernels)
+
+
+def planned(attn, kernels, is_batch_invariant: bool = False):
+    """A copy of `attn` with the plan its backend's prepare() makes before a forward (kernels None:
+    torch's)."""
+    if kernels is None:
+        backend = TorchBackend(torch.device("cpu"))
+    else:
+        backend = CpuBackend(kernels, is_batch_invariant, BLOCK_SIZE, can_fuse=False)
+    copy = dataclasses.replace(attn)
+    backend.prepare(copy)
+    return copy
 
 
 def make_state(req_id: str, num_tokens: int, block_ids: list[int], num_computed: int) -> RequestState:
@@ -55,10 +71,8 @@ def test_kernel_matches_torch_path_on_fragmented_blocks_in_a_mixed_batch(kernels
     slots = inputs.attn.slot_mapping  # this step's K and V, as the layer has just written them
     k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
     expected = reference_attention(q, cache, states, num_tokens)
-    kernel = CpuOps(kernels).attention(q, k, v, cache, inputs.attn, None)
-    assert inputs.attn.decode.gather is None  # the C kernel reads the blocks in place
-    torch_path = TorchOps().attention(q, k, v, cache, inputs.attn, None)
-    assert inputs.attn.decode.gather is not None  # torch's gathered them, once for the step
+    kernel = CpuOps(kernels).attention(q, k, v, cache, planned(inputs.attn, kernels), None)
+    torch_path = TorchOps().attention(q, k, v, cache, planned(inputs.attn, None), None)
     for actual in (kernel, torch_path):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -95,7 +109,7 @@ def test_kernel_matches_float64_reference_at_every_head_width(kernels, head_dim)
     inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, torch.device("cpu"))
     slots = inputs.attn.slot_mapping  # the 1-token prompt attends to its own k and v, as written
     k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-    actual = CpuOps(kernels).attention(q, k, v, cache, inputs.attn, None)
+    actual = CpuOps(kernels).attention(q, k, v, cache, planned(inputs.attn, kernels), None)
     expected = reference_attention(q, cache, states, [1] * len(states))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -112,11 +126,11 @@ def test_decode_attends_exactly_the_context_length(request, path):
     kernels = request.getfixturevalue("kernels") if path == "kernel" else None  # torch: no compiler needed
     inputs = build_step_inputs([short, long], [1, 1], BLOCK_SIZE, torch.device("cpu"))
     ops = ops_of(kernels)
-    before = ops.attention(q, kv, kv, cache, inputs.attn, None)
+    before = ops.attention(q, kv, kv, cache, planned(inputs.attn, kernels), None)
     cache[:, :, 9 * BLOCK_SIZE + 5 : 20 * BLOCK_SIZE] = float("nan")  # past position 12, in block 9, ...
     cache[:, :, 2 * BLOCK_SIZE : 3 * BLOCK_SIZE] = float("nan")
     cache[:, :, 0:BLOCK_SIZE] = float("nan")  # block 0: where the padding of a short row's table points
-    torch.testing.assert_close(ops.attention(q, kv, kv, cache, inputs.attn, None), before)
+    torch.testing.assert_close(ops.attention(q, kv, kv, cache, planned(inputs.attn, kernels), None), before)
     assert torch.isfinite(before).all()
     torch.testing.assert_close(
         before, reference_attention(q, cache, [short, long], [1, 1]), rtol=1e-5, atol=1e-5
@@ -137,7 +151,8 @@ def test_model_forward_with_kernels_matches_torch_paths(kernels, tiny_path):
             inputs = build_step_inputs([state], [num], BLOCK_SIZE, torch.device("cpu"))
             model.ops = ops_of(which)
             with torch.inference_mode():
-                outputs.append(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
+                attn = planned(inputs.attn, which)
+                outputs.append(model(inputs.input_ids, inputs.positions, caches, attn))
             state.num_computed_tokens += num
         hidden[name] = torch.cat(outputs)
     torch.testing.assert_close(hidden["kernels"], hidden["torch"], rtol=1e-4, atol=1e-4)
@@ -162,7 +177,7 @@ def test_sliding_window_in_the_kernel_the_torch_decode_and_prefill_chunks(kernel
         inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
         slots = inputs.attn.slot_mapping
         k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-        actual = ops_of(kernel).attention(q, k, v, cache, inputs.attn, window)
+        actual = ops_of(kernel).attention(q, k, v, cache, planned(inputs.attn, kernel), window)
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -192,18 +207,19 @@ def test_batch_invariant_prefill_attends_each_token_as_its_decode_step_would(ker
         num_tokens.append(scheduled)
     cache = torch.randn(2, 2, 200 * BLOCK_SIZE, 32)
     q = torch.randn(sum(num_tokens), 6, 32)
-    ops = CpuOps(kernels, is_batch_invariant=True, block_size=BLOCK_SIZE)
+    ops = CpuOps(kernels, is_batch_invariant=True)
     inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
     slots = inputs.attn.slot_mapping
     k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-    batched = ops.attention(q, k, v, cache, inputs.attn, window)
+    batched = ops.attention(q, k, v, cache, planned(inputs.attn, kernels, True), window)
     row = 0
     for state, num in zip(states, num_tokens):
         for position in range(state.num_computed_tokens, state.num_computed_tokens + num):
             one = make_state("one", position + 1, state.block_ids, position)
             alone = build_step_inputs([one], [1], BLOCK_SIZE, torch.device("cpu"))
             q_row = q[row : row + 1].contiguous()
-            got = ops.attention(q_row, k[row : row + 1], v[row : row + 1], cache, alone.attn, window)
+            attn = planned(alone.attn, kernels, True)
+            got = ops.attention(q_row, k[row : row + 1], v[row : row + 1], cache, attn, window)
             assert torch.equal(got[0], batched[row]), (state.req_id, position)
             row += 1
     if window is None:

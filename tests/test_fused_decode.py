@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from protocol.sampling_params import SamplingParams
+from worker.cpu.attention_plan import cpu_attention_plan
 from worker.cpu.fused_decode import FUSED_MAX_ROWS, FusedForward
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.ops import CpuOps, apply_cpu_backend
@@ -44,6 +45,13 @@ def decode_states(num_rows: int, prompt_len: int) -> list[RequestState]:
     return states
 
 
+def step_inputs(states, num_tokens: list[int], device):
+    """The step's inputs with the CPU backend's attention plan, as the runner prepares them."""
+    inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, device)
+    inputs.attn.plan = cpu_attention_plan(inputs.attn, False, BLOCK_SIZE)
+    return inputs
+
+
 def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> list[torch.Tensor]:
     """Prefill (op by op), then `num_steps` decode steps fused or op by op, as the runner chooses; the
     decode steps' hidden states. Checks that the fused forward applies exactly where it is to."""
@@ -52,7 +60,7 @@ def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> lis
         state.num_computed_tokens = 0
         del state.token_ids[state.num_prompt_tokens :]
     with torch.inference_mode():
-        inputs = build_step_inputs(states, [s.num_prompt_tokens for s in states], BLOCK_SIZE, device)
+        inputs = step_inputs(states, [s.num_prompt_tokens for s in states], device)
         assert fused.step(inputs) is None  # prefill: op by op
         model(inputs.input_ids, inputs.positions, caches, inputs.attn)
         for step in range(num_steps + 1):
@@ -61,7 +69,7 @@ def run_steps(model, kernels, states, caches, num_steps: int, fuse: bool) -> lis
                 state.token_ids.append((13 * step + len(state.token_ids)) % 1000 + 5)
             if step == num_steps:
                 break
-            inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, device)
+            inputs = step_inputs(states, [1] * len(states), device)
             fused_step = fused.step(inputs, with_logits=True)
             assert (fused_step is not None) == (len(states) <= FUSED_MAX_ROWS)
             if fuse and fused_step is not None:
@@ -122,7 +130,7 @@ def test_a_strided_column_of_sampled_tokens_is_read_as_its_values(kernels, tiny_
     model, caches = model_and_caches(tiny_path, torch.float32, kernels)
     states = decode_states(3, prompt_len=10)
     run_steps(model, kernels, states, caches, num_steps=1, fuse=True)
-    inputs = build_step_inputs(states, [1] * 3, BLOCK_SIZE, torch.device("cpu"))
+    inputs = step_inputs(states, [1] * 3, torch.device("cpu"))
     strided = torch.stack([inputs.input_ids, torch.zeros_like(inputs.input_ids)], dim=1)[:, 0]
     assert not strided.is_contiguous()
     fused = FusedForward(kernels, model.weights(), caches, model.args)

@@ -40,7 +40,7 @@ def runs(model: str, prompts: list, dtype: str) -> tuple[list, list, object]:
         batched = numbers(llm.generate(prompts, PARAMS, use_tqdm=False))
         alone = [numbers(llm.generate([p], PARAMS, use_tqdm=False))[0] for p in prompts]
         runner = llm.client.core.executor
-        return batched, alone, (runner.model, runner.fused)
+        return batched, alone, (runner.model, runner.backend.fused)
 
 
 def assert_quantized_run_is_the_fp32_run(

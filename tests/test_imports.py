@@ -1,4 +1,7 @@
-"""Imports run one way: frontend -> protocol <- engine_core -> worker (module-level imports)."""
+"""The import graph's rules: imports run one way, frontend -> protocol <- engine_core -> worker
+(module-level imports); no two modules import each other, even through a chain or inside a function;
+the core enters worker/ through one module; no module imports another's private names; no socket
+path pickles."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ ALLOWED = {
     "worker": {"worker", "protocol"},
 }
 # The core reaches the model only through worker/executor.py; torch stays below it.
+CORE_ENTRY = "worker.executor"
 NEVER_AT_MODULE_LEVEL = {"protocol": {"torch"}, "frontend": {"torch"}, "engine_core": {"torch"}}
 
 
@@ -39,6 +43,58 @@ def all_imports(path: Path) -> set[str]:
     return names
 
 
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+
+
+def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports anywhere (module level or inside a function): for
+    `from a.b import c`, a.b.c where c is a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if name in modules:
+                    found.add(name)
+                elif node.module in modules:
+                    found.add(node.module)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imported_modules(path, modules) - {name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a list of modules (the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node], _ = 1, path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        state[node], _ = 2, path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)) is not None:
+            return cycle
+    return None
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_run_one_way(package):
     for path in (ROOT / package).rglob("*.py"):
@@ -47,6 +103,61 @@ def test_imports_run_one_way(package):
             f"{path.relative_to(ROOT)} imports {sorted(project - ALLOWED[package])}"
         )
         assert not module_level_imports(path) & NEVER_AT_MODULE_LEVEL.get(package, set()), path
+
+
+def test_no_module_imports_itself_through_others_even_inside_a_function():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
+    """The checker itself, on a hand-made graph: a -> b -> c -> a (the test above must be able to fail)."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    source = "def f():\n    from worker.executor import Executor\n"
+    tmp = ROOT / "tests" / "_cycle_probe.py"
+    try:
+        tmp.write_text(source)
+        assert imported_modules(tmp, project_modules()) == {"worker.executor"}
+    finally:
+        tmp.unlink()
+
+
+def test_the_core_enters_worker_through_one_module():
+    graph = import_graph()
+    entries = {
+        target
+        for name, targets in graph.items()
+        if name.startswith("engine_core")
+        for target in targets
+        if target.startswith("worker")
+    }
+    assert entries == {CORE_ENTRY}, f"engine_core/ imports {sorted(entries)} of worker/"
+
+
+def test_no_module_imports_a_private_name_of_another():
+    modules = project_modules()
+    offenders = []
+    for folder in [*PACKAGES, "scripts", "tests", "examples"]:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                    private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+                    offenders += [f"{path.relative_to(ROOT)}: {node.module}.{name}" for name in private]
+                elif isinstance(node, ast.Import):
+                    offenders += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names
+                                  if a.name in modules and any(p.startswith("_") for p in a.name.split("."))]
+    assert not offenders, offenders
+
+
+def test_nothing_asks_an_executor_or_runner_what_it_can_do():
+    """One control shape: the Executor protocol's verbs, called, never probed with hasattr."""
+    for package in ("engine_core", "worker"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr":
+                    subject = ast.unparse(node.args[0])
+                    assert "executor" not in subject and "runner" not in subject, (path, subject)
 
 
 def test_only_the_in_process_client_reaches_into_the_core_and_nothing_pickles():

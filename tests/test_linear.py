@@ -13,8 +13,8 @@ from conftest import PROMPTS, hf_logprobs
 from frontend import LLM, SamplingParams
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.linear import amx_product, linear
-from worker.executor import RunnerSpec
 from worker.model_runner import ModelRunner
+from worker.runner_spec import RunnerSpec
 
 # scripts/compare_bf16_logprobs.py measured on `tiny` (docs/decisions.md, CPU kernels): the largest
 # |logprob difference| 0.18 against HF's bf16 run (whose activations are bf16 throughout) and 0.046
@@ -53,12 +53,12 @@ def llm_bf16(tiny_path):
 def test_bf16_runs_the_cpu_kernels_with_bf16_weights_and_fp32_activations(tiny_path):
     spec = RunnerSpec(model=tiny_path, dtype="bfloat16", device="cpu", block_size=16, seed=0)
     runner = ModelRunner(spec)
-    assert runner.cpu_kernels is not None and runner.dtype == torch.float32  # activations, KV cache
+    assert runner.backend.name == "cpu" and runner.dtype == torch.float32  # activations, KV cache
     assert runner.model.lm_head.weight.dtype == torch.bfloat16
     assert runner.model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
     assert runner.model.norm.weight.dtype == torch.float32
     torch_only = ModelRunner(msgspec.structs.replace(spec, can_use_cpu_kernels=False))
-    assert torch_only.cpu_kernels is None and torch_only.dtype == torch.bfloat16
+    assert torch_only.backend.name == "torch" and torch_only.dtype == torch.bfloat16
 
 
 def test_bf16_logprobs_match_hf_bf16_within_the_stated_tolerance(llm_bf16, tiny_path):

@@ -171,8 +171,9 @@ def test_the_core_refuses_out_of_vocabulary_rule_ids_it_was_sent(llm_mp, field):
 def test_a_batch_without_rules_builds_none_and_samples_from_the_logits_themselves():
     """No per-step cost for rows without rules: no tensors built, and greedy rows get no logits copy."""
     from worker.input_batch import RequestState
-    from worker.sampler import Sampler
-    from worker.sampling_metadata import build_sampling_metadata
+    from worker.sampling.logprobs import TorchSamplingOps
+    from worker.sampling.metadata import build_sampling_metadata
+    from worker.sampling.sampler import Sampler
 
     def states(params):
         return [RequestState(str(i), [3, 9], 2, params, [0], 2, None, None, False, []) for i in range(3)]
@@ -180,7 +181,7 @@ def test_a_batch_without_rules_builds_none_and_samples_from_the_logits_themselve
     cpu = torch.device("cpu")
     plain = build_sampling_metadata(states(SamplingParams(temperature=0.0)), 50, cpu)
     assert plain.logit_rules is None
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(0), TorchSamplingOps())
     logits = torch.randn(3, 50)
     assert sampler._process(logits, plain) is logits
     ruled = build_sampling_metadata(states(SamplingParams(temperature=0.0, logit_bias={7: 100.0})), 50, cpu)

@@ -181,8 +181,8 @@ def test_torch_paths_match_the_cpu_kernels(llm_inproc, tiny_path):
         num_kv_blocks=512,
         can_use_cpu_kernels=False,
     ) as llm_torch:
-        assert llm_torch.client.core.executor.cpu_kernels is None
-        assert llm_inproc.client.core.executor.cpu_kernels is not None
+        assert llm_torch.client.core.executor.backend.name == "torch"
+        assert llm_inproc.client.core.executor.backend.name == "cpu"
         torch_outputs = llm_torch.generate(PROMPTS[:8], params, use_tqdm=False)
     kernel_outputs = llm_inproc.generate(PROMPTS[:8], params, use_tqdm=False)
     for ours, theirs in zip(kernel_outputs, torch_outputs):

@@ -93,7 +93,7 @@ def test_windows_on_the_torch_path_equal_single_step(tiny_path, reference_run):
     with LLM(
         tiny_path, multiprocess=False, num_scheduler_steps=8, num_kv_blocks=512, can_use_cpu_kernels=False
     ) as llm:
-        assert llm.client.core.executor.cpu_kernels is None
+        assert llm.client.core.executor.backend.name == "torch"
         got = summary(llm.generate(prompts, params, use_tqdm=False))
         assert free_blocks_are_all(llm)
     assert_same(got, expected)
@@ -120,8 +120,8 @@ def test_windows_actually_run_and_nothing_passes_a_stop(tiny_path, reference_run
         model_steps, fused_forwards = [], []
         runner = llm.client.core.executor
         runner.on_progress = lambda: model_steps.append(1)  # what the server hears
-        fused_run = runner.fused.run
-        runner.fused.run = lambda *args: fused_forwards.append(1) or fused_run(*args)
+        fused_run = runner.backend.fused.run
+        runner.backend.fused.run = lambda *args: fused_forwards.append(1) or fused_run(*args)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert free_blocks_are_all(llm)
         num_layers = runner.model.args.num_layers

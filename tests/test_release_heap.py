@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import PROMPTS
 
-from engine_core.server import _MALLOC_TRIM, release_heap
+from engine_core.server import MALLOC_TRIM, release_heap
 from frontend import SamplingParams
 
 
@@ -21,7 +21,7 @@ def _anon_mib() -> float:
     raise RuntimeError("no RssAnon")
 
 
-@pytest.mark.skipif(_MALLOC_TRIM is None or not Path("/proc/self/status").exists(), reason="glibc and /proc only")
+@pytest.mark.skipif(MALLOC_TRIM is None or not Path("/proc/self/status").exists(), reason="glibc and /proc only")
 def test_freed_heap_pages_go_back_to_the_os():
     tensors = [torch.ones(16 * 1024) for _ in range(3200)]  # 64 KiB each: under glibc's mmap threshold, heap
     committed = _anon_mib()
@@ -35,7 +35,7 @@ def test_freed_heap_pages_go_back_to_the_os():
     assert all(float(t[0]) == 1.0 for t in kept)  # the live ones untouched
 
 
-@pytest.mark.skipif(_MALLOC_TRIM is None, reason="glibc only")
+@pytest.mark.skipif(MALLOC_TRIM is None, reason="glibc only")
 def test_a_core_process_releases_its_heap_once_each_time_it_goes_idle(llm_mp):
     before = llm_mp.get_engine_stats().num_heap_releases
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The core's RL control (engine_core/rl_control.py, worker/models/runner_control.py) on the built-in model,
+"""The core's RL control (engine_core/rl_control.py, the runner's control verbs in worker/model_runner.py) on the built-in model,
 in process: weights updated in place equal HF's forward on those weights, a bad update leaves the old
 ones serving, pause/resume, sleep/wake and prefix-cache resets, with the real model and no sockets."""
 

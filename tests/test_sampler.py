@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from worker.cpu.kernels import argmax_rows, load_cpu_kernels
-from worker.logprobs import gather_logprobs, top_logprobs
+from worker.cpu.sampling_ops import CpuSamplingOps
+from worker.sampling.logprobs import TorchSamplingOps, gather_logprobs
 
 
 @pytest.fixture(scope="module", params=["torch", "kernel"])
@@ -17,6 +18,12 @@ def kernels(request):
     loaded = load_cpu_kernels()
     assert loaded is not None
     return loaded
+
+
+def top_logprobs(scores, k: int, kernels=None):
+    """The backend's sampling ops: torch's (kernels None) or the C pass."""
+    ops = TorchSamplingOps() if kernels is None else CpuSamplingOps(kernels)
+    return ops.top_logprobs(scores, k)
 
 
 def brute_force_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> list[int]:
@@ -72,8 +79,8 @@ def test_penalty_counts_advanced_on_the_device_equal_counts_rebuilt_from_the_tok
     N = 1 rebuilds from the real token lists (output counts, and the seen mask over prompt + output)."""
     from protocol.sampling_params import SamplingParams
     from worker.input_batch import RequestState
-    from worker.sampler import advance_penalties
-    from worker.sampling_metadata import build_sampling_metadata
+    from worker.sampling.metadata import build_sampling_metadata
+    from worker.sampling.sampler import advance_penalties
 
     params = SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4)
     states = [RequestState(str(i), [3, 9, 4 + i], 2, params, [0], 3, None, None, False, []) for i in range(3)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from frontend.engine_args import _direct_tokenizer_class, load_tokenizer
+from frontend.engine_args import direct_tokenizer_class, load_tokenizer
 from protocol.builtin_model import builtin_model_path
 from worker.cpu.huge_pages import zero_page_tensors
 from worker.models import gguf_weights
@@ -69,7 +69,7 @@ def test_tokenizer_loaded_directly_is_the_one_autotokenizer_loads(name):
 
     path = builtin_model_path(name)
     folder = gguf_tokenizer_folder(path) if path.endswith(".gguf") else path
-    assert _direct_tokenizer_class(folder) is not None
+    assert direct_tokenizer_class(folder) is not None
     direct, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(folder)
     assert type(direct) is type(auto)
     assert direct(TEXT).input_ids == auto(TEXT).input_ids
@@ -80,7 +80,7 @@ def test_tokenizer_loaded_directly_is_the_one_autotokenizer_loads(name):
 def test_tokenizer_autotokenizer_replaces_is_left_to_autotokenizer(qwen_path):
     from transformers import AutoTokenizer
 
-    assert _direct_tokenizer_class(qwen_path) is None  # qwen2: AutoTokenizer picks Qwen2Tokenizer
+    assert direct_tokenizer_class(qwen_path) is None  # qwen2: AutoTokenizer picks Qwen2Tokenizer
     assert type(load_tokenizer(qwen_path)) is type(AutoTokenizer.from_pretrained(qwen_path))
 
 

@@ -2,8 +2,9 @@
 
 Each layer's cache is `[2, num_kv_heads, num_slots, head_dim]`, slot = block_id * block_size + offset.
 Decode rows (one new token with context) are attended together in one call per layer, by the
-backend's decode attention (`attend_decode`): the C kernel on the CPU, reading the blocks in place
-(worker/cpu/ops.py), or torch's here, one gather of every row's context and two batched products (no
+backend's decode attention (`attend_decode`) over the backend's plan of the rows, made before the
+forward: the C kernel on the CPU, reading the blocks in place (worker/cpu/attention_plan.py), or
+torch's here, one gather of every row's context (`DecodeGather`) and two batched products (no
 per-request loop, no per-request kernel launches).
 Prefill chunks go one request at a time through SDPA (masked to the sliding window where the model
 has one); the KV manager places a request's blocks in
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,16 +31,61 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeRows:
+    """Single-token rows with context, attended together in one call per layer (host arrays; each
+    backend's plan of them is made before the forward: worker/backend.py)."""
+
+    block_size: int
+    rows: np.ndarray  # [R] int64, the rows of the flattened batch
+    block_tables: np.ndarray  # [R, max_blocks] int32, each request's blocks, zero padded
+    context_lens: np.ndarray  # [R] int32, tokens attended to, this step's included
+
+    def next_step(self) -> DecodeRows:
+        """The same rows one token further on, as in the next step of a multi-step window (whose
+        blocks are reserved up front, so the tables already cover it)."""
+        return DecodeRows(self.block_size, self.rows, self.block_tables, self.context_lens + 1)
+
+
+class DecodePlan(Protocol):
+    """A backend's own form of the step's attention rows, made before the forward and only read by it."""
+
+    def next_step(self, decode: DecodeRows) -> DecodePlan: ...  # a window's next step, from this one
+    def next_slots(self, positions: torch.Tensor) -> torch.Tensor: ...  # [R] cache slots of [R] positions
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
+    seqs: list[SeqSpan]  # prefill chunks (rows with more than one token, or no context yet), one by one
+    decode: DecodeRows | None = None  # single-token rows with context (decode), attended in one call
+    plan: DecodePlan | None = None  # the backend's, set by its prepare() before the forward
+
+
+@dataclass(frozen=True)
 class DecodeGather:
-    """The torch path's view of the decode rows, on the model's device: every row's context gathered
-    in one indexing op per layer, padded to the longest context and masked. Its size is rows x the
-    longest context (not the sum of contexts): one long request makes every row's copy that long."""
+    """torch's plan of the decode rows, on the model's device: every row's context gathered in one
+    indexing op per layer, padded to the longest context and masked. Its size is rows x the longest
+    context (not the sum of contexts): one long request makes every row's copy that long."""
 
     rows: torch.Tensor  # [R] int64, the rows of the flattened batch
     slots: torch.Tensor  # [R, max_len] int64, each context position's cache slot (padding: the row's first)
     is_padding: torch.Tensor  # [1, R, 1, max_len] bool, True past the row's context
     tables: torch.Tensor  # [R, max_blocks] int64 block tables, kept to derive a window's next step
     lens: torch.Tensor  # [R] int64 context lengths
+    block_size: int
+
+    def next_step(self, decode: DecodeRows) -> DecodeGather:
+        """Derived on the device from this step's: no host-to-device copy."""
+        return _gather_indices(self.rows, self.tables, self.lens + 1, self.block_size, self.slots.shape[1] + 1)
+
+    def next_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        return slots_of(self.tables, positions, self.block_size)
+
+
+def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[R] cache slots of `positions` (one per row, in row order), looked up in the block tables."""
+    blocks = tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
+    return blocks.to(torch.int64) * block_size + positions % block_size
 
 
 def _gather_indices(
@@ -50,52 +97,12 @@ def _gather_indices(
     # Padding reads the row's own first slot: never another request's blocks, whose stale values
     # (a NaN, say) would survive a zero weight.
     slots = torch.where(mask, slots, slots[:, :1])
-    return DecodeGather(rows, slots, ~mask[None, :, None, :], tables, lens)
-
-
-@dataclass
-class DecodeRows:
-    """Single-token rows with context, attended together in one call per layer: by the C kernel from
-    the host arrays, or by torch through `gather`, made on the device by the first layer that asks."""
-
-    block_size: int
-    rows: np.ndarray  # [R] int64, the rows of the flattened batch
-    block_tables: np.ndarray  # [R, max_blocks] int32, each request's blocks, zero padded
-    context_lens: np.ndarray  # [R] int32, tokens attended to, this step's included
-    gather: DecodeGather | None = None  # torch's decode attention: made once a step (gather_on)
-    # The three arrays' addresses, looked up once a step, not once a layer (numpy's lookup is slow).
-    pointers: tuple[int, int, int] = (0, 0, 0)
-
-    def __post_init__(self) -> None:
-        self.pointers = (self.rows.ctypes.data, self.block_tables.ctypes.data, self.context_lens.ctypes.data)
-
-    def next_step(self) -> DecodeRows:
-        """The same rows one token further on, as in the next step of a multi-step window (whose
-        blocks are reserved up front, so the tables already cover it): no host-to-device copy."""
-        gather = self.gather
-        if gather is not None:
-            lens = gather.lens + 1
-            gather = _gather_indices(
-                gather.rows, gather.tables, lens, self.block_size, gather.slots.shape[1] + 1
-            )
-        return DecodeRows(self.block_size, self.rows, self.block_tables, self.context_lens + 1, gather)
-
-    def next_slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """[R] cache slots of `positions` (one per row, in row order), looked up in the block tables."""
-        tables = self.gather.tables if self.gather is not None else torch.from_numpy(self.block_tables)
-        blocks = tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
-        return blocks.to(torch.int64) * self.block_size + positions % self.block_size
-
-    def gather_on(self, device: torch.device) -> DecodeGather:
-        """The torch path's gather, made at the first call of the step (of the window)."""
-        if self.gather is None:
-            self.gather = decode_gather(self, device)
-        return self.gather
+    return DecodeGather(rows, slots, ~mask[None, :, None, :], tables, lens, block_size)
 
 
 def decode_gather(rows: DecodeRows, device: torch.device) -> DecodeGather:
-    """Built once per step (once per window): three small host-to-device copies, the slot arithmetic
-    on the device."""
+    """torch's plan, made once per step (once per window): three small host-to-device copies, the slot
+    arithmetic on the device."""
     return _gather_indices(
         torch.from_numpy(rows.rows).to(device),
         torch.from_numpy(rows.block_tables).to(device=device, dtype=torch.int64),
@@ -105,24 +112,11 @@ def decode_gather(rows: DecodeRows, device: torch.device) -> DecodeGather:
     )
 
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
-    seqs: list[SeqSpan]  # prefill chunks (rows with more than one token, or no context yet), one by one
-    decode: DecodeRows | None = None  # single-token rows with context (decode), attended in one call
-    # Batch-invariant attention: every token as a decode row over its causal prefix (every_token_rows),
-    # made by the step's first layer.
-    every_token: DecodeRows | None = None
-
-
 def every_token_rows(meta: AttentionMetadata, block_size: int) -> DecodeRows:
     """Every token of the step as one decode row, attending to its own causal prefix in the cache: a
     prefill chunk's token at position p reads positions 0..p exactly as p's decode step would, so its
     attention is the same arithmetic whether it was prefilled (in any chunk) or decoded."""
-    if meta.every_token is not None:
-        return meta.every_token
     if not meta.seqs and meta.decode is not None:
-        meta.every_token = meta.decode
         return meta.decode
     rows, tables, lens = [], [], []  # per part: [R] rows, [R, blocks] tables, [R] context lengths
     if meta.decode is not None:
@@ -130,8 +124,9 @@ def every_token_rows(meta: AttentionMetadata, block_size: int) -> DecodeRows:
         tables.append(meta.decode.block_tables)
         lens.append(meta.decode.context_lens)
     for seq in meta.seqs:
-        table = np.concatenate([np.arange(first // block_size, -(-(first + count) // block_size))
-                                for first, count in seq.runs]).astype(np.int32)  # fmt: skip
+        table = np.concatenate(
+            [np.arange(first // block_size, -(-(first + count) // block_size)) for first, count in seq.runs]
+        ).astype(np.int32)
         rows.append(np.arange(seq.token_start, seq.token_start + seq.num_tokens, dtype=np.int64))
         tables.append(np.broadcast_to(table, (seq.num_tokens, len(table))))
         first_len = seq.context_len - seq.num_tokens + 1
@@ -141,12 +136,12 @@ def every_token_rows(meta: AttentionMetadata, block_size: int) -> DecodeRows:
     for table in tables:
         stacked[start : start + table.shape[0], : table.shape[1]] = table
         start += table.shape[0]
-    meta.every_token = DecodeRows(block_size, np.concatenate(rows), stacked, np.concatenate(lens))
-    return meta.every_token
+    return DecodeRows(block_size, np.concatenate(rows), stacked, np.concatenate(lens))
 
 
-# q [T, Hq, D], out [T, Hq, D] (its decode rows written), cache, the rows, the sliding window or None
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows, "int | None"], None]
+# q [T, Hq, D], out [T, Hq, D] (its decode rows written), cache, the step's metadata (its decode rows
+# and the backend's plan of them), the sliding window or None
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, "int | None"], None]
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -168,7 +163,7 @@ def paged_attention(
     `window` (Mistral's sliding window): a token attends to itself and the window - 1 tokens before it."""
     out = torch.empty_like(q)
     if meta.decode is not None:
-        attend_decode(q, out, cache, meta.decode, window)
+        attend_decode(q, out, cache, meta, window)
     for seq in meta.seqs:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, window)
@@ -218,11 +213,12 @@ def _skip_slots(runs: list[tuple[int, int]], num_skipped: int) -> list[tuple[int
 
 
 def decode_attention_torch(
-    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: DecodeRows, window: int | None
+    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None
 ) -> None:
     """Writes the decode rows of `out`: one gather of every row's keys and values, two batched products
     over (KV head, row), the padding masked. Scores in the model's dtype, softmax in fp32 as SDPA does."""
-    gather = rows.gather_on(q.device)
+    gather = meta.plan
+    assert isinstance(gather, DecodeGather), "torch's decode attention reads TorchBackend's plan"
     num_rows, (_, num_kv_heads, _, head_dim) = len(gather.rows), cache.shape
     group = q.shape[1] // num_kv_heads
     shape = (num_kv_heads, num_rows, gather.slots.shape[1], head_dim)  # [Hkv, R, L, D]

@@ -1,6 +1,7 @@
 """The engine core's one interface to the model: an `Executor`, built from one frozen `RunnerSpec`
 (engine-core process). The model in this process (`ModelRunner`) or split over tensor-parallel rank
-processes (`worker/parallel/executor.py`) answer alike; the core never asks which.
+processes (`worker/parallel/executor.py`) answer alike, steps and control verbs both; the core never
+asks which. This is the only module of `worker/` the core imports.
 """
 
 from __future__ import annotations
@@ -8,24 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-import msgspec
-
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.models.config import LlamaArgs
+from worker.runner_spec import RunnerSpec
 
-
-class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What builds an executor (and each tensor-parallel rank's runner), taken from EngineConfig."""
-
-    model: str
-    dtype: str
-    device: str
-    block_size: int
-    seed: int
-    can_use_cpu_kernels: bool = True
-    batch_invariant: bool = True  # EngineConfig's: one order of summation per row, whatever the batch
-    tensor_parallel_size: int = 1
-    num_threads: int | None = None  # torch threads in each rank process; None: shared out among them
+__all__ = ["Executor", "RunnerSpec", "make_executor"]
 
 
 class Executor(Protocol):
@@ -36,12 +24,21 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
     def close(self) -> None: ...  # stops rank processes, if any; safe to call twice
 
+    # Control, between steps (docs/rl.md). A ValueError refuses the verb and leaves the model serving
+    # as it was; under tensor parallelism every rank passes the checks before any rank changes.
+    def check_weights(self, path: str) -> None: ...  # update_weights' checks alone, nothing copied
+    def update_weights(self, path: str) -> dict[str, float]: ...  # new weights in place; the phases, s
+    def sleep(self, level: int) -> None: ...  # 1: the KV cache freed; 2: the weights dropped too
+    def wake_up(self, kv_cache: bool, path: str | None) -> None: ...  # path: where dropped weights come from
+
 
 def make_executor(spec: RunnerSpec, on_progress: Callable[[], None] | None = None) -> Executor:
     """The model in this process, or split over `tensor_parallel_size` rank processes. `on_progress`
     is called after each layer and each step of a multi-step window (the core's liveness)."""
+    # Imported here: torch and the model code load when a core starts, not when the core's modules
+    # are imported (the frontend's in-process client, the daemon's argument parsing).
     if spec.tensor_parallel_size == 1:
-        from worker.model_runner import ModelRunner  # the runner imports this module for RunnerSpec
+        from worker.model_runner import ModelRunner
 
         return ModelRunner(spec, on_progress=on_progress)
     from worker.parallel.executor import TensorParallelExecutor

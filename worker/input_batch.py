@@ -149,13 +149,16 @@ def build_step_inputs(
 
 def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:
     """The inputs of a decode-only window's next step, derived on the device from this step's: every
-    row one position further, fed the tokens just sampled. No per-request Python, no host copy."""
-    decode = inputs.attn.decode
-    assert decode is not None and len(decode.rows) == len(inputs.positions) and not inputs.attn.seqs
+    row one position further, fed the tokens just sampled, the backend's plan advanced by itself. No
+    per-request Python, no host copy."""
+    attn = inputs.attn
+    assert attn.decode is not None and len(attn.decode.rows) == len(inputs.positions) and not attn.seqs
+    assert attn.plan is not None  # the backend's prepare() ran on the window's first step
     positions = inputs.positions + 1
-    decode = decode.next_step()
-    attn = AttentionMetadata(decode.next_slots(positions), [], decode)
-    return StepInputs(input_ids, positions, attn, inputs.sample_rows, inputs.sampled_req_ids)
+    decode = attn.decode.next_step()
+    plan = attn.plan.next_step(decode)
+    next_attn = AttentionMetadata(plan.next_slots(positions), [], decode, plan)
+    return StepInputs(input_ids, positions, next_attn, inputs.sample_rows, inputs.sampled_req_ids)
 
 
 def _stack_tables(tables: list[np.ndarray]) -> np.ndarray:

@@ -1,15 +1,14 @@
-"""ModelRunner: owns the model, the paged KV cache and the sampler; turns a SchedulerOutput into a
-ModelRunnerOutput with one device-to-host copy per step (engine-core process). It is the in-process
-`Executor` (worker/executor.py), and each tensor-parallel rank's runner.
+"""ModelRunner: owns the model, the paged KV cache, the request states and the sampler; turns a
+SchedulerOutput into a ModelRunnerOutput with one device-to-host copy per step (engine-core process).
+It is the in-process `Executor` (worker/executor.py), and each tensor-parallel rank's runner.
 
-It chooses the model's backend once, at load: the C kernels on the CPU for fp32 and bf16 weights
-(fp32 activations and KV cache; worker/cpu/), torch's ops elsewhere or without a compiler. And it
-chooses each step's path: the fused decode forward where it applies, else the model op by op.
+How the model runs here (kernels, huge pages, the attention plan, the fused decode step, the sampling
+passes) is its `Backend`'s (worker/backend.py), chosen once at load. The control verbs (new weights,
+sleep, wake) are plain methods, the same on every rank.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -18,25 +17,18 @@ import numpy as np
 import torch
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
-from worker.cpu.fused_decode import FusedForward
-from worker.cpu.huge_pages import (
-    COLLAPSE_DELAY_S,
-    collapse_in_background,
-    place_linear_weights,
-    zero_page_tensors,
-)
-from worker.cpu.kernels import CpuKernels, load_cpu_kernels
-from worker.cpu.ops import apply_cpu_backend
-from worker.executor import RunnerSpec
-from worker.grammar_mask import build_grammar_mask
+from worker.backend import Backend, choose_backend
+from worker.cpu.huge_pages import zero_page_tensors
 from worker.input_batch import RequestState, StepInputs, build_step_inputs, next_window_step
-from worker.logprobs import candidate_ids, prompt_logprobs
-from worker.models.llama import LlamaModel
 from worker.models.loader import load_model
+from worker.models.weight_store import WeightStore
 from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, apply_tp
-from worker.sampler import Sampler, SamplerOutput, advance_penalties
-from worker.sampling_metadata import build_sampling_metadata, next_sampling_step
+from worker.runner_spec import RunnerSpec
+from worker.sampling.grammar_mask import build_grammar_mask
+from worker.sampling.metadata import build_sampling_metadata, next_sampling_step
+from worker.sampling.prompt_logprobs import candidate_ids, prompt_logprobs
+from worker.sampling.sampler import Sampler, SamplerOutput, advance_penalties
 from worker.step_tensors import LogprobsTensors, StepTensors
 
 logger = logging.getLogger(__name__)
@@ -62,45 +54,25 @@ class ModelRunner:
         self.group = group
         shard = None if group is None else Shard(group.rank, group.size)
         begun = time.perf_counter()
-        self.cpu_kernels: CpuKernels | None = None  # chosen by _place, once the weights' dtype is known
-        place = functools.partial(self._place, can_use_kernels=spec.can_use_cpu_kernels)
-        self.huge_page_memory: torch.Tensor | None = None  # the linear weights' mapping, set by _place
-        self.model = load_model(spec.model, spec.dtype, self.device, shard, place)  # "auto": the checkpoint's
-        self.last_step_at = 0.0  # time.monotonic() of the last step with tokens: the collapse waits on it
-        if self.huge_page_memory is not None:  # written: now into huge pages, off the first token's path
-            collapse_in_background(self.huge_page_memory, busy=self._stepped_lately, delay_s=COLLAPSE_DELAY_S)
-            self.huge_page_memory = None
-        if self.cpu_kernels is not None:
-            apply_cpu_backend(self.model, self.cpu_kernels, spec.batch_invariant, spec.block_size)
-        logger.info("startup: model load %.3f s (kernels %.3f s)", time.perf_counter() - begun, self.kernels_s)
-        weight_dtype = self.model.embed_tokens.weight.dtype
+        self.backend: Backend = choose_backend(spec, self.device, is_sharded=group is not None)
+        self.model = load_model(spec.model, spec.dtype, self.device, shard, self.backend.place)
+        self.last_step_at = 0.0  # time.monotonic() of the last step with tokens: the backend's collapse waits
+        self.backend.adopt(self.model, is_busy=self._stepped_lately)
         if group is not None:
             apply_tp(self.model, group)
-        is_fp32 = self.cpu_kernels is not None or weight_dtype == torch.uint8  # uint8: GGUF blocks
-        self.dtype = torch.float32 if is_fp32 else weight_dtype  # activations, KV
+        logger.info("startup: model load %.3f s (%s backend)", time.perf_counter() - begun, self.backend.name)
+        self.dtype = self.backend.activation_dtype(self.model.embed_tokens.weight.dtype)  # activations, KV
         self.vocab_size = self.model.args.vocab_size
+        self.weights = WeightStore(self.model, shard)
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.fused: FusedForward | None = None  # built with the KV cache where it applies
-        self.can_fuse_decode = self.cpu_kernels is not None and group is None
+        self.num_kv_blocks = 0  # what the KV cache holds (kept through a sleep, for the wake)
         # On the model's device: unseeded rows' noise is drawn there, not on the host and copied over.
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(spec.seed), self.cpu_kernels)
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
+        self.sampler = Sampler(generator, self.backend.sampling)
         # After each decoder layer and each model step of a multi-step window: the core counts it as
         # progress, so a long window or prefill chunk on a busy CPU is not taken for a hung loop.
         self.on_progress = on_progress
-
-    def _place(self, model: LlamaModel, can_use_kernels: bool) -> None:
-        """Before the weights are read: the CPU kernels where they apply, and then the linear weights'
-        place in one mapping collapsed into huge pages once loaded (streamed once a step: fewer TLB
-        misses), so they are written once."""
-        begun = time.perf_counter()
-        weight_dtype = model.embed_tokens.weight.dtype
-        kernel_dtypes = (torch.float32, torch.bfloat16, torch.uint8)  # uint8: blocks (worker/models/quantized.py)
-        if can_use_kernels and self.device.type == "cpu" and weight_dtype in kernel_dtypes:
-            self.cpu_kernels = load_cpu_kernels()
-        self.kernels_s = time.perf_counter() - begun
-        if self.cpu_kernels is not None:
-            self.huge_page_memory = place_linear_weights(model, keep_values=False)
 
     def _stepped_lately(self) -> bool:
         return time.monotonic() - self.last_step_at < 0.25
@@ -126,8 +98,8 @@ class ModelRunner:
         self.kv_caches = caches or [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
         ]
-        if self.can_fuse_decode:
-            self.fused = FusedForward(self.cpu_kernels, self.model.weights(), self.kv_caches, a)
+        self.num_kv_blocks = num_blocks
+        self.backend.bind(self.model, self.kv_caches)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB); startup: KV cache %.3f s",
             num_blocks,
@@ -135,25 +107,6 @@ class ModelRunner:
             num_blocks * self.bytes_per_block() / 2**20,
             time.perf_counter() - begun,
         )
-
-    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's final-normed hidden states [T, hidden], and the logits [R, vocab] of its sampled
-        rows where the fused forward computed them too (None: compute_logits' to run): fused where it
-        applies, else op by op."""
-        wants_logits = inputs.sample_rows is None  # every row samples (a decode-only step)
-        step = self.fused.step(inputs, wants_logits) if self.fused is not None else None
-        if step is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, self.on_progress)
-            return hidden, None
-        hidden = self.fused.run(step)
-        if self.on_progress is not None:
-            self.on_progress()
-        return hidden, step.logits
-
-    def _logits(self, hidden: torch.Tensor, fused_logits: torch.Tensor | None) -> torch.Tensor:
-        """The sampled rows' logits: the fused forward's (the same products in C, the same numbers) or
-        compute_logits'."""
-        return fused_logits if fused_logits is not None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -166,44 +119,18 @@ class ModelRunner:
             assert not scheduler_output.grammar_req_ids  # the scheduler cuts windows with a grammar row
             return self._execute_window(states, scheduler_output.num_steps)
         num_tokens = list(scheduler_output.num_scheduled_tokens.values())
-        inputs = build_step_inputs(states, num_tokens, self.block_size, self.device)
-        hidden, fused_logits = self.forward(inputs)
+        inputs = self._prepare(states, num_tokens)
+        hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
         for state, num in zip(states, num_tokens):
             state.num_computed_tokens += num
         sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
-        tensors = StepTensors()
-        masses: dict[str, float] = {}
+        tensors, masses = StepTensors(), {}
         if sampling_states:
-            meta = build_sampling_metadata(sampling_states, self.vocab_size, self.device)
-            meta.grammar = build_grammar_mask(
-                scheduler_output.grammar_req_ids,
-                scheduler_output.grammar_bitmask,
-                inputs.sampled_req_ids,
-                self.vocab_size,
-                self.device,
-            )
-            sampled_hidden = hidden if inputs.sample_rows is None else hidden[inputs.sample_rows]
-            logits = self._logits(sampled_hidden, fused_logits if inputs.sample_rows is None else None)
-            out = self._agreed(self.sampler(logits, meta))
-            tensors.add_step(out.sampled, _logprobs_of(out))
+            out = self._sample(scheduler_output, inputs, hidden, fused_logits)
+            tensors.add_step(out.sampled, out.logprobs)
             masses = _constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
         if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
-            for job in inputs.prompt_jobs:
-                params = self.states[job.req_id].params
-                targets = torch.tensor(job.target_ids, dtype=torch.int64, device=self.device)
-                candidates = candidate_ids(
-                    params.prompt_logprob_token_ids, job.first_position, len(job.target_ids), self.device
-                )
-                rows = prompt_logprobs(
-                    hidden[job.hidden_rows],
-                    targets,
-                    job.k,
-                    self.model.compute_logits,
-                    self.cpu_kernels,
-                    candidates,
-                    params.prompt_logprobs_temperature,
-                )
-                tensors.prompt_logprobs[job.req_id] = LogprobsTensors(*rows)
+            tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
         host = tensors.to_host()
         for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
             state.token_ids.append(token_id)
@@ -211,17 +138,64 @@ class ModelRunner:
         output.constraint_masses = masses
         return output
 
+    def _prepare(self, states: list[RequestState], num_tokens: list[int]) -> StepInputs:
+        """The step's flattened inputs, with the backend's attention plan made before the forward."""
+        inputs = build_step_inputs(states, num_tokens, self.block_size, self.device)
+        self.backend.prepare(inputs.attn)
+        return inputs
+
+    def _sample(
+        self, scheduler_output: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor, fused_logits
+    ) -> SamplerOutput:
+        """The sampled rows' tokens and logprob rows: their logits are the fused forward's where every
+        row samples (the same products in C, the same numbers), else compute_logits'."""
+        states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
+        meta = build_sampling_metadata(states, self.vocab_size, self.device)
+        meta.grammar = build_grammar_mask(
+            scheduler_output.grammar_req_ids,
+            scheduler_output.grammar_bitmask,
+            inputs.sampled_req_ids,
+            self.vocab_size,
+            self.device,
+        )
+        if inputs.sample_rows is not None:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        else:
+            logits = fused_logits if fused_logits is not None else self.model.compute_logits(hidden)
+        return self._agreed(self.sampler(logits, meta))
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
+        rows = {}
+        for job in inputs.prompt_jobs:
+            params = self.states[job.req_id].params
+            targets = torch.tensor(job.target_ids, dtype=torch.int64, device=self.device)
+            candidates = candidate_ids(
+                params.prompt_logprob_token_ids, job.first_position, len(job.target_ids), self.device
+            )
+            triple = prompt_logprobs(
+                hidden[job.hidden_rows],
+                targets,
+                job.k,
+                self.model.compute_logits,
+                self.backend.sampling,
+                candidates,
+                params.prompt_logprobs_temperature,
+            )
+            rows[job.req_id] = LogprobsTensors(*triple)
+        return rows
+
     def _execute_window(self, states: list[RequestState], num_steps: int) -> ModelRunnerOutput:
         """Decode-only multi-step: each step's sampled tokens feed the next on the device; tokens and
         logprobs of all steps come to the host in one copy at the end. Positions, slots and context
         lengths advance on the device; each request's token list holds placeholders until the end, so
         that seeds and min_tokens bans (per output position) advance exactly as with one step."""
         tensors = StepTensors()
-        inputs = build_step_inputs(states, [1] * len(states), self.block_size, self.device)
+        inputs = self._prepare(states, [1] * len(states))
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         for step in range(num_steps):
-            hidden, fused_logits = self.forward(inputs)
-            out = self._agreed(self.sampler(self._logits(hidden, fused_logits), meta))
+            hidden, logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
+            logits = logits if logits is not None else self.model.compute_logits(hidden)
+            out = self._agreed(self.sampler(logits, meta))
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
@@ -231,7 +205,7 @@ class ModelRunner:
                 inputs = next_window_step(inputs, out.sampled)
                 advance_penalties(meta.penalties, out.sampled)
                 meta = next_sampling_step(meta, states)
-            tensors.add_step(out.sampled, _logprobs_of(out))
+            tensors.add_step(out.sampled, out.logprobs)
         host = tensors.to_host()  # sampled_token_ids [num_reqs, num_steps]
         for state, tokens in zip(states, host.sampled_token_ids.tolist()):
             state.token_ids[-num_steps:] = tokens
@@ -257,11 +231,45 @@ class ModelRunner:
                 state.num_computed_tokens,
             )
 
+    # Control verbs (the Executor protocol's): between steps, never during one.
 
-def _logprobs_of(out: SamplerOutput) -> LogprobsTensors | None:
-    if out.logprobs is None:
-        return None
-    return LogprobsTensors(out.logprob_token_ids, out.logprobs, out.ranks)
+    def check_weights(self, path: str) -> None:
+        self.weights.check(path)
+
+    def update_weights(self, path: str) -> dict[str, float]:
+        """New weights in place, every tensor checked before any is copied (a ValueError leaves the old
+        ones serving); what the backend derived from their addresses rebuilt. Returns the phases (load:
+        checks and copies; derive), seconds."""
+        begun = time.perf_counter()
+        self.last_step_at = time.monotonic()  # the huge-page collapse waits, as on a step
+        count = self.weights.update(path, self.backend.renew_weight_memory)
+        loaded = time.perf_counter()
+        if self.kv_caches:
+            self.backend.bind(self.model, self.kv_caches)
+        timings = {"load": loaded - begun, "derive": time.perf_counter() - loaded}
+        logger.info("update_weights: %d tensors in %.3f s", count, time.perf_counter() - begun)
+        self.last_step_at = time.monotonic()
+        return timings
+
+    def sleep(self, level: int) -> None:
+        """Level 1 frees the KV cache (the core's block pool restarts empty on wake); level 2 drops the
+        weights too, keeping their shapes."""
+        self.backend.release()
+        self.kv_caches = []
+        if level >= 2 and not self.weights.is_dropped:
+            self.weights.drop()
+
+    def wake_up(self, kv_cache: bool, path: str | None) -> None:
+        """`path`: the checkpoint the dropped weights come back from (required after level 2)."""
+        if path is not None:
+            self.update_weights(path)
+        elif self.weights.is_dropped:
+            raise ValueError(
+                "the weights were dropped (sleep level 2): wake up with a checkpoint path, "
+                "or call update_weights with the whole state"
+            )
+        if kv_cache and not self.kv_caches and self.num_kv_blocks:
+            self.allocate_kv_cache(self.num_kv_blocks)  # zeroed; the backend binds to it again
 
 
 def _constraint_masses(grammar_req_ids: list[str], out: SamplerOutput, states: dict) -> dict[str, float]:

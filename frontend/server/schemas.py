@@ -35,17 +35,17 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 Prompt = Text | list[Text] | list[Int64] | list[list[Int64]]
 
 
-class _Request(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Request):
+class StreamOptions(StrictBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
     include_obfuscation: bool | None = None  # OpenAI's padding of chunks: ignorable, nothing is padded
 
 
-class SamplingFields(_Request):
+class SamplingFields(StrictBody):
     """The sampling fields completions and chat share (OpenAI's and vLLM's names)."""
 
     model: str | None = None
@@ -102,12 +102,12 @@ class CompletionRequest(SamplingFields, StructuredFields, CompletionUnsupportedF
     prompt_logprobs_temperature: float | None = None
 
 
-class TextPart(_Request):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(_Request):
+class ChatMessage(StrictBody):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # name, tool fields pass on
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
@@ -126,7 +126,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields, ChatUnsupportedFie
     parallel_tool_calls: bool | None = None  # ignorable: it only governs tools, which are refused
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -135,6 +135,6 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[Int64]

@@ -21,7 +21,7 @@ from frontend.server.errors import APIError
 from frontend.server.generation import Generation, PromptInput
 from frontend.server.inputs import check_logprobs, check_prompts, start_checked
 from frontend.server.json_response import JSONBytesResponse
-from frontend.server.schemas import Int64, _Request
+from frontend.server.schemas import Int64, StrictBody
 from frontend.server.state import ServerState
 from frontend.server.transport import until_disconnected
 from protocol.sampling_params import SamplingParams
@@ -29,7 +29,7 @@ from protocol.sampling_params import SamplingParams
 SEQUENCE_LOGPROBS_PATH = "/get_sequence_logprobs"
 
 
-class SequenceLogprobsRequest(_Request):
+class SequenceLogprobsRequest(StrictBody):
     """TRL's arguments: the sequences, where each one's completion starts, k, and the temperature."""
 
     sequences: Annotated[list[Annotated[list[Int64], Field(min_length=1)]], Field(min_length=1)]

@@ -21,7 +21,7 @@ from frontend.server.errors import APIError
 from frontend.server.generation import Generation, PromptInput
 from frontend.server.inputs import check_prompts, start_checked
 from frontend.server.json_response import JSONBytesResponse
-from frontend.server.schemas import Int64, NonNegativeInt64, Text, _Request
+from frontend.server.schemas import Int64, NonNegativeInt64, StrictBody, Text
 from frontend.server.state import ServerState
 from frontend.server.transport import until_disconnected
 from protocol.sampling_params import LogprobsMode, SamplingParams
@@ -34,7 +34,7 @@ _SAME_NAME = (
 )  # fmt: skip
 
 
-class GenerateSamplingParams(_Request):
+class GenerateSamplingParams(StrictBody):
     """SGLang's sampling fields that coreserve implements (its defaults: 128 new tokens)."""
 
     max_new_tokens: Annotated[int, Field(ge=1, le=2**63 - 1)] = 128
@@ -55,7 +55,7 @@ class GenerateSamplingParams(_Request):
     sampling_seed: Int64 | None = None
 
 
-class GenerateRequest(_Request):
+class GenerateRequest(StrictBody):
     input_ids: Annotated[list[Int64], Field(min_length=1)] | Annotated[list[list[Int64]], Field(min_length=1)]
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     return_logprob: bool = False

@@ -2,8 +2,8 @@
 every decoder layer, the final norm) in one C call, csrc/decode_forward.c, the threads in one
 parallel region, instead of ten calls a layer from Python (engine-core process).
 
-The runner builds a `FusedForward` for a model on the CPU backend and its KV caches, and asks it
-for each step: it applies when every token of the step is a decode row (one token with context)
+`CpuBackend` (backend.py) builds a `FusedForward` for its model and KV caches, and asks it for
+each step: it applies when every token of the step is a decode row (one token with context)
 and there are at most `FUSED_MAX_ROWS` of them; elsewhere the model runs op by op. The model is
 read through `LlamaModel.weights()`, its one description of its tensors; the C reads it as
 `struct model_desc` (bindings.py). Weights kept in GGUF blocks take the quantized products
@@ -19,6 +19,7 @@ import ctypes
 
 import torch
 
+from worker.cpu.attention_plan import CpuAttentionPlan
 from worker.cpu.bindings import CpuKernels, LayerDesc, ModelDesc, StepDesc
 from worker.cpu.linear import GEMV_MAX_ROWS
 from worker.input_batch import StepInputs
@@ -78,14 +79,18 @@ class FusedForward:
         lm_head's products of every row too, in the same region (where the model's lm_head has them)."""
         meta, num_tokens = inputs.attn, inputs.input_ids.shape[0]
         decode = meta.decode
-        if not self.applies or decode is None or meta.seqs or num_tokens > FUSED_MAX_ROWS or len(decode.rows) != num_tokens:
+        if not self.applies or decode is None or meta.seqs or num_tokens > FUSED_MAX_ROWS:
             return None
+        if len(decode.rows) != num_tokens:
+            return None
+        assert isinstance(meta.plan, CpuAttentionPlan) and meta.plan.decode is not None  # CpuBackend.prepare
         # a multi-step window feeds back its sampled tokens, which may be a column of the top-k ids
         input_ids, positions, slots = (
-            t if t.is_contiguous() else t.contiguous() for t in (inputs.input_ids, inputs.positions, meta.slot_mapping)
+            t if t.is_contiguous() else t.contiguous()
+            for t in (inputs.input_ids, inputs.positions, meta.slot_mapping)
         )
         assert input_ids.dtype == positions.dtype == slots.dtype == torch.int64
-        rows_ptr, tables_ptr, lens_ptr = decode.pointers
+        rows_ptr, tables_ptr, lens_ptr = meta.plan.decode.pointers
         desc = StepDesc(
             input_ids=input_ids.data_ptr(),
             positions=positions.data_ptr(),
@@ -102,7 +107,7 @@ class FusedForward:
         logits = torch.empty(num_tokens, self.vocab) if with_logits and self.vocab else None
         if logits is not None:
             desc.logits = logits.data_ptr()
-        return FusedStep(desc, (input_ids, positions, slots, decode), logits)
+        return FusedStep(desc, (input_ids, positions, slots, meta.plan), logits)
 
     def run(self, step: FusedStep) -> torch.Tensor:
         """The final-normed hidden states [T, hidden] float32 of the step's tokens (and step.logits

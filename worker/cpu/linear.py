@@ -99,7 +99,7 @@ def linear(
         return _row_chunks(kernels, layer, x)
     if is_bf16:
         return _widened_linear(layer, x)
-    return _transposed_linear(layer, x)
+    return transposed_linear(layer, x)
 
 
 def _row_chunks(kernels: CpuKernels, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +122,7 @@ def _widened_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _transposed_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def transposed_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """fp32, 17 to a few hundred rows: MKL runs W @ x^T faster than x @ W^T (the same products, summed
     in another order); the vocabulary-wide lm_head keeps winning up to 256 rows, the smaller layers
     stop at 128 (docs/benchmarks.md)."""

@@ -1,9 +1,9 @@
 """The model's ops on the C kernels (engine-core process): fp32 activations, norms and KV cache;
 bf16 weights stay bf16 only inside the linear layers and the embedding table.
 
-`apply_cpu_backend` hands a loaded model to this backend, once, from outside the model: the norms'
-and biases' parameters widened to fp32, `model.ops` set. The runner then moves the linear weights to
-huge pages (huge_pages.py) and runs the fused decode forward where it applies (fused_decode.py).
+`apply_cpu_backend` hands a loaded model to these ops, once, from outside the model: the norms' and
+biases' parameters widened to fp32, `model.ops` set. `CpuBackend` (backend.py) calls it, and makes
+the attention plan (attention_plan.py) these ops read.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from worker.attention import AttentionMetadata, DecodeRows, every_token_rows, paged_attention
+from worker.attention import AttentionMetadata, paged_attention
+from worker.cpu.attention_plan import CpuAttentionPlan, KernelRows
 from worker.cpu.bindings import CpuKernels
 from worker.cpu.kernels import decode_attention, rms_norm, rope_write_kv, silu_mul
 from worker.cpu.linear import linear
@@ -25,15 +26,13 @@ def _whole(partial: torch.Tensor) -> torch.Tensor:
 
 
 class CpuOps:
-    """`block_size`: the KV cache's, given where the ops are batch invariant (`is_batch_invariant`):
-    every product on gemv.c, and prefill tokens attended by the decode kernel over their causal
-    prefix, so a token's numbers are the same in any batch, chunk or step (docs/decisions.md)."""
+    """`is_batch_invariant`: every product on gemv.c, and prefill tokens attended by the decode kernel
+    over their causal prefix (the plan's every_token rows), so a token's numbers are the same in any
+    batch, chunk or step (docs/decisions.md)."""
 
-    def __init__(self, kernels: CpuKernels, is_batch_invariant: bool = False, block_size: int = 0) -> None:
-        assert block_size > 0 or not is_batch_invariant
+    def __init__(self, kernels: CpuKernels, is_batch_invariant: bool = False) -> None:
         self.kernels = kernels
         self.is_batch_invariant = is_batch_invariant
-        self.block_size = block_size
         self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _whole
 
     def embed(self, table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -61,25 +60,35 @@ class CpuOps:
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         meta: AttentionMetadata, window: int | None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         if not self.is_batch_invariant:
             return paged_attention(q, k, v, cache, meta, window, self._attend_decode)
         out = torch.empty_like(q)  # this step's k and v are in the cache already (rope_write_kv)
-        self._attend_decode(q, out, cache, every_token_rows(meta, self.block_size), window)
+        self._attend_rows(q, out, cache, _plan(meta).every_token, window)
         return out
 
     def _attend_decode(
-        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: DecodeRows, window: int | None
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None
     ) -> None:
+        self._attend_rows(q, out, cache, _plan(meta).decode, window)
+
+    def _attend_rows(
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: KernelRows | None, window: int | None
+    ) -> None:
+        assert rows is not None
+        r = rows.rows
         decode_attention(
-            self.kernels, q, out, cache, rows.rows, rows.block_tables, rows.context_lens, rows.block_size,
+            self.kernels, q, out, cache, r.rows, r.block_tables, r.context_lens, r.block_size,
             q.shape[2] ** -0.5, window or 0, rows.pointers,
-        )  # fmt: skip
+        )
 
 
-def apply_cpu_backend(
-    model: nn.Module, kernels: CpuKernels, is_batch_invariant: bool = False, block_size: int = 0
-) -> None:
+def _plan(meta: AttentionMetadata) -> CpuAttentionPlan:
+    assert isinstance(meta.plan, CpuAttentionPlan), "the C kernels read CpuBackend's plan (prepare)"
+    return meta.plan
+
+
+def apply_cpu_backend(model: nn.Module, kernels: CpuKernels, is_batch_invariant: bool = False) -> None:
     """Every parameter but the linear layers' weights and the embedding table widened to fp32 (norms,
     biases); those keep their dtype (fp32 or bf16). Then the model runs on `CpuOps`."""
     kept = {id(model.embed_tokens.weight)}
@@ -87,4 +96,4 @@ def apply_cpu_backend(
     for param in model.parameters():
         if id(param) not in kept:
             param.data = param.data.float()
-    model.ops = CpuOps(kernels, is_batch_invariant, block_size)
+    model.ops = CpuOps(kernels, is_batch_invariant)

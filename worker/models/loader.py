@@ -52,6 +52,20 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     return dtype
 
 
+def weights_dtype(model_dir: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype load_model gives the weights (those kept in GGUF blocks aside: uint8 blocks), known
+    before anything is allocated: what a backend is chosen by."""
+    return _weights_dtype(LlamaArgs.from_hf_config(read_config(model_dir)), model_dir, dtype, device)
+
+
+def _weights_dtype(args: LlamaArgs, model_dir: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto" and is_gguf(model_dir):
+        return torch.float32  # what is not kept in blocks: its dequantized values, exactly
+    return resolve_dtype(dtype, args.torch_dtype, device)
+
+
 def load_model(
     model_dir: str,
     dtype: str | torch.dtype,
@@ -65,13 +79,10 @@ def load_model(
     `place`: called with the allocated model before its weights are read (where a backend wants its
     weights to live, so they are written once, there)."""
     args = LlamaArgs.from_hf_config(read_config(model_dir))
+    keeps_blocks = dtype == "auto" and is_gguf(model_dir)  # GGUF's default: its quantization kept
+    dtype = _weights_dtype(args, model_dir, dtype, device)
     if shard is not None:
         args = shard_args(args, shard.size)
-    keeps_blocks = dtype == "auto" and is_gguf(model_dir)  # GGUF's default: its quantization kept
-    if keeps_blocks:
-        dtype = "float32"  # what is not kept in blocks: its dequantized values, exactly
-    if isinstance(dtype, str):
-        dtype = resolve_dtype(dtype, args.torch_dtype, device)
     with torch.device("meta"):
         model = LlamaModel(args)
     rotary = model.rotary  # float32 tables on the CPU, as HF computes them, kept out of the dtype cast
@@ -81,10 +92,10 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = rotary.to(device)
     if keeps_blocks:
-        quantize_modules(model, quantization_plan(model_dir, model, functools.partial(_destination, args)))
+        quantize_modules(model, quantization_plan(model_dir, model, functools.partial(weight_destination, args)))
     if place is not None:
         place(model)
-    _load_weights(model, model_dir, shard)
+    load_weights(model, model_dir, shard)
     return model.eval().requires_grad_(False)
 
 
@@ -106,14 +117,14 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> Non
                 table[name] = made[id(tensor)]
 
 
-def _load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None:
+def load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[str, int] = {}  # parameter name -> elements written
     source = gguf_weights if is_gguf(model_dir) else safetensors_files
     for entry in source.list_tensors(model_dir):
         if entry.name.endswith(_IGNORED_SUFFIXES):
             continue
-        target = _destination(model.args, entry.name)
+        target = weight_destination(model.args, entry.name)
         if target is None:
             raise ValueError(f"{model_dir}: weight {entry.name} has no place in this model")
         name, rows = target
@@ -136,7 +147,7 @@ def _load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> Non
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
 
 
-def _destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None] | None:
+def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None] | None:
     """The parameter (and row block of a fused one) that an HF tensor fills; None: not this model's."""
     top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
     if hf_name in top:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from worker.models.llama import LlamaModel
-from worker.models.loader import _destination as destination_of  # the loader's one map of HF names
+from worker.models.loader import weight_destination  # the loader's one map of HF names
 from worker.parallel.sharding import Shard, is_split, rank_part
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,7 +64,7 @@ def check_weights(
     if is_whole:
         filled: dict[str, int] = {}
         for name, view in plan:
-            target = destination_of(model.args, name)[0]
+            target = weight_destination(model.args, name)[0]
             filled[target] = filled.get(target, 0) + view.numel()
         params = params if params is not None else dict(model.named_parameters(remove_duplicate=False))
         tied = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
@@ -100,7 +100,7 @@ def plan_update(
     for name, shape in shapes:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.args.tie_word_embeddings):
             continue
-        target = destination_of(model.args, name)
+        target = weight_destination(model.args, name)
         if target is None or target[0] not in params:
             errors.append(f"{name} is not a weight of this model")
             continue

@@ -23,7 +23,6 @@ import torch
 import zmq
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
-from worker.executor import RunnerSpec
 from worker.models.config import LlamaArgs
 from worker.models.loader import read_config
 from worker.parallel.messages import (
@@ -44,6 +43,7 @@ from worker.parallel.messages import (
     from_wire,
 )
 from worker.parallel.sharding import shard_args
+from worker.runner_spec import RunnerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +68,17 @@ class TensorParallelExecutor:
         self.sockets: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToCore)
-        self.last_timings: dict[str, float] = {}  # the last update's phases, seconds
         try:
             for rank in range(size):
-                self.procs.append(_spawn(WorkerSpec(
-                    address=self._bind(rank), rank=rank, size=size, store_path=str(Path(self.folder) / "store"),
-                    runner=spec, num_threads=num_threads,
-                )))  # fmt: skip
+                worker = WorkerSpec(
+                    address=self._bind(rank),
+                    rank=rank,
+                    size=size,
+                    store_path=str(Path(self.folder) / "store"),
+                    runner=spec,
+                    num_threads=num_threads,
+                )
+                self.procs.append(_spawn(worker))
             ready = self._gather(Ready)
             self._bytes_per_block = ready[0].bytes_per_block
         except BaseException:
@@ -99,11 +103,11 @@ class TensorParallelExecutor:
         """Every rank checks its part, nothing copied; the first refusal is a ValueError."""
         self._control(CheckWeights(path))
 
-    def update_weights(self, path: str) -> None:
+    def update_weights(self, path: str) -> dict[str, float]:
         """Every rank checks, then (all passed) every rank copies its part: a refusal on any rank
         leaves every rank on the old weights. A rank that fails while copying stops the engine
-        (WorkerFailed), so no mix of weights ever serves. `last_timings`: the
-        check, and the slowest rank's load and derive, seconds."""
+        (WorkerFailed), so no mix of weights ever serves. Returns the check, and the slowest rank's
+        load and derive, seconds."""
         begun = time.perf_counter()
         self._control(CheckWeights(path))
         checked = time.perf_counter()
@@ -112,8 +116,8 @@ class TensorParallelExecutor:
         except ValueError as exc:  # after every check passed (the file changed?): the ranks now differ
             raise WorkerFailed(f"a rank refused an update that every rank's checks passed: {exc}") from exc
         phases = [r.timings or {} for r in replies]
-        self.last_timings = {"check": checked - begun, **{k: max(p.get(k, 0.0) for p in phases)
-                                                          for k in ("load", "derive")}}  # fmt: skip
+        slowest = {key: max(p.get(key, 0.0) for p in phases) for key in ("load", "derive")}
+        return {"check": checked - begun, **slowest}
 
     def sleep(self, level: int) -> None:
         self._control(SleepRank(level))

@@ -3,7 +3,7 @@ PAIR socket per worker on `ipc://` (engine-core process and worker processes). N
 decodes a closed, typed union.
 
 Core -> worker: AllocateKvCache, Execute (the SchedulerOutput, as the scheduler made it), Shutdown;
-for RL, CheckWeights, LoadWeights, SleepRank and WakeRank (worker/models/runner_control.py on each rank).
+for RL, CheckWeights, LoadWeights, SleepRank and WakeRank (each rank's ModelRunner's control verbs).
 Worker -> core: Ready (after loading), Done (rank 0's carries the runner output), Progress (a long
 step still moves), Refused (a control command's ValueError; the rank goes on), Failed (the reason,
 before the worker exits).
@@ -16,7 +16,7 @@ import numpy as np
 
 from protocol.arrays import LogprobsArrays
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
-from worker.executor import RunnerSpec
+from worker.runner_spec import RunnerSpec
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):

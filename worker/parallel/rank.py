@@ -78,11 +78,8 @@ def _start(spec: WorkerSpec, sock: zmq.Socket):
 
 
 def _serve(runner, sock: zmq.Socket, parent: int) -> None:
-    from worker.models.runner_control import RunnerControl
-
     decoder, encoder = msgspec.msgpack.Decoder(ToWorker), msgspec.msgpack.Encoder()
     is_first = runner.group.rank == 0
-    control = RunnerControl(runner)
     while True:
         if not sock.poll(_POLL_MS):
             if os.getppid() != parent:  # the core is gone
@@ -99,21 +96,21 @@ def _serve(runner, sock: zmq.Socket, parent: int) -> None:
             output = runner.execute(message.scheduler_output)
             sock.send(encoder.encode(Done(to_wire(output) if is_first else None)))
         elif isinstance(message, CheckWeights | LoadWeights | SleepRank | WakeRank):
-            sock.send(encoder.encode(_control(control, message)))
+            sock.send(encoder.encode(_control(runner, message)))
 
 
-def _control(control, message: CheckWeights | LoadWeights | SleepRank | WakeRank) -> Done | Refused:
-    """A ValueError (a bad update) is this command's refusal; the rank keeps its old weights and serves."""
+def _control(runner, message: CheckWeights | LoadWeights | SleepRank | WakeRank) -> Done | Refused:
+    """The runner's own control verb. A ValueError (a bad update) is this command's refusal; the rank
+    keeps its old weights and serves."""
     try:
         if isinstance(message, CheckWeights):
-            control.check_weights(message.path)
+            runner.check_weights(message.path)
         elif isinstance(message, LoadWeights):
-            control.update_weights(message.path)
-            return Done(timings=control.last_timings)
+            return Done(timings=runner.update_weights(message.path))
         elif isinstance(message, SleepRank):
-            control.sleep(message.level)
+            runner.sleep(message.level)
         else:
-            control.wake_up(message.kv_cache, message.path)
+            runner.wake_up(message.kv_cache, message.path)
     except ValueError as exc:
         return Refused(str(exc))
     return Done()

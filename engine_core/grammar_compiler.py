@@ -1,4 +1,4 @@
-"""Grammars compiled against the model's tokenizer, off the step loop (engine-core process).
+"""Grammars compiled against the model's tokenizer, off the step loop (engine-core process, the grammar thread).
 
 xgrammar does the work: a `StructuredOutputsParams` becomes a compiled grammar (its token-mask cache
 built for this vocabulary) in one worker thread, cached by its canonical text, and each request gets

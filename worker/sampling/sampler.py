@@ -10,56 +10,26 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.cpu.kernels import CpuKernels, argmax_rows
-from worker.grammar_mask import GrammarMask, allowed_mass, apply_grammar_mask
-from worker.logit_rules import LogitRules, apply_logit_rules
-from worker.logprobs import gather_logprobs, top_logprobs
-
-
-@dataclass
-class Penalties:
-    presence: torch.Tensor  # [R] float32
-    frequency: torch.Tensor  # [R] float32
-    repetition: torch.Tensor  # [R] float32
-    output_counts: torch.Tensor  # [R, V] float32, how often each token was generated so far
-    seen_mask: torch.Tensor  # [R, V] bool, token in the prompt or the output
-
-
-@dataclass
-class SamplingMetadata:
-    temperature: torch.Tensor | None  # [R] float32, 1.0 on greedy rows; None when every row is greedy
-    is_greedy: torch.Tensor | None  # [R] bool; None when every row is greedy
-    all_greedy: bool
-    top_k: torch.Tensor | None  # [R] int64, vocab size where disabled; None when no row filters
-    max_top_k: int  # the largest of top_k, known on the host (no device sync to size the topk)
-    top_p: torch.Tensor | None  # [R] float32
-    min_p: torch.Tensor | None  # [R] float32
-    penalties: Penalties | None
-    generators: list[torch.Generator | None]  # [R] a generator per seeded row; None: the engine's
-    banned: list[tuple[int, list[int]]]  # (row, token ids) masked until min_tokens are generated
-    logprob_rows: torch.Tensor | None  # [R'] int64 rows that asked for logprobs
-    num_logprobs: int  # largest k among them; -1: whole vocabulary
-    is_processed: torch.Tensor | None  # [R'] bool, row wants logprobs after processing; None: no row does
-    is_all_rows: bool = False  # every row asked for logprobs: no row gather needed
-    is_logits: torch.Tensor | None = None  # [R'] bool, row wants logits, not logprobs; None: no row does
-    logit_rules: LogitRules | None = None  # allowed_token_ids and logit_bias; None: no row has them
-    grammar: GrammarMask | None = None  # structured outputs' masks; None: no row has a grammar
-    device: torch.device = torch.device("cpu")  # where the rows' tensors live
+from worker.sampling.grammar_mask import allowed_mass, apply_grammar_mask
+from worker.sampling.logit_rules import apply_logit_rules
+from worker.sampling.logprobs import SamplingOps, gather_logprobs
+from worker.sampling.metadata import Penalties, SamplingMetadata
+from worker.step_tensors import LogprobsTensors
 
 
 @dataclass
 class SamplerOutput:
     sampled: torch.Tensor  # [R] int64
-    logprob_token_ids: torch.Tensor | None  # [R', k + 1] int32, column 0 = sampled token
-    logprobs: torch.Tensor | None  # [R', k + 1] float32
-    ranks: torch.Tensor | None  # [R'] int32
+    logprobs: LogprobsTensors | None  # rows R' of the requests that asked; None: no row asked
     constraint_masses: torch.Tensor | None = None  # [G] float32 mass each grammar row allowed (raw softmax)
 
 
 class Sampler:
-    def __init__(self, engine_generator: torch.Generator, kernels: CpuKernels | None = None) -> None:
+    """`ops`: the backend's vocabulary-wide passes (top-k logprob rows, argmax)."""
+
+    def __init__(self, engine_generator: torch.Generator, ops: SamplingOps) -> None:
         self.generator = engine_generator
-        self.kernels = kernels  # the C logprob pass, on the CPU in fp32
+        self.ops = ops
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] float32 (not modified)."""
@@ -67,12 +37,12 @@ class Sampler:
         masses = None if meta.grammar is None else allowed_mass(logits, meta.grammar)
         rows = meta.logprob_rows
         if rows is None:
-            return SamplerOutput(self._sample(processed, meta), None, None, None, masses)
+            return SamplerOutput(self._sample(processed, meta), None, masses)
         scores = logits if meta.is_all_rows else logits[rows]
         if meta.is_processed is not None:
             chosen_scores = processed if meta.is_all_rows else processed[rows]
             scores = torch.where(meta.is_processed[:, None], chosen_scores, scores)
-        top = top_logprobs(scores, meta.num_logprobs, self.kernels)
+        top = self.ops.top_logprobs(scores, meta.num_logprobs)
         if processed is logits and meta.all_greedy and meta.is_all_rows:
             sampled = top.ids[:, 0]  # greedy and unprocessed: the top-1 is the argmax, no extra pass
         else:
@@ -80,7 +50,7 @@ class Sampler:
         token_ids, values, ranks = gather_logprobs(top, sampled[rows], meta.num_logprobs)
         if meta.is_logits is not None:  # the logits modes: the same tokens and ranks, their scores' values
             values = torch.where(meta.is_logits[:, None], scores.gather(-1, token_ids.long()), values)
-        return SamplerOutput(sampled, token_ids, values, ranks, masses)
+        return SamplerOutput(sampled, LogprobsTensors(token_ids, values, ranks), masses)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Logit rules (allowed tokens, bias), the grammar's mask, penalties, min_tokens bans, temperature,
@@ -113,7 +83,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1) if self.kernels is None else argmax_rows(self.kernels, logits)
+        greedy = self.ops.argmax(logits)
         if meta.all_greedy:
             return greedy
         probs = torch.softmax(logits, dim=-1)

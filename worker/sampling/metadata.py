@@ -1,16 +1,48 @@
-"""Builds the sampler's per-step tensors from the request states of the rows that sample (core process)."""
+"""The sampler's per-step tensors (`SamplingMetadata`), built from the request states of the rows that
+sample (core process)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from worker.input_batch import RequestState
-from worker.logit_rules import build_logit_rules
-from worker.sampler import Penalties, SamplingMetadata
+from worker.sampling.grammar_mask import GrammarMask
+from worker.sampling.logit_rules import LogitRules, build_logit_rules
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class Penalties:
+    presence: torch.Tensor  # [R] float32
+    frequency: torch.Tensor  # [R] float32
+    repetition: torch.Tensor  # [R] float32
+    output_counts: torch.Tensor  # [R, V] float32, how often each token was generated so far
+    seen_mask: torch.Tensor  # [R, V] bool, token in the prompt or the output
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor | None  # [R] float32, 1.0 on greedy rows; None when every row is greedy
+    is_greedy: torch.Tensor | None  # [R] bool; None when every row is greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [R] int64, vocab size where disabled; None when no row filters
+    max_top_k: int  # the largest of top_k, known on the host (no device sync to size the topk)
+    top_p: torch.Tensor | None  # [R] float32
+    min_p: torch.Tensor | None  # [R] float32
+    penalties: Penalties | None
+    generators: list[torch.Generator | None]  # [R] a generator per seeded row; None: the engine's
+    banned: list[tuple[int, list[int]]]  # (row, token ids) masked until min_tokens are generated
+    logprob_rows: torch.Tensor | None  # [R'] int64 rows that asked for logprobs
+    num_logprobs: int  # largest k among them; -1: whole vocabulary
+    is_processed: torch.Tensor | None  # [R'] bool, row wants logprobs after processing; None: no row does
+    is_all_rows: bool = False  # every row asked for logprobs: no row gather needed
+    is_logits: torch.Tensor | None = None  # [R'] bool, row wants logits, not logprobs; None: no row does
+    logit_rules: LogitRules | None = None  # allowed_token_ids and logit_bias; None: no row has them
+    grammar: GrammarMask | None = None  # structured outputs' masks; None: no row has a grammar
+    device: torch.device = torch.device("cpu")  # where the rows' tensors live
 
 
 def build_sampling_metadata(

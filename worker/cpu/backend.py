@@ -1,0 +1,89 @@
+"""The CPU backend: the model on the C kernels (engine-core process). fp32 activations and KV cache;
+the linear weights in one mapping collapsed into huge pages once loaded (streamed once a step: fewer
+TLB misses); each step's attention plan with its addresses (attention_plan.py); a decode-only step of
+few rows as one C call (fused_decode.py); the sampling passes in C (sampling_ops.py).
+The Backend protocol is worker/backend.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from worker.attention import AttentionMetadata
+from worker.cpu.attention_plan import cpu_attention_plan
+from worker.cpu.bindings import CpuKernels
+from worker.cpu.fused_decode import FusedForward
+from worker.cpu.huge_pages import (
+    COLLAPSE_DELAY_S,
+    collapse_in_background,
+    move_linear_weights_to_huge_pages,
+    place_linear_weights,
+)
+from worker.cpu.ops import apply_cpu_backend
+from worker.cpu.sampling_ops import CpuSamplingOps
+from worker.input_batch import StepInputs
+from worker.models.llama import LlamaModel
+
+
+class CpuBackend:
+    """`can_fuse`: the fused decode forward may run (not under tensor parallelism)."""
+
+    name = "cpu"
+
+    def __init__(self, kernels: CpuKernels, is_batch_invariant: bool, block_size: int, can_fuse: bool) -> None:
+        self.kernels = kernels
+        self.is_batch_invariant = is_batch_invariant
+        self.block_size = block_size
+        self.can_fuse = can_fuse
+        self.sampling = CpuSamplingOps(kernels)
+        self.fused: FusedForward | None = None  # over the KV caches bound last; None: none bound
+        self.huge_page_memory: torch.Tensor | None = None  # the linear weights' mapping, until collapsed
+
+    def place(self, model: LlamaModel) -> None:
+        """The linear weights' place, before they are read, so that they are written once, there."""
+        self.huge_page_memory = place_linear_weights(model, keep_values=False)
+
+    def adopt(self, model: LlamaModel, is_busy: Callable[[], bool]) -> None:
+        """Written: the mapping goes into huge pages in the background, off the first token's path
+        (it waits while `is_busy`); the model runs on CpuOps."""
+        if self.huge_page_memory is not None:
+            collapse_in_background(self.huge_page_memory, busy=is_busy, delay_s=COLLAPSE_DELAY_S)
+            self.huge_page_memory = None
+        apply_cpu_backend(model, self.kernels, self.is_batch_invariant)
+
+    def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def prepare(self, attn: AttentionMetadata) -> None:
+        attn.plan = cpu_attention_plan(attn, self.is_batch_invariant, self.block_size)
+
+    def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None:
+        """The fused forward's descriptors hold the weights' and caches' addresses: built over these."""
+        if self.can_fuse and caches:
+            self.fused = FusedForward(self.kernels, model.weights(), caches, model.args)
+
+    def release(self) -> None:
+        self.fused = None
+
+    def renew_weight_memory(self, model: LlamaModel) -> None:
+        move_linear_weights_to_huge_pages(model)  # fresh memory: rewritten next
+
+    def forward(
+        self,
+        model: LlamaModel,
+        inputs: StepInputs,
+        caches: list[torch.Tensor],
+        on_progress: Callable[[], None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused decode forward where it applies (with lm_head's logits when every row samples),
+        else the model op by op."""
+        wants_logits = inputs.sample_rows is None  # every row samples (a decode-only step)
+        step = self.fused.step(inputs, wants_logits) if self.fused is not None else None
+        if step is None:
+            return model(inputs.input_ids, inputs.positions, caches, inputs.attn, on_progress), None
+        hidden = self.fused.run(step)
+        if on_progress is not None:
+            on_progress()
+        return hidden, step.logits

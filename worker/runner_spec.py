@@ -1,0 +1,18 @@
+"""`RunnerSpec`: the frozen spec an executor, and each tensor-parallel rank's runner, is built from,
+taken from EngineConfig (engine-core process; it travels to rank processes as JSON)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    dtype: str
+    device: str
+    block_size: int
+    seed: int
+    can_use_cpu_kernels: bool = True
+    batch_invariant: bool = True  # EngineConfig's: one order of summation per row, whatever the batch
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None  # torch threads in each rank process; None: shared out among them
