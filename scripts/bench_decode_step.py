@@ -114,7 +114,8 @@ def interleaved_times(core: EngineCore, batch: int, steps: int) -> dict[str, flo
     """Median times (s) of a decode step, of its linear layers alone, of its attention products alone
     and of reading 1 GiB each way, measured turn about so that the machine's drifting speed affects
     all alike."""
-    model, kernels = core.executor.model, core.executor.cpu_kernels
+    model, backend = core.executor.model, core.executor.backend
+    kernels = backend.kernels if backend.name == "cpu" else None  # the C kernels, CpuBackend's
     is_invariant = getattr(model.ops, "is_batch_invariant", False)  # CpuOps' choice of products
     dtype = core.executor.dtype  # the activations' and KV cache's (fp32 with the CPU kernels)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
