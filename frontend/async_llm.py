@@ -17,7 +17,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -25,11 +25,9 @@ from frontend.engine import FrontendEngine, PreparedRequest
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
-from frontend.request_ids import submission_id
 from frontend.request_stream import RequestStream
-from frontend.rl_control import AsyncLLMControlMethods
 from frontend.token_text import TokenTable
-from protocol.messages import EngineStats, HandshakeReply
+from protocol.messages import ControlReply, EngineStats, HandshakeReply
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,7 +67,7 @@ class _Stream:
     outputs: asyncio.Queue  # RequestOutput deltas, or the exception that ends the stream
 
 
-class AsyncLLM(AsyncLLMControlMethods):
+class AsyncLLM:
     """`async for out in engine.generate(prompt, params, request_id)` yields each step's new tokens, text
     and logprobs; leaving the loop early (break, cancel) aborts the request and frees its KV blocks."""
 
@@ -90,7 +88,6 @@ class AsyncLLM(AsyncLLMControlMethods):
         self._wake_read, self._wake_write = os.pipe()
         self._streams: dict[str, _Stream] = {}  # submission key -> stream
         self._key_of: dict[str, str] = {}  # user request id -> key of its submission in flight
-        self._serials = itertools.count()
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
@@ -136,8 +133,8 @@ class AsyncLLM(AsyncLLMControlMethods):
         self._loop = asyncio.get_running_loop()
         if request_id in self._key_of:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        key = submission_id(request_id, next(self._serials))
-        request = self.engine.prepare(key, prompt, params)  # tokenized here, off the engine thread
+        request = self.engine.prepare(request_id, prompt, params)  # tokenized here, off the engine thread
+        key = request.request_id  # its submission id
         stream = _Stream(request_id, asyncio.Queue())
         self._streams[key], self._key_of[request_id] = stream, key
         self._submit(AddRequest(request))
@@ -159,6 +156,34 @@ class AsyncLLM(AsyncLLMControlMethods):
     async def get_engine_stats(self) -> EngineStats:
         """The core's state (engine-wide), taken between two steps after everything sent before."""
         return await self._call(FrontendEngine.get_stats)
+
+    # RL control: FrontendEngine's verbs (their docstrings there), each run on the engine thread.
+
+    async def update_weights(
+        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+    ) -> int:
+        return await self._call(lambda engine: engine.update_weights(weights, mode, keep_buffer))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._call(lambda engine: engine.pause_generation(mode))
+
+    async def resume_generation(self) -> None:
+        await self._call(FrontendEngine.resume_generation)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call(FrontendEngine.reset_prefix_cache)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
+        await self._call(lambda engine: engine.wake_up(tags, path))
+
+    async def control_state(self) -> ControlReply:
+        return await self._call(FrontendEngine.control_state)
+
+    async def is_sleeping(self) -> bool:
+        return (await self.control_state()).sleep_level > 0
 
     async def _call(self, method: Callable[[FrontendEngine], T]) -> T:
         """`method(engine)` run on the engine thread, between two output pumps."""
@@ -233,9 +258,9 @@ class AsyncLLM(AsyncLLMControlMethods):
                     self._run_call(method, future)
 
     def _add(self, request: PreparedRequest) -> None:
-        """One request's failure (a field changed since it was checked, a bug) fails that request alone."""
+        """One request's failure (a bug) fails that request alone."""
         try:
-            core_requests = self.engine.register([request], is_delta=True, recheck=True)
+            core_requests = self.engine.register([request], is_delta=True)
         except Exception as exc:
             error = exc if isinstance(exc, ValueError) else RequestFailedError(repr(exc))
             self._deliver(request.request_id, error)

@@ -6,28 +6,37 @@ them, abort what a stop string or a failure ended), aborts and the core's stats.
 thread-safe: `LLM` calls it from the user's thread, `AsyncLLM` from its engine thread only.
 
 A new engine-wide operation (a control call to the core) is a method here that calls the
-`CoreClient`; `LLM` calls it directly and `AsyncLLM` runs it on its engine thread (`EngineCall`).
+`CoreClient` (or the RL control, `rl_control.py`); `LLM` wraps it in one line, and `AsyncLLM` in one
+line that runs it on its engine thread (`EngineCall`).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import msgspec
 
 from frontend.client_protocol import CoreClient
 from frontend.engine_parts import EngineParts, build_engine_parts
 from frontend.input_processor import InputProcessor, PromptType
 from frontend.output_processor import OutputProcessor, ProcessedOutputs
 from frontend.outputs import RequestOutput
+from frontend.request_ids import submission_id
+from frontend.rl_control import RLControl
 from frontend.token_text import TokenTable
 from protocol.config import EngineConfig
-from protocol.messages import EngineCoreRequest, EngineStats, HandshakeReply
+from protocol.messages import ControlReply, EngineCoreRequest, EngineStats, HandshakeReply
 from protocol.model_facts import generation_defaults
 from protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A request tokenized and checked, ready to register; `request_id` keys its outputs."""
+    """A request tokenized and checked, ready to register; `request_id` is its submission id
+    (frontend/request_ids.py), which keys its outputs and its core requests."""
 
     request_id: str
     prompt: str | None  # the text given, None for token ids
@@ -45,6 +54,8 @@ class FrontendEngine:
         self.client: CoreClient = parts.client
         self.inputs: InputProcessor = parts.inputs
         self.outputs: OutputProcessor = parts.outputs
+        self.control = RLControl(self.client)  # its last_timings: the last update's phases (docs/rl.md)
+        self._serials = itertools.count()  # submission ids: unique however often a request id is reused
 
     @classmethod
     def build(
@@ -77,21 +88,19 @@ class FrontendEngine:
     # ---- submit --------------------------------------------------------------------------------------
 
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams) -> PreparedRequest:
-        """Tokenizes (and truncates) the prompt and checks the request; a bad one is a ValueError."""
+        """Tokenizes (and truncates) the prompt and checks the request, the frontend's one check (a
+        bad one is a ValueError); gives it its submission id. The params are copied as checked: the
+        user's object may change afterwards without changing what is sent."""
         text, token_ids = self.inputs.process(prompt, params)
-        return PreparedRequest(request_id, text, token_ids, params)
+        key = submission_id(request_id, next(self._serials))
+        return PreparedRequest(key, text, token_ids, msgspec.structs.replace(params))
 
-    def register(
-        self, requests: list[PreparedRequest], *, is_delta: bool = False, recheck: bool = False
-    ) -> list[EngineCoreRequest]:
+    def register(self, requests: list[PreparedRequest], *, is_delta: bool = False) -> list[EngineCoreRequest]:
         """Registers each request with the output processor and returns the core requests of all its
-        completions; `recheck`: check each again first (its params may have changed since `prepare`
-        while the user's code ran). On any error nothing of these requests stays registered."""
+        completions. On any error nothing of these requests stays registered."""
         core_requests: list[EngineCoreRequest] = []
         try:
             for request in requests:
-                if recheck:
-                    self.inputs.validate(request.prompt_token_ids, request.params)
                 children = self.outputs.add_request(
                     request.request_id,
                     request.prompt,
@@ -147,8 +156,41 @@ class FrontendEngine:
         """The core's state after everything sent before, taken between two steps (engine-wide)."""
         return self.client.get_stats()
 
+    # ---- control (RL; docs/rl.md) ------------------------------------------------------------------
+
+    def update_weights(
+        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+    ) -> int:
+        """New weights in place: (HF name, tensor) pairs or a checkpoint path. `mode` says what running
+        requests do first: "wait" (finish on the old weights), "abort", or "keep" (go on with the new).
+        `keep_buffer`: the tensors' shared-memory file stays for the next update (rewritten in place;
+        it holds the update's size until shutdown) or is freed now.
+        Returns the new weight_version; a name or shape mismatch is a ValueError, old weights kept."""
+        return self.control.update_weights(weights, mode, keep_buffer)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Nothing new is scheduled until resume_generation; "abort" ends requests in flight, "wait"
+        returns once they finished, "keep" freezes them where they are."""
+        self.control.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        self.control.resume_generation()
+
+    def reset_prefix_cache(self) -> None:
+        self.control.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
+        self.control.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
+        """`tags`: "weights", "kv_cache" (None: both); `path`: the checkpoint after sleep level 2."""
+        self.control.wake_up(tags, path)
+
+    def control_state(self) -> ControlReply:
+        """weight_version, is_paused and sleep_level (0 awake, 1 KV cache freed, 2 the weights too)."""
+        return self.control.state()
+
     def shutdown(self) -> None:
         self.client.shutdown()
-        control = self.__dict__.get("_rl")  # frontend/rl_control.py's, where update_weights ran
-        if control is not None:
-            control.buffer.release()  # its shared-memory weights file
+        self.control.buffer.release()  # the shared-memory weights file, where an update wrote one

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 
 from frontend.chat_template import render_chat
 from frontend.client_protocol import CoreClient
@@ -12,14 +13,14 @@ from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.input_processor import InputProcessor, PromptType
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
-from frontend.rl_control import LLMControlMethods
+from frontend.request_ids import request_id_of
 from protocol.messages import EngineStats
 from protocol.sampling_params import SamplingParams
 
 OUTPUT_POLL_S = 0.05
 
 
-class LLM(LLMControlMethods):
+class LLM:
     """`LLM(model=None, **engine_args)`: None is the built-in tiny model; `core_address` attaches to a
     running `python -m engine_core` daemon instead of spawning a core (a list: several daemons of the
     same model, requests spread over them); `multiprocess=False` runs the core in this process."""
@@ -121,7 +122,10 @@ class LLM(LLMControlMethods):
                 f"{len(errors)} of {len(request_ids)} requests failed; prompt "
                 f"{request_ids.index(request_id)}: {error}"
             ) from error
-        return [finished[request_id] for request_id in request_ids]
+        outputs = [finished[request_id] for request_id in request_ids]
+        for output in outputs:  # keyed by submission id until here; the user sees the request id
+            output.request_id = request_id_of(output.request_id)
+        return outputs
 
     def get_engine_stats(self) -> EngineStats:
         """The engine core's state, engine-wide (a daemon's other clients included): running and
@@ -129,6 +133,34 @@ class LLM(LLMControlMethods):
         this LLM sent before (so after the aborts of its finished requests), between two steps. At
         idle every block is free. Like generate, not to be called from two threads at once."""
         return self.engine.get_stats()
+
+    # RL control, vLLM's names: FrontendEngine's verbs (their docstrings there).
+
+    def update_weights(
+        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+    ) -> int:
+        return self.engine.update_weights(weights, mode, keep_buffer)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.engine.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        self.engine.resume_generation()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
+        self.engine.wake_up(tags, path)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.control_state().sleep_level > 0
+
+    def get_weight_version(self) -> int:
+        return self.engine.control_state().weight_version
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.logprob_rows import add_chosen, to_position_dicts
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from frontend.request_ids import child_params, submission_id
+from frontend.request_ids import child_params
 from frontend.token_text import IncrementalDetokenizer, TokenTable
 from protocol.messages import EngineCoreOutput, FinishReason
 from protocol.sampling_params import SamplingParams
@@ -77,7 +76,6 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.completion_of: dict[str, CompletionState] = {}  # core req id -> completion
         self.owner_of: dict[str, RequestState] = {}
-        self._serials = itertools.count()
 
     def add_request(
         self,
@@ -87,12 +85,13 @@ class OutputProcessor:
         params: SamplingParams,
         is_delta: bool = False,
     ) -> list[tuple[str, SamplingParams]]:
-        """Registers a user request; returns the (core request id, params) of each of its completions.
-        Core ids are unique per submission, so late outputs of an aborted request can never reach a
-        new request that reuses its id."""
+        """Registers a submission (`request_id`: its submission id, made by FrontendEngine.prepare);
+        returns the (core request id, params) of each of its completions. Core ids are unique per
+        submission, so late outputs of an aborted request can never reach a new request that reuses
+        its id."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        children = child_params(submission_id(request_id, next(self._serials)), params)
+        children = child_params(request_id, params)
         completions = [
             CompletionState(
                 core_req_id=core_id,

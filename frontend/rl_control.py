@@ -1,5 +1,6 @@
 """RL control from the user's process (frontend): new weights, pause and resume, prefix-cache reset,
-sleep and wake, as commands to the core (docs/rl.md). `LLM` and `AsyncLLM` call these.
+sleep and wake, as commands to the core (docs/rl.md). `FrontendEngine` owns one and its control verbs
+call it; `LLM` and `AsyncLLM` call those.
 
 Tensors cross the process boundary as one safetensors file in shared memory, named on the wire
 (frontend/weights_buffer.py: kept between updates and rewritten in place). No pickle. torch is
@@ -66,8 +67,13 @@ class RLControl:
         done = time.perf_counter()
         core = dict(reply.timings or {})  # the core's phases; "core": its whole part
         wire = max(0.0, replied - written - core.get("core", 0.0))  # the messages and the waits between
-        self.last_timings = {"write": written - begun, "round trip": replied - written, "wire": wire, **core,
-                             "total": done - begun}  # fmt: skip
+        self.last_timings = {
+            "write": written - begun,
+            "round trip": replied - written,
+            "wire": wire,
+            **core,
+            "total": done - begun,
+        }
         return reply.weight_version
 
     def pause_generation(self, mode: str = "abort") -> None:
@@ -114,78 +120,3 @@ def _has_remote_core(client) -> bool:
 def _check_mode(mode: str) -> None:
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-
-
-class LLMControlMethods:
-    """`LLM`'s RL methods (mixed in; `self.engine` is its FrontendEngine), vLLM's names."""
-
-    def _rl_control(self) -> RLControl:
-        return _control_of(self.engine)
-
-    def update_weights(
-        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
-    ) -> int:
-        """New weights in place: (HF name, tensor) pairs or a checkpoint path. `mode` says what running
-        requests do first: "wait" (finish on the old weights), "abort", or "keep" (go on with the new).
-        `keep_buffer`: the tensors' shared-memory file stays for the next update (rewritten in place;
-        it holds the update's size until shutdown) or is freed now.
-        Returns the new weight_version; a name or shape mismatch is a ValueError, old weights kept."""
-        return self._rl_control().update_weights(weights, mode, keep_buffer)
-
-    def pause_generation(self, mode: str = "abort") -> None:
-        """Nothing new is scheduled until resume_generation; "abort" ends requests in flight, "wait"
-        returns once they finished, "keep" freezes them where they are."""
-        self._rl_control().pause_generation(mode)
-
-    def resume_generation(self) -> None:
-        self._rl_control().resume_generation()
-
-    def reset_prefix_cache(self) -> None:
-        self._rl_control().reset_prefix_cache()
-
-    def sleep(self, level: int = 1) -> None:
-        """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
-        self._rl_control().sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
-        """`tags`: "weights", "kv_cache" (None: both); `path`: the checkpoint after sleep level 2."""
-        self._rl_control().wake_up(tags, path)
-
-    def is_sleeping(self) -> bool:
-        return self._rl_control().state().sleep_level > 0
-
-    def get_weight_version(self) -> int:
-        return self._rl_control().state().weight_version
-
-
-def _on_engine(method: str):
-    """An AsyncLLM coroutine running RLControl.`method` on the engine thread (its client's one user)."""
-
-    async def call(self, *args, **kwargs):
-        return await self._call(lambda engine: _control_of(engine).__getattribute__(method)(*args, **kwargs))
-
-    call.__name__ = method
-    call.__doc__ = getattr(LLMControlMethods, method, getattr(RLControl, method)).__doc__
-    return call
-
-
-def _control_of(engine) -> RLControl:
-    control = engine.__dict__.get("_rl")
-    if control is None:
-        control = engine.__dict__["_rl"] = RLControl(engine.client)
-    return control
-
-
-class AsyncLLMControlMethods:
-    """`AsyncLLM`'s RL methods (mixed in; each runs on its engine thread through `self._call`)."""
-
-    update_weights = _on_engine("update_weights")
-    pause_generation = _on_engine("pause_generation")
-    resume_generation = _on_engine("resume_generation")
-    reset_prefix_cache = _on_engine("reset_prefix_cache")
-    sleep = _on_engine("sleep")
-    wake_up = _on_engine("wake_up")
-    control_state = _on_engine("state")
-
-    async def is_sleeping(self) -> bool:
-        return (await self.control_state()).sleep_level > 0

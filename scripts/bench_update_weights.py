@@ -62,7 +62,7 @@ def main() -> None:
         time.sleep(args.settle)  # a long-running RL engine's steady state, not its first seconds
         for _ in range(args.repeats):
             llm.update_weights(state)
-            timings = llm._rl_control().last_timings
+            timings = llm.engine.control.last_timings
             for phase in PHASES:
                 rounds[phase].append(timings.get(phase, 0.0))
     num_bytes = sum(t.numel() * t.element_size() for _, t in state)

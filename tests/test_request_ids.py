@@ -35,7 +35,9 @@ def test_the_output_processor_names_completions_with_these_ids(tokenizer):
     from protocol.sampling_params import SamplingParams
 
     processor = OutputProcessor(TokenTable(tokenizer))
-    children = processor.add_request("a#b", None, [1, 2], SamplingParams(n=3, seed=5, prompt_logprobs=1))
+    # FrontendEngine.prepare makes the submission id; the processor names the completions after it
+    submission = submission_id("a#b", 0)
+    children = processor.add_request(submission, None, [1, 2], SamplingParams(n=3, seed=5, prompt_logprobs=1))
     assert {parent_of(core_id) for core_id, _ in children} == {parent_of(children[0][0])}
     assert request_id_of(parent_of(children[0][0])) == "a#b"
     assert [p.seed for _, p in children] == [5, 6, 7] and [p.prompt_logprobs for _, p in children] == [

@@ -39,7 +39,7 @@ def test_an_update_through_a_daemon_serves_the_new_weights_and_advances_the_vers
     token_ids = attached.get_tokenizer().encode(PROMPT)
     assert torch.allclose(scored(attached), hf_scored(model, token_ids), atol=HF_TOLERANCE)
     assert attached.generate([PROMPT], GREEDY, use_tqdm=False)[0].weight_version == 1
-    timings = attached._rl_control().last_timings
+    timings = attached.engine.control.last_timings
     assert {"write", "wire", "load", "derive", "reset_prefix_cache", "total"} <= timings.keys()
     assert all(value >= 0 for value in timings.values())
 
@@ -57,7 +57,7 @@ def test_a_mismatched_update_through_a_daemon_leaves_the_old_weights_serving(att
 def test_pause_resume_sleep_wake_and_reset_through_a_daemon(attached):
     reference = attached.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     attached.pause_generation("wait")
-    assert attached._rl_control().state().is_paused
+    assert attached.engine.control_state().is_paused
     attached.resume_generation()
     attached.sleep(1)
     assert attached.is_sleeping()
@@ -73,7 +73,7 @@ def test_pause_resume_sleep_wake_and_reset_through_a_daemon(attached):
 def test_a_file_the_daemons_machine_lacks_is_refused_naming_the_host_rule(attached):
     """What a daemon on another host answers when sent the frontend's /dev/shm file: it is not there."""
     version = attached.get_weight_version()
-    control = attached._rl_control()
+    control = attached.engine.control
     missing = "/dev/shm/coreserve-weights-not-here/model.safetensors"
     with pytest.raises(ValueError, match="daemon on another host cannot read them"):
         control._run(UpdateWeights(next(control._nonces), missing))
