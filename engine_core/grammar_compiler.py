@@ -19,7 +19,7 @@ from protocol.gguf_header import is_gguf, read_gguf_header
 from protocol.structured_outputs import StructuredOutputsParams, choice_grammar, grammar_error
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept; the oldest goes first
-GGUF_CONVERTER_VERSION = 1  # frontend/gguf_tokenizer.py's CONVERTER_VERSION: its cache folders' suffix
+GGUF_CONVERTER_VERSION = 1  # frontend/engine/gguf_tokenizer.py's CONVERTER_VERSION: its cache folders' suffix
 
 
 class GrammarCompiler:
@@ -80,7 +80,7 @@ class GrammarCompiler:
 
 def _load_tokenizer(model: str):
     """The model's Hugging Face tokenizer: a folder's, or the one a GGUF file carries. For a GGUF file,
-    the folder the frontend converted it to (frontend/gguf_tokenizer.py, keyed by the same digest) when
+    the folder the frontend converted it to (frontend/engine/gguf_tokenizer.py, keyed by the same digest) when
     it is there: converting again takes seconds."""
     from transformers import AutoTokenizer
 

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from frontend.engine import FrontendEngine, PreparedRequest
+from frontend.engine.engine import FrontendEngine, PreparedRequest
+from frontend.engine.input_processor import PromptType
+from frontend.engine.token_text import TokenTable
 from frontend.errors import EngineDeadError, RequestFailedError
-from frontend.input_processor import PromptType
 from frontend.outputs import RequestOutput
 from frontend.request_stream import RequestStream
-from frontend.token_text import TokenTable
 from protocol.messages import ControlReply, EngineStats, HandshakeReply
 from protocol.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ import sys
 
 
 def parser() -> argparse.ArgumentParser:
-    from frontend.server.args import add_serve_arguments
+    from frontend.server.args import MODEL_FORMS, add_serve_arguments
 
     top = argparse.ArgumentParser(
         prog="coreserve", description="coreserve: an LLM engine with exact logprobs"
@@ -22,6 +22,7 @@ def parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible HTTP server",
         description="Serve MODEL over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics, /tokenize, /detokenize.",
+        epilog=MODEL_FORMS,
     )
     add_serve_arguments(serve)
     return top

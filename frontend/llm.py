@@ -6,14 +6,14 @@ import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from frontend.chat_template import render_chat
-from frontend.client_protocol import CoreClient
-from frontend.engine import FrontendEngine
+from frontend.clients.client_protocol import CoreClient
+from frontend.engine.chat_template import render_chat
+from frontend.engine.engine import FrontendEngine
+from frontend.engine.input_processor import InputProcessor, PromptType
+from frontend.engine.output_processor import OutputProcessor
+from frontend.engine.request_ids import request_id_of
 from frontend.errors import EngineDeadError, RequestFailedError
-from frontend.input_processor import InputProcessor, PromptType
-from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
-from frontend.request_ids import request_id_of
 from protocol.messages import EngineStats
 from protocol.sampling_params import SamplingParams
 

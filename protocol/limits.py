@@ -1,7 +1,7 @@
 """The wire's frame limits, in one place for both ends (both processes; docs/decisions.md, "Limits").
 
 The core sets them on its sockets (engine_core/endpoints.py); the frontend splits what it sends to
-stay under them (frontend/core_client.py).
+stay under them (frontend/clients/core_client.py).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def core_only(args: argparse.Namespace) -> None:
     """Per-token step time of an N=1 core and an N=steps core on the same requests, in this process:
     what a window can save is at most what a single step spends outside the model."""
     from engine_core.core import EngineCore
-    from frontend.engine_args import load_tokenizer, make_config
+    from frontend.engine.engine_args import load_tokenizer, make_config
     from protocol.messages import EngineCoreRequest
 
     configs = {

@@ -146,7 +146,7 @@ def kv_blocks(args, concurrency: int) -> int:
 def main() -> None:
     args = parse_args()
     path = model_path(args.model)
-    from frontend.engine_args import load_tokenizer
+    from frontend.engine.engine_args import load_tokenizer
 
     tokenizer = load_tokenizer(path)
     concurrencies = [int(c) for c in args.concurrency.split(",")]

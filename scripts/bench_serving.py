@@ -207,7 +207,7 @@ def make_engine(args) -> AsyncLLM | LocalServer:
 
 def load_workload_tokenizer(model: str):
     """The model's tokenizer without an engine (--base-url runs make no AsyncLLM)."""
-    from frontend.engine_args import load_tokenizer, make_config
+    from frontend.engine.engine_args import load_tokenizer, make_config
 
     return load_tokenizer(make_config(model, {}).model)
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from frontend import LLM, SamplingParams
-from frontend.engine_args import make_config
+from frontend.engine.engine_args import make_config
 
 PROMPTS = [
     "The capital of France is",

@@ -132,7 +132,7 @@ def qwen_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
-    from frontend.engine_args import load_tokenizer
+    from frontend.engine.engine_args import load_tokenizer
 
     return load_tokenizer(tiny_path)
 

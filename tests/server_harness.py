@@ -32,16 +32,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, startup_timeout_s: float = 180.0, model: str | None = None):
+def running_server(
+    *flags: str, startup_timeout_s: float = 180.0, model: str | None = None, omit_model: bool = False
+):
     """`python -m frontend serve MODEL --port P FLAGS` until /health answers; yields (url, process).
-    MODEL: builtin:tiny (its bf16 copy in bf16 mode), or `model` as given (e.g. the SmolLM2 GGUF)."""
+    MODEL: builtin:tiny (its bf16 copy in bf16 mode), or `model` as given (e.g. the SmolLM2 GGUF);
+    `omit_model`: none at all (the command's default, builtin:smollm2)."""
     port = free_port()
     command = [
         sys.executable,
         "-m",
         "frontend",
         "serve",
-        *([model] if model else served_model()),
+        *([] if omit_model else [model] if model else served_model()),
         "--port",
         str(port),
     ]

@@ -148,7 +148,7 @@ def test_n_greater_than_one_streams_each_finished_completion_once(engine, llm_in
 
 def test_an_engine_call_that_fails_fails_its_caller_alone(engine):
     """EngineCall, the engine thread's command for engine-wide calls: an error goes to the caller only."""
-    from frontend.engine import FrontendEngine
+    from frontend.engine.engine import FrontendEngine
 
     async def main():
         with pytest.raises(ZeroDivisionError):

@@ -6,10 +6,10 @@ import inspect
 
 import pytest
 
-from frontend.client_protocol import CoreClient
-from frontend.core_client import MPClient
-from frontend.inproc_client import InprocClient
-from frontend.multi_core_client import MultiCoreClient
+from frontend.clients.client_protocol import CoreClient
+from frontend.clients.core_client import MPClient
+from frontend.clients.inproc_client import InprocClient
+from frontend.clients.multi_core_client import MultiCoreClient
 
 PROTOCOL_METHODS = [
     name

@@ -166,7 +166,8 @@ def test_sigterm_removes_the_socket_files_and_ipv6_loopback_serves(tiny_path, tm
 
 def test_attaching_to_a_silent_address_fails_within_the_attach_timeout_naming_it(tiny_path, tmp_path, monkeypatch):
     """The wait is ATTACH_TIMEOUT_S (15 s); shortened here so the suite does not sit through it."""
-    from frontend import EngineDeadError, core_client
+    from frontend import EngineDeadError
+    from frontend.clients import core_client
 
     assert core_client.ATTACH_TIMEOUT_S == 15.0
     monkeypatch.setattr(core_client, "ATTACH_TIMEOUT_S", 2.0)

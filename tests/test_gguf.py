@@ -15,8 +15,8 @@ from conftest import HF_TOLERANCE, hf_logprobs, running_daemon
 from gguf_files import SPEC, write_gguf_model, write_twin
 
 from frontend import LLM, SamplingParams
-from frontend.engine_args import load_tokenizer
-from frontend.gguf_tokenizer import gguf_tokenizer_folder
+from frontend.engine.engine_args import load_tokenizer
+from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 from protocol.model_facts import eos_token_ids, tokenizer_fingerprint
 from worker.models.gguf_weights import SUPPORTED_TYPES
 from worker.models.loader import load_model

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from frontend import LLM, SamplingParams
-from frontend.chat_template import render_chat
+from frontend.engine.chat_template import render_chat
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"

@@ -221,7 +221,7 @@ def test_cumulative_logprob_has_the_same_bits_one_token_or_a_window_at_a_time():
     """A multi-step output carries N tokens; its sum must be N = 1's, which adds one value at a time."""
     import numpy as np
 
-    from frontend.logprob_rows import add_chosen
+    from frontend.engine.logprob_rows import add_chosen
     from protocol.arrays import LogprobsArrays
 
     # 24 positions from near-certain (-1e-9) to unlikely (-30): float32 values whose float64 partial

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from frontend import LLM, EngineDeadError
-from frontend.model_checks import check_model_folder
+from frontend.engine.model_checks import check_model_folder
 
 
 def copy_model(src: str, dst: Path, skip: tuple[str, ...] = ()) -> Path:

@@ -66,8 +66,10 @@ def llm(smollm2, daemon):
 
 @pytest.fixture(scope="module")
 def server(smollm2, daemon):
+    """`coreserve serve` with no MODEL: the default, builtin:smollm2, whose tokenizer the daemon's
+    handshake checks against its own (a mismatch is refused)."""
     flags = ("--served-model-name", "smollm2", "--api-key", API_KEY, "--core-address", daemon)
-    with running_server(*flags, model=smollm2) as (url, _):
+    with running_server(*flags, omit_model=True) as (url, _):
         yield url
 
 

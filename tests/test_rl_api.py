@@ -1,4 +1,4 @@
-"""The RL control through the Python API (frontend/rl_control.py) across the real process boundary, on the
+"""The RL control through the Python API (frontend/engine/rl_control.py) across the real process boundary, on the
 built-in model: LLM with a spawned core and with TP=2 ranks, AsyncLLM with its streamed deltas."""
 
 from __future__ import annotations

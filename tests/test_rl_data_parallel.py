@@ -1,4 +1,4 @@
-"""update_weights behind one frontend with several daemons (frontend/multi_core_control.py): every core
+"""update_weights behind one frontend with several daemons (frontend/clients/multi_core_control.py): every core
 takes the update and the versions stay in step; an update one core refuses is refused by all (each
 checks before any copies), and versions that came apart are an error naming them."""
 

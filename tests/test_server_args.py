@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from frontend.cli import parser
-from frontend.server.args import api_key, engine_kwargs, served_model_name
+from frontend.server.args import api_key, engine_kwargs, model_to_serve, served_model_name
 
 ENGINE_FLAGS = [
     "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-kv-blocks",
@@ -28,7 +28,8 @@ def test_only_the_engine_arguments_given_reach_the_engine():
 def test_defaults_host_port_and_served_name():
     args = parse()
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
-    assert served_model_name(args) == "builtin:tiny"
+    assert served_model_name(args) == "builtin:smollm2"  # a real model, not random weights
+    assert model_to_serve(args) == "builtin:smollm2"
     assert served_model_name(parse("/models/x")) == "/models/x"
     assert served_model_name(parse("/models/x", "--served-model-name", "x")) == "x"
 
@@ -48,6 +49,9 @@ def test_help_documents_every_engine_flag(capsys):
     for flag in [*ENGINE_FLAGS, "--host", "--port", "--served-model-name", "--api-key", "--chat-template"]:
         assert flag in text
     assert "--core-address" in text
+    help_text = " ".join(text.split())  # argparse wraps lines
+    for form in ("Hugging Face model folder", ".gguf file", "builtin:smollm2", "builtin:tiny", "builtin:small"):
+        assert form in help_text, form
 
 
 def test_a_bad_engine_flag_value_is_a_usage_error():

@@ -8,7 +8,7 @@ import pytest
 from server_harness import CHATML, chat_template_file, running_server
 
 from frontend import SamplingParams
-from frontend.chat_template import render_chat
+from frontend.engine.chat_template import render_chat
 
 SYSTEM, QUESTION = "You are terse.", "Name a colour."
 

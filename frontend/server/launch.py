@@ -11,7 +11,7 @@ import uvicorn
 
 from frontend.async_llm import AsyncLLM
 from frontend.server.app import build_app
-from frontend.server.args import api_key, engine_kwargs, read_chat_template, served_model_name
+from frontend.server.args import api_key, engine_kwargs, model_to_serve, read_chat_template, served_model_name
 from frontend.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 def serve(args: argparse.Namespace) -> None:
     chat_template = read_chat_template(args)  # a bad path fails before the engine starts
-    engine = AsyncLLM(args.model, core_address=args.core_address, **engine_kwargs(args))
+    engine = AsyncLLM(model_to_serve(args), core_address=args.core_address, **engine_kwargs(args))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

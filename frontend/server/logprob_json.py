@@ -12,8 +12,8 @@ from __future__ import annotations
 import codecs
 import math
 
+from frontend.engine.token_text import TokenTable
 from frontend.outputs import Logprob, PositionLogprobs
-from frontend.token_text import TokenTable
 
 NO_LOGPROB = -9999.0
 

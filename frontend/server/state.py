@@ -7,10 +7,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from frontend.engine.token_text import TokenTable
 from frontend.server.errors import APIError
 from frontend.server.limits import DEFAULT_MAX_REQUEST_BYTES, PromptBound
 from frontend.server.metrics import ServerMetrics
-from frontend.token_text import TokenTable
 
 
 @dataclass

@@ -3,7 +3,7 @@
 OpenAI's `response_format` (`text`, `json_object`, `json_schema`), vLLM's `structured_outputs` object and
 vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` all become one
 `StructuredOutputsParams`; asking for two at once is a 400 naming the second, and a grammar that does
-not parse (frontend/structured_outputs.py) a 400 naming the field that held it.
+not parse (frontend/engine/structured_outputs.py) a 400 naming the field that held it.
 docs/structured_outputs.md.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from frontend.engine.structured_outputs import check_structured_outputs
 from frontend.server.errors import APIError
-from frontend.structured_outputs import check_structured_outputs
 from protocol.structured_outputs import StructuredOutputsParams
 
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)

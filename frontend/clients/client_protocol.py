@@ -1,8 +1,8 @@
 """CoreClient: the one interface the frontend engine has to the engine core(s) (frontend process).
 
-Three clients implement it: `MPClient` (frontend/core_client.py: one core over ZeroMQ, spawned or a
-daemon), `InprocClient` (frontend/inproc_client.py: the core in this process, no sockets) and
-`MultiCoreClient` (frontend/multi_core_client.py: several daemons, data parallel). None is
+Three clients implement it: `MPClient` (frontend/clients/core_client.py: one core over ZeroMQ, spawned or a
+daemon), `InprocClient` (frontend/clients/inproc_client.py: the core in this process, no sockets) and
+`MultiCoreClient` (frontend/clients/multi_core_client.py: several daemons, data parallel). None is
 thread-safe; the frontend engine calls it from one thread. A new kind of call to the core is a method
 here first, then in each client.
 """

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from frontend.engine.token_text import TokenTable
 from frontend.outputs import Logprob, PositionLogprobs
-from frontend.token_text import TokenTable
 from protocol.arrays import LogprobsArrays
 
 _NEG_INF = float("-inf")

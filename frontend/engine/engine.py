@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import msgspec
 
-from frontend.client_protocol import CoreClient
-from frontend.engine_parts import EngineParts, build_engine_parts
-from frontend.input_processor import InputProcessor, PromptType
-from frontend.output_processor import OutputProcessor, ProcessedOutputs
+from frontend.clients.client_protocol import CoreClient
+from frontend.engine.engine_parts import EngineParts, build_engine_parts
+from frontend.engine.input_processor import InputProcessor, PromptType
+from frontend.engine.output_processor import OutputProcessor, ProcessedOutputs
+from frontend.engine.request_ids import submission_id
+from frontend.engine.rl_control import RLControl
+from frontend.engine.token_text import TokenTable
 from frontend.outputs import RequestOutput
-from frontend.request_ids import submission_id
-from frontend.rl_control import RLControl
-from frontend.token_text import TokenTable
 from protocol.config import EngineConfig
 from protocol.messages import ControlReply, EngineCoreRequest, EngineStats, HandshakeReply
 from protocol.model_facts import generation_defaults
@@ -36,7 +36,7 @@ from protocol.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class PreparedRequest:
     """A request tokenized and checked, ready to register; `request_id` is its submission id
-    (frontend/request_ids.py), which keys its outputs and its core requests."""
+    (frontend/engine/request_ids.py), which keys its outputs and its core requests."""
 
     request_id: str
     prompt: str | None  # the text given, None for token ids

@@ -16,7 +16,7 @@ import zmq
 
 from protocol.config import EngineConfig
 
-logger = logging.getLogger("frontend.core_client")  # the startup lines keep their logger's name
+logger = logging.getLogger("frontend.clients.core_client")  # the startup lines keep their logger's name
 
 
 def spawn_core(config: EngineConfig, address: str, error_path: str) -> subprocess.Popen:

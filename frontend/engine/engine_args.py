@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from frontend.gguf_tokenizer import gguf_tokenizer_folder
+from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 from protocol.builtin_model import builtin_model_path
 from protocol.config import EngineConfig
 from protocol.gguf_header import is_gguf
@@ -29,7 +29,7 @@ def make_config(model: str | None, engine_args: dict) -> EngineConfig:
 
 
 def load_tokenizer(model_dir: str):
-    """The folder's tokenizer, or a GGUF file's (converted once, then cached: frontend/gguf_tokenizer.py)."""
+    """The folder's tokenizer, or a GGUF file's (converted once, then cached: frontend/engine/gguf_tokenizer.py)."""
     folder = gguf_tokenizer_folder(model_dir) if is_gguf(model_dir) else model_dir
     direct = direct_tokenizer_class(folder)
     if direct is not None:

@@ -12,10 +12,10 @@ from collections import defaultdict
 
 import msgspec
 
-from frontend.core_client import POLL_MS, MPClient, wait_for_outputs
+from frontend.clients.core_client import POLL_MS, MPClient, wait_for_outputs
+from frontend.clients.multi_core_control import control_every_core
+from frontend.engine.request_ids import parent_of
 from frontend.errors import EngineDeadError
-from frontend.multi_core_control import control_every_core
-from frontend.request_ids import parent_of
 from protocol.messages import (
     ControlCommand,
     ControlReply,
@@ -40,7 +40,7 @@ class MultiCoreClient:
         self.facts = _common_facts(cores)
 
     def send(self, requests: list[EngineCoreRequest]) -> None:
-        """Groups the n completions of a prompt (frontend/request_ids.py) and gives each group to the
+        """Groups the n completions of a prompt (frontend/engine/request_ids.py) and gives each group to the
         core with the fewest requests in flight."""
         if not self.live:
             raise EngineDeadError("every engine core is gone")
@@ -99,7 +99,7 @@ class MultiCoreClient:
 
     def control(self, command: ControlCommand) -> ControlReply:
         """Every live core runs the command (one model's daemons serve alike): an update checked by all
-        before any copies, the first refusal the reply (frontend/multi_core_control.py)."""
+        before any copies, the first refusal the reply (frontend/clients/multi_core_control.py)."""
         if not self.live:
             raise EngineDeadError("every engine core is gone")
         return control_every_core(self.live, command)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from frontend.structured_outputs import check_structured_outputs
+from frontend.engine.structured_outputs import check_structured_outputs
 from protocol.messages import EngineCoreRequest, HandshakeReply
 from protocol.request_rules import RequestLimits, check_request
 from protocol.sampling_params import SamplingParams

@@ -9,15 +9,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-from frontend.client_protocol import CoreClient
-from frontend.core_client import ClientCurve, MPClient
-from frontend.engine_args import load_tokenizer, make_config
-from frontend.inproc_client import InprocClient
-from frontend.input_processor import InputProcessor
-from frontend.model_checks import check_model_folder
-from frontend.multi_core_client import MultiCoreClient
-from frontend.output_processor import OutputProcessor
-from frontend.token_text import TokenTable
+from frontend.clients.client_protocol import CoreClient
+from frontend.clients.core_client import ClientCurve, MPClient
+from frontend.clients.inproc_client import InprocClient
+from frontend.clients.multi_core_client import MultiCoreClient
+from frontend.engine.engine_args import load_tokenizer, make_config
+from frontend.engine.input_processor import InputProcessor
+from frontend.engine.model_checks import check_model_folder
+from frontend.engine.output_processor import OutputProcessor
+from frontend.engine.token_text import TokenTable
 from protocol.config import EngineConfig
 from protocol.curve_keys import load_key_pair, load_public_key
 from protocol.messages import HandshakeReply

@@ -3,7 +3,7 @@ sleep and wake, as commands to the core (docs/rl.md). `FrontendEngine` owns one 
 call it; `LLM` and `AsyncLLM` call those.
 
 Tensors cross the process boundary as one safetensors file in shared memory, named on the wire
-(frontend/weights_buffer.py: kept between updates and rewritten in place). No pickle. torch is
+(frontend/engine/weights_buffer.py: kept between updates and rewritten in place). No pickle. torch is
 imported inside the writer only.
 """
 
@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Iterable
 
-from frontend.weights_buffer import WeightsBuffer
+from frontend.engine.weights_buffer import WeightsBuffer
 from protocol.messages import (
     ControlCommand,
     ControlReply,
@@ -33,7 +33,7 @@ WAKE_TAGS = ("weights", "kv_cache")
 
 class RLControl:
     """Builds each command with a fresh nonce and turns a refusal into a ValueError. `client`: a
-    CoreClient (frontend/client_protocol.py) with `control(command) -> ControlReply`."""
+    CoreClient (frontend/clients/client_protocol.py) with `control(command) -> ControlReply`."""
 
     def __init__(self, client) -> None:
         self.client = client

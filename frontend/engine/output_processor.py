@@ -8,11 +8,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from frontend.engine.logprob_rows import add_chosen, to_position_dicts
+from frontend.engine.request_ids import child_params
+from frontend.engine.token_text import IncrementalDetokenizer, TokenTable
 from frontend.errors import EngineDeadError, RequestFailedError
-from frontend.logprob_rows import add_chosen, to_position_dicts
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from frontend.request_ids import child_params
-from frontend.token_text import IncrementalDetokenizer, TokenTable
 from protocol.messages import EngineCoreOutput, FinishReason
 from protocol.sampling_params import SamplingParams
 

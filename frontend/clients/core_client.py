@@ -1,5 +1,5 @@
 """The client of an engine core process (frontend process): `MPClient` talks to a core over ZeroMQ, one
-it spawns or a running daemon. `InprocClient` (frontend/inproc_client.py) and `MultiCoreClient`
+it spawns or a running daemon. `InprocClient` (frontend/clients/inproc_client.py) and `MultiCoreClient`
 (several daemons) offer the same send/abort/get_outputs/take_lost/get_stats/shutdown.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from frontend.core_process import close_connection, spawn_core
+from frontend.clients.core_process import close_connection, spawn_core
 from frontend.errors import EngineDeadError
 from protocol import PROTOCOL_VERSION
 from protocol.addresses import split_address
