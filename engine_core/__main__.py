@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             "startup: process at %.3f (unix), arguments %.3f s, imports %.3f s, engine %.3f s, sockets %.3f s",
             started, begun - clock, imported - begun,
             built - imported, time.perf_counter() - built,
-        )  # fmt: skip
+        )
         server.serve_forever()
     finally:
         core.close()

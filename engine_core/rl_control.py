@@ -140,7 +140,7 @@ class CoreControl:
         if "weights" in tags and (self.is_weights_asleep or command.path is not None):
             if command.path is None:
                 raise ValueError("sleep level 2 dropped the weights: wake_up needs a checkpoint path "
-                                 "(or call update_weights with the whole state)")  # fmt: skip
+                                 "(or call update_weights with the whole state)")
             self.executor.update_weights(command.path)
             self.is_weights_asleep = False
             self.weight_version += 1

@@ -96,13 +96,13 @@ def train(model_path: str, num_steps: int, output_dir: str) -> dict:
         output_dir=output_dir, max_steps=num_steps, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, temperature=1.0, learning_rate=1e-3, beta=0.0, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
+    )
     with LLM(model_path, num_threads=1, max_num_seqs=16, num_kv_blocks=64) as llm:
         rollout = CoreserveRollout(llm, max_tokens=config.max_completion_length)
         trainer = GRPOTrainer(
             model=model_path, reward_funcs=even_token_reward, args=config,
             train_dataset=Dataset.from_dict({"prompt": PROMPTS}), rollout_func=rollout,
-        )  # fmt: skip
+        )
         trainer.train()
         rollout.sync(trainer)  # the weights after the last step
         model = trainer.accelerator.unwrap_model(trainer.model)

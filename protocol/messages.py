@@ -119,7 +119,7 @@ ControlCommand = (
 ClientMessage = (
     Hello | AddRequests | AbortRequests | Heartbeat | GetStats | Goodbye
     | UpdateWeights | PauseGeneration | ResumeGeneration | ResetPrefixCache | Sleep | WakeUp | GetControlState
-)  # fmt: skip
+)
 
 
 # ---- core -> frontend ---------------------------------------------------------------------------------

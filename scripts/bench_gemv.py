@@ -29,7 +29,7 @@ def step_shapes(preset: str) -> list[tuple[int, int]]:
     spec = PRESETS[preset]
     q, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
     layer = [(q + 2 * kv, spec.hidden_size), (spec.hidden_size, q),
-             (2 * spec.intermediate_size, spec.hidden_size), (spec.hidden_size, spec.intermediate_size)]  # fmt: skip
+             (2 * spec.intermediate_size, spec.hidden_size), (spec.hidden_size, spec.intermediate_size)]
     return layer * spec.num_layers + [(GPT2_VOCAB_SIZE, spec.hidden_size)]
 
 
@@ -80,7 +80,7 @@ def main() -> None:
             rows_out.append(row)
             print(f"  rows {num_rows} done", flush=True)
     print(f"ms per decode step's linear layers ({args.preset}: {gb32 * 1e3:.0f} MB fp32, "
-          f"bf16 dot instruction: {kernels.has_bf16_dot})")  # fmt: skip
+          f"bf16 dot instruction: {kernels.has_bf16_dot})")
     print_table(rows_out, list(rows_out[0]))
     write_json(args.json, {"args": vars(args), "machine": machine(), "rows": rows_out})
 

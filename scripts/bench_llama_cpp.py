@@ -43,7 +43,7 @@ PROMPTS = [
     "Explain how photosynthesis works in simple terms.", "List five fruits that are red.",
     "What is the difference between weather and climate?", "Describe a sunset over the ocean.",
     "Give three tips for learning a new language.", "Why is the sky blue?",
-]  # fmt: skip
+]
 
 
 def main() -> None:
@@ -108,13 +108,13 @@ class start:
         port = _free_port()
         if self.name == "coreserve":
             command = [sys.executable, "-m", "frontend", "serve", self.gguf, "--port", str(port), "--log-level",
-                       "warning", "--max-num-seqs", str(max(32, self.concurrency)), "--served-model-name", "m"]  # fmt: skip
+                       "warning", "--max-num-seqs", str(max(32, self.concurrency)), "--served-model-name", "m"]
             command += ["--dtype", self.dtype] if self.dtype else []
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         else:
             threads = str(os.cpu_count() or 1)
             command = [self.binary, "-m", self.gguf, "--port", str(port), "--host", "127.0.0.1", "-t", threads,
-                       "-np", str(self.concurrency), "-c", str(1024 * self.concurrency), "--no-webui"]  # fmt: skip
+                       "-np", str(self.concurrency), "-c", str(1024 * self.concurrency), "--no-webui"]
             env = dict(os.environ)
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         base = f"http://127.0.0.1:{port}"
@@ -163,13 +163,13 @@ def distance(gguf: str, binary: str, max_tokens: int) -> dict:
         gaps = []
         for prompt_ids, ids, logprobs in theirs:
             out = llm.generate([{"prompt_token_ids": prompt_ids + ids}],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]  # fmt: skip
+                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
             rows = out.prompt_logprobs[len(prompt_ids) :]
             gaps += [abs(row[t].logprob - lp) for row, t, lp in zip(rows, ids, logprobs)]
     finally:
         llm.shutdown()
     return {"tokens": len(gaps), "max |llama.cpp - fp32|": max(gaps), "mean": sum(gaps) / len(gaps),
-            "coreserve quantized-in-memory": 0.0}  # fmt: skip
+            "coreserve quantized-in-memory": 0.0}
 
 
 def _llama_tokens(base: str, prompt: str, n: int) -> tuple[list[int], list[int], list[float]]:

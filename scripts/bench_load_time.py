@@ -67,7 +67,7 @@ def run_once(model: str) -> dict:
     launched = time.time()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", CHILD, model], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)  # fmt: skip
+                          cwd=ROOT, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"the run failed:\n{proc.stderr[-3000:]}")
     row = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -127,12 +127,12 @@ def main() -> None:
     rows = [run_once(model) for _ in range(args.runs)]
     columns = ["wall", "to first token", "python start", "frontend imports", "LLM()", "first token",
                "tokenizer", "core ready", "core process start", "core imports", "core engine", "model load",
-               "kernels", "backend", "KV cache", "core sockets"]  # fmt: skip
+               "kernels", "backend", "KV cache", "core sockets"]
     medians = {
         c: median([r[c] for r in rows if r.get(c) is not None]) for c in columns if rows[0].get(c) is not None
     }
     print(f"{model}: {args.runs} fresh processes; medians in seconds "
-          f"(torch imported in the frontend: {rows[0]['torch in frontend']}; text {rows[0]['text']!r})")  # fmt: skip
+          f"(torch imported in the frontend: {rows[0]['torch in frontend']}; text {rows[0]['text']!r})")
     print_table([{"phase": c, "median s": round(v, 3)} for c, v in medians.items()], ["phase", "median s"])
     if args.json:
         write_json(args.json, {"model": model, "runs": rows, "medians": medians})

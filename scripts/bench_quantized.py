@@ -116,7 +116,7 @@ def generate(llm: LLM, prompts: list, max_tokens: int, concurrency: int) -> int:
 def measure(path: str, dtype: str, workloads: dict[int, list], args) -> list[dict]:
     """One engine: per concurrency, each round's seconds; its core's RSS right after load and after the runs."""
     engine_args = {"dtype": dtype, "max_num_seqs": max(workloads), "block_size": _BLOCK_SIZE,
-                   "num_kv_blocks": kv_blocks(args, max(workloads))}  # fmt: skip
+                   "num_kv_blocks": kv_blocks(args, max(workloads))}
     if args.num_threads:
         engine_args["num_threads"] = args.num_threads
     rows = []
@@ -130,7 +130,7 @@ def measure(path: str, dtype: str, workloads: dict[int, list], args) -> list[dic
                 seconds.append(elapsed)
                 print(f"  {dtype} concurrency {concurrency}: {count} tokens in {elapsed:.2f} s", flush=True)
             rows.append({"dtype": dtype, "concurrency": concurrency, "tokens": count,
-                         "tok_s": count / median(seconds), "seconds": seconds})  # fmt: skip
+                         "tok_s": count / median(seconds), "seconds": seconds})
         time.sleep(1.0)  # the core hands its heap's free pages back when it goes idle (release_heap)
         after = rss_mib(core_pid())
     for row in rows:
@@ -151,7 +151,7 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     workloads = {c: prompts_of_lengths(tokenizer, [args.prompt_len] * (args.single_prompts if c == 1 else c), seed=c)
-                 for c in concurrencies}  # fmt: skip
+                 for c in concurrencies}
     rows = []
     for dtype in args.dtypes.split(","):
         rows += measure(path, dtype, workloads, args)
@@ -170,16 +170,16 @@ def main() -> None:
             row[f"loaded_{name}_mib"] = row["loaded"][key] - base[key]
             row[f"after_{name}_mib"] = row["after"][key] - base[key]
     print_table(rows, ["dtype", "concurrency", "tok_s", "mb_per_token", "gb_s", "of_bandwidth", "loaded_rss_mib",
-                       "loaded_anon_mib", "after_rss_mib", "after_anon_mib"])  # fmt: skip
+                       "loaded_anon_mib", "after_rss_mib", "after_anon_mib"])
     print(f"file {file_mib:.1f} MiB; KV cache {kv_mib:.1f} MiB; a process with the core's imports and no model: "
-          f"VmRSS {base['VmRSS']:.1f}, RssAnon {base['RssAnon']:.1f} MiB")  # fmt: skip
+          f"VmRSS {base['VmRSS']:.1f}, RssAnon {base['RssAnon']:.1f} MiB")
     row = next((r for r in rows if r["dtype"] == "auto"), None)  # the file's blocks: issue 25's ratios
     if row is not None:
         print(f"{row['dtype']}: loaded / file {row['loaded_rss_mib'] / file_mib:.3f} (RssAnon "
               f"{row['loaded_anon_mib'] / file_mib:.3f}); after / (file + KV cache) "
               f"{row['after_rss_mib'] / (file_mib + kv_mib):.3f} (RssAnon {row['after_anon_mib'] / (file_mib + kv_mib):.3f})")
     write_json(args.json, {"machine": machine(), "model": path, "file_mib": file_mib, "baseline_rss_mib": base,
-                           "kv_mib": kv_mib, "rows": rows, "args": vars(args)})  # fmt: skip
+                           "kv_mib": kv_mib, "rows": rows, "args": vars(args)})
 
 
 if __name__ == "__main__":

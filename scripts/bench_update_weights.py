@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--settle", type=float, default=12.0,
                         help="seconds between start and the first update: a new core spends its first "
-                        "idle seconds collapsing its weights into huge pages (worker/cpu/huge_pages.py)")  # fmt: skip
+                        "idle seconds collapsing its weights into huge pages (worker/cpu/huge_pages.py)")
     parser.add_argument("--daemon", action="store_true", help="through an attached daemon")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-threads", type=int, default=None, help="the core's torch threads")
@@ -68,11 +68,11 @@ def main() -> None:
     num_bytes = sum(t.numel() * t.element_size() for _, t in state)
     mode = f"{'daemon' if args.daemon else 'spawned core'}, TP={args.tensor_parallel_size}"
     print(f"{args.model} ({mode}): {num_bytes / 2**20:.0f} MiB of weights, {len(state)} tensors, "
-          f"load avg {os.getloadavg()[0]:.1f}")  # fmt: skip
+          f"load avg {os.getloadavg()[0]:.1f}")
     for phase, values in rounds.items():
         print(f"{phase:>18}: median {statistics.median(values):.3f} s  min {min(values):.3f} s")
     result = dict(rounds, model=args.model, mode=mode, bytes=num_bytes, loadavg=os.getloadavg()[0],
-                  torch=torch.__version__)  # fmt: skip
+                  torch=torch.__version__)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 
@@ -111,7 +111,7 @@ def _hf_named(model):
     if not a.tie_word_embeddings:
         names.append("lm_head.weight")
     parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]  # fmt: skip
+             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
     names += [f"model.layers.{i}.{part}.weight" for i in range(a.num_layers) for part in parts]
     params = dict(model.named_parameters(remove_duplicate=False))
     for name in names:

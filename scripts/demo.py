@@ -28,7 +28,7 @@ def main() -> None:
 def show(prompt: str, completion) -> None:
     print(f"\nprompt:     {prompt!r}")
     print(f"completion: {completion.text!r}  ({completion.finish_reason}, "
-          f"cumulative logprob {completion.cumulative_logprob:.3f})")  # fmt: skip
+          f"cumulative logprob {completion.cumulative_logprob:.3f})")
     for position, candidates in enumerate(completion.logprobs[:NUM_SHOWN]):
         listed = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for lp in candidates.values())
         print(f"  token {position}: {listed}")

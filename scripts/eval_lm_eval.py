@@ -61,7 +61,7 @@ def main() -> None:
             [sys.executable, "-m", "frontend", "serve", args.model, "--port", str(port), "--log-level", "warning",
              "--served-model-name", "coreserve"],
             cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
-        )  # fmt: skip
+        )
         try:
             wait_healthy(f"http://127.0.0.1:{port}", server)
             result = run_lm_eval(port, tokenizer_dir, work_dir)
@@ -93,7 +93,7 @@ def run_lm_eval(port: int, tokenizer_dir: str, work_dir: Path) -> dict:
         f"tokenizer_backend=huggingface,tokenizer={tokenizer_dir},num_concurrent=1,max_retries=1",
         "--tasks", "coreserve_smollm2_mc", "--include_path", str(work_dir / "tasks"),
         "--output_path", str(out_dir), "--log_samples",
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OPENAI_API_KEY": "unused"}
     started = time.perf_counter()
     subprocess.run(command, check=True, cwd=work_dir, env=env)

@@ -378,7 +378,7 @@ def write_family_model(
     config = AutoConfig.for_model(
         **_SMALL, **spec, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -105,7 +105,7 @@ class HFReference:
         wanted = [{r: sorted(set(ids)) for r, ids in w.items()} for w in wanted]
         question = {"version": RESULTS_VERSION, "model": self.model_key, "transformers": transformers.__version__,
                     "torch": torch.__version__, "sequences": sequences,
-                    "wanted": [{str(r): ids for r, ids in sorted(w.items())} for w in wanted]}  # fmt: skip
+                    "wanted": [{str(r): ids for r, ids in sorted(w.items())} for w in wanted]}
         digest = hashlib.sha256(json.dumps(question, sort_keys=True).encode()).hexdigest()
         cached = REFERENCE_DIR / "results" / f"{digest}.json"
         if cached.exists():

@@ -48,7 +48,7 @@ def make_state(req_id: str, num_tokens: int, block_ids: list[int], num_computed:
     return RequestState(
         req_id, list(range(num_tokens)), num_tokens, SamplingParams(), block_ids, num_computed,
         None, None, False, [],
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 2), (4, 4), (6, 3)])

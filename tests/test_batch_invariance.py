@@ -25,14 +25,14 @@ def random_prompts(count: int, seed: int, max_len: int = 60) -> list[dict]:
     """Token-id prompts of random lengths (1..max_len), ids well inside both vocabularies."""
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(rng.randint(1, max_len))]}
-            for _ in range(count)]  # fmt: skip
+            for _ in range(count)]
 
 
 def sampled_rows(output) -> list:
     """Per generated token: its id and every listed (id, logprob, rank), in order."""
     completion = output.outputs[0]
     return [(token, [(i, e.logprob, e.rank) for i, e in entry.items()])
-            for token, entry in zip(completion.token_ids, completion.logprobs)]  # fmt: skip
+            for token, entry in zip(completion.token_ids, completion.logprobs)]
 
 
 def scoring_mismatches(llm: LLM, output) -> int:
@@ -55,7 +55,7 @@ def scoring_mismatches(llm: LLM, output) -> int:
 def alone_vs_batched(llm: LLM, prompts: list, params: SamplingParams, alone: range) -> int:
     batched = llm.generate(prompts, params, use_tqdm=False)
     return sum(sampled_rows(llm.generate([prompts[i]], params, use_tqdm=False)[0]) != sampled_rows(batched[i])
-               for i in alone)  # fmt: skip
+               for i in alone)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_a_needle_alone_equals_the_needle_among_64_fillers_of_random_lengths(llm
     params = SamplingParams(max_tokens=64, logprobs=5, temperature=0.6, seed=7, ignore_eos=True)
     fillers = random_prompts(64, 6, max_len=200)
     filler_params = [SamplingParams(max_tokens=rng.randint(1, 64), temperature=0.8, seed=i, logprobs=2)
-                     for i in range(64)]  # fmt: skip
+                     for i in range(64)]
     place = rng.randrange(65)
     prompts = fillers[:place] + [needle] + fillers[place:]
     mixed = llm.generate(prompts, filler_params[:place] + [params] + filler_params[place:], use_tqdm=False)
@@ -101,7 +101,7 @@ def chunked(tiny_path):
     """Engines whose steps hold at most 16, 64 and 512 tokens (longer prompts prefill in chunks), prefix
     caching on; and one at 512 without it, whose runs are all cold."""
     engines = {chunk: LLM(tiny_path, multiprocess=False, max_num_batched_tokens=chunk, num_kv_blocks=256)
-               for chunk in (16, 64, 512)}  # fmt: skip
+               for chunk in (16, 64, 512)}
     engines["cold"] = LLM(
         tiny_path, multiprocess=False, max_num_batched_tokens=512, enable_prefix_caching=False
     )
@@ -115,7 +115,7 @@ def test_chunk_sizes_16_64_512_and_a_prefix_cold_then_warm_give_the_same_bits(ch
     rng = random.Random(prefix_len)
     prefix = [rng.randrange(100, 20000) for _ in range(prefix_len)]
     first, second = ({"prompt_token_ids": prefix + [rng.randrange(100, 20000) for _ in range(9)]}
-                     for _ in range(2))  # fmt: skip
+                     for _ in range(2))
     expected = [
         sampled_rows(chunked["cold"].generate([p], SAMPLED, use_tqdm=False)[0]) for p in (first, second)
     ]
@@ -127,7 +127,7 @@ def test_chunk_sizes_16_64_512_and_a_prefix_cold_then_warm_give_the_same_bits(ch
         warm_all = llm.generate([second], SAMPLED, use_tqdm=False)[0]  # reads all it may: num_tokens - 1
         assert (cold.num_cached_tokens, warm_prefix.num_cached_tokens, warm_all.num_cached_tokens) == (
             0, prefix_len // 16 * 16, (num_tokens - 1) // 16 * 16
-        )  # fmt: skip
+        )
         assert sampled_rows(cold) == expected[0], chunk
         assert sampled_rows(warm_prefix) == sampled_rows(warm_all) == expected[1], chunk
 
@@ -169,7 +169,7 @@ def test_the_server_gives_the_in_process_logprobs(llm):
             served = client.completions.create(
                 model="builtin:tiny", prompt=prompt["prompt_token_ids"], max_tokens=16, logprobs=5,
                 temperature=0.6, seed=1234,
-            ).choices[0].logprobs  # fmt: skip
+            ).choices[0].logprobs
             completion = out.outputs[0]
             assert served.token_logprobs == [
                 e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)

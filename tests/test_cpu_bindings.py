@@ -19,7 +19,7 @@ def kernels():
 
 
 @pytest.mark.parametrize("mirror, c_name", [(LayerDesc, b"layer_desc"), (ModelDesc, b"model_desc"),
-                                             (StepDesc, b"step_desc")])  # fmt: skip
+                                             (StepDesc, b"step_desc")])
 def test_struct_mirrors_match_the_c_layout(kernels, mirror, c_name):
     layout = kernels.decode_forward_layout
     assert ctypes.sizeof(mirror) == layout(c_name, b"")

@@ -115,7 +115,7 @@ def test_key_files_readable_by_others_are_refused(tiny_path, keys):
     result = run_daemon_command(
         "--model", tiny_path, "--address", "tcp://0.0.0.0:5999", "--allow-remote",
         "--curve-secret-key", str(loose / "bob.key_secret"), "--authorized-clients", str(keys / "authorized"),
-    )  # fmt: skip
+    )
     assert result.returncode == 2 and "chmod 600" in result.stderr
 
 

@@ -53,7 +53,7 @@ def test_every_eos_id_of_generation_config_stops(family_model, greedy_tokens, tm
 
 def test_defaults_come_from_generation_config_and_never_override_the_users(family_model, tmp_path):
     config = {"eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
-              "max_new_tokens": 5, "bos_token_id": 1}  # fmt: skip
+              "max_new_tokens": 5, "bos_token_id": 1}
     path = _with_generation_config(family_model("llama2"), tmp_path / "m", config)
     assert generation_defaults(path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 5}
     with LLM(path, multiprocess=False) as llm:

@@ -48,7 +48,7 @@ def _mixed_types() -> dict[str, str]:
         for i in range(SPEC.num_layers)
         for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    ]  # fmt: skip
+    ]
     return {name: ALL_TYPES[i % len(ALL_TYPES)] for i, name in enumerate(names)}
 
 
@@ -79,7 +79,7 @@ def _as_hf(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         SPEC.intermediate_size,
     )
     out = {"model.embed_tokens.weight": params["embed_tokens.weight"], "model.norm.weight": params["norm.weight"],
-           "lm_head.weight": params["lm_head.weight"]}  # fmt: skip
+           "lm_head.weight": params["lm_head.weight"]}
     for i in range(SPEC.num_layers):
         p, hf = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = params[p + "qkv_proj.weight"].split([q_size, kv_size, kv_size])
@@ -89,7 +89,7 @@ def _as_hf(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                     hf + "mlp.up_proj.weight": up, hf + "self_attn.o_proj.weight": params[p + "o_proj.weight"],
                     hf + "mlp.down_proj.weight": params[p + "down_proj.weight"],
                     hf + "input_layernorm.weight": params[p + "input_layernorm.weight"],
-                    hf + "post_attention_layernorm.weight": params[p + "post_attention_layernorm.weight"]})  # fmt: skip
+                    hf + "post_attention_layernorm.weight": params[p + "post_attention_layernorm.weight"]})
     return out
 
 
@@ -132,7 +132,7 @@ def _numbers(outputs: list) -> list:
         (o.outputs[0].token_ids, [[(t, v.logprob, v.rank) for t, v in d.items()] for d in o.outputs[0].logprobs],
          [None if d is None else sorted((t, v.logprob) for t, v in d.items()) for d in o.prompt_logprobs])
         for o in outputs
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.fp32_exact("the twin and HF reference are compared in fp32")

@@ -21,7 +21,7 @@ from worker.parallel.sharding import Shard
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5)
 SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at a temperature of",
-                   "Here is a list of fruits: apple, banana,", "To make a cup of tea, first"]  # fmt: skip
+                   "Here is a list of fruits: apple, banana,", "To make a cup of tea, first"]
 RANDOM_PROMPTS = [{"prompt_token_ids": ids} for ids in ([1, 2, 3], [500, 20, 7, 99, 301, 12], [42] * 9)]
 
 
@@ -31,7 +31,7 @@ def numbers(outputs: list) -> list:
         (o.outputs[0].token_ids, [[(t, v.logprob, v.rank) for t, v in d.items()] for d in o.outputs[0].logprobs],
          [None if d is None else [(t, v.logprob, v.rank) for t, v in d.items()] for d in o.prompt_logprobs])
         for o in outputs
-    ]  # fmt: skip
+    ]
 
 
 def runs(model: str, prompts: list, dtype: str) -> tuple[list, list, object]:
@@ -77,7 +77,7 @@ def test_layers_of_different_types_run_op_by_op_with_the_fp32_bits(tmp_path):
     decode runs op by op (the engine starts; it once failed an assertion building the fused forward)."""
     path = tmp_path / "mixed.gguf"
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     write_gguf_model(path, {f"model.layers.1.{n}.weight": "Q8_0" for n in names}, "Q4_0", vocab_size=2048)
     model = load_model(str(path), "auto", torch.device("cpu"))
     assert (model.layers[0].qkv_proj.ggml_type, model.layers[1].qkv_proj.ggml_type) == (2, 8)

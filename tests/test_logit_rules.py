@@ -134,7 +134,7 @@ def test_processed_logits_mode_returns_the_logits_after_bias_temperature_and_top
     params = SamplingParams(
         temperature=0.5, top_k=10, seed=3, max_tokens=5, ignore_eos=True, logprobs=12, logit_bias=bias,
         logprobs_mode="processed_logits",
-    )  # fmt: skip
+    )
     output = llm.generate(PROMPTS[4], params, use_tqdm=False)[0]
     logits = completion_logits(hf_tiny, output)
     for token_id, value in bias.items():

@@ -60,7 +60,7 @@ def make_request(req_id: str, prompt: list[int], client: bytes = b"c", **params)
     return Request(
         req_id=req_id, client_id=client, client_req_id=req_id, prompt_token_ids=prompt, params=sampling,
         arrival_time=0.0, eos_token_ids=[], logprobs_mode="raw",
-    )  # fmt: skip
+    )
 
 
 class ShadowWorker:

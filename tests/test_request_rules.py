@@ -97,7 +97,7 @@ def test_limits_come_from_the_handshake():
     facts = HandshakeReply(
         protocol_version=0, error=None, vocab_size=10, max_model_len=20, max_logprobs=3,
         eos_token_ids=[2], num_kv_blocks=7, block_size=16,
-    )  # fmt: skip
+    )
     limits = RequestLimits.of(facts)
     assert (limits.vocab_size, limits.max_model_len, limits.max_logprobs) == (10, 20, 3)
     assert (limits.num_kv_blocks, limits.block_size) == (7, 16)

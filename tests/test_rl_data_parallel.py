@@ -71,7 +71,7 @@ def test_an_update_one_core_refuses_changes_no_core(daemons, tiny_path):
     other's. Both check first, so a keeps its weights and version. Their versions differ (a was
     updated apart from the other, by a frontend of its own): an error naming both."""
     last_layer = [(n, p) for n, p in perturbed_hf(tiny_path, seed=42).named_parameters()
-                  if n.startswith("model.layers.3.")]  # fmt: skip
+                  if n.startswith("model.layers.3.")]
     with LLM(tiny_path, core_address=daemons["a"]) as alone:
         assert alone.update_weights(last_layer) >= 1
     with LLM(tiny_path, core_address=[daemons["a"], daemons["shallow"]]) as llm:

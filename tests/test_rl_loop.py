@@ -57,7 +57,7 @@ def completion_logprobs(model, outs) -> list[torch.Tensor]:
 
 def engine_logprobs(outs) -> list[torch.Tensor]:
     return [torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outs]  # fmt: skip
+            for o in outs]
 
 
 def worst_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

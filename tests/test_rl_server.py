@@ -18,7 +18,7 @@ SCORE = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, 
 ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/reset_prefix_cache"), ("POST", "/pause"),
              ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"), ("POST", "/wake_up"),
              ("GET", "/is_sleeping"), ("GET", "/get_weight_version"), ("POST", "/generate"),
-             ("POST", "/get_sequence_logprobs/")]  # fmt: skip
+             ("POST", "/get_sequence_logprobs/")]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ VARIANTS = {
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
-    },  # fmt: skip
+    },
     "yarn": {
         "rope_type": "yarn",
         "rope_theta": 1000000.0,
@@ -37,7 +37,7 @@ VARIANTS = {
         "beta_fast": 16,
         "beta_slow": 2,
         "original_max_position_embeddings": 128,
-    },  # fmt: skip
+    },
 }
 
 
@@ -51,7 +51,7 @@ def test_cos_sin_tables_equal_hf(variant):
     positions = torch.arange(MAX_POSITIONS)[None, :]  # every position the engine may run
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1, dtype=torch.float32), positions)
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "intermediate_size": 8,
-              "num_hidden_layers": 1, **fields, "rope_parameters": dict(VARIANTS[variant])}  # fmt: skip
+              "num_hidden_layers": 1, **fields, "rope_parameters": dict(VARIANTS[variant])}
     cos, sin = cos_sin_tables(LlamaArgs.from_hf_config(config).rope, MAX_POSITIONS)
     torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=0)
     torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=0)

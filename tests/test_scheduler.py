@@ -17,7 +17,7 @@ def make_request(req_id: str, num_prompt: int, client: bytes = b"c", **params) -
     return Request(
         req_id=req_id, client_id=client, client_req_id=req_id, prompt_token_ids=list(range(1, num_prompt + 1)),
         params=sampling, arrival_time=0.0, eos_token_ids=[0], logprobs_mode="raw",
-    )  # fmt: skip
+    )
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=32, max_num_seqs=8) -> Scheduler:

@@ -10,7 +10,7 @@ from frontend.server.args import api_key, engine_kwargs, model_to_serve, served_
 ENGINE_FLAGS = [
     "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-kv-blocks",
     "--kv-cache-gib", "--max-logprobs", "--logprobs-mode", "--num-scheduler-steps", "--dtype", "--seed",
-]  # fmt: skip
+]
 
 
 def parse(*argv: str):

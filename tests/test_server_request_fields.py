@@ -90,7 +90,7 @@ def test_logit_bias_of_100_makes_greedy_pick_that_token(client):
     result = client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logit_bias={"1820": 100}, logprobs=0,
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     assert result.choices[0].token_ids == [1820] * 4
 
 
@@ -106,7 +106,7 @@ def test_allowed_token_ids_limit_what_is_sampled(client):
     result = client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=8, seed=1,
         extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
-    )  # fmt: skip
+    )
     assert set(result.choices[0].token_ids) <= set(allowed) and len(result.choices[0].token_ids) == 8
 
 

@@ -104,7 +104,7 @@ def test_chat_choice_logprobs_carry_constraint_mass_and_no_sentinels(client):
     legacy = client.completions.create(
         model=MODEL, prompt="My favourite colour is", max_tokens=5, temperature=0, logprobs=5,
         extra_body={"guided_choice": COLOURS},
-    )  # fmt: skip
+    )
     logprobs = legacy.choices[0].model_dump()["logprobs"]
     assert len(logprobs["constraint_mass"]) == len(logprobs["tokens"])
     assert all(0.0 < mass <= 1.0 for mass in logprobs["constraint_mass"])
@@ -124,7 +124,7 @@ def test_streaming_and_n_under_a_grammar(client):
     result = client.completions.create(
         model=MODEL, prompt="My favourite colour is", max_tokens=5, n=3, temperature=1.0, seed=3,
         extra_body={"guided_choice": COLOURS},
-    )  # fmt: skip
+    )
     assert len(result.choices) == 3 and all(c.text in COLOURS for c in result.choices)
 
 

@@ -40,7 +40,7 @@ EMPLOYEE = {
     },
     "required": ["name", "age", "skills", "work_history"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 EMPLOYEE_PROMPT = f"Give an example JSON for an employee profile that fits this schema: {EMPLOYEE}"
 IPV4 = r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
 LANGUAGES = ["Python", "Java", "JavaScript", "C++", "C#", "PHP", "TypeScript", "Ruby", "Swift", "Kotlin"]
@@ -62,7 +62,7 @@ BAD_SCHEMA = {  # a property whose schema is a string
                    "car_type": {"$ref": "#/$defs/CarType"}, "foo": "bar"},
     "required": ["brand", "model", "car_type"],
     "type": "object",
-}  # fmt: skip
+}
 BAD_GRAMMAR = 'root ::= select_statementinvalidsyntax\nselect_statement ::= "SELECT " "col_1 "'
 SYSTEM = {"role": "system", "content": "you are a helpful assistant"}
 
@@ -217,7 +217,7 @@ def two_turns(client: openai.OpenAI, first: str, again: str, max_tokens: int, ex
     answers = []
     for turn in range(2):
         result = chat(client, messages, max_completion_tokens=max_tokens, temperature=0.7, seed=turn,
-                      extra_body=extra)  # fmt: skip
+                      extra_body=extra)
         assert result.choices[0].finish_reason == "stop", result
         answers.append(result.choices[0].message.content)
         messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": again}]
@@ -286,7 +286,7 @@ def test_choice_chat_logprobs(client):
     sentinels), and at most 0."""
     messages = [SYSTEM, {"role": "user", "content": LANGUAGE_PROMPT}]
     result = chat(client, messages, max_completion_tokens=10, logprobs=True, top_logprobs=5,
-                  extra_body={"structured_outputs": {"choice": LANGUAGES}})  # fmt: skip
+                  extra_body={"structured_outputs": {"choice": LANGUAGES}})
     choice = result.choices[0]
     assert choice.message.content in LANGUAGES
     assert choice.logprobs is not None and choice.logprobs.content
@@ -301,7 +301,7 @@ def test_response_format_json_object(client):
     prompt = 'what is 1+1? please respond with a JSON object, the format is {"result": 2}'
     for _ in range(2):
         result = chat(client, [{"role": "user", "content": prompt}], max_completion_tokens=30, temperature=0,
-                      response_format={"type": "json_object"})  # fmt: skip
+                      response_format={"type": "json_object"})
         assert result.choices[0].finish_reason == "stop"
         assert json.loads(result.choices[0].message.content) == {"result": 2}
 

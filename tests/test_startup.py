@@ -27,7 +27,7 @@ TEXT = "Hello world! The capital of France is Paris. 12345 <|im_end|> émigré  
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)  # fmt: skip
+                          cwd=ROOT, timeout=300)
 
 
 def test_llm_of_the_gguf_model_imports_no_torch_and_logs_both_processes_phases():
@@ -46,7 +46,7 @@ def test_llm_of_the_gguf_model_imports_no_torch_and_logs_both_processes_phases()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["'", "Paris'", "False"], proc.stdout  # " Paris", and no torch here
     for line in ("startup: tokenizer loaded after", "startup: core ready after", "startup: spawning",
-                 "startup: process at", "startup: model load", "startup: KV cache"):  # fmt: skip
+                 "startup: process at", "startup: model load", "startup: KV cache"):
         assert line in proc.stderr, line
 
 

@@ -96,7 +96,7 @@ def _request_with_output(output_ids: list[int], eos_ids: list[int], **params):
     req = Request(
         req_id="r", client_id=b"c", client_req_id="r", prompt_token_ids=[1, 2, 3],
         params=SamplingParams(**params), arrival_time=0.0, eos_token_ids=eos_ids, logprobs_mode="raw",
-    )  # fmt: skip
+    )
     for token_id in output_ids:
         req.append_token(token_id)
     return req

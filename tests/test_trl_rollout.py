@@ -30,7 +30,7 @@ def run_example() -> dict:
     done = subprocess.run(
         [sys.executable, "examples/trl_grpo_rollout.py", "--steps", "2"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

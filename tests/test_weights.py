@@ -108,7 +108,7 @@ def test_loading_peaks_below_1_3x_the_model_size(dtype, tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(tmp_path), dtype],
         capture_output=True, text=True, cwd=root, check=True, timeout=120,
-    )  # fmt: skip
+    )
     grown, model_bytes = map(int, result.stdout.split())
     assert model_bytes > 80e6
     assert grown <= 1.3 * model_bytes, (grown / model_bytes, dtype)
@@ -120,7 +120,7 @@ def _write_random_checkpoint(folder: Path, hidden: int, layers: int, vocab: int)
 
     inter, weight_map = 3 * hidden, {}
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}  # fmt: skip
+              "lm_head.weight": (vocab, hidden)}
     for i in range(layers):
         prefix = f"model.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -142,5 +142,5 @@ def _write_random_checkpoint(folder: Path, hidden: int, layers: int, vocab: int)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=hidden,
                   intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
-                  max_position_embeddings=256, torch_dtype="bfloat16")  # fmt: skip
+                  max_position_embeddings=256, torch_dtype="bfloat16")
     (folder / "config.json").write_text(json.dumps(config))

@@ -35,7 +35,7 @@ def test_the_file_is_rewritten_in_place_with_each_updates_tensors():
 
 def test_a_dead_processs_folder_is_removed_when_a_buffer_is_made():
     code = "from frontend.engine.weights_buffer import WeightsBuffer; import os, torch; " \
-           "b = WeightsBuffer(); print(b.write([('x', torch.ones(4))])); os._exit(0)"  # fmt: skip
+           "b = WeightsBuffer(); print(b.write([('x', torch.ones(4))])); os._exit(0)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     left = os.path.dirname(out.stdout.strip())
     assert os.path.isdir(left)  # os._exit: no finalizer ran, as after a kill

@@ -30,7 +30,7 @@ def control_every_core(cores: list, command: ControlCommand) -> ControlReply:
             f"update_weights passed every core's checks, then the cores at {took} took it and "
             f"{[cores[i].address for i in refused]} refused it ({replies[refused[0]].error}): "
             "they now serve different weights; update again"
-        )  # fmt: skip
+        )
         return msgspec.structs.replace(replies[refused[0]], error=error)
     if refused:
         return replies[refused[0]]
@@ -40,6 +40,6 @@ def control_every_core(cores: list, command: ControlCommand) -> ControlReply:
         error = (
             f"{done}the engine cores' weight versions differ {versions}: one was updated or restarted "
             "apart from the others (each core counts its own updates; each output carries its core's)"
-        )  # fmt: skip
+        )
         return msgspec.structs.replace(replies[0], error=error)
     return replies[0]

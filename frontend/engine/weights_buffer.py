@@ -75,7 +75,7 @@ def write_safetensors(weights: Iterable, path: str) -> int:
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": _SAFETENSORS_DTYPES[str(tensor.dtype)], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}  # fmt: skip
+                        "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned

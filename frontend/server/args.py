@@ -59,7 +59,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key", default=None,
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CORESERVE_API_KEY; unset: none)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--chat-template", metavar="FILE", help="a Jinja chat template (default: the tokenizer's)"
     )
@@ -67,17 +67,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--core-address", metavar="ADDR", action="append",
         help="attach to a running `python -m engine_core` daemon at ADDR instead of spawning a core; "
         "repeat for several daemons of the same model (requests spread over them)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
         help="refuse a request body over N bytes with a 413, before reading it all "
         f"(default {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB: a 128k-token context several times over)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--enable-rl-endpoints", action="store_true",
         help="serve the RL control endpoints (/update_weights_from_disk, /pause, /resume, /sleep, /wake_up, "
         "/is_sleeping, /reset_prefix_cache, ...; docs/rl.md), behind the API key when one is set",
-    )  # fmt: skip
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     engine = parser.add_argument_group("engine arguments (vLLM's names)")
     for name, (kind, choices) in _ENGINE_FLAGS.items():

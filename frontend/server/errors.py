@@ -61,7 +61,7 @@ _EXPECTED = {
     "content": "a string or a list of text parts",
 }
 _JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
-               list: "an array", dict: "an object"}  # fmt: skip
+               list: "an array", dict: "an object"}
 
 
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:

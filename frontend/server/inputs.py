@@ -30,7 +30,7 @@ from protocol.sampling_params import SamplingParams
 _OPTIONAL_SAMPLING = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids",
-)  # fmt: skip
+)
 
 
 async def completion_prompts(server, body: CompletionRequest) -> list[PromptInput]:

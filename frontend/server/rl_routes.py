@@ -20,7 +20,7 @@ from frontend.server.json_response import JSONBytesResponse
 RL_PATHS = frozenset(
     ("/update_weights_from_disk", "/reset_prefix_cache", "/pause", "/resume", "/is_paused", "/sleep",
      "/wake_up", "/is_sleeping", "/get_weight_version")
-)  # fmt: skip
+)
 
 PauseMode = Literal["abort", "wait", "keep"]
 

@@ -31,7 +31,7 @@ _SAME_NAME = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "n",
-)  # fmt: skip
+)
 
 
 class GenerateSamplingParams(StrictBody):

@@ -19,7 +19,7 @@ class LayerDesc(ctypes.Structure):
                                   "post_norm", "gate_up", "down", "key_cache", "value_cache")),
         *((name, _I64) for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate",
                                     "num_slots", "is_bf16", "window", "quant_type")),
-    ]  # fmt: skip
+    ]
 
 
 class ModelDesc(ctypes.Structure):
@@ -65,34 +65,34 @@ def _sig(restype: type | None, *args: tuple[str, type]) -> Signature:
 
 
 _PRODUCT = (("x", _P), ("num_rows", _I64), ("num_in", _I64), ("weight", _P), ("num_out", _I64),
-            ("bias", _P), ("out", _P))  # fmt: skip
+            ("bias", _P), ("out", _P))
 SIGNATURES: dict[str, Signature] = {
     "decode_attention": _sig(
         _INT, ("q", _P), ("out", _P), ("key_cache", _P), ("value_cache", _P), ("num_slots", _I64),
         ("rows", _P), ("block_tables", _P), ("max_blocks", _I32), ("context_lens", _P),
         ("num_rows", _I32), ("num_q_heads", _I32), ("num_kv_heads", _I32), ("head_dim", _I32),
         ("block_size", _I32), ("scale", _F32), ("window", _I32), ("num_threads", _I32),
-    ),  # fmt: skip
+    ),
     "logprob_rows": _sig(
         None, ("scores", _P), ("num_rows", _I64), ("vocab", _I64), ("row_stride", _I64), ("k", _I32),
         ("values", _P), ("ids", _P), ("lse", _P), ("num_threads", _I32),
-    ),  # fmt: skip
+    ),
     "argmax_rows": _sig(
         None, ("scores", _P), ("num_rows", _I64), ("vocab", _I64), ("row_stride", _I64), ("ids", _P),
         ("num_threads", _I32),
-    ),  # fmt: skip
+    ),
     "rope_write_kv": _sig(
         None, ("qkv", _P), ("cos", _P), ("signed_sin", _P), ("slots", _P), ("num_tokens", _I64),
         ("num_q_heads", _I32), ("num_kv_heads", _I32), ("head_dim", _I32), ("q_out", _P), ("k_out", _P),
         ("key_cache", _P), ("value_cache", _P), ("num_slots", _I64), ("num_threads", _I32),
-    ),  # fmt: skip
+    ),
     "silu_mul": _sig(
         None, ("gate_up", _P), ("num_tokens", _I64), ("intermediate", _I64), ("out", _P), ("num_threads", _I32)
     ),
     "rms_norm": _sig(
         None, ("x", _P), ("delta", _P), ("num_tokens", _I64), ("hidden", _I64), ("weight", _P), ("eps", _F32),
         ("sum_out", _P), ("out", _P), ("num_threads", _I32),
-    ),  # fmt: skip
+    ),
     "gemv_f32": _sig(None, *_PRODUCT, ("num_threads", _I32)),
     "gemv_bf16": _sig(_INT, *_PRODUCT, ("use_dot", _I32), ("num_threads", _I32)),
     "cpu_has_bf16_dot": _sig(_INT),
@@ -101,7 +101,7 @@ SIGNATURES: dict[str, Signature] = {
     "gemv_quant": _sig(
         _I32, ("x", _P), ("num_rows", _I64), ("num_in", _I64), ("weight", _P), ("ggml_type", _I32),
         ("num_out", _I64), ("bias", _P), ("out", _P), ("num_threads", _I32),
-    ),  # fmt: skip
+    ),
     "dequantize_rows": _sig(
         _I32, ("weight", _P), ("ggml_type", _I32), ("num_rows", _I64), ("num_in", _I64), ("out", _P)
     ),
@@ -109,7 +109,7 @@ SIGNATURES: dict[str, Signature] = {
     "decode_forward": _sig(
         _INT, ("model", ctypes.POINTER(ModelDesc)), ("step", ctypes.POINTER(StepDesc)), ("out", _P),
         ("eps", _F32), ("scale", _F32),
-    ),  # fmt: skip
+    ),
     "decode_forward_layout": _sig(_I64, ("type", ctypes.c_char_p), ("field", ctypes.c_char_p)),
 }
 

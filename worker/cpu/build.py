@@ -78,7 +78,7 @@ def _compile(compiler: str, sources: list[Path], library: Path, extra_flags: tup
             subprocess.run(command, check=True, capture_output=True, timeout=120)
         except subprocess.CalledProcessError as exc:
             logger.warning("building %s again with %s: %s", library.name, FALLBACK_DEFINE,
-                           exc.stderr.decode(errors="replace")[-500:])  # fmt: skip
+                           exc.stderr.decode(errors="replace")[-500:])
             subprocess.run([*command, FALLBACK_DEFINE], check=True, capture_output=True, timeout=120)
         os.chmod(tmp, 0o755)
         os.replace(tmp, library)

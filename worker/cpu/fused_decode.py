@@ -134,7 +134,7 @@ def _lm_head_fields(weights: ModelWeights) -> dict:
         return {"vocab": 0}
     return {"lm_head": weight.data_ptr(), "lm_head_bias": _address(bias),
             "lm_head_is_bf16": int(weight.dtype == torch.bfloat16), "lm_head_quant_type": quant_type,
-            "vocab": weight.shape[0]}  # fmt: skip
+            "vocab": weight.shape[0]}
 
 
 _SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "is_bf16", "quant_type")
@@ -163,7 +163,7 @@ def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs) -> LayerDesc:
         hidden=a.hidden_size, num_q_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
         intermediate=a.intermediate_size, num_slots=cache.shape[2],
         is_bf16=int(w.qkv.dtype == torch.bfloat16), window=a.sliding_window or 0, quant_type=ggml_type_of(w.qkv),
-    )  # fmt: skip
+    )
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:

@@ -26,11 +26,11 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in (
     "decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c", "decode_forward.c", "gemm_amx.c",
     "gemv_quant.c",
-)]  # fmt: skip
+)]
 # Part of the build key, included by the sources.
 _HEADERS = [_CSRC / name for name in (
     "vector_exp.h", "gemv_bf16_dot.h", "kernel_parts.h", "decode_forward.h",
-)]  # fmt: skip
+)]
 
 
 def load_cpu_kernels(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
@@ -104,7 +104,7 @@ def logprob_rows(kernels: CpuKernels, scores: torch.Tensor, k: int) -> tuple[tor
     kernels.logprob_rows(
         scores.data_ptr(), num_rows, vocab, scores.stride(0), k,
         values.data_ptr(), ids.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return values, ids, lse
 
 
@@ -146,7 +146,7 @@ def rope_write_kv(
         qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), num_tokens,
         num_q_heads, num_kv_heads, head_dim, q.data_ptr(), k.data_ptr(), cache[0].data_ptr(),
         cache[1].data_ptr(), num_slots, torch.get_num_threads(),
-    )  # fmt: skip
+    )
     v = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     return q, k, v
 
@@ -171,5 +171,5 @@ def rms_norm(
     kernels.rms_norm(
         x.data_ptr(), None if delta is None else delta.contiguous().data_ptr(), x.shape[0], x.shape[1],
         weight.data_ptr(), eps, total.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return total, out

@@ -31,7 +31,7 @@ AMX_MIN_ROWS = 17  # bf16 weights from here on take the AMX tiles, where the CPU
 
 
 def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-         use_bf16_dot: bool | None = None) -> torch.Tensor:  # fmt: skip
+         use_bf16_dot: bool | None = None) -> torch.Tensor:
     """x: [R, K] float32; weight: [N, K] float32 or bfloat16, contiguous; bias: [N] float32 or None.
     Returns [R, N] float32. `use_bf16_dot`: None takes the dot instruction where the CPU has it;
     False forces the widening path (tests)."""
@@ -44,12 +44,12 @@ def gemv(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch
     threads = torch.get_num_threads()
     if dtype == torch.float32:
         kernels.gemv_f32(x.data_ptr(), num_rows, num_in, weight.data_ptr(), num_out, bias_ptr,
-                         out.data_ptr(), threads)  # fmt: skip
+                         out.data_ptr(), threads)
         return out
     assert dtype == torch.bfloat16
     use_dot = kernels.has_bf16_dot if use_bf16_dot is None else use_bf16_dot and kernels.has_bf16_dot
     status = kernels.gemv_bf16(x.data_ptr(), num_rows, num_in, weight.data_ptr(), num_out, bias_ptr,
-                               out.data_ptr(), int(use_dot), threads)  # fmt: skip
+                               out.data_ptr(), int(use_dot), threads)
     if status != 0:
         raise MemoryError("the bf16 product could not allocate its scratch memory")
     return out
@@ -67,7 +67,7 @@ def amx_product(
     out = torch.empty(num_rows, num_out)
     bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
     status = kernels.gemm_bf16_amx(x.data_ptr(), num_rows, num_in, weight.data_ptr(), num_out, bias_ptr,
-                                   out.data_ptr(), torch.get_num_threads())  # fmt: skip
+                                   out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError("the AMX product could not allocate its scratch memory")
     tail = num_out % 32
@@ -105,7 +105,7 @@ def linear(
 def _row_chunks(kernels: CpuKernels, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """gemv.c on `_ROW_CHUNK` rows at a time (each row's sums are the same in any chunk)."""
     parts = [gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.bias)
-             for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
+             for start in range(0, x.shape[0], _ROW_CHUNK)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

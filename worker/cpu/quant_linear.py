@@ -27,11 +27,11 @@ def quant_gemv(
     assert x.dtype == torch.float32 and weight.dtype == torch.uint8 and weight.is_contiguous()
     if ggml_type in QUANT_TYPES and weight.shape[1] != row_bytes(ggml_type, num_in):  # the C reads K's bytes
         raise ValueError(f"weight rows of {weight.shape[1]} bytes do not hold rows of {num_in} values "
-                         f"of ggml type {ggml_type} ({row_bytes(ggml_type, num_in)} bytes)")  # fmt: skip
+                         f"of ggml type {ggml_type} ({row_bytes(ggml_type, num_in)} bytes)")
     out = torch.empty(num_rows, num_out)
     bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
     status = kernels.gemv_quant(x.data_ptr(), num_rows, num_in, weight.data_ptr(), ggml_type, num_out, bias_ptr,
-                                out.data_ptr(), torch.get_num_threads())  # fmt: skip
+                                out.data_ptr(), torch.get_num_threads())
     if status == -2:
         raise ValueError(f"no product for ggml type {ggml_type} with rows of {num_in} values")
     if status != 0:
@@ -43,7 +43,7 @@ def quant_linear(kernels: CpuKernels, layer: QuantLinear, x: torch.Tensor) -> to
     """x: [T, in] float32 -> [T, out] float32, `_ROW_CHUNK` rows a call (each row's sums are the same
     in any chunk)."""
     parts = [quant_gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.ggml_type, layer.bias)
-             for start in range(0, x.shape[0], _ROW_CHUNK)]  # fmt: skip
+             for start in range(0, x.shape[0], _ROW_CHUNK)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

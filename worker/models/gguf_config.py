@@ -35,7 +35,7 @@ def gguf_architecture(header: GGUFHeader) -> str:
     arch = str(header.metadata.get("general.architecture", ""))
     if arch not in ARCHITECTURES:
         raise ValueError(f"{header.path}: GGUF architecture {arch!r} is not supported; supported: "
-                         f"{sorted(ARCHITECTURES)}")  # fmt: skip
+                         f"{sorted(ARCHITECTURES)}")
     return arch
 
 
@@ -49,7 +49,7 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     names = {t.name for t in header.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError(f"{header.path}: RoPE frequencies stored as a tensor (rope_freqs.weight, Llama 3.1's "
-                         "scaling in GGUF) are not supported")  # fmt: skip
+                         "scaling in GGUF) are not supported")
     config = {key: meta[f"{arch}.{gguf_key}"] for gguf_key, key in _KEYS.items() if f"{arch}.{gguf_key}" in meta}
     if "vocab_size" not in config:  # older files: one embedding row per token
         config["vocab_size"] = len(meta.get("tokenizer.ggml.tokens", []))
@@ -78,7 +78,7 @@ def _rope_parameters(header: GGUFHeader, arch: str, theta: float) -> dict:
     scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
     if scaling not in _ROPE_SCALINGS:
         raise ValueError(f"{header.path}: GGUF RoPE scaling {scaling!r} is not supported; supported: "
-                         f"{list(_ROPE_SCALINGS)}")  # fmt: skip
+                         f"{list(_ROPE_SCALINGS)}")
     if scaling == "none":
         return {"rope_type": "default", "rope_theta": theta}
     params = {"rope_type": scaling, "rope_theta": theta, "factor": float(meta[f"{arch}.rope.scaling.factor"])}

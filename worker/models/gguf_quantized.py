@@ -56,7 +56,7 @@ def read_blocks_into(entry: gguf_weights.GGUFEntry, destination: torch.Tensor, s
         block_bytes = QUANT_TYPES[entry.info.ggml_type][1]
         if part.shape[1] != raw.shape[1] and raw.shape[1] % (shard.size * block_bytes):
             raise ValueError(f"{entry.name}: {raw.shape[1] // block_bytes} blocks a row do not split over "
-                             f"tensor_parallel_size={shard.size} at block boundaries")  # fmt: skip
+                             f"tensor_parallel_size={shard.size} at block boundaries")
         raw = part
     if raw.shape != destination.shape:
         raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit this model's config")

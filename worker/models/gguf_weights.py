@@ -23,7 +23,7 @@ from worker.models.gguf_config import gguf_architecture
 
 # ggml type value -> name, for the types loaded (every other is refused by name)
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
-                   10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # fmt: skip
+                   10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -60,7 +60,7 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
     for info in sorted(header.tensors, key=lambda t: t.offset):
         if info.ggml_type not in SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {info.name} has GGUF type {_type_name(info.ggml_type)}, which is "
-                             f"not supported; supported: {sorted(SUPPORTED_TYPES.values())}")  # fmt: skip
+                             f"not supported; supported: {sorted(SUPPORTED_TYPES.values())}")
         name, module = hf_name(info.name)
         interleaved = int(heads[module]) if is_llama and module in heads else None
         yield GGUFEntry(name, info, path, tuple(reversed(info.dims)), _num_bytes(info), interleaved)

@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
             self.q_norm.weight if has_qk_norm else None, self.k_norm.weight if has_qk_norm else None,
             self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
             self.gate_up_proj.weight, self.down_proj.weight,
-        )  # fmt: skip
+        )
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3: RMSNorm over each head of q and k (before RoPE); qkv [T, (Hq + 2 Hkv) D] stays whole.

@@ -173,5 +173,5 @@ def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None
         return prefix + f"{name}.{kind}", rows
     plain = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj", "self_attn.q_norm": "q_norm",
              "self_attn.k_norm": "k_norm", "input_layernorm": "input_layernorm",
-             "post_attention_layernorm": "post_attention_layernorm"}  # fmt: skip
+             "post_attention_layernorm": "post_attention_layernorm"}
     return (prefix + f"{plain[module]}.{kind}", None) if module in plain else None

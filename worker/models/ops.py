@@ -45,7 +45,7 @@ class ModelOps(Protocol):
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         meta: AttentionMetadata, window: int | None,
-    ) -> torch.Tensor: ...  # fmt: skip
+    ) -> torch.Tensor: ...
     # [T, hidden] partial output of a layer half -> the whole: the sum over tensor-parallel ranks
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
 
@@ -100,5 +100,5 @@ class TorchOps:
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         meta: AttentionMetadata, window: int | None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         return paged_attention(q, k, v, cache, meta, window, decode_attention_torch)

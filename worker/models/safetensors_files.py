@@ -65,7 +65,7 @@ def list_tensors(model_dir: str) -> Iterator[TensorEntry]:
             entries.append(
                 TensorEntry(name, path, _DTYPES[info["dtype"]], tuple(info["shape"]), 8 + header_len + begin,
                             8 + header_len + end)
-            )  # fmt: skip
+            )
         yield from sorted(entries, key=lambda e: e.start)
 
 

@@ -71,7 +71,7 @@ def check_weights(
         missing = sorted(n for n, p in params.items() if n not in tied and filled.get(n) != p.numel())
         if missing:
             raise ValueError(f"the weights were dropped (sleep level 2): an update must hold them all; "
-                             f"{len(missing)} missing, as {missing[:3]}")  # fmt: skip
+                             f"{len(missing)} missing, as {missing[:3]}")
     return len(plan)
 
 
@@ -116,7 +116,7 @@ def plan_update(
         plan.append((name, view))
     if quantized:
         errors.insert(0, f"{len(quantized)} weights ({', '.join(quantized[:3])}...) are held in quantized "
-                         "blocks: new weights need an engine started with dtype float32 or bfloat16")  # fmt: skip
+                         "blocks: new weights need an engine started with dtype float32 or bfloat16")
     if errors:
         raise ValueError(f"update_weights refused, the weights are unchanged: {'; '.join(errors[:5])}")
     return plan
