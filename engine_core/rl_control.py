@@ -14,6 +14,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine_core.scheduler import Scheduler
 from protocol.messages import (
@@ -30,7 +31,9 @@ from protocol.messages import (
     UpdateWeights,
     WakeUp,
 )
-from worker.executor import Executor
+
+if TYPE_CHECKING:  # the type only: torch comes with the executor, which core.py builds
+    from worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 

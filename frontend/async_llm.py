@@ -157,26 +157,32 @@ class AsyncLLM:
         """The core's state (engine-wide), taken between two steps after everything sent before."""
         return await self._call(FrontendEngine.get_stats)
 
-    # RL control: FrontendEngine's verbs (their docstrings there), each run on the engine thread.
+    # RL control: FrontendEngine's verbs (whose docstrings say more), each run on the engine thread.
 
     async def update_weights(
         self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
     ) -> int:
+        """New weights in place ((HF name, tensor) pairs or a checkpoint path); returns the new weight_version."""
         return await self._call(lambda engine: engine.update_weights(weights, mode, keep_buffer))
 
     async def pause_generation(self, mode: str = "abort") -> None:
+        """Nothing new is scheduled until resume_generation; mode "abort", "wait" or "keep"."""
         await self._call(lambda engine: engine.pause_generation(mode))
 
     async def resume_generation(self) -> None:
+        """Scheduling goes on after pause_generation."""
         await self._call(FrontendEngine.resume_generation)
 
     async def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (after new weights, the old KV is stale)."""
         await self._call(FrontendEngine.reset_prefix_cache)
 
     async def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
         await self._call(lambda engine: engine.sleep(level))
 
     async def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
+        """`tags`: "weights", "kv_cache" (None: both); `path`: the checkpoint after sleep level 2."""
         await self._call(lambda engine: engine.wake_up(tags, path))
 
     async def control_state(self) -> ControlReply:

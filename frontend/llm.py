@@ -134,26 +134,32 @@ class LLM:
         idle every block is free. Like generate, not to be called from two threads at once."""
         return self.engine.get_stats()
 
-    # RL control, vLLM's names: FrontendEngine's verbs (their docstrings there).
+    # RL control, vLLM's names: FrontendEngine's verbs, whose docstrings say more.
 
     def update_weights(
         self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
     ) -> int:
+        """New weights in place ((HF name, tensor) pairs or a checkpoint path); returns the new weight_version."""
         return self.engine.update_weights(weights, mode, keep_buffer)
 
     def pause_generation(self, mode: str = "abort") -> None:
+        """Nothing new is scheduled until resume_generation; mode "abort", "wait" or "keep"."""
         self.engine.pause_generation(mode)
 
     def resume_generation(self) -> None:
+        """Scheduling goes on after pause_generation."""
         self.engine.resume_generation()
 
     def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (after new weights, the old KV is stale)."""
         self.engine.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
         self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
+        """`tags`: "weights", "kv_cache" (None: both); `path`: the checkpoint after sleep level 2."""
         self.engine.wake_up(tags, path)
 
     def is_sleeping(self) -> bool:

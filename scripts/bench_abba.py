@@ -34,7 +34,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", default="bench_out/abba.json")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS (a path inside each checkout)")
     args = parser.parse_args()
-    args.command = [c for c in args.command if c != "--"] if args.command[:1] == ["--"] else args.command
+    args.command = args.command[1:] if args.command[:1] == ["--"] else args.command  # the separator only
     return args
 
 

@@ -96,7 +96,8 @@ def test_bad_requests_fail_beside_a_good_stream_that_completes(engine):
                 setattr(params, name, value)
             with pytest.raises(ValueError, match=_field(kwargs)):
                 await _collect(engine, PROMPTS[1], params)
-        # Valid when generate() checks it, made bad before the engine thread sends it.
+        # Valid when generate() is called, made bad before its first __anext__ submits it: the one check
+        # (FrontendEngine.prepare, at submission) refuses it.
         mutated_late = SamplingParams(max_tokens=4)
         agen = engine.generate(PROMPTS[1], mutated_late, "late")
         first = asyncio.ensure_future(agen.__anext__())

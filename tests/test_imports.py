@@ -110,17 +110,13 @@ def test_no_module_imports_itself_through_others_even_inside_a_function():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path):
     """The checker itself, on a hand-made graph: a -> b -> c -> a (the test above must be able to fail)."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
-    source = "def f():\n    from worker.executor import Executor\n"
-    tmp = ROOT / "tests" / "_cycle_probe.py"
-    try:
-        tmp.write_text(source)
-        assert imported_modules(tmp, project_modules()) == {"worker.executor"}
-    finally:
-        tmp.unlink()
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from worker.executor import Executor\n")
+    assert imported_modules(probe, project_modules()) == {"worker.executor"}
 
 
 def test_the_core_enters_worker_through_one_module():

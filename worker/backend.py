@@ -2,7 +2,7 @@
 each tensor-parallel rank). The runner asks it, and nothing else decides it again:
 - where the weights live (`place`, before they are read) and what the loaded model runs on (`adopt`:
   the ops object, huge pages collapsed off the first token's path);
-- the activations' and KV cache's dtype;
+- the activations' and KV cache's dtype, and the KV cache's memory;
 - the attention plan of each step, made before the forward (`prepare`), never filled during it;
 - the forward itself: a fast path where one applies (the CPU's fused decode step), else the model op
   by op; what must be rebuilt when the weights or the KV cache move (`bind`, `release`,
@@ -24,6 +24,7 @@ import torch
 
 from worker.attention import AttentionMetadata, decode_gather
 from worker.cpu.backend import CpuBackend
+from worker.cpu.huge_pages import zeroed_kv_caches
 from worker.cpu.kernels import load_cpu_kernels
 from worker.input_batch import StepInputs
 from worker.models.llama import LlamaModel
@@ -43,6 +44,9 @@ class Backend(Protocol):
     def place(self, model: LlamaModel) -> None: ...  # allocated, before the weights are read
     def adopt(self, model: LlamaModel, is_busy: Callable[[], bool]) -> None: ...  # loaded: ops set
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype: ...  # activations and KV cache
+    def allocate_kv_cache(
+        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> list[torch.Tensor]: ...  # one zeroed [2, Hkv, slots, D] cache a layer
     def prepare(self, attn: AttentionMetadata) -> None: ...  # sets attn.plan, before the forward
     def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None: ...  # fast path over these
     def release(self) -> None: ...  # the KV cache is gone (sleep): drop what reads it
@@ -69,6 +73,9 @@ class TorchBackend:
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if weight_dtype == torch.uint8 else weight_dtype  # uint8: GGUF blocks
+
+    def allocate_kv_cache(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        return zeroed_kv_caches(num_layers, shape, dtype, self.device)
 
     def prepare(self, attn: AttentionMetadata) -> None:
         if attn.decode is not None:

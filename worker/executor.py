@@ -35,8 +35,8 @@ class Executor(Protocol):
 def make_executor(spec: RunnerSpec, on_progress: Callable[[], None] | None = None) -> Executor:
     """The model in this process, or split over `tensor_parallel_size` rank processes. `on_progress`
     is called after each layer and each step of a multi-step window (the core's liveness)."""
-    # Imported here: torch and the model code load when a core starts, not when the core's modules
-    # are imported (the frontend's in-process client, the daemon's argument parsing).
+    # Imported here: the runner's machinery (the loader, the backends, the kernels' build) and the
+    # rank processes' (ZeroMQ to the ranks) load only for the kind of executor chosen.
     if spec.tensor_parallel_size == 1:
         from worker.model_runner import ModelRunner
 

@@ -18,7 +18,6 @@ import torch
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.backend import Backend, choose_backend
-from worker.cpu.huge_pages import zero_page_tensors
 from worker.input_batch import RequestState, StepInputs, build_step_inputs, next_window_step
 from worker.models.loader import load_model
 from worker.models.weight_store import WeightStore
@@ -92,12 +91,7 @@ class ModelRunner:
         begun = time.perf_counter()
         a = self.model.args
         shape = (2, a.num_kv_heads, num_blocks * self.block_size, a.head_dim)
-        # Zero pages on the CPU, committed as blocks are first written (writing 2 GiB of zeros would
-        # be a second of start-up); a cache larger than the machine's memory is refused by the mapping.
-        caches = zero_page_tensors(a.num_layers, shape, self.dtype) if self.device.type == "cpu" else None
-        self.kv_caches = caches or [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
-        ]
+        self.kv_caches = self.backend.allocate_kv_cache(a.num_layers, shape, self.dtype)
         self.num_kv_blocks = num_blocks
         self.backend.bind(self.model, self.kv_caches)
         logger.info(

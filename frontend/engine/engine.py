@@ -89,8 +89,9 @@ class FrontendEngine:
 
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams) -> PreparedRequest:
         """Tokenizes (and truncates) the prompt and checks the request, the frontend's one check (a
-        bad one is a ValueError); gives it its submission id. The params are copied as checked: the
-        user's object may change afterwards without changing what is sent."""
+        bad one is a ValueError); gives it its submission id. The params' fields are copied as checked,
+        so setting a field of the user's object afterwards changes nothing sent (a shallow copy: a list
+        or dict changed in place is shared; the core checks its own rules again on arrival)."""
         text, token_ids = self.inputs.process(prompt, params)
         key = submission_id(request_id, next(self._serials))
         return PreparedRequest(key, text, token_ids, msgspec.structs.replace(params))

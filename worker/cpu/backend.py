@@ -20,6 +20,7 @@ from worker.cpu.huge_pages import (
     collapse_in_background,
     move_linear_weights_to_huge_pages,
     place_linear_weights,
+    zeroed_kv_caches,
 )
 from worker.cpu.ops import apply_cpu_backend
 from worker.cpu.sampling_ops import CpuSamplingOps
@@ -55,6 +56,9 @@ class CpuBackend:
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         return torch.float32
+
+    def allocate_kv_cache(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        return zeroed_kv_caches(num_layers, shape, dtype, torch.device("cpu"))
 
     def prepare(self, attn: AttentionMetadata) -> None:
         attn.plan = cpu_attention_plan(attn, self.is_batch_invariant, self.block_size)

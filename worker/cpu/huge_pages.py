@@ -105,6 +105,16 @@ def _collapse(memory: torch.Tensor, busy: Callable[[], bool] | None, delay_s: fl
             return
 
 
+def zeroed_kv_caches(
+    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed KV cache a layer: zero pages on the CPU, committed as blocks are first written
+    (writing 2 GiB of zeros would be a second of start-up; a cache larger than the machine's memory is
+    refused by the mapping); torch.zeros elsewhere, or where the mapping is refused."""
+    caches = zero_page_tensors(num_layers, shape, dtype) if device.type == "cpu" else None
+    return caches or [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
 def zero_page_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor] | None:
     """`count` zero tensors of `shape` in one anonymous mapping of ordinary pages, each on its own 4 KiB
     boundary; None where the mapping is refused (more than the machine's memory). A page is zero until
