@@ -17,8 +17,12 @@ from worker.cpu.linear import gemv
 from worker.cpu.quant_linear import dequantize_rows, quant_gemv
 from worker.models.quantized import QUANT_TYPES, dequantize
 
-TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0
+TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 SHAPES = [(37, 96), (100, 576), (67, 1536)]  # (out, in): odd feature counts, SmolLM2's widths
+K_SHAPES = [(37, 256), (100, 768), (67, 1536)]  # whole 256-weight super-blocks
+WIDTH = {2: 576, 3: 576, 8: 576, 12: 768, 13: 768, 14: 768}  # a width of whole blocks for each type
+# byte offsets of each block's fp16 scale fields: d (and Q4_1's m, the K-quants' dmin)
+SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 ROWS = [*range(1, 41), 83, 300]  # decode sizes, then panels of many rows past a 256-row chunk
 # Each path of gemv_quant.c that the native build of an AVX-512 host does not take; on a narrower host
 # a build may equal the native one, and is checked all the same.
@@ -37,31 +41,39 @@ def kernels():
 
 
 def random_blocks(ggml_type: int, num_out: int, num_in: int, seed: int) -> torch.Tensor:
-    """[num_out, row bytes] uint8: random quants, fp16 scales of every sign and size (subnormals too),
-    Q4_1's offsets of either sign; the bytes a file may hold, not only what a quantizer writes."""
+    """[num_out, row bytes] uint8: random quants (and K-quant sub-block scales and mins), fp16 scales of
+    every sign and size (subnormals too, and extremes: the largest fp16 and the smallest normal),
+    offsets of either sign; the bytes a file may hold, not only what a quantizer writes."""
     rng = np.random.default_rng(seed)
-    block_bytes = QUANT_TYPES[ggml_type][1]
-    blocks = rng.integers(0, 256, (num_out, num_in // 32, block_bytes), dtype=np.uint8)
-    scales = (rng.standard_normal((num_out, num_in // 32)) * 0.02).astype(np.float16)
-    scales.flat[::7] = np.float16(3e-7)  # subnormal fp16
-    blocks[:, :, 0:2] = scales.view(np.uint8).reshape(num_out, -1, 2)
-    if ggml_type == 3:  # Q4_1's minimum m
-        offsets = (rng.standard_normal((num_out, num_in // 32)) * 0.1).astype(np.float16)
-        blocks[:, :, 2:4] = offsets.view(np.uint8).reshape(num_out, -1, 2)
+    _, block_bytes, block_weights = QUANT_TYPES[ggml_type]
+    num_blocks = num_in // block_weights
+    blocks = rng.integers(0, 256, (num_out, num_blocks, block_bytes), dtype=np.uint8)
+    for offset in SCALE_FIELDS[ggml_type]:
+        scales = (rng.standard_normal((num_out, num_blocks)) * 0.05).astype(np.float16)
+        scales.flat[::7] = np.float16(3e-7)  # subnormal fp16
+        scales.flat[3::11] = np.float16(-65504.0)  # the largest finite fp16
+        scales.flat[5::13] = np.float16(6.1035e-05)  # the smallest normal fp16
+        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(num_out, -1, 2)
     return torch.from_numpy(blocks.reshape(num_out, -1))
+
+
+def shapes_of(ggml_type: int) -> list[tuple[int, int]]:
+    return K_SHAPES if QUANT_TYPES[ggml_type][2] == 256 else SHAPES
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_c_dequantization_is_ggufs_bit_for_bit(kernels, ggml_type):
-    raw = random_blocks(ggml_type, 64, 576, seed=ggml_type)
-    assert torch.equal(dequantize_rows(kernels, raw, ggml_type, 576), dequantize(raw, ggml_type))
+    width = WIDTH[ggml_type]
+    raw = random_blocks(ggml_type, 64, width, seed=ggml_type)
+    expected = dequantize(raw, ggml_type)
+    assert torch.isfinite(expected).all() and expected.abs().max() > 1e3  # the extreme scales are in
+    assert torch.equal(dequantize_rows(kernels, raw, ggml_type, width), expected)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
-@pytest.mark.parametrize("num_out, num_in", SHAPES)
-def test_product_equals_the_fp32_kernel_on_the_dequantized_weights_for_every_row_count(
-    kernels, ggml_type, num_out, num_in
-):
+@pytest.mark.parametrize("shape", [0, 1, 2])
+def test_product_equals_the_fp32_kernel_on_the_dequantized_weights_for_every_row_count(kernels, ggml_type, shape):
+    num_out, num_in = shapes_of(ggml_type)[shape]
     raw = random_blocks(ggml_type, num_out, num_in, seed=num_out)
     weight = dequantize(raw, ggml_type)
     generator = torch.Generator().manual_seed(num_in)
@@ -82,7 +94,7 @@ def test_product_equals_the_fp32_kernel_on_the_dequantized_weights_for_every_row
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_product_is_within_fp32_rounding_of_float64_and_each_row_its_own(kernels, ggml_type):
-    num_out, num_in = 100, 576
+    num_out, num_in = 100, WIDTH[ggml_type]
     raw = random_blocks(ggml_type, num_out, num_in, seed=3)
     weight = dequantize(raw, ggml_type).double()
     x = torch.randn(40, num_in, generator=torch.Generator().manual_seed(4))
@@ -96,8 +108,11 @@ def test_product_is_within_fp32_rounding_of_float64_and_each_row_its_own(kernels
 
 def test_unsupported_types_and_widths_are_refused(kernels):
     raw = random_blocks(8, 4, 64, seed=0)
-    with pytest.raises(ValueError, match="ggml type 12"):
-        quant_gemv(kernels, torch.randn(1, 64), raw, 12, None)
+    with pytest.raises(ValueError, match="ggml type 11"):  # Q3_K: dequantized at load, no product here
+        quant_gemv(kernels, torch.randn(1, 64), raw, 11, None)
+    k_raw = random_blocks(12, 4, 256, seed=0)
+    with pytest.raises(ValueError, match="rows of 128 values"):  # half a super-block
+        quant_gemv(kernels, torch.randn(1, 128), k_raw, 12, None)
     with pytest.raises(ValueError, match="rows of 48 values"):
         quant_gemv(kernels, torch.randn(1, 48), raw, 8, None)
     with pytest.raises(ValueError, match="rows of 96 values"):  # the C would read past each 2-block row
@@ -111,17 +126,18 @@ def test_builds_for_narrower_instruction_sets_keep_their_fp32_kernels_sums(build
     narrow = load_cpu_kernels(extra_flags=NARROWER_BUILDS[build])
     assert narrow is not None, f"the {build} build failed"
     generator = torch.Generator().manual_seed(7)
-    x_all, bias = torch.randn(40, 576, generator=generator), torch.randn(67, generator=generator)
+    x_all, bias = torch.randn(40, 768, generator=generator), torch.randn(67, generator=generator)
     threads = torch.get_num_threads()
     try:
         for ggml_type in TYPES:
-            raw = random_blocks(ggml_type, 67, 576, seed=ggml_type)
+            width = WIDTH[ggml_type]
+            raw = random_blocks(ggml_type, 67, width, seed=ggml_type)
             weight = dequantize(raw, ggml_type)
-            assert torch.equal(dequantize_rows(narrow, raw, ggml_type, 576), weight)
+            assert torch.equal(dequantize_rows(narrow, raw, ggml_type, width), weight)
             for num_threads in (1, 2):
                 torch.set_num_threads(num_threads)
                 for num_rows in (1, 2, 3, 4, 5, 8, 32, 33, 40):  # passes of rows, then panels
-                    x = x_all[:num_rows]
+                    x = x_all[:num_rows, :width]
                     for b in (None, bias):
                         ours, fp32 = quant_gemv(narrow, x, raw, ggml_type, b), gemv(narrow, x, weight, b)
                         assert torch.equal(ours, fp32), (ggml_type, num_threads, num_rows)

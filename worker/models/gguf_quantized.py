@@ -2,9 +2,9 @@
 copied into them (engine-core process).
 
 A linear layer (or the embedding table) stays in its blocks when every GGUF tensor it is filled from
-has one type with a product here (Q8_0, Q4_0, Q4_1; worker/models/quantized.py) and its rows are whole
-blocks; any other (F16, the K-quants, Q5_*, a fused projection of mixed types) is dequantized to fp32 at
-load, as with `dtype="float32"`: the same values either way. Rows move as bytes: llama.cpp's q/k row
+has one type with a product here (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; worker/models/quantized.py) and
+its rows are whole blocks; any other (F16, Q2_K, Q3_K, Q5_0, Q5_1, a fused projection of mixed types) is
+dequantized to fp32 at load, as with `dtype="float32"`: the same values either way. Rows move as bytes: llama.cpp's q/k row
 interleave is undone on whole rows, tensor parallelism keeps whole rows (split by output features) or
 whole blocks of each row (split by input features) of the rank's part. docs/quantized.md.
 """

@@ -1,5 +1,6 @@
 """Linear layers and an embedding table whose weights stay in a GGUF file's block format (Q8_0, Q4_0,
-Q4_1: 32 weights a block), and their values (engine-core process).
+Q4_1: 32 weights a block; Q4_K, Q5_K, Q6_K: 256 weights a super-block), and their values (engine-core
+process).
 
 The weight is a uint8 tensor [N, K / 32 * block bytes], the file's bytes row by row, with the ggml
 type kept on the module and on the tensor itself (`ggml_type_of`), so the readers that see only the
@@ -17,19 +18,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# ggml type number -> (name, bytes per 32-weight block): the types kept quantized
-QUANT_TYPES = {8: ("Q8_0", 34), 2: ("Q4_0", 18), 3: ("Q4_1", 20)}
-BLOCK = 32  # weights per block
+# ggml type number -> (name, bytes per block, weights per block): the types kept quantized
+QUANT_TYPES = {
+    8: ("Q8_0", 34, 32),
+    2: ("Q4_0", 18, 32),
+    3: ("Q4_1", 20, 32),
+    12: ("Q4_K", 144, 256),
+    13: ("Q5_K", 176, 256),
+    14: ("Q6_K", 210, 256),
+}
 
 
 def row_bytes(ggml_type: int, num_in: int) -> int:
     """Bytes of one weight row of `num_in` values."""
-    return num_in // BLOCK * QUANT_TYPES[ggml_type][1]
+    _, block_bytes, block_weights = QUANT_TYPES[ggml_type]
+    return num_in // block_weights * block_bytes
 
 
 def can_quantize(ggml_type: int, num_in: int) -> bool:
     """Whether a row of `num_in` values of this type stays in its blocks (whole blocks, a known type)."""
-    return ggml_type in QUANT_TYPES and num_in > 0 and num_in % BLOCK == 0
+    return ggml_type in QUANT_TYPES and num_in > 0 and num_in % QUANT_TYPES[ggml_type][2] == 0
 
 
 def ggml_type_of(weight: torch.Tensor) -> int:

@@ -70,11 +70,24 @@ typedef float floatv __attribute__((vector_size(4 * LANES)));
 typedef uint8_t bytev __attribute__((vector_size(LANES)));
 typedef int8_t sbytev __attribute__((vector_size(LANES)));
 
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's type numbers */
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14 }; /* ggml's */
+#define QK_K 256 /* weights per K-quant super-block */
 
-static inline int block_bytes(int type) {
-    return type == TYPE_Q8_0 ? 34 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q4_0 ? 18 : 0;
+static inline int is_k_type(int type) { return type >= TYPE_Q4_K && type <= TYPE_Q6_K; }
+
+static inline int block_bytes(int type) { /* bytes of one block (32 weights; K-quants: 256) */
+    switch (type) {
+    case TYPE_Q8_0: return 34;
+    case TYPE_Q4_1: return 20;
+    case TYPE_Q4_0: return 18;
+    case TYPE_Q4_K: return 144;
+    case TYPE_Q5_K: return 176;
+    case TYPE_Q6_K: return 210;
+    default: return 0;
+    }
 }
+
+static inline int block_weights(int type) { return is_k_type(type) ? QK_K : QK; }
 
 static inline float hsum(floatv v) { /* gemv.c's */
 #ifdef __AVX512F__
@@ -242,9 +255,66 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
 }
 #endif
 
+/* A K-quant super-block's 256 weights, as the `gguf` package's numpy routines compute them (the values
+ * the loader writes), operation for operation in fp32: Q4_K and Q5_K (d * sc) * q - dmin * m, where
+ * d * sc and dmin * m (an fp16 times a 6-bit integer) and (d * sc) * q (times 4 or 5 bits) are exact, so
+ * the one rounding is the subtraction's, fused or not; Q6_K (d * sc) * q, two products rounded in that
+ * order (sc an int8, q in -32..31). Sub-blocks of 32 (Q6_K: 16 for the scales) as ggml lays them out:
+ * Q4_K d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (32 bytes per two sub-blocks,
+ * low nibbles first); Q5_K the same with 32 bytes of fifth bits before the nibbles; Q6_K 128 bytes of
+ * low nibbles, 64 of high bit pairs, 16 int8 scales, then d. Scalar loops of 32 the compiler vectorizes. */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+static void dequant_super_block(const uint8_t *b, int type, float *out) {
+    if (type == TYPE_Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++) { /* 32 weights: low nibbles of ql's half t, shifted 4 * s */
+                const int s = j / 2, t = j % 2;
+                float *o = out + h * 128 + j * 32;
+                for (int i = 0; i < 32; i++) {
+                    const int lo = (ql[h * 64 + t * 32 + i] >> (4 * s)) & 15;
+                    const int hi = (qh[h * 32 + i] >> (2 * j)) & 3;
+                    const float scale = d * (float)scales[(h * 128 + j * 32 + i) / 16];
+                    o[i] = scale * (float)((lo | hi << 4) - 32);
+                }
+            }
+        return;
+    }
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == TYPE_Q5_K ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        k_scale_min(scales, j, &sc, &mn);
+        const float dsc = d * (float)sc, dm = dmin * (float)mn;
+        const uint8_t *q = qs + (j / 2) * 32;
+        const int shift = (j % 2) * 4;
+        float *o = out + j * 32;
+        if (type == TYPE_Q5_K) {
+            for (int i = 0; i < 32; i++) o[i] = dsc * (float)(((q[i] >> shift) & 15) | ((qh[i] >> j) & 1) << 4) - dm;
+        } else {
+            for (int i = 0; i < 32; i++) o[i] = dsc * (float)((q[i] >> shift) & 15) - dm;
+        }
+    }
+}
+
 /* The row's values: [K] fp32, what the loader's dequantization writes. */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row, int type, int64_t K, float *out) {
     const int bb = block_bytes(type);
+    if (is_k_type(type)) {
+        for (int64_t i = 0; i < K / QK_K; i++) dequant_super_block(row + i * bb, type, out + i * QK_K);
+        return;
+    }
     const int64_t blocks = K / QK;
 #ifdef REGISTER_SCALES
     for (int64_t i = 0; i < blocks; i++) {
@@ -383,7 +453,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
 static inline __attribute__((always_inline)) void panels(const float *x, int64_t rows, int64_t K, const uint8_t *w,
                                                         int type, int64_t N,
                    const float *bias, float *out, int64_t n_start, int64_t n_end, float *tile) {
-    const int64_t row_bytes = K / QK * block_bytes(type);
+    const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
     float sums[RB][NB];
     int64_t panel = PANEL_BYTES / (K * (int64_t)sizeof(float)) / BLOCK_RB * BLOCK_RB;
     panel = panel < BLOCK_RB ? BLOCK_RB : panel;
@@ -417,7 +487,7 @@ static inline __attribute__((always_inline)) void panels(const float *x, int64_t
 static inline __attribute__((always_inline)) int range_of(const float *x, int64_t rows, int64_t K, const uint8_t *w,
                                                           int type, int64_t N, const float *bias, float *out,
                                                           int64_t n_start, int64_t n_end) {
-    if (rows <= PASS_ROWS) { /* ROW_MAX rows a pass over the weights */
+    if (rows <= PASS_ROWS && !is_k_type(type)) { /* ROW_MAX rows a pass over the weights */
         for (int64_t r = 0; r < rows; r += ROW_MAX) {
             const float *xr = x + r * K;
             float *out_r = out + r * N;
@@ -442,15 +512,20 @@ static int range(const float *x, int64_t rows, int64_t K, const uint8_t *w, int 
     switch (type) {
     case TYPE_Q8_0: return range_of(x, rows, K, w, TYPE_Q8_0, N, bias, out, n_start, n_end);
     case TYPE_Q4_1: return range_of(x, rows, K, w, TYPE_Q4_1, N, bias, out, n_start, n_end);
+    case TYPE_Q4_K: return range_of(x, rows, K, w, TYPE_Q4_K, N, bias, out, n_start, n_end);
+    case TYPE_Q5_K: return range_of(x, rows, K, w, TYPE_Q5_K, N, bias, out, n_start, n_end);
+    case TYPE_Q6_K: return range_of(x, rows, K, w, TYPE_Q6_K, N, bias, out, n_start, n_end);
     default: return range_of(x, rows, K, w, TYPE_Q4_0, N, bias, out, n_start, n_end);
     }
 }
 
 /* Bytes of a row of K weights of the type (0 for a type without a product here). */
-int64_t quant_row_bytes(int32_t type, int64_t K) { return K / QK * block_bytes(type); }
+int64_t quant_row_bytes(int32_t type, int64_t K) { return K / block_weights(type) * block_bytes(type); }
 
 /* Whether the type has a product here and K fills whole blocks. */
-int32_t quant_type_supported(int32_t type, int64_t K) { return block_bytes(type) > 0 && K > 0 && K % QK == 0; }
+int32_t quant_type_supported(int32_t type, int64_t K) {
+    return block_bytes(type) > 0 && K > 0 && K % block_weights(type) == 0;
+}
 
 /* w: [N, K / 32] blocks of ggml type `type`. Returns 0; -1: no memory for a tile; -2: a type without
  * a product here or K not a multiple of 32. */
@@ -473,7 +548,7 @@ int32_t gemv_quant(const float *x, int64_t rows, int64_t K, const uint8_t *w, in
  * gemv_quant. */
 int32_t dequantize_rows(const uint8_t *w, int32_t type, int64_t rows, int64_t K, float *out) {
     if (!quant_type_supported(type, K)) return -2;
-    const int64_t row_bytes = K / QK * block_bytes(type);
+    const int64_t row_bytes = quant_row_bytes(type, K);
     for (int64_t r = 0; r < rows; r++) dequant_row(w + r * row_bytes, type, K, out + r * K);
     return 0;
 }
