@@ -1,5 +1,8 @@
 /* Matrix products out = x @ W^T (+ bias) with W kept in a GGUF file's block format, for the CPU
- * (engine-core process): Q8_0, Q4_0 and Q4_1, blocks of 32 weights, each row of W a run of blocks.
+ * (engine-core process): Q8_0, Q4_0 and Q4_1, blocks of 32 weights, and the K-quants Q4_K, Q5_K and
+ * Q6_K, super-blocks of 256; each row of W a run of blocks.
+ * K-quants (dequant_super_block) take two paths only: up to K_ROWS rows, each super-block dequantized
+ * into an L1 buffer and met by every row (k_rows); past that the panels below. Both are gemv_f32's sums.
  *
  * Each block is dequantized in registers to exactly the fp32 values of the `gguf` package's numpy
  * routines (the values the loader writes for a dequantized model): Q8_0 d * q, Q4_0 d * (q - 8),
@@ -20,7 +23,7 @@
  * blocks at a time (block_scales); each block's quants then become floats by a lookup in its 16
  * values (AVX-512) or by widening, conversion and d * q (+ m) (AVX2; generic vector code elsewhere):
  * the same values either way. docs/benchmarks.md has the figures behind each choice.
- * x: [rows, K] fp32 row-major, w: [N, K / 32 blocks] raw bytes, out: [rows, N] fp32.
+ * x: [rows, K] fp32 row-major, w: [N, K / 32 (K-quants: K / 256) blocks] raw bytes, out: [rows, N] fp32.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -273,39 +276,64 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-static void dequant_super_block(const uint8_t *b, int type, float *out) {
+typedef int32_t intv __attribute__((vector_size(4 * LANES)));
+
+/* LANES bytes as floats (exact: 0..255), widened to 32-bit integers first (one zero-extension and one
+ * conversion instruction; a direct byte-to-float conversion compiles lane by lane). */
+static inline floatv byte_floats(bytev bytes) {
+    return __builtin_convertvector(__builtin_convertvector(bytes, intv), floatv);
+}
+
+static inline bytev bytes_at(const uint8_t *p) {
+    bytev v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void put(float *p, floatv v) { memcpy(p, &v, sizeof v); }
+
+static inline __attribute__((always_inline)) void dequant_super_block(const uint8_t *b, int type, float *out) {
     if (type == TYPE_Q6_K) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *scales = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
         for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 4; j++) { /* 32 weights: low nibbles of ql's half t, shifted 4 * s */
-                const int s = j / 2, t = j % 2;
-                float *o = out + h * 128 + j * 32;
-                for (int i = 0; i < 32; i++) {
-                    const int lo = (ql[h * 64 + t * 32 + i] >> (4 * s)) & 15;
-                    const int hi = (qh[h * 32 + i] >> (2 * j)) & 3;
-                    const float scale = d * (float)scales[(h * 128 + j * 32 + i) / 16];
-                    o[i] = scale * (float)((lo | hi << 4) - 32);
+            for (int j = 0; j < 4; j++) /* 32 weights: ql's half t shifted 4 * s, qh's bit pair j */
+                for (int g = 0; g < 2; g++) { /* 16 weights of one scale */
+                    const int s = j / 2, t = j % 2;
+                    const uint8_t *l = ql + h * 64 + t * 32 + g * 16, *hb = qh + h * 32 + g * 16;
+                    const floatv scale = (floatv){0} + d * (float)scales[h * 8 + j * 2 + g];
+                    float *o = out + h * 128 + j * 32 + g * 16;
+                    for (int v = 0; v < 16 / LANES; v++) {
+                        const bytev q = ((bytes_at(l + v * LANES) >> (4 * s)) & 15) |
+                                        ((bytes_at(hb + v * LANES) >> (2 * j)) & 3) << 4;
+                        put(o + v * LANES, scale * (byte_floats(q) - 32.0f)); /* q - 32: exact */
+                    }
                 }
-            }
         return;
     }
     const float d = half_at(b), dmin = half_at(b + 2);
     const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == TYPE_Q5_K ? 48 : 16);
+    float dsc[8], dm[8];
     for (int j = 0; j < 8; j++) {
         int sc, mn;
         k_scale_min(scales, j, &sc, &mn);
-        const float dsc = d * (float)sc, dm = dmin * (float)mn;
-        const uint8_t *q = qs + (j / 2) * 32;
-        const int shift = (j % 2) * 4;
-        float *o = out + j * 32;
-        if (type == TYPE_Q5_K) {
-            for (int i = 0; i < 32; i++) o[i] = dsc * (float)(((q[i] >> shift) & 15) | ((qh[i] >> j) & 1) << 4) - dm;
-        } else {
-            for (int i = 0; i < 32; i++) o[i] = dsc * (float)((q[i] >> shift) & 15) - dm;
-        }
+        dsc[j] = d * (float)sc;
+        dm[j] = dmin * (float)mn;
     }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) /* sub-blocks 2c (low nibbles) and 2c + 1 (high) share 32 bytes */
+        for (int v = 0; v < 32 / LANES; v++) {
+            const bytev q = bytes_at(qs + c * 32 + v * LANES);
+            bytev low = q & 15, high = q >> 4;
+            if (type == TYPE_Q5_K) {
+                const bytev h = bytes_at(qh + v * LANES);
+                low |= ((h >> (2 * c)) & 1) << 4;
+                high |= ((h >> (2 * c + 1)) & 1) << 4;
+            }
+            put(out + 2 * c * 32 + v * LANES, dsc[2 * c] * byte_floats(low) - dm[2 * c]);
+            put(out + (2 * c + 1) * 32 + v * LANES, dsc[2 * c + 1] * byte_floats(high) - dm[2 * c + 1]);
+        }
 }
 
 /* The row's values: [K] fp32, what the loader's dequantization writes. */
@@ -448,6 +476,34 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
         for (int j = 0; j < nb; j++) sums[r][j] = hsum(acc[r][j]);
 }
 
+/* K-quants, up to K_ROWS rows: each super-block of a weight row dequantized into a 256-float buffer that
+ * stays in L1 and met there by every row (one accumulator per output over K, gemv.c's order); no tile
+ * of whole rows written and read back. */
+#define K_ROWS 8
+static inline __attribute__((always_inline)) void k_rows(const float *x, int64_t K, const uint8_t *w, int type, int rb,
+                                                         const float *bias, float *out, int64_t N, int64_t n_start,
+                                                         int64_t n_end) {
+    const int bb = block_bytes(type);
+    const int64_t row_bytes = K / QK_K * bb;
+    float buf[QK_K] __attribute__((aligned(64)));
+    for (int64_t n = n_start; n < n_end; n++) {
+        floatv acc[K_ROWS] = {{0}};
+        const uint8_t *wr = w + n * row_bytes;
+        for (int64_t i = 0; i < K / QK_K; i++) {
+            dequant_super_block(wr + i * bb, type, buf);
+            for (int v = 0; v < QK_K / LANES; v++) {
+                const floatv wv = load(buf + v * LANES);
+                for (int r = 0; r < rb; r++) {
+                    floatv xv;
+                    memcpy(&xv, x + r * K + i * QK_K + v * LANES, sizeof xv);
+                    acc[r] += xv * wv;
+                }
+            }
+        }
+        for (int r = 0; r < rb; r++) out[r * N + n] = hsum(acc[r]) + (bias ? bias[n] : 0.0f);
+    }
+}
+
 /* Many rows: panels of activation rows, NB weight rows dequantized into tile ([NB, K] fp32) at a time,
  * BLOCK_RB rows a block (the switch gives block() constant sizes). */
 static inline __attribute__((always_inline)) void panels(const float *x, int64_t rows, int64_t K, const uint8_t *w,
@@ -487,6 +543,16 @@ static inline __attribute__((always_inline)) void panels(const float *x, int64_t
 static inline __attribute__((always_inline)) int range_of(const float *x, int64_t rows, int64_t K, const uint8_t *w,
                                                           int type, int64_t N, const float *bias, float *out,
                                                           int64_t n_start, int64_t n_end) {
+    if (is_k_type(type) && rows <= K_ROWS) {
+        switch (rows) { /* constant row counts for the compiler */
+        case 1: k_rows(x, K, w, type, 1, bias, out, N, n_start, n_end); break;
+        case 2: k_rows(x, K, w, type, 2, bias, out, N, n_start, n_end); break;
+        case 3: k_rows(x, K, w, type, 3, bias, out, N, n_start, n_end); break;
+        case 4: k_rows(x, K, w, type, 4, bias, out, N, n_start, n_end); break;
+        default: k_rows(x, K, w, type, (int)rows, bias, out, N, n_start, n_end); break;
+        }
+        return 0;
+    }
     if (rows <= PASS_ROWS && !is_k_type(type)) { /* ROW_MAX rows a pass over the weights */
         for (int64_t r = 0; r < rows; r += ROW_MAX) {
             const float *xr = x + r * K;
