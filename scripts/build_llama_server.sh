@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's HTTP server (llama-server) from the llama.cpp that the llama-cpp-python 0.3.36
+# Builds llama.cpp's HTTP server (llama-server) and its quantizer (llama-quantize, which makes the GGUF
+# files people download) from the llama.cpp that the llama-cpp-python 0.3.36
 # source package on PyPI vendors (the package scripts/setup.sh fetches the vocab files from), for a
 # side-by-side run against coreserve on the same GGUF file (docs/quantized.md). Native CPU flags, so
 # its AMX / AVX-512 paths where the CPU has them; no CUDA, no curl.
 #
 #   scripts/build_llama_server.sh            # -> ~/.cache/coreserve/llama.cpp-0.3.36/build/bin/llama-server
+#                                            #    and .../bin/llama-quantize
 #   ~/.cache/coreserve/llama.cpp-0.3.36/build/bin/llama-server -m "$(.venv/bin/python -c \
 #       'from protocol.builtin_model import builtin_model_path; print(builtin_model_path("smollm2"))')" \
 #       --port 8081 -t 2 -np 32 -c 16384 --cont-batching
@@ -26,5 +28,5 @@ if [ ! -f "$DEST/CMakeLists.txt" ]; then
 fi
 cmake -S "$DEST" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-cmake --build "$DEST/build" --target llama-server -j "$JOBS"
-echo "built $DEST/build/bin/llama-server"
+cmake --build "$DEST/build" --target llama-server llama-quantize -j "$JOBS"
+echo "built $DEST/build/bin/llama-server and $DEST/build/bin/llama-quantize"

@@ -1,0 +1,77 @@
+"""The quantized products (worker/cpu/csrc/gemv_quant.c) of one weight matrix, every kept GGUF type against
+the fp32 product (gemv.c) of the same shape, by row count, turn about in one run: ms a product (median)
+and GB/s of the weight's bytes. The blocks are random bytes with small fp16 scales (speed does not
+depend on the values).
+
+    python scripts/bench_quant_gemv.py --shape 8192,2048 --rows 1,4,8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+from bench_common import machine, median, print_table, write_json  # noqa: E402
+
+from worker.cpu.kernels import load_cpu_kernels  # noqa: E402
+from worker.cpu.linear import gemv  # noqa: E402
+from worker.cpu.quant_linear import quant_gemv  # noqa: E402
+from worker.models.quantized import QUANT_TYPES  # noqa: E402
+
+SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # fp16 d (and m/dmin)
+
+
+def random_blocks(ggml_type: int, num_out: int, num_in: int) -> torch.Tensor:
+    rng = np.random.default_rng(ggml_type)
+    _, block_bytes, block_weights = QUANT_TYPES[ggml_type]
+    blocks = rng.integers(0, 256, (num_out, num_in // block_weights, block_bytes), dtype=np.uint8)
+    for offset in SCALE_FIELDS[ggml_type]:
+        scales = (rng.standard_normal(blocks.shape[:2]) * 0.02).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(num_out, -1, 2)
+    return torch.from_numpy(blocks.reshape(num_out, -1))
+
+
+def timed(function, repeats: int) -> float:
+    function()
+    times = []
+    for _ in range(repeats):
+        begun = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - begun)
+    return median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="8192,2048", help="out,in features")
+    parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--json", default="bench_out/quant_gemv.json")
+    args = parser.parse_args()
+    num_out, num_in = (int(n) for n in args.shape.split(","))
+    kernels = load_cpu_kernels()
+    weights = {QUANT_TYPES[t][0]: (t, random_blocks(t, num_out, num_in)) for t in sorted(QUANT_TYPES)}
+    fp32 = torch.randn(num_out, num_in)
+    rows_out = []
+    for num_rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(num_rows, num_in)
+        row = {"rows": num_rows}
+        for name, (ggml_type, raw) in weights.items():
+            seconds = timed(lambda r=raw, t=ggml_type, x=x: quant_gemv(kernels, x, r, t, None), args.repeats)
+            row[name] = f"{seconds * 1e3:.2f} ms {raw.numel() / seconds / 1e9:.1f} GB/s"
+        seconds = timed(lambda x=x: gemv(kernels, x, fp32, None), args.repeats)
+        row["fp32"] = f"{seconds * 1e3:.2f} ms {fp32.numel() * 4 / seconds / 1e9:.1f} GB/s"
+        rows_out.append(row)
+    print_table(rows_out, ["rows", *weights, "fp32"])
+    write_json(args.json, {"args": vars(args), "machine": machine(), "threads": torch.get_num_threads(),
+                           "rows": rows_out})
+
+
+if __name__ == "__main__":
+    main()
