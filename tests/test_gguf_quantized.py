@@ -97,26 +97,25 @@ def test_k_quant_layers_and_embedding_take_the_fused_forward_with_the_fp32_bits(
 def test_a_q4_k_m_layout_keeps_its_k_quants_and_gives_the_fp32_bits(tmp_path):
     """Q4_K_M's mix: Q4_K, with Q6_K for some layers' attn_v and ffn_down and for the output. A layer
     whose q/k/v are of two types holds its fused qkv in fp32 (its dequantized values); the rest keep
-    their super-blocks; two kinds of weight in the layers: decode runs op by op."""
+    their super-blocks. decode_forward.c reads each product's own type: decode runs fused."""
     path = tmp_path / "q4_k_m.gguf"
     mixed = {"model.layers.1.self_attn.v_proj.weight": "Q6_K", "model.layers.1.mlp.down_proj.weight": "Q6_K"}
     write_gguf_model(path, {**mixed, "lm_head.weight": "Q6_K"}, "Q4_K", vocab_size=2048)
     model = load_model(str(path), "auto", torch.device("cpu"))
     assert model.layers[1].down_proj.ggml_type == 14 and model.layers[1].o_proj.ggml_type == 12
     assert not isinstance(model.layers[1].qkv_proj, QuantLinear)  # Q4_K q and k, a Q6_K v
-    assert_quantized_run_is_the_fp32_run(str(path), RANDOM_PROMPTS, 12, is_fused=False)
+    assert_quantized_run_is_the_fp32_run(str(path), RANDOM_PROMPTS, 12)
 
 
-def test_layers_of_different_types_run_op_by_op_with_the_fp32_bits(tmp_path):
-    """Q4_0 layers and a Q8_0 one: decode_forward.c reads one kind of weight for the whole model, so
-    decode runs op by op (the engine starts; it once failed an assertion building the fused forward)."""
+def test_layers_of_different_types_take_the_fused_forward_with_the_fp32_bits(tmp_path):
+    """Q4_0 layers and a Q8_0 one: decode_forward.c reads each product's own ggml type."""
     path = tmp_path / "mixed.gguf"
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     write_gguf_model(path, {f"model.layers.1.{n}.weight": "Q8_0" for n in names}, "Q4_0", vocab_size=2048)
     model = load_model(str(path), "auto", torch.device("cpu"))
     assert (model.layers[0].qkv_proj.ggml_type, model.layers[1].qkv_proj.ggml_type) == (2, 8)
-    assert_quantized_run_is_the_fp32_run(str(path), RANDOM_PROMPTS, 2, is_fused=False)
+    assert_quantized_run_is_the_fp32_run(str(path), RANDOM_PROMPTS, 2)
 
 
 def test_smollm2_q4_1_run_quantized_gives_the_bits_of_its_fp32_dequantization():

@@ -18,7 +18,8 @@ class LayerDesc(ctypes.Structure):
         *((name, _P) for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
                                   "post_norm", "gate_up", "down", "key_cache", "value_cache")),
         *((name, _I64) for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate",
-                                    "num_slots", "is_bf16", "window", "quant_type")),
+                                    "num_slots", "is_bf16", "window", "qkv_type", "o_type", "gate_up_type",
+                                    "down_type")),
     ]
 
 

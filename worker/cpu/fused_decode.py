@@ -49,11 +49,11 @@ class FusedForward:
     ) -> None:
         assert len(caches) == len(weights.layers) > 0
         self.kernels, self.args, self.caches = kernels, args, list(caches)
-        self.applies = _one_kind(weights.layers)  # else every step runs op by op
+        self.applies = _can_read(weights.layers)  # else every step runs op by op
         if not self.applies:
             return
         self.layers = (LayerDesc * len(caches))(
-            *(layer_desc(w, cache, args) for w, cache in zip(weights.layers, caches))
+            *(layer_desc(w, cache, args, _is_bf16(weights.layers)) for w, cache in zip(weights.layers, caches))
         )
         shapes = {tuple(getattr(d, f) for f in _SHAPE_FIELDS) for d in self.layers}
         assert len(shapes) == 1, "decode_forward.c reads one shape for all layers"
@@ -137,22 +137,28 @@ def _lm_head_fields(weights: ModelWeights) -> dict:
             "vocab": weight.shape[0]}
 
 
-_SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "is_bf16", "quant_type")
+_SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "is_bf16")
 
 
-def _one_kind(layers: list[LayerWeights]) -> bool:
-    """Whether every layer's four products share one kind of weight (a dtype, and a ggml type where the
-    weights are GGUF blocks): decode_forward.c reads one kind for the whole model. A GGUF file that mixes
-    types kept in blocks with types dequantized at load, within a layer or across layers (Q4_0 layers
-    and a Q8_0 one), runs op by op."""
-    kinds = {(p.dtype, ggml_type_of(p)) for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)}
-    return len(kinds) == 1
+def _can_read(layers: list[LayerWeights]) -> bool:
+    """Whether decode_forward.c can read every layer's products: each product is GGUF blocks of its own
+    ggml type (any kept type; a Q4_K_M file mixes Q4_K and Q6_K within and across layers), or floats,
+    all of one dtype (fp32 or bf16: the layers share is_bf16). Models of fp32 and bf16 products both
+    run op by op."""
+    products = [p for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)]
+    float_dtypes = {p.dtype for p in products if not ggml_type_of(p)}
+    return len(float_dtypes) <= 1 and float_dtypes <= {torch.float32, torch.bfloat16}
 
 
-def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs) -> LayerDesc:
+def _is_bf16(layers: list[LayerWeights]) -> int:
+    """The model's float products are bf16 (decode_forward.c reads one flag for every layer)."""
+    return int(any(p.dtype == torch.bfloat16 for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)))
+
+
+def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs, is_bf16: int) -> LayerDesc:
     """One layer's struct layer_desc over its `cache` [2, Hkv, slots, D] float32."""
     products = (w.qkv, w.o, w.gate_up, w.down)
-    assert _one_kind([w]) and all(p.is_contiguous() for p in products)
+    assert _can_read([w]) and all(p.is_contiguous() for p in products)
     assert cache.is_contiguous() and cache.dtype == torch.float32
     key_cache = cache.data_ptr()
     return LayerDesc(
@@ -162,7 +168,8 @@ def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs) -> LayerDesc:
         key_cache=key_cache, value_cache=key_cache + cache.stride(0) * cache.element_size(),
         hidden=a.hidden_size, num_q_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
         intermediate=a.intermediate_size, num_slots=cache.shape[2],
-        is_bf16=int(w.qkv.dtype == torch.bfloat16), window=a.sliding_window or 0, quant_type=ggml_type_of(w.qkv),
+        is_bf16=is_bf16, window=a.sliding_window or 0, qkv_type=ggml_type_of(w.qkv), o_type=ggml_type_of(w.o),
+        gate_up_type=ggml_type_of(w.gate_up), down_type=ggml_type_of(w.down),
     )
 
 

@@ -31,7 +31,7 @@ struct buffers {
 /* The shapes every layer shares, and this step's. */
 struct shapes {
     int64_t T, H, I, qkv_size, q_size;
-    int num_q, num_kv, head_dim, group, is_bf16, use_dot, block_size, max_len, quant_type;
+    int num_q, num_kv, head_dim, group, is_bf16, use_dot, block_size, max_len;
 };
 
 struct thread_scratch {
@@ -52,12 +52,14 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
     return ab > c ? ab : c;
 }
 
-/* A thread's part of one of a layer's four products: fp32 or bf16 weights (gemv.c) or GGUF blocks
- * (gemv_quant.c), the same sums either way as the op-by-op path's. */
+/* A thread's part of one of a layer's four products: fp32 or bf16 weights (gemv.c) or GGUF blocks of
+ * ggml type `type` (gemv_quant.c; each product its own type), the same sums either way as the op-by-op
+ * path's. */
 static void product(const struct shapes *s, const struct buffers *b, const float *x, int64_t K, const void *w,
-                    int64_t N, const float *bias, float *out, const struct thread_scratch *own, int64_t *cursor) {
-    if (s->quant_type) {
-        if (gemv_quant_share(x, s->T, K, w, s->quant_type, N, bias, out, cursor, own->team))
+                    int64_t type, int64_t N, const float *bias, float *out, const struct thread_scratch *own,
+                    int64_t *cursor) {
+    if (type) {
+        if (gemv_quant_share(x, s->T, K, w, (int)type, N, bias, out, cursor, own->team))
             __atomic_store_n(b->failed, 1, __ATOMIC_RELAXED);
         return;
     }
@@ -94,7 +96,8 @@ static void attention_half(const struct model_desc *model, const struct layer_de
     const int window = (int)layer->window;
     for (int64_t t = 0; t < T; t++) /* each thread its own copy: no barrier between the norm and the product */
         rms_norm_token(x, NULL, t, s->H, layer->input_norm, eps, NULL, own->normed);
-    product(s, b, own->normed, s->H, layer->qkv, s->qkv_size, layer->qkv_bias, b->qkv, own, &cursors[0]);
+    product(s, b, own->normed, s->H, layer->qkv, layer->qkv_type, s->qkv_size, layer->qkv_bias, b->qkv, own,
+            &cursors[0]);
 #pragma omp barrier
 #pragma omp for
     for (int64_t t = 0; t < T; t++) {
@@ -116,7 +119,7 @@ static void attention_half(const struct model_desc *model, const struct layer_de
                        s->group, s->head_dim, s->block_size, scale, own->scores,
                        own->scores + (int64_t)s->group * s->max_len);
         }
-    product(s, b, b->attn, s->q_size, layer->o, s->H, layer->o_bias, b->o_out, own, &cursors[1]);
+    product(s, b, b->attn, s->q_size, layer->o, layer->o_type, s->H, layer->o_bias, b->o_out, own, &cursors[1]);
 #pragma omp barrier
 }
 
@@ -126,7 +129,8 @@ static void mlp_half(const struct layer_desc *layer, const struct shapes *s, con
     const int64_t T = s->T;
     for (int64_t t = 0; t < T; t++) /* h and its norm, each thread its own copy (no barrier before the product) */
         rms_norm_token(x, b->o_out, t, s->H, layer->post_norm, eps, own->sum, own->normed);
-    product(s, b, own->normed, s->H, layer->gate_up, 2 * s->I, NULL, b->gate_up, own, &cursors[0]);
+    product(s, b, own->normed, s->H, layer->gate_up, layer->gate_up_type, 2 * s->I, NULL, b->gate_up, own,
+            &cursors[0]);
 #pragma omp barrier
     const int64_t I = s->I, team = own->team;
 #pragma omp for
@@ -135,7 +139,7 @@ static void mlp_half(const struct layer_desc *layer, const struct shapes *s, con
         silu_mul_range(b->gate_up, t, I, b->act, I / 8 * part / team * 8,
                        part + 1 == team ? I : I / 8 * (part + 1) / team * 8);
     }
-    product(s, b, b->act, s->I, layer->down, s->H, NULL, b->down, own, &cursors[1]);
+    product(s, b, b->act, s->I, layer->down, layer->down_type, s->H, NULL, b->down, own, &cursors[1]);
 #pragma omp barrier
 #pragma omp for
     for (int64_t i = 0; i < T * s->H; i++) out[i] = own->sum[i] + b->down[i];
@@ -170,7 +174,7 @@ static struct shapes shapes_of(const struct layer_desc *layer, const struct step
     s.T = step->num_tokens, s.H = layer->hidden, s.I = layer->intermediate;
     s.num_q = (int)layer->num_q_heads, s.num_kv = (int)layer->num_kv_heads, s.head_dim = (int)layer->head_dim;
     s.group = s.num_q / s.num_kv, s.is_bf16 = (int)layer->is_bf16, s.use_dot = (int)step->use_dot;
-    s.block_size = (int)step->block_size, s.quant_type = (int)layer->quant_type;
+    s.block_size = (int)step->block_size;
     s.qkv_size = (int64_t)(s.num_q + 2 * s.num_kv) * s.head_dim, s.q_size = (int64_t)s.num_q * s.head_dim;
     const int32_t *context_lens = step->context_lens;
     s.max_len = 1;
@@ -263,7 +267,8 @@ static const struct {
     FIELD(layer_desc, key_cache), FIELD(layer_desc, value_cache), FIELD(layer_desc, hidden),
     FIELD(layer_desc, num_q_heads), FIELD(layer_desc, num_kv_heads), FIELD(layer_desc, head_dim),
     FIELD(layer_desc, intermediate), FIELD(layer_desc, num_slots), FIELD(layer_desc, is_bf16),
-    FIELD(layer_desc, window), FIELD(layer_desc, quant_type),
+    FIELD(layer_desc, window), FIELD(layer_desc, qkv_type), FIELD(layer_desc, o_type),
+    FIELD(layer_desc, gate_up_type), FIELD(layer_desc, down_type),
     SIZE(model_desc), FIELD(model_desc, embed), FIELD(model_desc, embed_is_bf16), FIELD(model_desc, final_norm),
     FIELD(model_desc, cos), FIELD(model_desc, sin), FIELD(model_desc, num_layers),
     FIELD(model_desc, layers), FIELD(model_desc, embed_quant_type), FIELD(model_desc, lm_head),

@@ -10,7 +10,7 @@
 /* One decoder layer's weights, KV cache and shapes (every layer of one model has the same shapes). */
 struct layer_desc {
     const float *input_norm;  /* [hidden] */
-    const void *qkv;          /* [(Hq + 2 Hkv) D, hidden] fp32, bf16 bits (is_bf16) or blocks (quant_type) */
+    const void *qkv;          /* [(Hq + 2 Hkv) D, hidden] fp32, bf16 bits (is_bf16) or blocks (qkv_type) */
     const float *qkv_bias;    /* [(Hq + 2 Hkv) D] or NULL */
     const float *q_norm;      /* [D] Qwen3's per-head norm, or NULL */
     const float *k_norm;      /* [D] or NULL (set together with q_norm) */
@@ -22,9 +22,10 @@ struct layer_desc {
     float *key_cache;         /* [Hkv, num_slots, D] */
     float *value_cache;       /* [Hkv, num_slots, D] */
     int64_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate, num_slots;
-    int64_t is_bf16;          /* the four products' weights are bf16 */
+    int64_t is_bf16;          /* the products' float weights are bf16 (every layer alike) */
     int64_t window;           /* sliding window in positions, 0 for none */
-    int64_t quant_type;       /* the four products' weights are GGUF blocks of this ggml type; 0: not */
+    /* each product's weights are GGUF blocks of this ggml type; 0: floats (fp32, or bf16 by is_bf16) */
+    int64_t qkv_type, o_type, gate_up_type, down_type;
 };
 
 /* What every step of one model shares. */
