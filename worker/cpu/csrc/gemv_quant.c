@@ -480,6 +480,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
  * stays in L1 and met there by every row (one accumulator per output over K, gemv.c's order); no tile
  * of whole rows written and read back. */
 #define K_ROWS 8
+#define K_PREFETCH 8 /* super-blocks ahead */
 static inline __attribute__((always_inline)) void k_rows(const float *x, int64_t K, const uint8_t *w, int type, int rb,
                                                          const float *bias, float *out, int64_t N, int64_t n_start,
                                                          int64_t n_end) {
@@ -490,6 +491,7 @@ static inline __attribute__((always_inline)) void k_rows(const float *x, int64_t
         floatv acc[K_ROWS] = {{0}};
         const uint8_t *wr = w + n * row_bytes;
         for (int64_t i = 0; i < K / QK_K; i++) {
+            __builtin_prefetch(wr + (i + K_PREFETCH) * bb, 0, 0); /* a few super-blocks ahead, past the row too */
             dequant_super_block(wr + i * bb, type, buf);
             for (int v = 0; v < QK_K / LANES; v++) {
                 const floatv wv = load(buf + v * LANES);
