@@ -20,7 +20,7 @@ from protocol.builtin_model import GPT2_VOCAB_SIZE, ModelSpec, make_config, make
 
 SPEC = ModelSpec(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512, seed=5)
 # byte offset of each K-quant block's fp16 scale fields (d, and dmin where it has one)
-_K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -42,12 +42,12 @@ def quantized(values: np.ndarray, type_name: str, rng: np.random.Generator) -> n
     from gguf.constants import GGML_QUANT_SIZES
 
     qtype = GGMLQuantizationType[type_name]
-    if type_name not in _K_SCALE_FIELDS:
+    if type_name not in K_SCALE_FIELDS:
         return quants.quantize(values.astype(np.float32), qtype)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     rows, cols = values.shape
     blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
-    for offset in _K_SCALE_FIELDS[type_name]:
+    for offset in K_SCALE_FIELDS[type_name]:
         scales = rng.uniform(0.002, 0.01, (rows, cols // block_size)).astype(np.float16)
         blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
     return blocks.reshape(rows, -1)

@@ -11,6 +11,7 @@ import platform
 import numpy as np
 import pytest
 import torch
+from gguf_files import K_SCALE_FIELDS
 
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.linear import gemv
@@ -21,8 +22,8 @@ TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 SHAPES = [(37, 96), (100, 576), (67, 1536)]  # (out, in): odd feature counts, SmolLM2's widths
 K_SHAPES = [(37, 256), (100, 768), (67, 1536)]  # whole 256-weight super-blocks
 WIDTH = {2: 576, 3: 576, 8: 576, 12: 768, 13: 768, 14: 768}  # a width of whole blocks for each type
-# byte offsets of each block's fp16 scale fields: d (and Q4_1's m, the K-quants' dmin)
-SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+# byte offsets of each block's fp16 scale fields: d (and Q4_1's m, the K-quants' dmin, as gguf_files has them)
+SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), **{t: K_SCALE_FIELDS[QUANT_TYPES[t][0]] for t in (12, 13, 14)}}
 ROWS = [*range(1, 41), 83, 300]  # decode sizes, then panels of many rows past a 256-row chunk
 # Each path of gemv_quant.c that the native build of an AVX-512 host does not take; on a narrower host
 # a build may equal the native one, and is checked all the same.

@@ -120,7 +120,8 @@ class ModelRunner:
         sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
         tensors, masses = StepTensors(), {}
         if sampling_states:
-            out = self._sample(scheduler_output, inputs, hidden, fused_logits)
+            logits = self._logits(inputs, hidden, fused_logits)
+            out = self._sample(scheduler_output, inputs, sampling_states, logits)
             tensors.add_step(out.sampled, out.logprobs)
             masses = _constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
         if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
@@ -138,12 +139,23 @@ class ModelRunner:
         self.backend.prepare(inputs.attn)
         return inputs
 
+    def _logits(
+        self, inputs: StepInputs, hidden: torch.Tensor, fused_logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The sampled rows' logits [R, vocab]: the fused forward's where every row samples (the same
+        products in C, the same numbers), else compute_logits' of those rows."""
+        if inputs.sample_rows is not None:
+            return self.model.compute_logits(hidden[inputs.sample_rows])
+        return fused_logits if fused_logits is not None else self.model.compute_logits(hidden)
+
     def _sample(
-        self, scheduler_output: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor, fused_logits
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        states: list[RequestState],
+        logits: torch.Tensor,
     ) -> SamplerOutput:
-        """The sampled rows' tokens and logprob rows: their logits are the fused forward's where every
-        row samples (the same products in C, the same numbers), else compute_logits'."""
-        states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
+        """The sampled rows' (`states`) tokens and logprob rows, under their grammars' masks."""
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         meta.grammar = build_grammar_mask(
             scheduler_output.grammar_req_ids,
@@ -152,10 +164,6 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
-        if inputs.sample_rows is not None:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        else:
-            logits = fused_logits if fused_logits is not None else self.model.compute_logits(hidden)
         return self._agreed(self.sampler(logits, meta))
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
@@ -187,9 +195,8 @@ class ModelRunner:
         inputs = self._prepare(states, [1] * len(states))
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         for step in range(num_steps):
-            hidden, logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
-            logits = logits if logits is not None else self.model.compute_logits(hidden)
-            out = self._agreed(self.sampler(logits, meta))
+            hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
+            out = self._agreed(self.sampler(self._logits(inputs, hidden, fused_logits), meta))
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)

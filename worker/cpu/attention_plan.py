@@ -44,6 +44,5 @@ def cpu_attention_plan(meta: AttentionMetadata, is_batch_invariant: bool, block_
     decode = None if meta.decode is None else KernelRows.of(meta.decode)
     if not is_batch_invariant:
         return CpuAttentionPlan(decode, None)
-    if not meta.seqs and decode is not None:
-        return CpuAttentionPlan(decode, decode)
-    return CpuAttentionPlan(decode, KernelRows.of(every_token_rows(meta, block_size)))
+    every_token = every_token_rows(meta, block_size)  # the decode rows themselves in a decode-only step
+    return CpuAttentionPlan(decode, decode if every_token is meta.decode else KernelRows.of(every_token))

@@ -52,8 +52,9 @@ class FusedForward:
         self.applies = _can_read(weights.layers)  # else every step runs op by op
         if not self.applies:
             return
+        is_bf16 = _is_bf16(weights.layers)
         self.layers = (LayerDesc * len(caches))(
-            *(layer_desc(w, cache, args, _is_bf16(weights.layers)) for w, cache in zip(weights.layers, caches))
+            *(layer_desc(w, cache, args, is_bf16) for w, cache in zip(weights.layers, caches))
         )
         shapes = {tuple(getattr(d, f) for f in _SHAPE_FIELDS) for d in self.layers}
         assert len(shapes) == 1, "decode_forward.c reads one shape for all layers"

@@ -21,7 +21,7 @@ class CpuSamplingOps:
 
     def top_logprobs(self, scores: torch.Tensor, k: int) -> TopLogprobs:
         num = top_count(scores, k)
-        if scores.device.type != "cpu" or num > KERNEL_MAX_K:
+        if num > KERNEL_MAX_K:
             return self.torch_ops.top_logprobs(scores, k)
         top_scores, ids, lse = logprob_rows(self.kernels, scores.contiguous(), num)
         return TopLogprobs(top_scores, ids, scores, lse)

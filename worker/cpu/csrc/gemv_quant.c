@@ -92,6 +92,9 @@ static inline int block_bytes(int type) { /* bytes of one block (32 weights; K-q
 
 static inline int block_weights(int type) { return is_k_type(type) ? QK_K : QK; }
 
+/* Bytes of a row of K weights of the type (0 for a type without a product here). */
+int64_t quant_row_bytes(int32_t type, int64_t K) { return K / block_weights(type) * block_bytes(type); }
+
 static inline float hsum(floatv v) { /* gemv.c's */
 #ifdef __AVX512F__
     return _mm512_reduce_add_ps((__m512)v);
@@ -265,7 +268,7 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
  * order (sc an int8, q in -32..31). Sub-blocks of 32 (Q6_K: 16 for the scales) as ggml lays them out:
  * Q4_K d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (32 bytes per two sub-blocks,
  * low nibbles first); Q5_K the same with 32 bytes of fifth bits before the nibbles; Q6_K 128 bytes of
- * low nibbles, 64 of high bit pairs, 16 int8 scales, then d. Scalar loops of 32 the compiler vectorizes. */
+ * low nibbles, 64 of high bit pairs, 16 int8 scales, then d. Vector code in LANES-wide registers. */
 static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
         *sc = s[j] & 63;
@@ -420,7 +423,7 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
 static inline __attribute__((always_inline)) void row_parts(const float *x, int64_t K, const uint8_t *w, int type,
                                                             int ns, int rb, const float *bias, float *out,
                                                             int64_t N, int64_t n_start, int64_t n_end) {
-    const int64_t row_bytes = K / QK * block_bytes(type), part = (n_end - n_start) / ns;
+    const int64_t row_bytes = quant_row_bytes(type, K), part = (n_end - n_start) / ns;
     float sums[4][RB][NB];
     for (int64_t n = n_start; n < n_start + part; n++) {
         const uint8_t *const rows[4] = {w + n * row_bytes, w + (n + part) * row_bytes,
@@ -485,7 +488,7 @@ static inline __attribute__((always_inline)) void k_rows(const float *x, int64_t
                                                          const float *bias, float *out, int64_t N, int64_t n_start,
                                                          int64_t n_end) {
     const int bb = block_bytes(type);
-    const int64_t row_bytes = K / QK_K * bb;
+    const int64_t row_bytes = quant_row_bytes(type, K);
     float buf[QK_K] __attribute__((aligned(64)));
     for (int64_t n = n_start; n < n_end; n++) {
         floatv acc[K_ROWS] = {{0}};
@@ -511,7 +514,7 @@ static inline __attribute__((always_inline)) void k_rows(const float *x, int64_t
 static inline __attribute__((always_inline)) void panels(const float *x, int64_t rows, int64_t K, const uint8_t *w,
                                                         int type, int64_t N,
                    const float *bias, float *out, int64_t n_start, int64_t n_end, float *tile) {
-    const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+    const int64_t row_bytes = quant_row_bytes(type, K);
     float sums[RB][NB];
     int64_t panel = PANEL_BYTES / (K * (int64_t)sizeof(float)) / BLOCK_RB * BLOCK_RB;
     panel = panel < BLOCK_RB ? BLOCK_RB : panel;
@@ -587,16 +590,13 @@ static int range(const float *x, int64_t rows, int64_t K, const uint8_t *w, int 
     }
 }
 
-/* Bytes of a row of K weights of the type (0 for a type without a product here). */
-int64_t quant_row_bytes(int32_t type, int64_t K) { return K / block_weights(type) * block_bytes(type); }
-
 /* Whether the type has a product here and K fills whole blocks. */
 int32_t quant_type_supported(int32_t type, int64_t K) {
     return block_bytes(type) > 0 && K > 0 && K % block_weights(type) == 0;
 }
 
-/* w: [N, K / 32] blocks of ggml type `type`. Returns 0; -1: no memory for a tile; -2: a type without
- * a product here or K not a multiple of 32. */
+/* w: [N, K / 32] blocks of ggml type `type` (K-quants: [N, K / 256]). Returns 0; -1: no memory for a
+ * tile; -2: a type without a product here or K not a whole number of blocks. */
 int32_t gemv_quant(const float *x, int64_t rows, int64_t K, const uint8_t *w, int32_t type, int64_t N,
                    const float *bias, float *out, int32_t num_threads) {
     if (!quant_type_supported(type, K)) return -2;
