@@ -1,4 +1,4 @@
-"""The Python/C seam (worker/cpu/bindings.py): the ctypes mirrors of decode_forward.h's structs have
+"""The Python/C seam (worker/cpu/bindings.py): the ctypes mirrors of the C structs have
 the C side's size and field offsets, and every exported function is bound with a named signature."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from worker.cpu.bindings import SIGNATURES, LayerDesc, ModelDesc, StepDesc
+from worker.cpu.bindings import SIGNATURES, LayerDesc, ModelDesc, QuantPart, StepDesc
 from worker.cpu.kernels import load_cpu_kernels
 
 
@@ -18,8 +18,11 @@ def kernels():
     return loaded
 
 
-@pytest.mark.parametrize("mirror, c_name", [(LayerDesc, b"layer_desc"), (ModelDesc, b"model_desc"),
-                                             (StepDesc, b"step_desc")])
+MIRRORS = [(LayerDesc, b"layer_desc"), (ModelDesc, b"model_desc"), (StepDesc, b"step_desc"),
+           (QuantPart, b"quant_part")]
+
+
+@pytest.mark.parametrize("mirror, c_name", MIRRORS)
 def test_struct_mirrors_match_the_c_layout(kernels, mirror, c_name):
     layout = kernels.decode_forward_layout
     assert ctypes.sizeof(mirror) == layout(c_name, b"")
@@ -31,7 +34,7 @@ def test_every_c_field_has_a_mirror(kernels):
     """A field the C struct gains and Python lacks would shift nothing yet be left unset: the sizes catch it."""
     layout = kernels.decode_forward_layout
     assert layout(b"layer_desc", b"no_such_field") == -1 and layout(b"no_such_struct", b"") == -1
-    for mirror, c_name in ((LayerDesc, b"layer_desc"), (ModelDesc, b"model_desc"), (StepDesc, b"step_desc")):
+    for mirror, c_name in MIRRORS:
         assert len(mirror._fields_) * 8 == layout(c_name, b"")  # every field is 8 bytes, no padding
 
 

@@ -16,7 +16,7 @@ from gguf_files import write_gguf_model
 from frontend import LLM, SamplingParams
 from protocol.builtin_model import builtin_model_path
 from worker.models.loader import load_model
-from worker.models.quantized import QuantEmbedding, QuantLinear, dequantize
+from worker.models.quantized import QUANT_PARTS, QuantEmbedding, QuantLinear, block_values, dequantize
 from worker.parallel.sharding import Shard
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5)
@@ -96,14 +96,25 @@ def test_k_quant_layers_and_embedding_take_the_fused_forward_with_the_fp32_bits(
 
 def test_a_q4_k_m_layout_keeps_its_k_quants_and_gives_the_fp32_bits(tmp_path):
     """Q4_K_M's mix: Q4_K, with Q6_K for some layers' attn_v and ffn_down and for the output. A layer
-    whose q/k/v are of two types holds its fused qkv in fp32 (its dequantized values); the rest keep
-    their super-blocks. decode_forward.c reads each product's own type: decode runs fused."""
+    whose q/k/v are of two types keeps each run of rows in its own (QUANT_PARTS), whole and on each
+    tensor-parallel rank. decode_forward.c reads each product's own type: decode runs fused."""
     path = tmp_path / "q4_k_m.gguf"
-    mixed = {"model.layers.1.self_attn.v_proj.weight": "Q6_K", "model.layers.1.mlp.down_proj.weight": "Q6_K"}
+    mixed = {"model.layers.1.self_attn.v_proj.weight": "Q6_K", "model.layers.1.mlp.down_proj.weight": "Q6_K",
+             "model.layers.0.mlp.gate_proj.weight": "Q5_K"}
     write_gguf_model(path, {**mixed, "lm_head.weight": "Q6_K"}, "Q4_K", vocab_size=2048)
     model = load_model(str(path), "auto", torch.device("cpu"))
     assert model.layers[1].down_proj.ggml_type == 14 and model.layers[1].o_proj.ggml_type == 12
-    assert not isinstance(model.layers[1].qkv_proj, QuantLinear)  # Q4_K q and k, a Q6_K v
+    for shard in (None, Shard(0, 2), Shard(1, 2)):  # each rank's q, k, v and gate, up rows: runs too
+        model = load_model(str(path), "auto", torch.device("cpu"), shard)
+        fp32 = load_model(str(path), "float32", torch.device("cpu"), shard)
+        qkv, gate_up = model.layers[1].qkv_proj, model.layers[0].gate_up_proj
+        a = model.args
+        q_k_rows, v_rows = (a.num_heads + a.num_kv_heads) * a.head_dim, a.num_kv_heads * a.head_dim
+        assert qkv.ggml_type == QUANT_PARTS and qkv.weight.ggml_parts == ((q_k_rows, 12), (v_rows, 14))
+        assert gate_up.weight.ggml_parts == ((a.intermediate_size, 13), (a.intermediate_size, 12))
+        for name in ("layers.1.qkv_proj", "layers.0.gate_up_proj", "layers.0.qkv_proj"):
+            weight = model.get_submodule(name).weight
+            assert torch.equal(block_values(weight), fp32.get_submodule(name).weight), (name, shard)
     assert_quantized_run_is_the_fp32_run(str(path), RANDOM_PROMPTS, 12)
 
 

@@ -16,7 +16,7 @@ from gguf_files import K_SCALE_FIELDS
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.linear import gemv
 from worker.cpu.quant_linear import dequantize_rows, quant_gemv
-from worker.models.quantized import QUANT_TYPES, dequantize
+from worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear, block_values, dequantize
 
 TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 SHAPES = [(37, 96), (100, 576), (67, 1536)]  # (out, in): odd feature counts, SmolLM2's widths
@@ -105,6 +105,32 @@ def test_product_is_within_fp32_rounding_of_float64_and_each_row_its_own(kernels
     assert ((ours.double() - exact).abs() / scale).max().item() < 1e-6 * num_in**0.5
     for row in (0, 17, 39):  # a row's numbers do not depend on its batch
         assert torch.equal(quant_gemv(kernels, x[row : row + 1], raw, ggml_type, None), ours[row : row + 1])
+
+
+def test_runs_of_rows_of_different_types_equal_the_fp32_kernel_on_their_values(kernels):
+    """A fused projection of several types (QUANT_PARTS): Q4_K q and k rows, then Q6_K v rows, then a
+    Q8_0 run, flat; each output its own run's sums, at every row count, one thread and two. The runs'
+    lengths are no multiple of the threads' 4-row shares, so a share crosses a run's end."""
+    num_in, parts = 768, ((37, 12), (22, 14), (9, 8))
+    layer = QuantLinear(num_in, sum(rows for rows, _ in parts), parts)
+    runs = [random_blocks(t, rows, num_in, seed=rows) for rows, t in parts]
+    layer.weight.data.copy_(torch.cat([run.flatten() for run in runs]))
+    weight = block_values(layer.weight)
+    assert layer.ggml_type == QUANT_PARTS and torch.equal(weight, torch.cat([dequantize(r, t) for r, (_, t) in
+                                                                             zip(runs, parts)]))
+    generator = torch.Generator().manual_seed(11)
+    x_all, bias = torch.randn(max(ROWS), num_in, generator=generator), torch.randn(68, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for num_rows in ROWS:
+                x = x_all[:num_rows]
+                for b in (None, bias):
+                    ours = quant_gemv(kernels, x, layer.weight, QUANT_PARTS, b)
+                    assert torch.equal(ours, gemv(kernels, x, weight, b)), (num_threads, num_rows, b is None)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_unsupported_types_and_widths_are_refused(kernels):

@@ -23,6 +23,13 @@ class LayerDesc(ctypes.Structure):
     ]
 
 
+class QuantPart(ctypes.Structure):
+    """struct quant_part (csrc/kernel_parts.h): a run of a product's rows in GGUF blocks of one type; an
+    array of them, ended by one of 0 rows, is a product of type QUANT_PARTS."""
+
+    _fields_ = [("w", _P), ("type", _I64), ("rows", _I64)]
+
+
 class ModelDesc(ctypes.Structure):
     """struct model_desc: what every step of one model shares; `layers` points at a LayerDesc array."""
 

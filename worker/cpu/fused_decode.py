@@ -22,10 +22,11 @@ import torch
 from worker.cpu.attention_plan import CpuAttentionPlan
 from worker.cpu.bindings import CpuKernels, LayerDesc, ModelDesc, StepDesc
 from worker.cpu.linear import GEMV_MAX_ROWS
+from worker.cpu.quant_linear import part_array_address
 from worker.input_batch import StepInputs
 from worker.models.config import LlamaArgs
 from worker.models.llama import LayerWeights, ModelWeights
-from worker.models.quantized import ggml_type_of
+from worker.models.quantized import QUANT_PARTS, ggml_type_of
 
 FUSED_MAX_ROWS = GEMV_MAX_ROWS  # the few-row products' range: past it prefill-sized products win
 
@@ -143,7 +144,8 @@ _SHAPE_FIELDS = ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermedi
 
 def _can_read(layers: list[LayerWeights]) -> bool:
     """Whether decode_forward.c can read every layer's products: each product is GGUF blocks of its own
-    ggml type (any kept type; a Q4_K_M file mixes Q4_K and Q6_K within and across layers), or floats,
+    ggml type (any kept type, or runs of several: a Q4_K_M file mixes Q4_K and Q6_K within and across
+    layers), or floats,
     all of one dtype (fp32 or bf16: the layers share is_bf16). Models of fp32 and bf16 products both
     run op by op."""
     products = [p for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)]
@@ -163,15 +165,21 @@ def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs, is_bf16: int)
     assert cache.is_contiguous() and cache.dtype == torch.float32
     key_cache = cache.data_ptr()
     return LayerDesc(
-        input_norm=_address(w.input_norm), qkv=w.qkv.data_ptr(), qkv_bias=_address(w.qkv_bias),
-        q_norm=_address(w.q_norm), k_norm=_address(w.k_norm), o=w.o.data_ptr(), o_bias=_address(w.o_bias),
-        post_norm=_address(w.post_norm), gate_up=w.gate_up.data_ptr(), down=w.down.data_ptr(),
+        input_norm=_address(w.input_norm), qkv=_product(w.qkv), qkv_bias=_address(w.qkv_bias),
+        q_norm=_address(w.q_norm), k_norm=_address(w.k_norm), o=_product(w.o), o_bias=_address(w.o_bias),
+        post_norm=_address(w.post_norm), gate_up=_product(w.gate_up), down=_product(w.down),
         key_cache=key_cache, value_cache=key_cache + cache.stride(0) * cache.element_size(),
         hidden=a.hidden_size, num_q_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
         intermediate=a.intermediate_size, num_slots=cache.shape[2],
         is_bf16=is_bf16, window=a.sliding_window or 0, qkv_type=ggml_type_of(w.qkv), o_type=ggml_type_of(w.o),
         gate_up_type=ggml_type_of(w.gate_up), down_type=ggml_type_of(w.down),
     )
+
+
+def _product(weight: torch.Tensor) -> int:
+    """What a product's pointer in struct layer_desc holds: the weight's address, or for runs of rows of
+    several ggml types (QUANT_PARTS) their struct quant_part array's, kept on the weight."""
+    return part_array_address(weight) if ggml_type_of(weight) == QUANT_PARTS else weight.data_ptr()
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:

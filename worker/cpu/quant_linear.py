@@ -8,10 +8,12 @@ take, since MKL would need the weights in fp32). docs/quantized.md.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from worker.cpu.bindings import CpuKernels
-from worker.models.quantized import QUANT_TYPES, QuantLinear, row_bytes
+from worker.cpu.bindings import CpuKernels, QuantPart
+from worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear, row_bytes, row_runs
 
 _ROW_CHUNK = 256  # rows per call, as linear.py's chunks: the activations stay in cache per weight tile
 
@@ -19,24 +21,40 @@ _ROW_CHUNK = 256  # rows per call, as linear.py's chunks: the activations stay i
 def quant_gemv(
     kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x: [R, K] float32; weight: [N, K / 32 * block bytes] uint8 blocks of `ggml_type`; bias: [N] or
-    None. Returns [R, N] float32."""
+    """x: [R, K] float32; weight: [N, K / 32 * block bytes] uint8 blocks of `ggml_type` (QUANT_PARTS: the
+    flat runs of worker/models/quantized.py); bias: [N] or None. Returns [R, N] float32."""
     if not x.is_contiguous():
         x = x.contiguous()
-    (num_rows, num_in), num_out = x.shape, weight.shape[0]
+    num_rows, num_in = x.shape
     assert x.dtype == torch.float32 and weight.dtype == torch.uint8 and weight.is_contiguous()
-    if ggml_type in QUANT_TYPES and weight.shape[1] != row_bytes(ggml_type, num_in):  # the C reads K's bytes
-        raise ValueError(f"weight rows of {weight.shape[1]} bytes do not hold rows of {num_in} values "
-                         f"of ggml type {ggml_type} ({row_bytes(ggml_type, num_in)} bytes)")
+    if ggml_type == QUANT_PARTS:
+        num_out, pointer = sum(rows for rows, _ in weight.ggml_parts), part_array_address(weight)
+        assert weight.ggml_width == num_in, (weight.ggml_width, num_in)
+    else:
+        num_out, pointer = weight.shape[0], weight.data_ptr()
+        if ggml_type in QUANT_TYPES and weight.shape[1] != row_bytes(ggml_type, num_in):  # the C reads K's bytes
+            raise ValueError(f"weight rows of {weight.shape[1]} bytes do not hold rows of {num_in} values "
+                             f"of ggml type {ggml_type} ({row_bytes(ggml_type, num_in)} bytes)")
     out = torch.empty(num_rows, num_out)
     bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
-    status = kernels.gemv_quant(x.data_ptr(), num_rows, num_in, weight.data_ptr(), ggml_type, num_out, bias_ptr,
+    status = kernels.gemv_quant(x.data_ptr(), num_rows, num_in, pointer, ggml_type, num_out, bias_ptr,
                                 out.data_ptr(), torch.get_num_threads())
     if status == -2:
         raise ValueError(f"no product for ggml type {ggml_type} with rows of {num_in} values")
     if status != 0:
         raise MemoryError("the quantized product could not allocate its scratch memory")
     return out
+
+
+def part_array_address(weight: torch.Tensor) -> int:
+    """The address of a QUANT_PARTS weight's struct quant_part array (its runs, then one of 0 rows), made
+    once for the weight's current memory and kept on it."""
+    made = getattr(weight, "quant_part_array", None)
+    if made is None or made[0] != weight.data_ptr():
+        runs = row_runs(weight)
+        array = (QuantPart * (len(runs) + 1))(*(QuantPart(run.data_ptr(), t, run.shape[0]) for t, run in runs))
+        made = weight.quant_part_array = (weight.data_ptr(), array)
+    return ctypes.addressof(made[1])
 
 
 def quant_linear(kernels: CpuKernels, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:

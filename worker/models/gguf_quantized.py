@@ -2,11 +2,12 @@
 copied into them (engine-core process).
 
 A linear layer (or the embedding table) stays in its blocks when every GGUF tensor it is filled from
-has one type with a product here (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; worker/models/quantized.py) and
-its rows are whole blocks; any other (F16, Q2_K, Q3_K, Q5_0, Q5_1, a fused projection of mixed types) is
-dequantized to fp32 at load, as with `dtype="float32"`: the same values either way. Rows move as bytes: llama.cpp's q/k row
-interleave is undone on whole rows, tensor parallelism keeps whole rows (split by output features) or
-whole blocks of each row (split by input features) of the rank's part. docs/quantized.md.
+has a type with a product here (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; worker/models/quantized.py) and
+its rows are whole blocks (a fused projection of several such types keeps each tensor's rows in its
+own); any other (F16, Q2_K, Q3_K, Q5_0, Q5_1) is dequantized to fp32 at load, as with
+`dtype="float32"`: the same values either way. Rows move as bytes: llama.cpp's q/k row interleave is
+undone on whole rows, tensor parallelism keeps whole rows (split by output features) or whole blocks of
+each row (split by input features) of the rank's part. docs/quantized.md.
 """
 
 from __future__ import annotations
@@ -18,29 +19,49 @@ import torch
 from torch import nn
 
 from worker.models import gguf_weights
-from worker.models.quantized import QUANT_TYPES, can_quantize
+from worker.models.quantized import QUANT_TYPES, Parts, can_quantize
 from worker.parallel.sharding import Shard, is_split, rank_part
 
 Destination = Callable[[str], "tuple[str, slice | None] | None"]  # HF name -> (parameter, rows)
 
 
-def quantization_plan(path: str, model: nn.Module, destination: Destination) -> dict[str, int]:
+def quantization_plan(path: str, model: nn.Module, destination: Destination) -> dict[str, int | Parts]:
     """Module path ("layers.0.qkv_proj", "embed_tokens", "lm_head") -> the ggml type it keeps, for the
-    modules of `model` (this rank's shapes) that stay in their blocks."""
-    types: dict[str, set[int]] = {}
+    modules of `model` (this rank's shapes) that stay in their blocks; a fused linear layer whose GGUF
+    tensors differ in type keeps each tensor's rows in its own: its runs, (rows, ggml type) in order."""
+    found: dict[str, list[tuple[int, int, int]]] = {}  # module -> (first row, rows, ggml type) a tensor
     for entry in gguf_weights.list_tensors(path):
         target = destination(entry.name)
         if target is None or not target[0].endswith(".weight") or len(entry.shape) != 2:
             continue
-        types.setdefault(target[0].removesuffix(".weight"), set()).add(entry.info.ggml_type)
-    plan = {}
-    for module_path, found in types.items():
+        module_path, rows = target[0].removesuffix(".weight"), target[1]
+        module = model.get_submodule(module_path)
+        num_out = module.num_embeddings if isinstance(module, nn.Embedding) else getattr(module, "out_features", 0)
+        start, stop, _ = (rows or slice(None)).indices(num_out)
+        found.setdefault(module_path, []).append((start, stop - start, entry.info.ggml_type))
+    plan: dict[str, int | Parts] = {}
+    for module_path, runs in found.items():
         module = model.get_submodule(module_path)
         num_in = module.embedding_dim if isinstance(module, nn.Embedding) else getattr(module, "in_features", 0)
-        (ggml_type,) = found if len(found) == 1 else (0,)
-        if isinstance(module, nn.Linear | nn.Embedding) and can_quantize(ggml_type, num_in):
-            plan[module_path] = ggml_type
+        types = {ggml_type for _, _, ggml_type in runs}
+        if not isinstance(module, nn.Linear | nn.Embedding) or not all(can_quantize(t, num_in) for t in types):
+            continue
+        if len(types) == 1:
+            plan[module_path] = types.pop()
+        elif isinstance(module, nn.Linear):
+            plan[module_path] = _merged_runs(sorted(runs))
     return plan
+
+
+def _merged_runs(runs: list[tuple[int, int, int]]) -> Parts:
+    """(first row, rows, type) tensors in row order -> the runs of one type each, neighbours merged."""
+    merged: list[list[int]] = []
+    for _, rows, ggml_type in runs:
+        if merged and merged[-1][1] == ggml_type:
+            merged[-1][0] += rows
+        else:
+            merged.append([rows, ggml_type])
+    return tuple((rows, ggml_type) for rows, ggml_type in merged)
 
 
 def read_blocks_into(entry: gguf_weights.GGUFEntry, destination: torch.Tensor, shard: Shard | None) -> None:

@@ -24,7 +24,7 @@ from worker.models.config import LlamaArgs
 from worker.models.gguf_config import hf_config_from_gguf
 from worker.models.gguf_quantized import quantization_plan
 from worker.models.llama import LlamaModel
-from worker.models.quantized import quantize_modules
+from worker.models.quantized import block_rows, quantize_modules
 from worker.parallel.sharding import Shard, is_split, rank_part, shard_args
 
 logger = logging.getLogger(__name__)
@@ -130,15 +130,18 @@ def load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None
         name, rows = target
         if name not in params:
             raise ValueError(f"{model_dir}: weight {entry.name} does not belong to this model's config")
-        destination = params[name].data[rows] if rows is not None else params[name].data
-        if destination.dtype == torch.uint8:  # a module kept in the file's blocks
+        param = params[name]
+        if param.dtype == torch.uint8:  # a module kept in the file's blocks
+            destination = block_rows(param, rows)
             gguf_quantized.read_blocks_into(entry, destination, shard)
         elif shard is not None and is_split(entry.name):  # the whole tensor once, this rank's part kept
+            destination = param.data[rows] if rows is not None else param.data
             part = rank_part(entry.name, source.read_tensor(entry), shard)
             if part.numel() != destination.numel():
                 raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit this model's config")
             destination.copy_(part.reshape(destination.shape))
         else:
+            destination = param.data[rows] if rows is not None else param.data
             source.read_into(entry, destination)
         filled[name] = filled.get(name, 0) + destination.numel()
     shared = {"lm_head.weight"} if model.args.tie_word_embeddings else set()

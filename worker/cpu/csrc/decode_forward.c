@@ -253,7 +253,7 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     return failed ? -1 : 0;
 }
 
-/* The layout of decode_forward.h's structs by name, for the test that checks worker/cpu/bindings.py's
+/* The layout of decode_forward.h's structs (and kernel_parts.h's quant_part) by name, for the test that checks worker/cpu/bindings.py's
  * ctypes mirrors: the offset of `field` in `struct type`, its size where field is "" (-1: unknown). */
 #define FIELD(type, field) {#type, #field, (int64_t)offsetof(struct type, field)}
 #define SIZE(type) {#type, "", (int64_t)sizeof(struct type)}
@@ -278,6 +278,7 @@ static const struct {
     FIELD(step_desc, rows), FIELD(step_desc, block_tables), FIELD(step_desc, max_blocks),
     FIELD(step_desc, context_lens), FIELD(step_desc, num_tokens), FIELD(step_desc, block_size),
     FIELD(step_desc, use_dot), FIELD(step_desc, num_threads), FIELD(step_desc, logits),
+    SIZE(quant_part), FIELD(quant_part, w), FIELD(quant_part, type), FIELD(quant_part, rows),
 };
 
 int64_t decode_forward_layout(const char *type, const char *field) {

@@ -24,7 +24,8 @@ struct layer_desc {
     int64_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate, num_slots;
     int64_t is_bf16;          /* the products' float weights are bf16 (every layer alike) */
     int64_t window;           /* sliding window in positions, 0 for none */
-    /* each product's weights are GGUF blocks of this ggml type; 0: floats (fp32, or bf16 by is_bf16) */
+    /* each product's weights are GGUF blocks of this ggml type; 0: floats (fp32, or bf16 by is_bf16);
+     * QUANT_PARTS (kernel_parts.h): runs of rows of different types, and the pointer their array */
     int64_t qkv_type, o_type, gate_up_type, down_type;
 };
 

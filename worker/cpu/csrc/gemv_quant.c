@@ -590,24 +590,58 @@ static int range(const float *x, int64_t rows, int64_t K, const uint8_t *w, int 
     }
 }
 
+/* Output features [n_start, n_end) of a product of QUANT_PARTS (kernel_parts.h): each part's rows with
+ * its own type, its outputs and bias at its first row's column (out's rows stay N long). */
+static int parts_range(const float *x, int64_t rows, int64_t K, const struct quant_part *parts, int64_t N,
+                       const float *bias, float *out, int64_t n_start, int64_t n_end) {
+    int failed = 0;
+    int64_t first = 0;
+    for (const struct quant_part *p = parts; p->rows > 0 && first < n_end; first += p->rows, p++) {
+        const int64_t lo = n_start > first ? n_start : first;
+        const int64_t hi = n_end < first + p->rows ? n_end : first + p->rows;
+        if (lo < hi)
+            failed |= range(x, rows, K, p->w, (int)p->type, N, bias ? bias + first : NULL, out + first, lo - first,
+                            hi - first);
+    }
+    return failed;
+}
+
+static int any_range(const float *x, int64_t rows, int64_t K, const uint8_t *w, int type, int64_t N,
+                     const float *bias, float *out, int64_t n_start, int64_t n_end) {
+    return type == QUANT_PARTS ? parts_range(x, rows, K, (const struct quant_part *)w, N, bias, out, n_start, n_end)
+                               : range(x, rows, K, w, type, N, bias, out, n_start, n_end);
+}
+
 /* Whether the type has a product here and K fills whole blocks. */
 int32_t quant_type_supported(int32_t type, int64_t K) {
     return block_bytes(type) > 0 && K > 0 && K % block_weights(type) == 0;
 }
 
-/* w: [N, K / 32] blocks of ggml type `type` (K-quants: [N, K / 256]). Returns 0; -1: no memory for a
- * tile; -2: a type without a product here or K not a whole number of blocks. */
+/* Whether every part has a product here (QUANT_PARTS: kernel_parts.h) and their rows make N. */
+static int parts_supported(const struct quant_part *parts, int64_t K, int64_t N) {
+    int64_t total = 0;
+    for (const struct quant_part *p = parts; p->rows > 0; p++) {
+        if (!quant_type_supported((int32_t)p->type, K)) return 0;
+        total += p->rows;
+    }
+    return total == N;
+}
+
+/* w: [N, K / 32] blocks of ggml type `type` (K-quants: [N, K / 256]), or type QUANT_PARTS and w its
+ * parts. Returns 0; -1: no memory for a tile; -2: a type without a product here or K not a whole number
+ * of blocks. */
 int32_t gemv_quant(const float *x, int64_t rows, int64_t K, const uint8_t *w, int32_t type, int64_t N,
                    const float *bias, float *out, int32_t num_threads) {
-    if (!quant_type_supported(type, K)) return -2;
-    if (N * K <= SMALL_WORK || num_threads <= 1) return range(x, rows, K, w, type, N, bias, out, 0, N);
+    if (type == QUANT_PARTS ? !parts_supported((const struct quant_part *)w, K, N) : !quant_type_supported(type, K))
+        return -2;
+    if (N * K <= SMALL_WORK || num_threads <= 1) return any_range(x, rows, K, w, type, N, bias, out, 0, N);
     const int64_t num_blocks = (N + NB - 1) / NB;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t start = num_blocks * t / nt * NB, end = num_blocks * (t + 1) / nt * NB;
-        if (start < N) failed |= range(x, rows, K, w, type, N, bias, out, start, end < N ? end : N) != 0;
+        if (start < N) failed |= any_range(x, rows, K, w, type, N, bias, out, start, end < N ? end : N) != 0;
     }
     return failed ? -1 : 0;
 }
@@ -632,7 +666,7 @@ int gemv_quant_share(const float *x, int64_t rows, int64_t K, const uint8_t *w, 
         size = (size < GUIDED_MIN ? GUIDED_MIN : size + NB - 1) / NB * NB;
         const int64_t end = start + size < N ? start + size : N;
         if (__atomic_compare_exchange_n(cursor, &start, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-            failed |= range(x, rows, K, w, type, N, bias, out, start, end);
+            failed |= any_range(x, rows, K, w, type, N, bias, out, start, end);
             start = end;
         }
     }

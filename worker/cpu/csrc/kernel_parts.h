@@ -40,9 +40,19 @@ void attend_one(const float *q, float *out, const float *keys, const float *valu
 void gemv_share(const float *x, int64_t rows, int64_t K, const void *w, int32_t is_bf16, int32_t use_dot,
                 int64_t N, const float *bias, float *out, void *scratch, int64_t *cursor, int num_threads);
 
-/* gemv_quant.c: the same for weights in a GGUF block format (ggml type Q8_0, Q4_0 or Q4_1; K a multiple
- * of 32), the sums bit for bit gemv_share's on the dequantized weights (0, or -1: no memory); and
- * rows of such weights dequantized to fp32 (0, or -2: an unsupported type or K). */
+/* A run of a product's weight rows in GGUF blocks of one ggml type. A fused projection whose GGUF
+ * tensors differ in type (a Q4_K_M file's Q4_K q and k beside a Q6_K v) is its runs one after another:
+ * its type is QUANT_PARTS and its weight pointer an array of these, ended by one of 0 rows. */
+struct quant_part {
+    const uint8_t *w; /* [rows, row bytes of its type] */
+    int64_t type, rows;
+};
+#define QUANT_PARTS (-1)
+
+/* gemv_quant.c: the same for weights in a GGUF block format (ggml type Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or
+ * Q6_K, or QUANT_PARTS; K whole blocks), the sums bit for bit gemv_share's on the dequantized weights
+ * (0, or -1: no memory); and rows of such weights dequantized to fp32 (0, or -2: an unsupported type
+ * or K). */
 int gemv_quant_share(const float *x, int64_t rows, int64_t K, const uint8_t *w, int type, int64_t N,
                      const float *bias, float *out, int64_t *cursor, int num_threads);
 int32_t dequantize_rows(const uint8_t *w, int32_t type, int64_t rows, int64_t K, float *out);
