@@ -68,10 +68,10 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = ["coreserve", "llama.cpp"] if round_ % 2 == 0 else ["llama.cpp", "coreserve"]
             for name in order:
-                with start(name, gguf, binary, concurrency) as base:
-                    asyncio.run(throughput(base, 1, 8))  # warm-up, not counted
+                with start(name, gguf, binary, concurrency) as server:
+                    asyncio.run(throughput(server.base, 1, 8))  # warm-up, not counted
                     for _ in range(args.repeats):
-                        rows[name].append(asyncio.run(throughput(base, concurrency, args.max_tokens)))
+                        rows[name].append(asyncio.run(throughput(server.base, concurrency, args.max_tokens)))
         summary = {name: median(values) for name, values in rows.items()}
         summary["coreserve / llama.cpp"] = summary["coreserve"] / summary["llama.cpp"]
         results["runs"][f"concurrency {concurrency}"] = {"tokens/s (median)": summary, "batches": rows}
@@ -93,37 +93,43 @@ def gguf_path(model: str) -> str:
 
 
 class start:
-    """A server on a free loopback port for the `with` block: coreserve's or llama.cpp's."""
+    """A server on a free loopback port for the `with` block: coreserve's or llama.cpp's (`base` its URL).
+    `extra`: more command-line arguments."""
 
-    def __init__(self, name: str, gguf: str, binary: str, concurrency: int, dtype: str | None = None) -> None:
-        self.name, self.gguf, self.binary, self.concurrency, self.dtype = (
-            name,
-            gguf,
-            binary,
-            concurrency,
-            dtype,
-        )
+    def __init__(self, name: str, gguf: str, binary: str, concurrency: int, dtype: str | None = None,
+                 extra: list[str] | None = None) -> None:
+        self.name, self.gguf, self.binary, self.concurrency = name, gguf, binary, concurrency
+        self.dtype, self.extra = dtype, list(extra or [])
 
-    def __enter__(self) -> str:
+    def engine_pid(self) -> int:
+        """The process that holds the model: llama-server itself, coreserve's engine-core child."""
+        if self.name != "coreserve":
+            return self.proc.pid
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        if len(children) != 1:
+            raise RuntimeError(f"coreserve's server has children {children}, not one engine core")
+        return int(children[0])
+
+    def __enter__(self) -> start:
         port = _free_port()
         if self.name == "coreserve":
             command = [sys.executable, "-m", "frontend", "serve", self.gguf, "--port", str(port), "--log-level",
                        "warning", "--max-num-seqs", str(max(32, self.concurrency)), "--served-model-name", "m"]
-            command += ["--dtype", self.dtype] if self.dtype else []
+            command += (["--dtype", self.dtype] if self.dtype else []) + self.extra
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         else:
             threads = str(os.cpu_count() or 1)
             command = [self.binary, "-m", self.gguf, "--port", str(port), "--host", "127.0.0.1", "-t", threads,
-                       "-np", str(self.concurrency), "-c", str(1024 * self.concurrency), "--no-webui"]
+                       "-np", str(self.concurrency), "-c", str(1024 * self.concurrency), "--no-webui", *self.extra]
             env = dict(os.environ)
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        base = f"http://127.0.0.1:{port}"
+        self.base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
-        while not _healthy(base):
+        while not _healthy(self.base):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not start: {command}")
             time.sleep(0.2)
-        return base
+        return self
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
@@ -153,8 +159,8 @@ async def _complete(http: httpx.AsyncClient, base: str, prompt: str, max_tokens:
 
 def distance(gguf: str, binary: str, max_tokens: int) -> dict:
     """llama.cpp's greedy tokens' logprobs against the fp32-dequantized model's for the same tokens."""
-    with start("llama.cpp", gguf, binary, 1) as base:
-        theirs = [_llama_tokens(base, prompt, min(max_tokens, 32)) for prompt in PROMPTS]
+    with start("llama.cpp", gguf, binary, 1) as server:
+        theirs = [_llama_tokens(server.base, prompt, min(max_tokens, 32)) for prompt in PROMPTS]
     from frontend.llm import LLM
     from protocol.sampling_params import SamplingParams
 

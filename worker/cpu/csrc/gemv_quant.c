@@ -44,6 +44,7 @@
 #define SMALL_WORK 32768
 #define PANEL_BYTES (192 * 1024)
 #define GUIDED_MIN 32
+#define K_PREFETCH 8 /* K-quant super-blocks ahead of each stream's read, in the few-row passes */
 
 #ifdef __AVX512F__ /* gemv.c's register width: the lanes must be its lanes */
 #define LANES 16
@@ -339,6 +340,95 @@ static inline __attribute__((always_inline)) void dequant_super_block(const uint
         }
 }
 
+/* A K-quant super-block's scales, made once for its registers (k_register): Q4_K and Q5_K d * sc and
+ * -dmin * m of each sub-block of 32, Q6_K d * sc of each 16; each exact (see dequant_super_block). */
+struct k_scales {
+    float scale[16], offset[8];
+};
+
+typedef float float8 __attribute__((vector_size(32)));
+typedef int32_t int8v __attribute__((vector_size(32)));
+typedef uint8_t byte8 __attribute__((vector_size(8)));
+typedef int8_t sbyte16 __attribute__((vector_size(16)));
+typedef int32_t int16v __attribute__((vector_size(64)));
+typedef float float16v __attribute__((vector_size(64)));
+
+/* 8 bytes as floats (exact), through 32-bit integers as byte_floats. */
+static inline float8 byte8_floats(uint64_t bytes) {
+    byte8 b;
+    memcpy(&b, &bytes, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, int8v), float8);
+}
+
+/* Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins unpacked 8 at a time (k_scale_min's values): bytes
+ * 0-3 hold scales 0-3 in their low 6 bits and the top 2 bits of scales 4-7; bytes 4-7 the same for the
+ * mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibbles) and mins 4-7 (high nibbles). */
+static inline void k_unpack_scales(const uint8_t *s, uint64_t *scales, uint64_t *mins) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3fu, top2 = 0x30303030u, nibble = 0x0f0f0f0fu;
+    *scales = (uint64_t)(a & low6) | (uint64_t)((c & nibble) | ((a >> 2) & top2)) << 32;
+    *mins = (uint64_t)(b & low6) | (uint64_t)(((c >> 4) & nibble) | ((b >> 2) & top2)) << 32;
+}
+
+static inline __attribute__((always_inline)) void k_prepare(const uint8_t *b, int type, struct k_scales *k) {
+    if (type == TYPE_Q6_K) {
+        sbyte16 sc;
+        memcpy(&sc, b + 192, sizeof sc);
+        const float16v scale = half_at(b + 208) * __builtin_convertvector(__builtin_convertvector(sc, int16v), float16v);
+        memcpy(k->scale, &scale, sizeof scale);
+        __asm__ volatile("" ::: "memory");
+        return;
+    }
+#if defined(__F16C__)
+    uint32_t head;
+    memcpy(&head, b, sizeof head);
+    const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128((int)head));
+    const float d = _mm_cvtss_f32(halves), dmin = _mm_cvtss_f32(_mm_movehdup_ps(halves));
+#else
+    const float d = half_at(b), dmin = half_at(b + 2);
+#endif
+    uint64_t scales, mins;
+    k_unpack_scales(b + 4, &scales, &mins);
+    const float8 scale = d * byte8_floats(scales), offset = -dmin * byte8_floats(mins); /* -: exact */
+    memcpy(k->scale, &scale, sizeof scale);
+    memcpy(k->offset, &offset, sizeof offset);
+    /* Read back from memory: each register broadcasts its scale from there (a load); kept in registers,
+     * the compiler took each apart by shuffles, on the port the lookups need (Q4_K 2x slower). */
+    __asm__ volatile("" ::: "memory");
+}
+
+/* Register v of a K-quant super-block (its weights v * LANES ..), made in registers from its scales:
+ * dequant_super_block's operations on the same operands, so its values. AVX-512 makes Q4_K's from the
+ * sub-block's 16 possible values, T[i] = (d * sc) * i - dmin * m (one rounding, as each weight's),
+ * looked up by nibble (vpermps reads an index's low 4 bits), as Q4_0's blocks: 1-2 instructions a
+ * register where widening, conversion and a multiply-add take 3. */
+static inline __attribute__((always_inline)) floatv k_register(const uint8_t *b, int type, int v,
+                                                               const struct k_scales *k) {
+    const int e = v * LANES; /* the register's first weight */
+    if (type == TYPE_Q6_K) { /* half h of 128, bit pair j of 32, scale group g of 16 (LANES divides 16) */
+        const int h = e / 128, j = e % 128 / 32, g = e % 32 / 16, o = e % 16;
+        const uint8_t *l = b + h * 64 + j % 2 * 32 + g * 16 + o, *hb = b + 128 + h * 32 + g * 16 + o;
+        const bytev q = ((bytes_at(l) >> (4 * (j / 2))) & 15) | ((bytes_at(hb) >> (2 * j)) & 3) << 4;
+        return ((floatv){0} + k->scale[h * 8 + j * 2 + g]) * (byte_floats(q) - 32.0f);
+    }
+    const int c = e / 64, high = e % 64 / 32, pos = e % 32, sub = 2 * c + high; /* sub-block 2c + high */
+    const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16) + c * 32 + pos;
+#if defined(__AVX512F__)
+    if (type == TYPE_Q4_K) {
+        const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_ps(k->scale[sub]), _mm512_set1_ps(k->offset[sub]));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        return (floatv)_mm512_permutexvar_ps(high ? _mm512_srli_epi32(bytes, 4) : bytes, table);
+    }
+#endif
+    bytev q = high ? bytes_at(qs) >> 4 : bytes_at(qs) & 15;
+    if (type == TYPE_Q5_K) q |= ((bytes_at(b + 16 + pos) >> sub) & 1) << 4;
+    return k->scale[sub] * byte_floats(q) + k->offset[sub];
+}
+
 /* The row's values: [K] fp32, what the loader's dequantization writes. */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row, int type, int64_t K, float *out) {
     const int bb = block_bytes(type);
@@ -382,6 +472,27 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
     const int bb = block_bytes(type);
     const int64_t blocks = K / QK;
     floatv acc[4][RB] = {{{0}}}, xv;
+    if (is_k_type(type)) { /* super-blocks of 256, each stream's made register by register */
+        for (int64_t i = 0; i < K / QK_K; i++) {
+            struct k_scales k[4];
+            for (int s = 0; s < ns; s++) {
+                __builtin_prefetch(w[s] + (i + K_PREFETCH) * bb, 0, 0); /* a few super-blocks ahead */
+                k_prepare(w[s] + i * bb, type, &k[s]);
+            }
+#pragma GCC unroll 32
+            for (int v = 0; v < QK_K / LANES; v++)
+                for (int s = 0; s < ns; s++) {
+                    const floatv weights = k_register(w[s] + i * bb, type, v, &k[s]);
+                    for (int r = 0; r < rb; r++) {
+                        memcpy(&xv, x + r * K + i * QK_K + v * LANES, sizeof xv);
+                        acc[s][r] += xv * weights;
+                    }
+                }
+        }
+        for (int s = 0; s < ns; s++)
+            for (int r = 0; r < rb; r++) sums[s][r][0] = hsum(acc[s][r]);
+        return;
+    }
 #ifdef REGISTER_SCALES /* stream by stream, each block's scales widened where it is read */
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t k = i * QK;
@@ -479,36 +590,6 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
         for (int j = 0; j < nb; j++) sums[r][j] = hsum(acc[r][j]);
 }
 
-/* K-quants, up to K_ROWS rows: each super-block of a weight row dequantized into a 256-float buffer that
- * stays in L1 and met there by every row (one accumulator per output over K, gemv.c's order); no tile
- * of whole rows written and read back. */
-#define K_ROWS 8
-#define K_PREFETCH 8 /* super-blocks ahead */
-static inline __attribute__((always_inline)) void k_rows(const float *x, int64_t K, const uint8_t *w, int type, int rb,
-                                                         const float *bias, float *out, int64_t N, int64_t n_start,
-                                                         int64_t n_end) {
-    const int bb = block_bytes(type);
-    const int64_t row_bytes = quant_row_bytes(type, K);
-    float buf[QK_K] __attribute__((aligned(64)));
-    for (int64_t n = n_start; n < n_end; n++) {
-        floatv acc[K_ROWS] = {{0}};
-        const uint8_t *wr = w + n * row_bytes;
-        for (int64_t i = 0; i < K / QK_K; i++) {
-            __builtin_prefetch(wr + (i + K_PREFETCH) * bb, 0, 0); /* a few super-blocks ahead, past the row too */
-            dequant_super_block(wr + i * bb, type, buf);
-            for (int v = 0; v < QK_K / LANES; v++) {
-                const floatv wv = load(buf + v * LANES);
-                for (int r = 0; r < rb; r++) {
-                    floatv xv;
-                    memcpy(&xv, x + r * K + i * QK_K + v * LANES, sizeof xv);
-                    acc[r] += xv * wv;
-                }
-            }
-        }
-        for (int r = 0; r < rb; r++) out[r * N + n] = hsum(acc[r]) + (bias ? bias[n] : 0.0f);
-    }
-}
-
 /* Many rows: panels of activation rows, NB weight rows dequantized into tile ([NB, K] fp32) at a time,
  * BLOCK_RB rows a block (the switch gives block() constant sizes). */
 static inline __attribute__((always_inline)) void panels(const float *x, int64_t rows, int64_t K, const uint8_t *w,
@@ -548,17 +629,7 @@ static inline __attribute__((always_inline)) void panels(const float *x, int64_t
 static inline __attribute__((always_inline)) int range_of(const float *x, int64_t rows, int64_t K, const uint8_t *w,
                                                           int type, int64_t N, const float *bias, float *out,
                                                           int64_t n_start, int64_t n_end) {
-    if (is_k_type(type) && rows <= K_ROWS) {
-        switch (rows) { /* constant row counts for the compiler */
-        case 1: k_rows(x, K, w, type, 1, bias, out, N, n_start, n_end); break;
-        case 2: k_rows(x, K, w, type, 2, bias, out, N, n_start, n_end); break;
-        case 3: k_rows(x, K, w, type, 3, bias, out, N, n_start, n_end); break;
-        case 4: k_rows(x, K, w, type, 4, bias, out, N, n_start, n_end); break;
-        default: k_rows(x, K, w, type, (int)rows, bias, out, N, n_start, n_end); break;
-        }
-        return 0;
-    }
-    if (rows <= PASS_ROWS && !is_k_type(type)) { /* ROW_MAX rows a pass over the weights */
+    if (rows <= PASS_ROWS) { /* ROW_MAX rows a pass over the weights */
         for (int64_t r = 0; r < rows; r += ROW_MAX) {
             const float *xr = x + r * K;
             float *out_r = out + r * N;
