@@ -44,7 +44,6 @@
 #define SMALL_WORK 32768
 #define PANEL_BYTES (192 * 1024)
 #define GUIDED_MIN 32
-#define K_PREFETCH 8 /* K-quant super-blocks ahead of each stream's read, in the few-row passes */
 
 #ifdef __AVX512F__ /* gemv.c's register width: the lanes must be its lanes */
 #define LANES 16
@@ -412,7 +411,8 @@ static inline __attribute__((always_inline)) floatv k_register(const uint8_t *b,
         const int h = e / 128, j = e % 128 / 32, g = e % 32 / 16, o = e % 16;
         const uint8_t *l = b + h * 64 + j % 2 * 32 + g * 16 + o, *hb = b + 128 + h * 32 + g * 16 + o;
         const bytev q = ((bytes_at(l) >> (4 * (j / 2))) & 15) | ((bytes_at(hb) >> (2 * j)) & 3) << 4;
-        return ((floatv){0} + k->scale[h * 8 + j * 2 + g]) * (byte_floats(q) - 32.0f);
+        const sbytev centred = (sbytev)q - 32; /* q - 32: exact in an int8 */
+        return k->scale[h * 8 + j * 2 + g] * __builtin_convertvector(__builtin_convertvector(centred, intv), floatv);
     }
     const int c = e / 64, high = e % 64 / 32, pos = e % 32, sub = 2 * c + high; /* sub-block 2c + high */
     const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16) + c * 32 + pos;
@@ -475,10 +475,7 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
     if (is_k_type(type)) { /* super-blocks of 256, each stream's made register by register */
         for (int64_t i = 0; i < K / QK_K; i++) {
             struct k_scales k[4];
-            for (int s = 0; s < ns; s++) {
-                __builtin_prefetch(w[s] + (i + K_PREFETCH) * bb, 0, 0); /* a few super-blocks ahead */
-                k_prepare(w[s] + i * bb, type, &k[s]);
-            }
+            for (int s = 0; s < ns; s++) k_prepare(w[s] + i * bb, type, &k[s]);
 #pragma GCC unroll 32
             for (int v = 0; v < QK_K / LANES; v++)
                 for (int s = 0; s < ns; s++) {
