@@ -1,8 +1,9 @@
 /* Matrix products out = x @ W^T (+ bias) with W kept in a GGUF file's block format, for the CPU
  * (engine-core process): Q8_0, Q4_0 and Q4_1, blocks of 32 weights, and the K-quants Q4_K, Q5_K and
  * Q6_K, super-blocks of 256; each row of W a run of blocks.
- * K-quants (dequant_super_block) take two paths only: up to K_ROWS rows, each super-block dequantized
- * into an L1 buffer and met by every row (k_rows); past that the panels below. Both are gemv_f32's sums.
+ * K-quants are made register by register from each super-block's unpacked scales (k_register) in the
+ * few-row passes, and dequantized whole (dequant_super_block) into the panels' tiles: gemv_f32's sums.
+ * A fused projection of several types is runs of rows, each its own type (QUANT_PARTS, parts_range).
  *
  * Each block is dequantized in registers to exactly the fp32 values of the `gguf` package's numpy
  * routines (the values the loader writes for a dequantized model): Q8_0 d * q, Q4_0 d * (q - 8),
