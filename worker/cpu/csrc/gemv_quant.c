@@ -2,7 +2,7 @@
  * (engine-core process): Q8_0, Q4_0 and Q4_1, blocks of 32 weights, and the K-quants Q4_K, Q5_K and
  * Q6_K, super-blocks of 256; each row of W a run of blocks.
  * K-quants are made register by register from each super-block's unpacked scales (k_register) in the
- * few-row passes, and dequantized whole (dequant_super_block) into the panels' tiles: gemv_f32's sums.
+ * few-row passes, and dequantized whole (dequant_super_block) into the many-row tiles: gemv_f32's sums.
  * A fused projection of several types is runs of rows, each its own type (QUANT_PARTS, parts_range).
  *
  * Each block is dequantized in registers to exactly the fp32 values of the `gguf` package's numpy
@@ -16,9 +16,9 @@
  * So each output is bit for bit gemv_f32's on the dequantized weights, for any row count, thread
  * count or split (batch invariance, docs/decisions.md; docs/quantized.md).
  * Up to PASS_ROWS rows the weights stream once a pass of up to four rows, dequantized block by block
- * in registers (AVX-512 and AVX2: 32 rows, where the passes beat the panels on a Zen 4 and a Zen 3;
- * elsewhere four); with more rows four weight rows at a time are dequantized into the thread's scratch
- * and reused by every row of a panel that stays in L2 (the dequantization paid once per panel, not
+ * in registers (AVX-512 and AVX2: 32 rows, where the passes beat the tiles on a Zen 4 and a Zen 3;
+ * elsewhere four); with more rows a tile of weight rows (TILE_BYTES, in L2) is dequantized into the
+ * thread's scratch once and met by every row of the call (the dequantization paid once per call, not
  * once per row).
  * AVX-512 and AVX2 widen each block's scales where the block is read (block_head), other CPUs 16
  * blocks at a time (block_scales); each block's quants then become floats by a lookup in its 16
@@ -43,7 +43,7 @@
 #define RB 4 /* activation rows per group */
 #define ROW_MAX 4
 #define SMALL_WORK 32768
-#define PANEL_BYTES (192 * 1024)
+#define TILE_BYTES (512 * 1024) /* the many-row product's dequantized weight rows: a quarter of a 2 MiB L2 */
 #define GUIDED_MIN 32
 
 #ifdef __AVX512F__ /* gemv.c's register width: the lanes must be its lanes */
@@ -588,36 +588,38 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
         for (int j = 0; j < nb; j++) sums[r][j] = hsum(acc[r][j]);
 }
 
-/* Many rows: panels of activation rows, NB weight rows dequantized into tile ([NB, K] fp32) at a time,
- * BLOCK_RB rows a block (the switch gives block() constant sizes). */
+/* Many rows: up to tile_rows weight rows dequantized into tile ([tile_rows, K] fp32, in L2) once, then
+ * every activation row met by them, BLOCK_RB rows by NB weight rows a block (the switch gives block()
+ * constant sizes), the BLOCK_RB rows staying in L1 while they meet the tile. Each weight is dequantized
+ * once per call (up to 256 rows, quant_linear.py's chunks), not once per panel of rows. */
 static inline __attribute__((always_inline)) void panels(const float *x, int64_t rows, int64_t K, const uint8_t *w,
-                                                        int type, int64_t N,
-                   const float *bias, float *out, int64_t n_start, int64_t n_end, float *tile) {
+                                                        int type, int64_t N, const float *bias, float *out,
+                                                        int64_t n_start, int64_t n_end, float *tile,
+                                                        int64_t tile_rows) {
     const int64_t row_bytes = quant_row_bytes(type, K);
     float sums[RB][NB];
-    int64_t panel = PANEL_BYTES / (K * (int64_t)sizeof(float)) / BLOCK_RB * BLOCK_RB;
-    panel = panel < BLOCK_RB ? BLOCK_RB : panel;
-    for (int64_t p = 0; p < rows; p += panel) {
-        const int64_t p_end = rows - p < panel ? rows : p + panel;
-        for (int64_t n = n_start; n < n_end;) {
-            const int nb = n_end - n < NB ? 1 : NB;
-            for (int j = 0; j < nb; j++) dequant_row(w + (n + j) * row_bytes, type, K, tile + j * K);
-            for (int64_t r = p; r < p_end; r += BLOCK_RB) {
-                const int rb = p_end - r < BLOCK_RB ? (int)(p_end - r) : BLOCK_RB;
-                const float *xr = x + r * K;
+    for (int64_t t = n_start; t < n_end; t += tile_rows) {
+        const int64_t t_end = n_end - t < tile_rows ? n_end : t + tile_rows;
+        for (int64_t n = t; n < t_end; n++) dequant_row(w + n * row_bytes, type, K, tile + (n - t) * K);
+        for (int64_t r = 0; r < rows; r += BLOCK_RB) {
+            const int rb = rows - r < BLOCK_RB ? (int)(rows - r) : BLOCK_RB;
+            const float *xr = x + r * K;
+            for (int64_t n = t; n < t_end;) {
+                const int nb = t_end - n < NB ? 1 : NB;
+                const float *wt = tile + (n - t) * K;
                 if (nb == NB) {
                     switch (rb) {
-                    case 1: block(xr, K, tile, 1, NB, sums); break;
-                    case 2: block(xr, K, tile, 2, NB, sums); break;
-                    case 3: block(xr, K, tile, 3, NB, sums); break;
-                    default: block(xr, K, tile, BLOCK_RB, NB, sums); break;
+                    case 1: block(xr, K, wt, 1, NB, sums); break;
+                    case 2: block(xr, K, wt, 2, NB, sums); break;
+                    case 3: block(xr, K, wt, 3, NB, sums); break;
+                    default: block(xr, K, wt, BLOCK_RB, NB, sums); break;
                     }
                 } else {
-                    block(xr, K, tile, rb, 1, sums);
+                    block(xr, K, wt, rb, 1, sums);
                 }
                 store(sums, rb, nb, bias, out + r * N, N, n);
+                n += nb;
             }
-            n += nb;
         }
     }
 }
@@ -640,9 +642,11 @@ static inline __attribute__((always_inline)) int range_of(const float *x, int64_
         }
         return 0;
     }
-    float *tile = malloc(sizeof(float) * NB * K);
+    int64_t tile_rows = TILE_BYTES / (K * (int64_t)sizeof(float)) / NB * NB;
+    tile_rows = tile_rows < NB ? NB : tile_rows;
+    float *tile = malloc(sizeof(float) * tile_rows * K);
     if (!tile) return -1;
-    panels(x, rows, K, w, type, N, bias, out, n_start, n_end, tile);
+    panels(x, rows, K, w, type, N, bias, out, n_start, n_end, tile, tile_rows);
     free(tile);
     return 0;
 }
