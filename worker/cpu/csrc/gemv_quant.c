@@ -16,8 +16,8 @@
  * So each output is bit for bit gemv_f32's on the dequantized weights, for any row count, thread
  * count or split (batch invariance, docs/decisions.md; docs/quantized.md).
  * Up to PASS_ROWS rows the weights stream once a pass of up to four rows, dequantized block by block
- * in registers (AVX-512 and AVX2: 32 rows, where the passes beat the tiles on a Zen 4 and a Zen 3;
- * elsewhere four); with more rows a tile of weight rows (TILE_BYTES, in L2) is dequantized into the
+ * in registers (AVX-512 8 rows, AVX2 32, where the passes beat the tiles on an Intel Xeon and a
+ * Zen 3; elsewhere four); with more rows a tile of weight rows (TILE_BYTES, in L2) is dequantized into the
  * thread's scratch once and met by every row of the call (the dequantization paid once per call, not
  * once per row).
  * AVX-512 and AVX2 widen each block's scales where the block is read (block_head), other CPUs 16
@@ -50,7 +50,10 @@
 #define LANES 16
 #define ROW_STREAMS 2
 #define BLOCK_RB 4 /* activation rows per block of the many-row product: 16 accumulators */
-#define PASS_ROWS 32 /* rows up to which the few-row product runs in passes of ROW_MAX rows */
+/* rows up to which the few-row product runs in passes of ROW_MAX rows: past 8 the L2 tiles win on an
+ * Intel Xeon (AMX host, [8192, 2048] at 16 rows: Q4_0 2.76 either way, Q4_K 3.54 -> 2.64 ms, Q6_K
+ * 5.57 -> 3.12; at 32 rows every type 13-52% faster), 2026-12-04 */
+#define PASS_ROWS 8
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define LANES 8
 #define ROW_STREAMS 2
