@@ -76,14 +76,15 @@ LAYER_NAMES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
-def test_q4_0_layers_with_a_q6_k_output_take_the_fused_forward_with_the_fp32_bits(tmp_path):
-    """llama-quantize's Q4_0 preset: the output matrix in Q6_K. The layers are one kind, so decode runs
-    the fused forward, its lm_head the Q6_K super-blocks."""
-    path = tmp_path / "q4_0_q6_k.gguf"
-    write_gguf_model(path, {"lm_head.weight": "Q6_K"}, "Q4_0", vocab_size=2048)
+@pytest.mark.parametrize("type_name, ggml_type", [("Q4_0", 2), ("Q8_0", 8)])
+def test_layers_with_a_q6_k_output_take_the_fused_forward_with_the_fp32_bits(tmp_path, type_name, ggml_type):
+    """llama-quantize's Q4_0 preset (and others): the output matrix in Q6_K. The layers are one kind, so
+    decode runs the fused forward, its lm_head the Q6_K super-blocks."""
+    path = tmp_path / f"{type_name}_q6_k.gguf"
+    write_gguf_model(path, {"lm_head.weight": "Q6_K"}, type_name, vocab_size=2048)
     model = load_model(str(path), "auto", torch.device("cpu"))
     assert isinstance(model.lm_head, QuantLinear) and model.lm_head.ggml_type == 14
-    assert_quantized_run_is_the_fp32_run(str(path), RANDOM_PROMPTS, 2)
+    assert_quantized_run_is_the_fp32_run(str(path), RANDOM_PROMPTS, ggml_type)
 
 
 def test_k_quant_layers_and_embedding_take_the_fused_forward_with_the_fp32_bits(tmp_path):
