@@ -1,7 +1,8 @@
 """The CPU backend: the model on the C kernels (engine-core process). fp32 activations and KV cache;
 the linear weights in one mapping collapsed into huge pages once loaded (streamed once a step: fewer
 TLB misses); each step's attention plan with its addresses (attention_plan.py); a decode-only step of
-few rows as one C call (fused_decode.py); the sampling passes in C (sampling_ops.py).
+few rows as one C call (fused_decode.py); the sampling passes in C (sampling_ops.py); the threads a
+step takes, fewer while another busy process shares the cores (thread_governor.py).
 The Backend protocol is worker/backend.py's.
 """
 
@@ -24,6 +25,7 @@ from worker.cpu.huge_pages import (
 )
 from worker.cpu.ops import apply_cpu_backend
 from worker.cpu.sampling_ops import CpuSamplingOps
+from worker.cpu.thread_governor import ThreadGovernor
 from worker.input_batch import StepInputs
 from worker.models.llama import LlamaModel
 
@@ -41,6 +43,7 @@ class CpuBackend:
         self.sampling = CpuSamplingOps(kernels)
         self.fused: FusedForward | None = None  # over the KV caches bound last; None: none bound
         self.huge_page_memory: torch.Tensor | None = None  # the linear weights' mapping, until collapsed
+        self.threads = ThreadGovernor(torch.get_num_threads())
 
     def place(self, model: LlamaModel) -> None:
         """The linear weights' place, before they are read, so that they are written once, there."""
@@ -61,6 +64,7 @@ class CpuBackend:
         return zeroed_kv_caches(num_layers, shape, dtype, torch.device("cpu"))
 
     def prepare(self, attn: AttentionMetadata) -> None:
+        self.threads.before_step()  # fewer threads while another busy process shares the cores
         attn.plan = cpu_attention_plan(attn, self.is_batch_invariant, self.block_size)
 
     def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None:

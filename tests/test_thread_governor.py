@@ -1,0 +1,67 @@
+"""The step's thread count on a shared host (worker/cpu/thread_governor.py): one thread while the
+step's thread waits for a CPU, all of them again once the host leaves the cores idle; the /proc
+figures it reads are this host's real ones where it runs, and a hand-written /proc in the logic tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from worker.cpu.thread_governor import ThreadGovernor
+
+
+class FakeHost:
+    """A /proc folder with the two files the governor reads, and a clock, moved by hand."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.now, self.waited_ns, self.idle_ticks = root, 100.0, 0, 0
+        (root / "self" / "task" / str(os.getpid())).mkdir(parents=True)
+        self.write()
+
+    def write(self) -> None:
+        (self.root / "self" / "task" / str(os.getpid()) / "schedstat").write_text(f"123 {self.waited_ns} 7\n")
+        (self.root / "stat").write_text(f"cpu  10 0 5 {self.idle_ticks} 0 0 0 0 0 0\ncpu0 1 2 3 4\n")
+
+    def advance(self, seconds: float, waited_s: float, idle_cores: float) -> None:
+        self.now += seconds
+        self.waited_ns += int(waited_s * 1e9)
+        self.idle_ticks += int(idle_cores * seconds * os.sysconf("SC_CLK_TCK"))
+        self.write()
+
+
+def test_a_shared_host_takes_one_thread_and_a_free_one_takes_them_all_back(tmp_path):
+    host, set_to = FakeHost(tmp_path), []
+    governor = ThreadGovernor(2, period_s=0.25, clock=lambda: host.now, set_threads=set_to.append,
+                              proc=str(tmp_path))
+    host.advance(0.5, waited_s=0.01, idle_cores=0.0)  # alone: the step's thread waited 2% of the time
+    assert governor.before_step() == 2 and set_to == []
+    host.advance(0.5, waited_s=0.25, idle_cores=0.0)  # another busy process: it waited half the time
+    assert governor.before_step() == 1 and set_to == [1]
+    host.advance(0.1, waited_s=0.0, idle_cores=1.0)  # within the period: no new look
+    assert governor.before_step() == 1
+    host.advance(0.5, waited_s=0.0, idle_cores=0.2)  # both engines on one thread: no core idle
+    assert governor.before_step() == 1 and set_to == [1]
+    host.advance(0.5, waited_s=0.0, idle_cores=0.95)  # the other one stopped: a core idle
+    assert governor.before_step() == 2 and set_to == [1, 2] and governor.changes == 2
+
+
+def test_without_proc_or_when_fixed_the_count_stays(tmp_path, monkeypatch):
+    set_to = []
+    governor = ThreadGovernor(2, clock=lambda: 1e9, set_threads=set_to.append, proc=str(tmp_path / "none"))
+    assert governor.before_step() == 2 and set_to == []
+    host = FakeHost(tmp_path)
+    monkeypatch.setenv("CORESERVE_FIXED_THREADS", "1")
+    fixed = ThreadGovernor(2, clock=lambda: host.now, set_threads=set_to.append, proc=str(tmp_path))
+    host.advance(1.0, waited_s=0.9, idle_cores=0.0)
+    assert fixed.before_step() == 2 and set_to == []
+
+
+def test_this_hosts_proc_figures_are_read():
+    """On Linux the real files parse: the sample is (now, seconds waited, idle CPU seconds)."""
+    governor = ThreadGovernor(max(2, torch.get_num_threads()), set_threads=lambda n: None)
+    sample = governor.sample()
+    assert sample is not None
+    now, waited_s, idle_s = sample
+    assert waited_s >= 0 and idle_s > 0 and now > 0

@@ -1,0 +1,85 @@
+"""How many threads a step takes while the host is shared (engine-core process).
+
+The kernels' threads wait for each other at every barrier of a step (a product's end, the fused
+forward's stages) by spinning, which is what makes a step fast when the engine has the cores to itself.
+When another busy process shares those cores (a second engine, a trainer beside its engine), the
+thread a barrier waits for is often not running, and its partner spins away the time slice the other
+process needed: two engines on two cores each ran at 0.25x of their speed alone (SmolLM2, Intel host;
+0.06x on an AMD host), and a passive wait for all (`OMP_WAIT_POLICY=passive`) cost a lone engine 45%.
+
+So the count follows the host, measured every `period_s` from the kernel's own accounts:
+- the step's thread (this process's main thread, which takes part in every parallel region) waited
+  for a CPU more than `CONTENDED` of the time (its run queue delay in /proc/self/task/<tid>/schedstat):
+  the host is shared, the steps go on one thread (no barrier to wait at, one core's worth of work);
+- one thread, and the host left `FREE` of each further core idle (/proc/stat): back to all of them.
+An engine alone never meets the first (its threads have the cores), so it keeps its speed; where
+/proc is not there (not Linux), or with CORESERVE_FIXED_THREADS=1 in the environment, the count never
+changes. Every kernel gives the same bits at any thread
+count (tests/test_quant_kernels.py, test_cpu_kernels.py), so the numbers do not follow the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+CONTENDED = 0.2  # share of the time the step's thread waited for a CPU: the host is shared
+FREE = 0.75  # share of a core left idle, for each core a step could take back
+
+logger = logging.getLogger(__name__)
+
+
+class ThreadGovernor:
+    def __init__(self, max_threads: int, period_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic, set_threads: Callable[[int], None] = torch.set_num_threads,
+                 proc: str = "/proc") -> None:
+        self.max_threads, self.period_s, self.clock, self.set_threads = max_threads, period_s, clock, set_threads
+        self._schedstat = f"{proc}/self/task/{os.getpid()}/schedstat"
+        self._stat = f"{proc}/stat"
+        self.threads = max_threads
+        self.changes = 0  # how often the count moved (for the logs and the tests)
+        fixed = os.environ.get("CORESERVE_FIXED_THREADS", "0") not in ("", "0")
+        self._last = None if fixed else self.sample()
+
+    def before_step(self) -> int:
+        """The threads this step takes (after a fresh look at the host where `period_s` has passed)."""
+        if self.max_threads <= 1 or self._last is None:
+            return self.threads
+        now = self.clock()
+        if now - self._last[0] < self.period_s:
+            return self.threads
+        sample = self.sample()
+        if sample is None:
+            return self.threads
+        wall = sample[0] - self._last[0]
+        waited = (sample[1] - self._last[1]) / wall  # seconds the step's thread waited, per second
+        idle_cores = (sample[2] - self._last[2]) / wall
+        self._last = sample
+        if self.threads > 1 and waited > CONTENDED:
+            self._set(1)
+        elif self.threads < self.max_threads and idle_cores > FREE * (self.max_threads - self.threads):
+            self._set(self.max_threads)
+        return self.threads
+
+    def _set(self, threads: int) -> None:
+        logger.info("steps take %d of %d threads (%s)", threads, self.max_threads,
+                    "another busy process shares the cores" if threads < self.max_threads else "the cores are free")
+        self.threads = threads
+        self.changes += 1
+        self.set_threads(threads)
+
+    def sample(self) -> tuple[float, float, float] | None:
+        """(now, the main thread's run-queue wait in seconds, idle CPU seconds of the host), or None."""
+        try:
+            with open(self._schedstat) as f:
+                waited_ns = int(f.read().split()[1])
+            with open(self._stat) as f:
+                fields = f.readline().split()  # "cpu user nice system idle iowait ..." in clock ticks
+        except (OSError, ValueError, IndexError):
+            return None
+        idle_s = (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+        return self.clock(), waited_ns / 1e9, idle_s
