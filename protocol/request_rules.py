@@ -26,6 +26,7 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_logprobs: int  # -1: any k, the whole vocabulary included
     num_kv_blocks: int
     block_size: int  # tokens per KV block
+    eos_token_ids: tuple[int, ...] = ()  # banned with the stop token ids until min_tokens are generated
 
     @classmethod
     def of(cls, facts: HandshakeReply) -> RequestLimits:
@@ -35,6 +36,7 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
             max_logprobs=facts.max_logprobs,
             num_kv_blocks=facts.num_kv_blocks,
             block_size=facts.block_size,
+            eos_token_ids=tuple(facts.eos_token_ids),
         )
 
 
@@ -54,7 +56,8 @@ def check_request(
     prompt_param: str = "prompt",
     is_max_tokens_strict: bool = False,
 ) -> None:
-    """Every rule, in this order: the prompt, (vLLM's length rule), logprobs, token id fields, KV room."""
+    """Every rule, in this order: the prompt, (vLLM's length rule), logprobs, token id fields, a token
+    left to sample under min_tokens, KV room."""
     check_prompt(prompt_token_ids, limits, prompt_param)
     if is_max_tokens_strict:
         check_max_tokens_fit(len(prompt_token_ids), params.max_tokens, limits, prompt_param)
@@ -64,6 +67,7 @@ def check_request(
     check_token_ids("stop_token_ids", params.stop_token_ids or (), limits.vocab_size)
     check_token_ids("logit_bias", params.logit_bias or (), limits.vocab_size)
     check_token_ids("allowed_token_ids", params.allowed_token_ids or (), limits.vocab_size)
+    check_min_tokens_leave_a_token(params, limits)
     check_kv_room(len(prompt_token_ids), params.max_tokens, limits)
 
 
@@ -125,6 +129,21 @@ def check_prompt_candidates(rows: list[list[int]] | None, num_prompt_tokens: int
         raise RequestRuleError(f"{name}: every row must have the same number of candidate ids", name)
     for row in rows:
         _check_ids(name, f"{name}: token id", row, vocab_size)
+
+
+def check_min_tokens_leave_a_token(params: SamplingParams, limits: RequestLimits) -> None:
+    """min_tokens bans the end-of-sequence and stop token ids until that many are generated; with
+    allowed_token_ids made of those alone, no token would be left to sample (every logit -inf)."""
+    if not params.min_tokens or params.allowed_token_ids is None:
+        return
+    banned = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(limits.eos_token_ids))
+    if set(params.allowed_token_ids) <= banned:
+        raise RequestRuleError(
+            f"allowed_token_ids {sorted(set(params.allowed_token_ids))[:8]} are all end-of-sequence or stop "
+            f"tokens, which min_tokens={params.min_tokens} bans until {params.min_tokens} tokens are "
+            "generated: no token could be sampled; allow another token or drop min_tokens",
+            "allowed_token_ids",
+        )
 
 
 def check_token_ids(name: str, token_ids: Iterable[int], vocab_size: int) -> None:

@@ -110,6 +110,21 @@ def test_allowed_token_ids_limit_what_is_sampled(client):
     assert set(result.choices[0].token_ids) <= set(allowed) and len(result.choices[0].token_ids) == 8
 
 
+def test_allowed_token_ids_that_min_tokens_bans_all_are_a_400_and_the_server_goes_on(client, tokenizer):
+    """Before: every logit -inf under the ban, so NaN logprobs and an arbitrary token came back."""
+    eos = tokenizer.eos_token_id
+    cases = [{"allowed_token_ids": [eos], "min_tokens": 2},
+             {"allowed_token_ids": [262, 290], "stop_token_ids": [262, 290], "min_tokens": 1, "ignore_eos": True}]
+    for extra in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logprobs=1, extra_body=extra)
+        assert info.value.body["param"] == "allowed_token_ids" and "min_tokens" in info.value.body["message"]
+    allowed = {"allowed_token_ids": [eos, 262], "min_tokens": 2, "return_token_ids": True}  # one token left
+    result = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=1, extra_body=allowed)
+    assert result.choices[0].token_ids[:2] == [262, 262]
+    assert all(lp is not None and lp == lp for lp in result.choices[0].logprobs.token_logprobs)  # no NaN
+
+
 def test_return_token_ids_and_tokens_as_token_ids(client, tokenizer):
     extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
     request = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=2, extra_body=extra)
