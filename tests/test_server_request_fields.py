@@ -2,7 +2,7 @@
 fields in extra_body): prompt_logprobs null when not asked for, legacy top_logprobs with the position's
 own token first, every unimplemented field a 400 naming it, and the fields implemented here:
 logit_bias, allowed_token_ids, return_tokens_as_token_ids, return_token_ids, truncate_prompt_tokens,
-chat prompt_logprobs, echo and continue_final_message."""
+chat prompt_logprobs (and the completions' scoring fields), echo and continue_final_message."""
 
 from __future__ import annotations
 
@@ -123,6 +123,26 @@ def test_allowed_token_ids_that_min_tokens_bans_all_are_a_400_and_the_server_goe
     result = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=1, extra_body=allowed)
     assert result.choices[0].token_ids[:2] == [262, 262]
     assert all(lp is not None and lp == lp for lp in result.choices[0].logprobs.token_logprobs)  # no NaN
+
+
+def test_chat_takes_the_scoring_fields_of_completions(client):
+    """prompt_logprob_token_ids and prompt_logprobs_temperature on a chat: its templated prompt scored as
+    a completion of the same ids scores it, candidates at every position; a bad one is a 400 by name."""
+    scoring = {"prompt_logprobs": 1, "prompt_logprob_token_ids": [11, 13, 262], "prompt_logprobs_temperature": 0.5}
+    chat = client.chat.completions.create(model=MODEL, messages=user(), max_tokens=1, temperature=0,
+                                          extra_body={**scoring, "return_token_ids": True})
+    completion = client.completions.create(model=MODEL, prompt=chat.prompt_token_ids, max_tokens=1,
+                                           temperature=0, extra_body=scoring)
+    assert chat.prompt_logprobs == completion.choices[0].prompt_logprobs
+    assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == len(chat.prompt_token_ids)
+    assert all({"11", "13", "262"} <= set(entry) for entry in chat.prompt_logprobs[1:])
+    only = client.chat.completions.create(model=MODEL, messages=user(), max_tokens=1,
+                                          extra_body={"prompt_logprob_token_ids": [11]})
+    assert all("11" in entry for entry in only.prompt_logprobs[1:])  # candidates alone: k = 0
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=user(), max_tokens=1,
+                                       extra_body={"prompt_logprobs_temperature": 0.5})
+    assert info.value.body["param"] == "prompt_logprobs_temperature"
 
 
 def test_return_token_ids_and_tokens_as_token_ids(client, tokenizer):

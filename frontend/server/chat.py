@@ -25,6 +25,7 @@ from frontend.server.inputs import (
 )
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.logprob_json import chat_content, vllm_prompt_logprobs
+from frontend.server.prompt_scoring import prompt_scoring_k, with_prompt_scoring
 from frontend.server.schemas import ChatCompletionRequest
 from frontend.server.state import ServerState
 from frontend.server.transport import sse_response, until_disconnected
@@ -59,7 +60,8 @@ def _params(server: ServerState, body: ChatCompletionRequest, prompt: PromptInpu
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     check_logprobs("top_logprobs", logprobs, server.facts)
     check_logprobs("prompt_logprobs", body.prompt_logprobs, server.facts)
-    return sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, server.facts.vocab_size)
+    params = sampling_params(body, max_tokens, logprobs, prompt_scoring_k(body), server.facts.vocab_size)
+    return with_prompt_scoring(params, body)
 
 
 class ChatResponse:
@@ -91,9 +93,10 @@ class ChatResponse:
         body = self._envelope("chat.completion", choices)
         body["usage"] = self._usage()
         body["prompt_logprobs"] = None  # vLLM's field, null when not asked for
-        if self.body.prompt_logprobs is not None:
+        k = prompt_scoring_k(self.body)
+        if k is not None:
             positions = self.prompt_logprobs or []
-            body["prompt_logprobs"] = vllm_prompt_logprobs(positions, self.body.prompt_logprobs)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(positions, k, self.body.prompt_logprob_token_ids)
         if self.body.return_token_ids:
             body["prompt_token_ids"] = list(self.generation.prompts[0].token_ids)
         return JSONBytesResponse(body)

@@ -71,6 +71,11 @@ class SamplingFields(StrictBody):
     allowed_token_ids: list[Int64] | None = None
     truncate_prompt_tokens: Int64 | None = None  # keep the last N prompt tokens; -1: the most that fit
     prompt_logprobs: NonNegativeInt64 | None = None  # vLLM's extension
+    # vLLM's scoring names: candidate ids scored at every prompt position (a flat list), or one row per
+    # position 1..P-1 of a single prompt (a chat's: of its templated prompt); and the temperature of the
+    # scored prompt distribution (docs/rl.md).
+    prompt_logprob_token_ids: list[Int64] | list[list[Int64]] | None = None
+    prompt_logprobs_temperature: float | None = None
     return_tokens_as_token_ids: bool = False  # logprob token strings as "token_id:N"
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
     # Ignorable by definition: identifiers and hints that change nothing coreserve computes.
@@ -96,10 +101,6 @@ class CompletionRequest(SamplingFields, StructuredFields, CompletionUnsupportedF
     add_special_tokens: bool = True
     suffix: Text | None = None  # refused: no insertion
     best_of: Int64 | None = None  # refused unless it equals n
-    # vLLM's names: candidate ids scored at every prompt position (a flat list), or one row per position
-    # 1..P-1 of a single prompt; and the temperature of the scored prompt distribution (docs/rl.md).
-    prompt_logprob_token_ids: list[Int64] | list[list[Int64]] | None = None
-    prompt_logprobs_temperature: float | None = None
 
 
 class TextPart(StrictBody):
