@@ -28,6 +28,7 @@ from frontend.server.logprob_json import chat_content, vllm_prompt_logprobs
 from frontend.server.prompt_scoring import prompt_scoring_k, with_prompt_scoring
 from frontend.server.schemas import ChatCompletionRequest
 from frontend.server.state import ServerState
+from frontend.server.structured_fields import parse_grammar_off_the_loop
 from frontend.server.transport import sse_response, until_disconnected
 
 
@@ -35,6 +36,7 @@ async def create_chat_completion(request: Request, body: ChatCompletionRequest) 
     server: ServerState = request.app.state.server
     server.check_model(body.model)
     check_request(body)
+    await parse_grammar_off_the_loop(body)
     prompt = await chat_prompt(server, body)
     generation = Generation(
         server.engine,

@@ -29,6 +29,7 @@ from frontend.server.logprob_json import LegacyLogprobs, vllm_prompt_logprobs
 from frontend.server.prompt_scoring import prompt_scoring_k, with_prompt_scoring
 from frontend.server.schemas import CompletionRequest
 from frontend.server.state import ServerState
+from frontend.server.structured_fields import parse_grammar_off_the_loop
 from frontend.server.transport import sse_response, until_disconnected
 
 
@@ -36,6 +37,7 @@ async def create_completion(request: Request, body: CompletionRequest) -> Respon
     server: ServerState = request.app.state.server
     server.check_model(body.model)
     check_request(body)
+    await parse_grammar_off_the_loop(body)
     prompts = await completion_prompts(server, body)
     generation = Generation(
         server.engine, server.new_request_id("cmpl"), prompts, _params(server, body, prompts), server.metrics
