@@ -17,6 +17,7 @@ import torch
 from frontend import LLM
 from frontend.errors import EngineDeadError
 from protocol.sampling_params import SamplingParams
+from protocol.structured_outputs import StructuredOutputsParams
 from tests.conftest import BATCH_SHAPE_TOLERANCE, PROMPTS, assert_same_positions, running_daemon
 from worker.models.config import LlamaArgs
 from worker.models.loader import read_config
@@ -90,6 +91,22 @@ def test_two_ranks_equal_one_for_model_families(family, family_model):
         expected = llm.generate(PROMPTS[:3], params)
     with LLM(path, multiprocess=False, **TP2) as llm:
         assert_same_outputs(expected, llm.generate(PROMPTS[:3], params))
+
+
+def test_two_ranks_carry_a_grammars_constraint_masses(tiny_path):
+    """Rank 0's output crosses to the core as a message: the masses each grammar allowed crossed too
+    (before: dropped on the way, so constraint_mass was empty under tensor parallelism)."""
+    grammar = StructuredOutputsParams(regex="( the| of| and)+")
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, structured_outputs=grammar)
+    with LLM(tiny_path, multiprocess=False, num_threads=1) as one:
+        expected = one.generate(PROMPTS[:2], params, use_tqdm=False)
+    with LLM(tiny_path, multiprocess=False, **TP2) as two:
+        actual = two.generate(PROMPTS[:2], params, use_tqdm=False)
+    for want, got in zip(expected, actual):
+        masses = want.outputs[0].constraint_masses
+        assert masses and len(masses) == len(want.outputs[0].token_ids) and all(0 < m <= 1 for m in masses)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].constraint_masses == pytest.approx(masses, rel=1e-5)
 
 
 def daemon_address() -> str:

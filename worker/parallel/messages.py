@@ -70,6 +70,7 @@ class WireRunnerOutput(msgspec.Struct, array_like=True):
     logprob_req_ids: list[str]
     logprobs: list[LogprobsArrays]  # one per step
     prompt_logprobs: dict[str, LogprobsArrays]
+    constraint_masses: dict[str, float] = {}  # req_id -> the mass its grammar allowed (logprob rows only)
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -102,6 +103,7 @@ def to_wire(output: ModelRunnerOutput) -> WireRunnerOutput:
         logprob_req_ids=output.logprob_req_ids,
         logprobs=[_arrays(rows) for rows in output.logprobs],
         prompt_logprobs={req_id: _arrays(rows) for req_id, rows in output.prompt_logprobs.items()},
+        constraint_masses=output.constraint_masses,
     )
 
 
@@ -115,6 +117,7 @@ def from_wire(wire: WireRunnerOutput) -> ModelRunnerOutput:
         logprob_req_ids=wire.logprob_req_ids,
         logprobs=[_host(arrays) for arrays in wire.logprobs],
         prompt_logprobs={req_id: _host(arrays) for req_id, arrays in wire.prompt_logprobs.items()},
+        constraint_masses=dict(wire.constraint_masses),
     )
 
 
