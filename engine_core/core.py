@@ -48,7 +48,7 @@ class EngineCore:
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
-        self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
         self.executor.allocate_kv_cache(self.num_kv_blocks)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = eos_token_ids(config.model)
@@ -71,6 +71,24 @@ class EngineCore:
             self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler.kv_cache = self.kv_cache
+
+    def _backed_num_blocks(self, num_blocks: int) -> int:
+        """The KV cache's pages are committed as blocks are first written, so a cache the host cannot
+        back would start and then fail under load. Where it lives in host memory it must fit in what
+        the host has available now (MemAvailable, the weights loaded): a given num_kv_blocks that does
+        not is refused, naming the flag; the default is cut to fit (at least one full-length sequence)."""
+        need, available = self.executor.host_kv_bytes(num_blocks), host_memory_available()
+        if not need or available is None or need <= available:
+            return num_blocks
+        gib = f"{need / 2**30:.2f} GiB for {num_blocks} blocks, but this host has {available / 2**30:.2f} GiB available"
+        if self.config.num_kv_blocks:
+            raise ValueError(f"the KV cache needs {gib}: lower num_kv_blocks (--num-kv-blocks)")
+        fit = num_blocks * available // need
+        if fit < -(-self.max_model_len // self.config.block_size):
+            raise ValueError(f"the KV cache needs {gib}, and less would not hold one sequence of max_model_len="
+                             f"{self.max_model_len} tokens: lower max_model_len (--max-model-len) or free memory")
+        logger.warning("the KV cache takes %d blocks, not %d: %s", fit, num_blocks, gib)
+        return fit
 
     def _default_num_blocks(self) -> int:
         per_seq = -(-self.max_model_len // self.config.block_size)
@@ -180,3 +198,17 @@ def runner_spec(config: EngineConfig) -> RunnerSpec:
 def core_req_id(client_id: bytes, req_id: str) -> str:
     """Request ids are per client; the core qualifies them so clients cannot collide."""
     return f"{client_id.hex()}/{req_id}"
+
+
+def host_memory_available() -> int | None:
+    """The bytes the host can still give without swapping (/proc/meminfo's MemAvailable); None where
+    unknown (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+

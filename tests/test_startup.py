@@ -121,3 +121,25 @@ def test_kv_cache_zero_pages_are_zero_apart_and_uncommitted_until_written():
     assert caches[0].abs().sum() == 0 and caches[2].abs().sum() == 0 and caches[1].sum() == 5.0
     assert caches[1].data_ptr() % 4096 == 0 and caches[0].data_ptr() + caches[0].nbytes <= caches[1].data_ptr()
     assert zero_page_tensors(1, (1 << 50,), torch.float32) is None  # more than any machine: refused
+
+
+def test_a_kv_cache_the_host_cannot_back_is_refused_at_start_naming_the_flag():
+    """Zero pages are committed as written, so a cache larger than the memory the host has available
+    (but within what the mapping allows) started before and failed under load. Now a given
+    num_kv_blocks past MemAvailable stops the core at start, naming --num-kv-blocks; the default
+    (kv_cache_gib past it) is cut to fit and the engine serves."""
+    from engine_core.core import host_memory_available
+    from frontend import LLM, SamplingParams
+    from frontend.errors import EngineDeadError
+
+    available = host_memory_available()
+    assert available is not None
+    bytes_per_block = 2 * 2 * 16 * 2 * 32 * 4  # builtin:tiny: (K, V) x 2 layers x 16 tokens x 2 KV heads x 32 x fp32
+    blocks = int(available * 1.2) // bytes_per_block
+    with pytest.raises(EngineDeadError, match="num-kv-blocks"):
+        with LLM("builtin:tiny", num_kv_blocks=blocks):
+            pass
+    with LLM("builtin:tiny", kv_cache_gib=available * 1.2 / 2**30, max_num_seqs=10**6) as llm:
+        assert llm.facts.num_kv_blocks * bytes_per_block <= host_memory_available() + 2**30  # cut to fit
+        out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4

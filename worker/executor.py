@@ -20,6 +20,7 @@ class Executor(Protocol):
     model_args: LlamaArgs  # the whole model's (a rank holds its share of the heads)
 
     def bytes_per_block(self) -> int: ...  # KV cache bytes a block takes (on each rank)
+    def host_kv_bytes(self, num_blocks: int) -> int: ...  # host memory that many blocks take (0 on a GPU)
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
     def close(self) -> None: ...  # stops rank processes, if any; safe to call twice

@@ -87,6 +87,10 @@ class ModelRunner:
         a = self.model.args
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
 
+    def host_kv_bytes(self, num_blocks: int) -> int:
+        """The host memory a KV cache of num_blocks takes: all of it on the CPU, none on a GPU."""
+        return num_blocks * self.bytes_per_block() if self.device.type == "cpu" else 0
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         begun = time.perf_counter()
         a = self.model.args

@@ -61,6 +61,7 @@ class TensorParallelExecutor:
         self.model_args: LlamaArgs = LlamaArgs.from_hf_config(read_config(spec.model))  # the whole model's
         shard_args(self.model_args, size)  # a ValueError now, before any process starts
         self.size = size
+        self.is_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
         self.on_progress = on_progress
         num_threads = spec.num_threads or max(1, torch.get_num_threads() // size)  # the core's, shared out
         self.folder = tempfile.mkdtemp(prefix="coreserve-tp-")
@@ -88,6 +89,10 @@ class TensorParallelExecutor:
     def bytes_per_block(self) -> int:
         """One rank's (each holds its share of the KV heads, so all are equal)."""
         return self._bytes_per_block
+
+    def host_kv_bytes(self, num_blocks: int) -> int:
+        """Every rank's share, in this host's memory where the ranks run on the CPU."""
+        return self.size * num_blocks * self._bytes_per_block if not self.is_cuda else 0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._send_all(AllocateKvCache(num_blocks))
