@@ -32,6 +32,12 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _non_negative(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of sequences (0 or more), got {text!r}")
+    return int(text)
+
+
 # engine argument -> (type, choices); each becomes --flag-with-dashes, passed on only when given
 _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "max_model_len": (int, None),
@@ -72,6 +78,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
         help="refuse a request body over N bytes with a 413, before reading it all "
         f"(default {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB: a 128k-token context several times over)",
+    )
+    parser.add_argument(
+        "--max-queued-requests", type=_non_negative, default=None, metavar="Q",
+        help="hold at most max_num_seqs + Q sequences (running and waiting); refuse more with a 503 and "
+        "Retry-After (default: no bound, as vLLM)",
     )
     parser.add_argument(
         "--enable-rl-endpoints", action="store_true",

@@ -44,6 +44,7 @@ async def create_chat_completion(request: Request, body: ChatCompletionRequest) 
         [prompt],
         _params(server, body, prompt),
         server.metrics,
+        server.admission,
     )
     response = ChatResponse(server, body, generation)
     if body.stream:

@@ -40,7 +40,7 @@ async def create_completion(request: Request, body: CompletionRequest) -> Respon
     await parse_grammar_off_the_loop(body)
     prompts = await completion_prompts(server, body)
     generation = Generation(
-        server.engine, server.new_request_id("cmpl"), prompts, _params(server, body, prompts), server.metrics
+        server.engine, server.new_request_id("cmpl"), prompts, _params(server, body, prompts), server.metrics, server.admission
     )
     response = CompletionResponse(server, body, generation)
     if body.stream:

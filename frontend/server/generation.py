@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from frontend.outputs import RequestOutput
+from frontend.server.admission import Admission
 from frontend.server.metrics import RequestTimer, ServerMetrics
 from protocol.sampling_params import SamplingParams
 
@@ -31,12 +32,15 @@ class Generation:
         prompts: list[PromptInput],
         params: SamplingParams,
         metrics: ServerMetrics,
+        admission: Admission | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
         self.metrics = metrics
+        self.admission = admission
+        self._admitted = 0  # sequences the admission holds for this generation until it closes
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._timers: list[RequestTimer] = []
         self._firsts: list[RequestOutput] = []
@@ -55,7 +59,11 @@ class Generation:
 
     async def start(self) -> None:
         """Submits every prompt; raises the engine's ValueError (after aborting the others) when one is
-        refused."""
+        refused; the admission's 503 (admission.py) before anything is submitted."""
+        if self.admission is not None:
+            sequences = len(self.prompts) * self.params.n
+            self.admission.admit(sequences)
+            self._admitted = sequences
         for i, prompt in enumerate(self.prompts):
             self._streams.append(
                 self.engine.generate(prompt.token_ids, self.params, f"{self.request_id}-{i}")
@@ -88,6 +96,9 @@ class Generation:
                 yield item
 
     async def close(self) -> None:
+        if self._admitted:
+            self.admission.release(self._admitted)
+            self._admitted = 0
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

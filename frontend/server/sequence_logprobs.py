@@ -52,7 +52,7 @@ async def get_sequence_logprobs(request: Request, body: SequenceLogprobsRequest)
         )
     except ValueError as exc:
         raise APIError(400, str(exc), "temperature") from exc
-    generation = Generation(server.engine, server.new_request_id("score"), prompts, params, server.metrics)
+    generation = Generation(server.engine, server.new_request_id("score"), prompts, params, server.metrics, server.admission)
     return await until_disconnected(request, _respond(generation, body))
 
 

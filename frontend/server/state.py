@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from frontend.engine.token_text import TokenTable
+from frontend.server.admission import Admission
 from frontend.server.errors import APIError
 from frontend.server.limits import DEFAULT_MAX_REQUEST_BYTES, PromptBound
 from frontend.server.metrics import ServerMetrics
@@ -25,6 +26,8 @@ class ServerState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     prompt_bound: PromptBound | None = None
     enable_rl_endpoints: bool = False  # /update_weights_from_disk, /pause, /sleep, ... (rl_routes.py)
+    max_queued_requests: int | None = None  # past max_num_seqs + this many sequences: 503 (admission.py)
+    admission: Admission | None = None
     _serials: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -32,6 +35,8 @@ class ServerState:
             self.table = self.engine.token_table
         if self.prompt_bound is None:
             self.prompt_bound = PromptBound(self.table, self.tokenizer)
+        if self.admission is None:
+            self.admission = Admission(self.engine.config.max_num_seqs, self.max_queued_requests)
 
     @property
     def tokenizer(self):

@@ -75,7 +75,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     prompts = [PromptInput(None, list(ids)) for ids in (body.input_ids if is_batch else [body.input_ids])]
     check_prompts(prompts, server.facts, body.sampling_params.max_new_tokens, "input_ids")
     params = _sampling_params(body)
-    generation = Generation(server.engine, server.new_request_id("gen"), prompts, params, server.metrics)
+    generation = Generation(server.engine, server.new_request_id("gen"), prompts, params, server.metrics, server.admission)
     return await until_disconnected(
         request, _respond(generation, body, is_one=not is_batch and params.n == 1)
     )
