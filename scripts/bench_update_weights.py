@@ -8,7 +8,9 @@ fused forward rebuilt over the new weights' addresses), reset_prefix_cache.
         [--daemon] [--tensor-parallel-size 2] [--num-threads N] [--dtype float32]
 
 --daemon starts `python -m engine_core` on an ipc socket and attaches to it (else the frontend spawns
-its core). Prints a table and writes JSON (--out). The machine is shared and noisy: note its load.
+its core). The first --first updates run right after the engine starts, as an RL loop's first syncs
+do (the core may still be collapsing its weights into huge pages then), and are reported beside the
+settled median. Prints a table and writes JSON (--out). The machine is shared and noisy: note its load.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=12.0,
                         help="seconds between start and the first update: a new core spends its first "
                         "idle seconds collapsing its weights into huge pages (worker/cpu/huge_pages.py)")
+    parser.add_argument("--first", type=int, default=3,
+                        help="updates right after the engine starts (reported apart), before the settling")
     parser.add_argument("--daemon", action="store_true", help="through an attached daemon")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-threads", type=int, default=None, help="the core's torch threads")
@@ -58,7 +62,12 @@ def main() -> None:
     state = list(_hf_named(core.executor.model))  # the trainer's side: HF names, copies of its own
     core.close()
     rounds: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    first: dict[str, list[float]] = {phase: [] for phase in PHASES}
     with _engine(model, engine, args.daemon) as llm:
+        for _ in range(args.first):  # as an RL loop does: its first syncs right after the engine starts
+            llm.update_weights(state)
+            for phase in PHASES:
+                first[phase].append(llm.engine.control.last_timings.get(phase, 0.0))
         time.sleep(args.settle)  # a long-running RL engine's steady state, not its first seconds
         for _ in range(args.repeats):
             llm.update_weights(state)
@@ -70,9 +79,11 @@ def main() -> None:
     print(f"{args.model} ({mode}): {num_bytes / 2**20:.0f} MiB of weights, {len(state)} tensors, "
           f"load avg {os.getloadavg()[0]:.1f}")
     for phase, values in rounds.items():
-        print(f"{phase:>18}: median {statistics.median(values):.3f} s  min {min(values):.3f} s")
-    result = dict(rounds, model=args.model, mode=mode, bytes=num_bytes, loadavg=os.getloadavg()[0],
-                  torch=torch.__version__)
+        starts = " ".join(f"{v:.3f}" for v in first[phase])
+        print(f"{phase:>18}: settled median {statistics.median(values):.3f} s  min {min(values):.3f} s"
+              f"   right after start: {starts} s")
+    result = dict(rounds, first_after_start=first, model=args.model, mode=mode, bytes=num_bytes,
+                  loadavg=os.getloadavg()[0], torch=torch.__version__)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 
