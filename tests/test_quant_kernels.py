@@ -77,9 +77,16 @@ def test_product_equals_the_fp32_kernel_on_the_dequantized_weights_for_every_row
     num_out, num_in = shapes_of(ggml_type)[shape]
     raw = random_blocks(ggml_type, num_out, num_in, seed=num_out)
     weight = dequantize(raw, ggml_type)
-    generator = torch.Generator().manual_seed(num_in)
-    x_all = torch.randn(max(ROWS), num_in, generator=generator)
-    bias = torch.randn(num_out, generator=generator)
+    assert_every_row_count_is_gemv_f32s(kernels, raw, ggml_type, weight, seed=num_in)
+
+
+def assert_every_row_count_is_gemv_f32s(kernels, raw: torch.Tensor, ggml_type: int, weight: torch.Tensor,
+                                        seed: int) -> None:
+    """quant_gemv of `raw` equals gemv_f32 on its values `weight`, for every count in ROWS, with and
+    without a bias, on one thread and two."""
+    generator = torch.Generator().manual_seed(seed)
+    x_all = torch.randn(max(ROWS), weight.shape[1], generator=generator)
+    bias = torch.randn(weight.shape[0], generator=generator)
     threads = torch.get_num_threads()
     try:
         for num_threads in (1, 2):
@@ -118,19 +125,7 @@ def test_runs_of_rows_of_different_types_equal_the_fp32_kernel_on_their_values(k
     weight = block_values(layer.weight)
     assert layer.ggml_type == QUANT_PARTS and torch.equal(weight, torch.cat([dequantize(r, t) for r, (_, t) in
                                                                              zip(runs, parts)]))
-    generator = torch.Generator().manual_seed(11)
-    x_all, bias = torch.randn(max(ROWS), num_in, generator=generator), torch.randn(68, generator=generator)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2):
-            torch.set_num_threads(num_threads)
-            for num_rows in ROWS:
-                x = x_all[:num_rows]
-                for b in (None, bias):
-                    ours = quant_gemv(kernels, x, layer.weight, QUANT_PARTS, b)
-                    assert torch.equal(ours, gemv(kernels, x, weight, b)), (num_threads, num_rows, b is None)
-    finally:
-        torch.set_num_threads(threads)
+    assert_every_row_count_is_gemv_f32s(kernels, layer.weight, QUANT_PARTS, weight, seed=11)
 
 
 def test_unsupported_types_and_widths_are_refused(kernels):

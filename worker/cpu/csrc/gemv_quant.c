@@ -575,24 +575,9 @@ static inline floatv load(const float *p) {
     return v;
 }
 
-/* rb activation rows against nb dequantized weight rows (fp32, [nb, K]), gemv.c's block() sums. */
-static inline __attribute__((always_inline)) void block(const float *x, int64_t K, const float *w, int rb, int nb,
-                                                        float sums[RB][NB]) {
-    floatv acc[RB][NB] = {{{0}}};
-    for (int64_t k = 0; k < K; k += LANES) {
-        floatv wv[NB], xv;
-        for (int j = 0; j < nb; j++) wv[j] = load(w + j * K + k);
-        for (int r = 0; r < rb; r++) {
-            memcpy(&xv, x + r * K + k, sizeof xv);
-            for (int j = 0; j < nb; j++) acc[r][j] += xv * wv[j];
-        }
-    }
-    for (int r = 0; r < rb; r++)
-        for (int j = 0; j < nb; j++) sums[r][j] = hsum(acc[r][j]);
-}
-
-/* rb activation rows against nb tile rows over k in [k0, k1), the sums carried in acc (memory between
- * calls): block()'s accumulators cut at k0 and k1, so the same operations in the same order. */
+/* rb activation rows against nb dequantized tile rows (fp32, [nb, K]) over k in [k0, k1), the sums
+ * carried in acc (memory between calls): gemv.c's block() accumulators cut at k0 and k1, so the same
+ * operations in the same order; the caller's hsum of each ends gemv.c's sums. */
 static inline __attribute__((always_inline)) void block_part(const float *x, int64_t K, const float *w, int rb, int nb,
                                                              int64_t k0, int64_t k1, floatv acc[RB][NB]) {
     floatv a[RB][NB];
