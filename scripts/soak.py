@@ -10,7 +10,9 @@ The mix, `--concurrency` clients each taking the next kind in turn: completions 
 prompt_logprobs=1), seeded sampling (temperature 1, seed, logprobs), chat (greedy, logprobs), a
 streamed completion (its chunks put together), a JSON-schema and a regex structured output, an aborted
 stream (the client leaves after its first chunk), an oversize body (a 413 expected) and a malformed one
-(a 400 expected). Before the run each checked kind is sent alone once: its reference. Every answer
+(a 400 expected); with `--control-every`, an RL loop's control cycle beside them (pause, sleep, wake,
+resume, and the model's own weights loaded again from `--weights`). Before the run each checked kind is
+sent alone once: its reference. Every answer
 during the run must equal its reference bit for bit (token ids, logprob values, text): engines that are
 batch invariant give the same numbers whatever shares the batch. A request that fails, hangs past
 `--timeout`, or answers another status than expected counts as an error of its kind.
@@ -111,6 +113,7 @@ class Soak:
         self.errors: dict[str, int] = {}
         self.wrong: dict[str, int] = {}
         self.samples: list[dict] = []
+        self.controls: dict[str, int] = {}  # RL control calls that succeeded, by endpoint
         self.completion_tokens = 0
 
     async def run(self) -> dict:
@@ -123,8 +126,11 @@ class Soak:
             started = time.monotonic()
             self.deadline = started + self.args.duration
             sampler = asyncio.create_task(self.sample(started))
+            control = asyncio.create_task(self.control(http)) if self.args.control_every else None
             await asyncio.gather(*(self.client(http, i) for i in range(self.args.concurrency)))
             sampler.cancel()
+            if control is not None:
+                control.cancel()
             self.samples.append(self.sample_once(started))
             elapsed = time.monotonic() - started
         return self.report(elapsed)
@@ -147,6 +153,24 @@ class Soak:
                 self._count(self.errors, f"{name}: HTTP {status}")
             elif answer != self.references[name]:
                 self._count(self.wrong, name)
+
+    async def control(self, http: httpx.AsyncClient) -> None:
+        """Every --control-every seconds an RL loop's cycle through the RL endpoints while the clients go
+        on: pause (running requests finish, new ones wait), sleep and wake (the KV cache freed and back),
+        resume, then the same weights loaded from disk (--weights): no answer may change."""
+        steps = [("/pause", {"mode": "wait"}, None), ("/sleep", {"level": 1}, None), ("/wake_up", {}, None),
+                 ("/resume", {}, None), ("/update_weights_from_disk", {}, {"model_path": self.args.weights})]
+        while True:
+            await asyncio.sleep(self.args.control_every)
+            for path, query, body in steps:
+                if body is not None and not self.args.weights:
+                    continue
+                try:
+                    reply = await http.post(path, params=query, json=body, timeout=self.args.timeout)
+                    ok = reply.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self._count(self.controls, path) if ok else self._count(self.errors, f"control {path}")
 
     async def sample(self, started: float) -> None:
         while True:
@@ -175,6 +199,7 @@ class Soak:
             "requests/s": len(all_latencies) / elapsed,
             "p50 latency s": statistics.median(all_latencies) if all_latencies else None,
             "p99 latency s": sorted(all_latencies)[int(0.99 * (len(all_latencies) - 1))] if all_latencies else None,
+            "control calls": self.controls,
             "errors": self.errors,
             "wrong answers": self.wrong,
             "last / first after warm-up": growth,
@@ -254,12 +279,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as hung")
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--warmup-s", type=float, default=20.0)
+    parser.add_argument("--control-every", type=float, default=0.0,
+                        help="seconds between RL control cycles (pause, sleep, wake, resume, update); 0: none. "
+                        "The server needs --enable-rl-endpoints (a server started here gets it)")
+    parser.add_argument("--weights", default=None,
+                        help="the model's own checkpoint (safetensors) for the cycle's update_weights_from_disk")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
     proc = None
     if args.base is None:
-        proc, args.base = start_server(args.model, ["--chat-template", args.chat_template] if args.chat_template else [])
+        flags = ["--chat-template", args.chat_template] if args.chat_template else []
+        proc, args.base = start_server(args.model, flags + (["--enable-rl-endpoints"] if args.control_every else []))
         args.pid = proc.pid
     try:
         pids = [p for p in (args.pid, core_pid(args.pid) if args.pid else None) if p]
