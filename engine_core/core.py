@@ -75,9 +75,12 @@ class EngineCore:
     def _backed_num_blocks(self, num_blocks: int) -> int:
         """The KV cache's pages are committed as blocks are first written, so a cache the host cannot
         back would start and then fail under load. Where it lives in host memory it must fit in what
-        the host has available now (MemAvailable, the weights loaded): a given num_kv_blocks that does
-        not is refused, naming the flag; the default is cut to fit (at least one full-length sequence)."""
+        the host has available now (0.9 of MemAvailable or of a cgroup's room, the weights loaded): a
+        given num_kv_blocks that does not is refused, naming the flag; the default is cut to fit (at
+        least one full-length sequence)."""
         need, available = self.executor.host_kv_bytes(num_blocks), host_memory_available()
+        if available is not None:
+            available = int(available * KV_MEMORY_SHARE)
         if not need or available is None or need <= available:
             return num_blocks
         gib = f"{need / 2**30:.2f} GiB for {num_blocks} blocks, but this host has {available / 2**30:.2f} GiB available"
@@ -200,15 +203,28 @@ def core_req_id(client_id: bytes, req_id: str) -> str:
     return f"{client_id.hex()}/{req_id}"
 
 
+KV_MEMORY_SHARE = 0.9  # of the memory available at start: the rest for the steps' scratch and the heap
+
+
 def host_memory_available() -> int | None:
-    """The bytes the host can still give without swapping (/proc/meminfo's MemAvailable); None where
-    unknown (not Linux)."""
+    """The bytes this process can still be given without swapping: /proc/meminfo's MemAvailable, less
+    a cgroup's (a container's) limit where that is lower; None where unknown (not Linux)."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max" and available is not None:
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return available
 

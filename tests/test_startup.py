@@ -140,6 +140,6 @@ def test_a_kv_cache_the_host_cannot_back_is_refused_at_start_naming_the_flag():
         with LLM("builtin:tiny", num_kv_blocks=blocks):
             pass
     with LLM("builtin:tiny", kv_cache_gib=available * 1.2 / 2**30, max_num_seqs=10**6) as llm:
-        assert llm.facts.num_kv_blocks * bytes_per_block <= host_memory_available() + 2**30  # cut to fit
+        assert llm.facts.num_kv_blocks * bytes_per_block <= 0.9 * host_memory_available() + 2**30  # cut to fit
         out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 4

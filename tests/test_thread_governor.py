@@ -22,7 +22,10 @@ class FakeHost:
 
     def write(self) -> None:
         (self.root / "self" / "task" / str(os.getpid()) / "schedstat").write_text(f"123 {self.waited_ns} 7\n")
-        (self.root / "stat").write_text(f"cpu  10 0 5 {self.idle_ticks} 0 0 0 0 0 0\ncpu0 1 2 3 4\n")
+        cpus = sorted(os.sched_getaffinity(0))
+        lines = [f"cpu{n} 10 0 5 {self.idle_ticks // len(cpus)} 0 0 0 0 0 0" for n in cpus]
+        other = f"cpu{max(cpus) + 1} 10 0 5 {10**9 + self.idle_ticks} 0 0 0 0 0 0"  # a CPU not ours: ignored
+        (self.root / "stat").write_text("\n".join([f"cpu  10 0 5 {10**9} 0 0 0 0 0 0", *lines, other]) + "\n")
 
     def advance(self, seconds: float, waited_s: float, idle_cores: float) -> None:
         self.now += seconds
@@ -43,7 +46,9 @@ def test_a_shared_host_takes_one_thread_and_a_free_one_takes_them_all_back(tmp_p
     assert governor.before_step() == 1
     host.advance(0.5, waited_s=0.0, idle_cores=0.2)  # both engines on one thread: no core idle
     assert governor.before_step() == 1 and set_to == [1]
-    host.advance(0.5, waited_s=0.0, idle_cores=0.95)  # the other one stopped: a core idle
+    host.advance(0.5, waited_s=0.0, idle_cores=0.95)  # the other one paused or stopped: a core idle
+    assert governor.before_step() == 1  # once is a pause between its steps
+    host.advance(0.5, waited_s=0.0, idle_cores=0.95)  # twice in a row: it stopped
     assert governor.before_step() == 2 and set_to == [1, 2] and governor.changes == 2
 
 

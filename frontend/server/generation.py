@@ -64,6 +64,13 @@ class Generation:
             sequences = len(self.prompts) * self.params.n
             self.admission.admit(sequences)
             self._admitted = sequences
+        try:
+            await self._submit()
+        except BaseException:  # refused, or cancelled (a shutdown): nothing left held
+            await self.close()
+            raise
+
+    async def _submit(self) -> None:
         for i, prompt in enumerate(self.prompts):
             self._streams.append(
                 self.engine.generate(prompt.token_ids, self.params, f"{self.request_id}-{i}")
@@ -72,7 +79,6 @@ class Generation:
         firsts = await asyncio.gather(*(_first(s) for s in self._streams), return_exceptions=True)
         errors = [item for item in firsts if isinstance(item, BaseException)]
         if errors:
-            await self.close()
             raise errors[0]
         self._firsts = firsts
 

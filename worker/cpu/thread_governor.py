@@ -11,7 +11,8 @@ So the count follows the host, measured every `period_s` from the kernel's own a
 - the step's thread (this process's main thread, which takes part in every parallel region) waited
   for a CPU more than `CONTENDED` of the time (its run queue delay in /proc/self/task/<tid>/schedstat):
   the host is shared, the steps go on one thread (no barrier to wait at, one core's worth of work);
-- one thread, and the host left `FREE` of each further core idle (/proc/stat): back to all of them.
+- one thread, and the CPUs this process may use (its affinity's lines of /proc/stat) left `FREE` of
+  each further core idle, twice in a row: back to all of them.
 An engine alone never meets the first (its threads have the cores), so it keeps its speed; where
 /proc is not there (not Linux), or with CORESERVE_FIXED_THREADS=1 in the environment, the count never
 changes. Every kernel gives the same bits at any thread
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -38,16 +40,22 @@ class ThreadGovernor:
                  clock: Callable[[], float] = time.monotonic, set_threads: Callable[[int], None] = torch.set_num_threads,
                  proc: str = "/proc") -> None:
         self.max_threads, self.period_s, self.clock, self.set_threads = max_threads, period_s, clock, set_threads
-        self._schedstat = f"{proc}/self/task/{os.getpid()}/schedstat"
-        self._stat = f"{proc}/stat"
+        self.proc = proc
+        self._schedstat = f"{proc}/self/task/{os.getpid()}/schedstat"  # the step thread's, set at its first step
+        self._cpus = {f"cpu{n}" for n in _allowed_cpus()}  # the CPUs this process may run on
         self.threads = max_threads
         self.changes = 0  # how often the count moved (for the logs and the tests)
-        fixed = os.environ.get("CORESERVE_FIXED_THREADS", "0") not in ("", "0")
-        self._last = None if fixed else self.sample()
+        self._free_looks = 0  # looks in a row that found the cores free (two take the threads back)
+        self._fixed = os.environ.get("CORESERVE_FIXED_THREADS", "0") not in ("", "0")
+        self._last = None if self._fixed else self.sample()
 
     def before_step(self) -> int:
         """The threads this step takes (after a fresh look at the host where `period_s` has passed)."""
         if self.max_threads <= 1 or self._last is None:
+            return self.threads
+        step_thread = f"{self.proc}/self/task/{threading.get_native_id()}/schedstat"
+        if step_thread != self._schedstat:  # steps run on another thread than the one that built this
+            self._schedstat, self._last = step_thread, self.sample()
             return self.threads
         now = self.clock()
         if now - self._last[0] < self.period_s:
@@ -61,8 +69,12 @@ class ThreadGovernor:
         self._last = sample
         if self.threads > 1 and waited > CONTENDED:
             self._set(1)
-        elif self.threads < self.max_threads and idle_cores > FREE * (self.max_threads - self.threads):
-            self._set(self.max_threads)
+        elif self.threads < self.max_threads:
+            is_free = min(idle_cores, self.max_threads) > FREE * (self.max_threads - self.threads)
+            self._free_looks = self._free_looks + 1 if is_free else 0
+            if self._free_looks >= 2:  # twice in a row: a pause between the other's steps is not its end
+                self._free_looks = 0
+                self._set(self.max_threads)
         return self.threads
 
     def _set(self, threads: int) -> None:
@@ -77,9 +89,19 @@ class ThreadGovernor:
         try:
             with open(self._schedstat) as f:
                 waited_ns = int(f.read().split()[1])
-            with open(self._stat) as f:
-                fields = f.readline().split()  # "cpu user nice system idle iowait ..." in clock ticks
+            idle_ticks = 0
+            with open(f"{self.proc}/stat") as f:
+                for line in f:  # "cpuN user nice system idle iowait ..." in clock ticks, the allowed CPUs'
+                    fields = line.split()
+                    if fields and fields[0] in self._cpus:
+                        idle_ticks += int(fields[4]) + int(fields[5])
         except (OSError, ValueError, IndexError):
             return None
-        idle_s = (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
-        return self.clock(), waited_ns / 1e9, idle_s
+        return self.clock(), waited_ns / 1e9, idle_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))

@@ -48,9 +48,19 @@ def quantization_plan(path: str, model: nn.Module, destination: Destination) -> 
             continue
         if len(types) == 1:
             plan[module_path] = types.pop()
-        elif isinstance(module, nn.Linear):
-            plan[module_path] = _merged_runs(sorted(runs))
+        elif isinstance(module, nn.Linear) and _tile(sorted(runs), module.out_features):
+            plan[module_path] = _merged_runs(sorted(runs))  # else fp32, and the loader names what is missing
     return plan
+
+
+def _tile(runs: list[tuple[int, int, int]], num_out: int) -> bool:
+    """Whether the tensors' rows, in order, cover [0, num_out) once each."""
+    end = 0
+    for first, rows, _ in runs:
+        if first != end:
+            return False
+        end += rows
+    return end == num_out
 
 
 def _merged_runs(runs: list[tuple[int, int, int]]) -> Parts:
