@@ -18,8 +18,9 @@ batch invariant give the same numbers whatever shares the batch. A request that 
 `--timeout`, or answers another status than expected counts as an error of its kind.
 
 Every `--sample-s` seconds: the resident memory (VmRSS) and open file descriptors of the server process
-and its engine core (found as its child). The report compares the last sample with the first after the
-warm-up (`--warmup-s`). `--plot` writes RSS and open files over time (matplotlib).
+and its engine core (found as its child). The report compares, after the
+warm-up (`--warmup-s`): the floor (lowest sample) of the last third against that of the first (the KV
+cache's pages come and go; a leak raises the floor). `--plot` writes RSS and open files over time.
 """
 
 from __future__ import annotations
@@ -190,8 +191,12 @@ class Soak:
 
     def report(self, elapsed: float) -> dict:
         done = [s for s in self.samples if s["t"] >= self.args.warmup_s] or self.samples[-1:]
-        first, last = done[0], self.samples[-1]
-        growth = {key: last[key] / first[key] for key in first if key != "t" and first.get(key)}
+        third = max(1, len(done) // 3)
+        early, late = done[:third], done[-third:]
+        # the lowest of each third: the KV cache's pages come and go (committed as blocks are written,
+        # freed by a sleep), what a leak leaves is a floor that rises
+        growth = {key: min(s[key] for s in late if key in s) / min(s[key] for s in early if key in s)
+                  for key in done[0] if key != "t" and done[0].get(key)}
         all_latencies = [v for values in self.latencies.values() for v in values]
         return {
             "duration s": elapsed,
@@ -202,7 +207,7 @@ class Soak:
             "control calls": self.controls,
             "errors": self.errors,
             "wrong answers": self.wrong,
-            "last / first after warm-up": growth,
+            "late / early floor after warm-up": growth,
             "samples": self.samples,
         }
 

@@ -26,6 +26,6 @@ def test_sixty_seconds_of_mixed_traffic_lose_nothing_and_grow_nothing(tmp_path):
     assert result["errors"] == {} and result["wrong answers"] == {}
     assert len(result["control calls"]) == 5 and min(result["control calls"].values()) >= 4  # ~5 cycles
     assert all(count >= 3 for count in result["requests"].values()), result["requests"]
-    growth = result["last / first after warm-up"]
+    growth = result["late / early floor after warm-up"]
     assert set(growth) == {"server RSS MiB", "server open files", "core RSS MiB", "core open files"}
     assert all(ratio <= 1.05 for ratio in growth.values()), growth
