@@ -273,16 +273,6 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
  * Q4_K d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (32 bytes per two sub-blocks,
  * low nibbles first); Q5_K the same with 32 bytes of fifth bits before the nibbles; Q6_K 128 bytes of
  * low nibbles, 64 of high bit pairs, 16 int8 scales, then d. Vector code in LANES-wide registers. */
-static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-    }
-}
-
 typedef int32_t intv __attribute__((vector_size(4 * LANES)));
 
 /* LANES bytes as floats (exact: 0..255), widened to 32-bit integers first (one zero-extension and one
@@ -297,54 +287,8 @@ static inline bytev bytes_at(const uint8_t *p) {
     return v;
 }
 
-static inline void put(float *p, floatv v) { memcpy(p, &v, sizeof v); }
-
-static inline __attribute__((always_inline)) void dequant_super_block(const uint8_t *b, int type, float *out) {
-    if (type == TYPE_Q6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = half_at(b + 208);
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 4; j++) /* 32 weights: ql's half t shifted 4 * s, qh's bit pair j */
-                for (int g = 0; g < 2; g++) { /* 16 weights of one scale */
-                    const int s = j / 2, t = j % 2;
-                    const uint8_t *l = ql + h * 64 + t * 32 + g * 16, *hb = qh + h * 32 + g * 16;
-                    const floatv scale = (floatv){0} + d * (float)scales[h * 8 + j * 2 + g];
-                    float *o = out + h * 128 + j * 32 + g * 16;
-                    for (int v = 0; v < 16 / LANES; v++) {
-                        const bytev q = ((bytes_at(l + v * LANES) >> (4 * s)) & 15) |
-                                        ((bytes_at(hb + v * LANES) >> (2 * j)) & 3) << 4;
-                        put(o + v * LANES, scale * (byte_floats(q) - 32.0f)); /* q - 32: exact */
-                    }
-                }
-        return;
-    }
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == TYPE_Q5_K ? 48 : 16);
-    float dsc[8], dm[8];
-    for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        k_scale_min(scales, j, &sc, &mn);
-        dsc[j] = d * (float)sc;
-        dm[j] = dmin * (float)mn;
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) /* sub-blocks 2c (low nibbles) and 2c + 1 (high) share 32 bytes */
-        for (int v = 0; v < 32 / LANES; v++) {
-            const bytev q = bytes_at(qs + c * 32 + v * LANES);
-            bytev low = q & 15, high = q >> 4;
-            if (type == TYPE_Q5_K) {
-                const bytev h = bytes_at(qh + v * LANES);
-                low |= ((h >> (2 * c)) & 1) << 4;
-                high |= ((h >> (2 * c + 1)) & 1) << 4;
-            }
-            put(out + 2 * c * 32 + v * LANES, dsc[2 * c] * byte_floats(low) - dm[2 * c]);
-            put(out + (2 * c + 1) * 32 + v * LANES, dsc[2 * c + 1] * byte_floats(high) - dm[2 * c + 1]);
-        }
-}
-
 /* A K-quant super-block's scales, made once for its registers (k_register): Q4_K and Q5_K d * sc and
- * -dmin * m of each sub-block of 32, Q6_K d * sc of each 16; each exact (see dequant_super_block). */
+ * -dmin * m of each sub-block of 32, Q6_K d * sc of each 16; each exact (see the values' note above). */
 struct k_scales {
     float scale[16], offset[8];
 };
@@ -363,7 +307,7 @@ static inline float8 byte8_floats(uint64_t bytes) {
     return __builtin_convertvector(__builtin_convertvector(b, int8v), float8);
 }
 
-/* Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins unpacked 8 at a time (k_scale_min's values): bytes
+/* Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins unpacked 8 at a time: bytes
  * 0-3 hold scales 0-3 in their low 6 bits and the top 2 bits of scales 4-7; bytes 4-7 the same for the
  * mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibbles) and mins 4-7 (high nibbles). */
 static inline void k_unpack_scales(const uint8_t *s, uint64_t *scales, uint64_t *mins) {
@@ -404,7 +348,7 @@ static inline __attribute__((always_inline)) void k_prepare(const uint8_t *b, in
 }
 
 /* Register v of a K-quant super-block (its weights v * LANES ..), made in registers from its scales:
- * dequant_super_block's operations on the same operands, so its values. AVX-512 makes Q4_K's from the
+ * the numpy routines' operations on the same operands, so their values. AVX-512 makes Q4_K's from the
  * sub-block's 16 possible values, T[i] = (d * sc) * i - dmin * m (one rounding, as each weight's),
  * looked up by nibble (vpermps reads an index's low 4 bits), as Q4_0's blocks: 1-2 instructions a
  * register where widening, conversion and a multiply-add take 3. */
@@ -431,6 +375,17 @@ static inline __attribute__((always_inline)) floatv k_register(const uint8_t *b,
     bytev q = high ? bytes_at(qs) >> 4 : bytes_at(qs) & 15;
     if (type == TYPE_Q5_K) q |= ((bytes_at(b + 16 + pos) >> sub) & 1) << 4;
     return k->scale[sub] * byte_floats(q) + k->offset[sub];
+}
+
+/* A super-block's 256 values into out, register by register: the few-row passes' values. */
+static inline __attribute__((always_inline)) void dequant_super_block(const uint8_t *b, int type, float *out) {
+    struct k_scales k;
+    k_prepare(b, type, &k);
+#pragma GCC unroll 32
+    for (int v = 0; v < QK_K / LANES; v++) {
+        const floatv weights = k_register(b, type, v, &k);
+        memcpy(out + v * LANES, &weights, sizeof weights);
+    }
 }
 
 /* The row's values: [K] fp32, what the loader's dequantization writes. */
