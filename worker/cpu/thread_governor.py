@@ -41,7 +41,7 @@ class ThreadGovernor:
                  proc: str = "/proc") -> None:
         self.max_threads, self.period_s, self.clock, self.set_threads = max_threads, period_s, clock, set_threads
         self.proc = proc
-        self._schedstat = f"{proc}/self/task/{os.getpid()}/schedstat"  # the step thread's, set at its first step
+        self._step_thread = os.getpid()  # the thread that steps (its schedstat is read); set at its first step
         self._cpus = {f"cpu{n}" for n in _allowed_cpus()}  # the CPUs this process may run on
         self.threads = max_threads
         self.changes = 0  # how often the count moved (for the logs and the tests)
@@ -51,14 +51,11 @@ class ThreadGovernor:
 
     def before_step(self) -> int:
         """The threads this step takes (after a fresh look at the host where `period_s` has passed)."""
-        if self.max_threads <= 1 or self._last is None:
+        if self.max_threads <= 1 or self._last is None or self.clock() - self._last[0] < self.period_s:
             return self.threads
-        step_thread = f"{self.proc}/self/task/{threading.get_native_id()}/schedstat"
-        if step_thread != self._schedstat:  # steps run on another thread than the one that built this
-            self._schedstat, self._last = step_thread, self.sample()
-            return self.threads
-        now = self.clock()
-        if now - self._last[0] < self.period_s:
+        step_thread = threading.get_native_id()
+        if step_thread != self._step_thread:  # steps run on another thread than the one that built this
+            self._step_thread, self._last = step_thread, self.sample()
             return self.threads
         sample = self.sample()
         if sample is None:
@@ -87,7 +84,7 @@ class ThreadGovernor:
     def sample(self) -> tuple[float, float, float] | None:
         """(now, the main thread's run-queue wait in seconds, idle CPU seconds of the host), or None."""
         try:
-            with open(self._schedstat) as f:
+            with open(f"{self.proc}/self/task/{self._step_thread}/schedstat") as f:
                 waited_ns = int(f.read().split()[1])
             idle_ticks = 0
             with open(f"{self.proc}/stat") as f:
