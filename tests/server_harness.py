@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -106,6 +108,29 @@ def _is_gone(pid: int, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def latencies_while(base: str, request: Callable[[], object], probe: str = "/health") -> tuple[object, float, list[float]]:
+    """Runs `request` on a thread and, until it returns, times a GET of `probe` every 20 ms: (what it
+    returned, its seconds, the probes' latencies). The event loop is free while the probes stay fast."""
+    done = {}
+
+    def run() -> None:
+        started = time.perf_counter()
+        done["result"] = request()
+        done["seconds"] = time.perf_counter() - started
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    latencies = []
+    with httpx.Client(base_url=base, timeout=60) as http:
+        while thread.is_alive():
+            started = time.perf_counter()
+            assert http.get(probe).status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.02)
+    thread.join()
+    return done["result"], done["seconds"], latencies
 
 
 def is_healthy(base: str) -> bool:

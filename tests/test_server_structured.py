@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from server_harness import MODEL as TINY
-from server_harness import running_server
+from server_harness import latencies_while, running_server
 
 from protocol.builtin_model import builtin_model_path
 
@@ -156,22 +154,11 @@ def test_the_first_grammar_leaves_other_clients_served_meanwhile():
     """The first grammar of a fresh server imports xgrammar (1.4 s here): on a worker thread, so the
     requests beside it are answered at once (0.1-0.2 s at worst, the import holding the GIL in turns);
     on the event loop (before) one of them waited out the import (0.75 s and more)."""
+    body = {"model": TINY, "prompt": "Today is ", "max_tokens": 10, "structured_outputs": {"regex": DATE}}
     with running_server() as (url, _), httpx.Client(base_url=url, timeout=120) as http:
         assert http.post("/v1/completions", json={"model": TINY, "prompt": "Hi", "max_tokens": 1}).status_code == 200
-        done = {}
-
-        def structured() -> None:
-            body = {"model": TINY, "prompt": "Today is ", "max_tokens": 10, "structured_outputs": {"regex": DATE}}
-            done["status"] = http.post("/v1/completions", json=body).status_code
-
-        thread = threading.Thread(target=structured)
-        thread.start()
-        latencies = []
-        while thread.is_alive():
-            started = time.perf_counter()
-            assert http.get("/v1/models").status_code == 200
-            latencies.append(time.perf_counter() - started)
-            time.sleep(0.02)
-        thread.join()
-    assert done["status"] == 200 and len(latencies) >= 5  # the window covered the import and more
+        status, _, latencies = latencies_while(
+            url, lambda: http.post("/v1/completions", json=body).status_code, probe="/v1/models"
+        )
+    assert status == 200 and len(latencies) >= 5  # the window covered the import and more
     assert max(latencies) < 0.4, latencies
