@@ -16,7 +16,7 @@ import time
 import msgspec
 
 from protocol.addresses import is_loopback, split_address
-from protocol.config import ENGINE_ARG_HELP, EngineConfig
+from protocol.config import ENGINE_ARG_HELP, EngineConfig, parse_speculative_config
 from protocol.curve_keys import KeyPair, load_allowed_keys, load_key_pair, make_key_pair
 
 
@@ -73,6 +73,11 @@ def build_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> E
             for f in EngineConfig.__struct_fields__
             if f != "model" and getattr(args, f) is not None
         }
+        if "speculative_config" in values:  # JSON on the command line, vLLM's names
+            spec = msgspec.structs.asdict(parse_speculative_config(values["speculative_config"]))
+            if spec["model"] is not None:
+                spec["model"] = resolve_model(spec["model"])
+            values["speculative_config"] = spec
         return msgspec.convert({"model": resolve_model(args.model), **values}, EngineConfig, strict=False)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         parser.error(_flag_error(str(exc)))

@@ -59,6 +59,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             num_scheduler_steps=config.num_scheduler_steps,
             grammars=Grammars(config.model, self.vocab_size, self.eos_token_ids),
+            speculative=config.speculative_config,
         )
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
         self.limits = RequestLimits.of(self.facts())
@@ -111,6 +112,7 @@ class EngineCore:
             prefix_cache_queries=self.kv_cache.num_queried_tokens,
             prefix_cache_hits=self.kv_cache.num_hit_tokens,
             num_prefill_tokens=scheduler.num_prefill_tokens,
+            **_speculative_stats(scheduler),
         )
 
     def facts(self) -> HandshakeReply:
@@ -184,6 +186,19 @@ class EngineCore:
         self.executor.close()
 
 
+def _speculative_stats(scheduler) -> dict:
+    """The speculation counters since start (EngineStats' spec_* fields); none without speculation."""
+    policy = scheduler.speculation
+    if policy is None:
+        return {}
+    return dict(
+        spec_num_drafts=policy.num_rounds,
+        spec_num_draft_tokens=policy.num_draft_tokens,
+        spec_num_accepted_tokens=policy.num_accepted_tokens,
+        spec_accepted_per_position=list(policy.accepted_per_position),
+    )
+
+
 def runner_spec(config: EngineConfig) -> RunnerSpec:
     return RunnerSpec(
         model=config.model,
@@ -195,6 +210,7 @@ def runner_spec(config: EngineConfig) -> RunnerSpec:
         batch_invariant=config.batch_invariant,
         tensor_parallel_size=config.tensor_parallel_size,
         num_threads=config.num_threads,
+        speculative=config.speculative_config,
     )
 
 

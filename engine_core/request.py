@@ -48,6 +48,13 @@ class Request:
         self.prompt_logprob_parts: list[LogprobsArrays] = []  # chunks until the first sampled token
         self.has_sent_prompt_logprobs = params.prompt_logprobs is None
         self.grammar = None  # engine_core/grammars.py's RequestGrammar, for structured outputs
+        # Speculative decoding (engine_core/speculation.py): its proposal length now, the rounds in a row
+        # that kept no proposed token, the steps left without proposals; tokens proposed and kept in all
+        self.spec_k = 0
+        self.spec_misses = 0
+        self.spec_pause = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,8 +12,10 @@ from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.outputs import make_output
 from engine_core.prefix_index import ROOT
 from engine_core.request import Request, RequestStatus
+from engine_core.speculation import SpeculationPolicy
 from engine_core.stop import check_stop
 from engine_core.waiting_queue import WaitingQueue
+from protocol.config import SpeculativeConfig
 from protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from protocol.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -27,6 +29,7 @@ class Scheduler:
         max_model_len: int,
         num_scheduler_steps: int = 1,
         grammars: Grammars | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.grammars = grammars  # structured outputs; None: every request is unconstrained
@@ -34,6 +37,7 @@ class Scheduler:
         self.failed: list[tuple[Request, str]] = []  # grammars that did not compile, with why: reported next
         self.num_with_grammar = 0  # requests in flight with a grammar: 0 skips every grammar step
         self.num_scheduler_steps = num_scheduler_steps
+        self.speculation = None if speculative is None else SpeculationPolicy(speculative)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -101,12 +105,16 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             req = self.running[index]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(req, num_new, output)
+            num_spec, new_blocks = self._allocate_proposals(req, num_new, budget)
+            if not num_spec:
+                new_blocks = self._allocate_or_preempt(req, num_new, output)
             if new_blocks is None:
                 break
             output.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
             self._commit(req, num_new, output)
-            budget -= num_new
+            if num_spec:
+                output.spec_tokens[req.req_id] = num_spec
+            budget -= num_new + num_spec
             index += 1
         is_preempted = (
             len(output.finished_req_ids) > num_dropped_before
@@ -117,11 +125,23 @@ class Scheduler:
             if num_new is None:
                 break
             budget -= num_new
-        if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs:
+        if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs and not output.spec_tokens:
             self._extend_to_window(output)
         if self.num_with_grammar:
             self.grammars.add_bitmask(output, [self.requests[r] for r in output.num_scheduled_tokens])
         return output
+
+    def _allocate_proposals(self, req: Request, num_new: int, budget: int) -> tuple[int, list[int] | None]:
+        """Speculative decoding: (proposals, new blocks) for a decoding request, its blocks grown for
+        them; (0, None) where it does not speculate this step or the free blocks do not hold them (no
+        request is preempted for proposals)."""
+        if self.speculation is None or num_new != 1 or req.num_output_tokens == 0:
+            return 0, None
+        num_spec = self.speculation.num_tokens(req, len(self.running), budget, self.max_model_len)
+        if not num_spec:
+            return 0, None
+        new_blocks = self.kv_cache.allocate(req.req_id, req.num_computed_tokens + 1 + num_spec)
+        return (0, None) if new_blocks is None else (num_spec, new_blocks)
 
     def _take_compiled(self) -> None:
         """Requests whose grammar compiled join the waiting queue; one that failed is reported with its
@@ -269,6 +289,7 @@ class Scheduler:
         sampled = dict(zip(runner_output.sampled_req_ids, runner_output.sampled_token_ids.tolist()))
         logprob_rows = {req_id: row for row, req_id in enumerate(runner_output.logprob_req_ids)}
         by_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        spec_counts: dict[bytes, dict[str, list[int]]] = defaultdict(dict)
         for req, error in self.failed:
             failure = EngineCoreOutput(req.client_req_id, [], finish_reason=FinishReason.ERROR, error=error)
             by_client[req.client_id].append(failure)
@@ -287,12 +308,21 @@ class Scheduler:
                 req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks, chunk.candidate_ranks)
             if req_id not in sampled:
                 continue  # a prefill chunk that did not reach the last token
-            num_new = self._append_tokens(req, sampled[req_id])
+            token_ids = sampled[req_id]
+            if runner_output.num_draft_tokens and -1 in token_ids:  # a step that verified proposals:
+                token_ids = token_ids[: token_ids.index(-1)]  # each row ends at its first -1
+            num_drafts = runner_output.num_draft_tokens.get(req_id, 0)
+            if num_drafts:
+                req.num_computed_tokens += len(token_ids) - 1  # the kept proposals' KV is the model's own
+                self.speculation.record(req, num_drafts, len(token_ids) - 1)
+            num_new = self._append_tokens(req, token_ids)
             row = logprob_rows.get(req_id)
             step_logprobs = (
                 [runner_output.logprobs[step] for step in range(num_new)] if row is not None else []
             )
             output = make_output(req, num_new, step_logprobs, row)
+            if num_drafts:
+                spec_counts[req.client_id][req.client_req_id] = [num_drafts, len(token_ids) - 1]
             if req_id in runner_output.constraint_masses:
                 output.constraint_masses = [runner_output.constraint_masses[req_id]]
             by_client[req.client_id].append(output)
@@ -300,7 +330,10 @@ class Scheduler:
                 self._free(req)
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
-        return {client: EngineCoreOutputs(outputs) for client, outputs in by_client.items()}
+        return {
+            client: EngineCoreOutputs(outputs, spec_counts=spec_counts.get(client))
+            for client, outputs in by_client.items()
+        }
 
     def _append_tokens(self, req: Request, token_ids: list[int]) -> int:
         """Appends a window's tokens one by one; tokens after a stop are discarded. Returns how many stayed."""

@@ -9,6 +9,96 @@ import msgspec
 from protocol.sampling_params import LogprobsMode
 
 
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding (docs/speculative.md), vLLM's `speculative_config` names. Proposals are
+    verified by the model at every proposed position in one step, through the batch-invariant kernels,
+    so a request gets the same tokens and logprob bits with speculation on as off."""
+
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int  # most tokens proposed per request per step
+    prompt_lookup_max: int | None = None  # ngram: the longest suffix n-gram looked up in the context
+    prompt_lookup_min: int | None = None  # ngram: the shortest
+    model: str | None = None  # draft_model: a checkpoint with the same vocabulary, any format the engine loads
+    # Requests running at once from which no request speculates (the batch already fills the step)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config model is for method 'draft_model', not 'ngram'")
+            low, high = self.lookup_range()
+            if not 1 <= low <= high:
+                raise ValueError(
+                    f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {low}, {high}"
+                )
+        else:
+            if not self.model:
+                raise ValueError("speculative_config method 'draft_model' needs model (the draft checkpoint)")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError("speculative_config prompt_lookup_min/max are for method 'ngram'")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"speculative_config disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}"
+            )
+
+    def lookup_range(self) -> tuple[int, int]:
+        """ngram's (shortest, longest) n-gram: one given stands for both, as vLLM; neither: 2 and 5."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return DEFAULT_LOOKUP_RANGE
+        return (low if low is not None else high), (high if high is not None else low)
+
+
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_LOOKUP_RANGE = (2, 5)
+# vLLM's speculative_config keys and methods that coreserve does not build: refused by name
+UNBUILT_SPECULATIVE_KEYS = (
+    "draft_tensor_parallel_size", "quantization", "max_model_len", "revision", "code_revision",
+    "speculative_token_tree", "draft_model_config", "target_model_config", "enforce_eager",
+    "parallel_drafting", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "disable_padded_drafter_batch",
+    "prompt_lookup_num_tokens_per_step",
+)
+
+
+def parse_speculative_config(value: object) -> SpeculativeConfig | None:
+    """`speculative_config` as a user gives it (a dict, a JSON string, or the struct): vLLM's names;
+    a method or key that is not built is a ValueError naming it. A model without a method is a draft."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, (str, bytes)):
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"speculative_config is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
+    value = dict(value)
+    if value.get("method") is None and value.get("model") is not None:
+        value["method"] = "draft_model"
+    method = value.get("method")
+    if method not in ("ngram", "draft_model"):
+        raise ValueError(
+            f"speculative_config method {method!r} is not built; coreserve has 'ngram' and 'draft_model'"
+        )
+    unbuilt = sorted(k for k in value if k in UNBUILT_SPECULATIVE_KEYS)
+    unknown = sorted(k for k in value if k not in SpeculativeConfig.__struct_fields__ and k not in unbuilt)
+    if unbuilt or unknown:
+        raise ValueError(
+            f"speculative_config keys not implemented: {unbuilt + unknown}; "
+            f"known: {sorted(SpeculativeConfig.__struct_fields__)}"
+        )
+    try:
+        return msgspec.convert(value, SpeculativeConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad speculative_config: {exc}") from exc
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Engine arguments; names follow vLLM's engine args where vLLM has one."""
 
@@ -40,6 +130,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # multi-step, thread count) and prompt logprobs equal to generation's, on the C kernels
     # (docs/decisions.md, "Batch invariance"); False: the shape-tuned MKL/AMX products and SDPA prefill.
     batch_invariant: bool = True
+    # Speculative decoding (docs/speculative.md); None: off. A dict given to LLM/AsyncLLM is converted.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -62,6 +154,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got {self.max_logprobs}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method 'draft_model' with tensor_parallel_size > 1 is not built")
 
 
 # One line of help per engine argument, for every command line that takes them (the daemon's, the server's).
@@ -87,6 +182,9 @@ ENGINE_ARG_HELP = {
     "tensor_parallel_size": "worker processes that split each layer's heads and MLP columns, one all-reduce "
     "per layer half (gloo on the CPU, NCCL on CUDA; default 1: the model runs in the core)",
     "can_use_cpu_kernels": "true: the C kernels on the CPU in fp32; false: torch's ops only",
+    "speculative_config": "speculative decoding as JSON, vLLM's names: {\"method\": \"ngram\", "
+    "\"num_speculative_tokens\": 4} (prompt_lookup_min/max, default 2 and 5) or {\"method\": \"draft_model\", "
+    "\"model\": PATH, \"num_speculative_tokens\": 4}; the same tokens and logprobs as without it",
     "batch_invariant": "true (the default): a request's logprobs are the same bits in any batch, chunking "
     "or step, and prompt logprobs equal the sampled ones (C kernels on the CPU); false: shape-tuned products",
 }

@@ -143,6 +143,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):
     outputs: list[EngineCoreOutput]
     timestamp: float = 0.0
+    # Speculative decoding: req_id -> [tokens proposed, tokens kept] in this step's verified rounds
+    # (one field a message, not one an output: a step's outputs stay as small as without speculation)
+    spec_counts: dict[str, list[int]] | None = None
 
 
 class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
@@ -173,6 +176,12 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True):
     prefix_cache_queries: int = 0  # prompt tokens of requests that looked their prefix up, since start
     prefix_cache_hits: int = 0  # of those, tokens read from the cache
     num_prefill_tokens: int = 0  # prompt positions computed since start (cache hits are not)
+    # Speculative decoding since start: rounds with a proposal, tokens proposed, tokens kept, and kept
+    # per proposal position (vLLM's spec_decode counters); zero and empty without speculation
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
     num_heap_releases: int = 0  # times a core process went idle after a step and gave its free C heap
     # back to the OS (engine_core/server.py's release_heap), since start; 0 in process
 

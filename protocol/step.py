@@ -44,6 +44,9 @@ class SchedulerOutput:
     grammar_req_ids: list[str] = field(default_factory=list)  # rows that sample under a grammar this step
     # [len(grammar_req_ids), ceil(V / 32)] int32 little-endian; bit j of word w set: token 32 w + j allowed
     grammar_bitmask: bytes = b""
+    # Speculative decoding: req_id -> the most tokens the worker may propose and verify for it this step,
+    # after its one scheduled token (its KV blocks and the token budget are held for all of them)
+    spec_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,9 +62,12 @@ class HostLogprobs:
 @dataclass
 class ModelRunnerOutput:
     sampled_req_ids: list[str]  # requests that sampled this step (their last scheduled token was the last)
-    sampled_token_ids: np.ndarray  # [num_sampled_reqs, num_steps] int32
+    # [num_sampled_reqs, num_steps] int32; with speculation a row's tokens end at its first -1 (each
+    # request keeps its verified tokens: the agreeing drafts and the model's own next token)
+    sampled_token_ids: np.ndarray
     logprob_req_ids: list[str] = field(default_factory=list)  # subset of sampled_req_ids that asked
     logprobs: list[HostLogprobs] = field(default_factory=list)  # one per step, rows follow logprob_req_ids
     prompt_logprobs: dict[str, HostLogprobs] = field(default_factory=dict)  # rows of this step's chunk
     # req_id -> the probability mass its grammar allowed under the model's own distribution (logprob rows only)
     constraint_masses: dict[str, float] = field(default_factory=dict)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens proposed and verified

@@ -29,6 +29,7 @@ class RequestState:
     is_processed: bool
     eos_token_ids: list[int]
     is_logits: bool = False  # logprobs_mode "raw_logits" or "processed_logits": the values are logits
+    spec_seed: int | None = None  # speculative decoding: an unseeded sampled request's seed (the runner's)
     _table: np.ndarray | None = field(default=None, repr=False, compare=False)  # block_ids, cached
 
     def add_blocks(self, block_ids: list[int]) -> None:
@@ -87,10 +88,13 @@ def build_step_inputs(
     num_tokens: list[int],
     block_size: int,
     device: torch.device,
+    verified: frozenset[str] = frozenset(),
 ) -> StepInputs:
     """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch.
     Single-token rows with context (decode) are attended together, the rest (prefill chunks) one
-    request at a time."""
+    request at a time. A request in `verified` (speculative decoding: its last token and the proposals
+    after it) has every token a decode row of its own, each sampled: the numbers of decoding them one
+    by one, through the same kernels (the step's KV is written before any row attends)."""
     ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []
     decode_rows, decode_tables, decode_lens = [], [], []
     row = 0
@@ -99,6 +103,12 @@ def build_step_inputs(
         end = start + num
         ids.extend(state.token_ids[start:end])
         positions.extend(range(start, end))
+        if state.req_id in verified:
+            _add_verified_rows(state, start, end, row, block_size, slots, decode_rows, decode_tables, decode_lens)
+            sample_rows.extend(range(row, row + num))
+            sampled_req_ids.extend([state.req_id] * num)
+            row += num
+            continue
         if num == 1:
             slots.append(state.block_ids[start // block_size] * block_size + start % block_size)
         else:
@@ -145,6 +155,26 @@ def build_step_inputs(
         sampled_req_ids,
         jobs,
     )
+
+
+def _add_verified_rows(
+    state: RequestState,
+    start: int,
+    end: int,
+    row: int,
+    block_size: int,
+    slots: list[int],
+    decode_rows: list[int],
+    decode_tables: list[np.ndarray],
+    decode_lens: list[int],
+) -> None:
+    """Positions start..end - 1 of `state` as decode rows: each attends its own causal prefix."""
+    table = state.block_table()
+    for offset, position in enumerate(range(start, end)):
+        slots.append(state.block_ids[position // block_size] * block_size + position % block_size)
+        decode_rows.append(row + offset)
+        decode_tables.append(table)
+        decode_lens.append(position + 1)
 
 
 def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:

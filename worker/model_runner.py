@@ -28,6 +28,8 @@ from worker.sampling.grammar_mask import build_grammar_mask
 from worker.sampling.metadata import build_sampling_metadata, next_sampling_step
 from worker.sampling.prompt_logprobs import candidate_ids, prompt_logprobs
 from worker.sampling.sampler import Sampler, SamplerOutput, advance_penalties
+from worker.speculative.proposers import Proposer, make_proposer
+from worker.speculative.verification import Verification, accept, kept_output
 from worker.step_tensors import LogprobsTensors, StepTensors
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,9 @@ class ModelRunner:
         # After each decoder layer and each model step of a multi-step window: the core counts it as
         # progress, so a long window or prefill chunk on a busy CPU is not taken for a hung loop.
         self.on_progress = on_progress
+        # Speculative decoding's proposer (worker/speculative/); None: no speculation
+        self.proposer: Proposer | None = make_proposer(spec, self.vocab_size, ModelRunner)
+        self.spec_seeds = None if self.proposer is None else torch.Generator().manual_seed(spec.seed + 1)
 
     def _stepped_lately(self) -> bool:
         return time.monotonic() - self.last_step_at < 0.25
@@ -88,8 +93,10 @@ class ModelRunner:
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def host_kv_bytes(self, num_blocks: int) -> int:
-        """The host memory a KV cache of num_blocks takes: all of it on the CPU, none on a GPU."""
-        return num_blocks * self.bytes_per_block() if self.device.type == "cpu" else 0
+        """The host memory a KV cache of num_blocks takes (a draft model's too): all of it on the CPU,
+        none on a GPU."""
+        draft = 0 if self.proposer is None else self.proposer.host_kv_bytes(num_blocks)
+        return (num_blocks * self.bytes_per_block() if self.device.type == "cpu" else 0) + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         begun = time.perf_counter()
@@ -98,6 +105,8 @@ class ModelRunner:
         self.kv_caches = self.backend.allocate_kv_cache(a.num_layers, shape, self.dtype)
         self.num_kv_blocks = num_blocks
         self.backend.bind(self.model, self.kv_caches)
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB); startup: KV cache %.3f s",
             num_blocks,
@@ -117,29 +126,75 @@ class ModelRunner:
             assert not scheduler_output.grammar_req_ids  # the scheduler cuts windows with a grammar row
             return self._execute_window(states, scheduler_output.num_steps)
         num_tokens = list(scheduler_output.num_scheduled_tokens.values())
-        inputs = self._prepare(states, num_tokens)
+        verification = self._propose(states, num_tokens, scheduler_output.spec_tokens)
+        inputs = self._prepare(states, num_tokens, verification)
         hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
         for state, num in zip(states, num_tokens):
             state.num_computed_tokens += num
         sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
-        tensors, masses = StepTensors(), {}
+        if verification is not None:  # a state per sampled row: a verified request has several
+            sampling_states = verification.row_states(states, inputs.sampled_req_ids)
+        tensors, masses, out = StepTensors(), {}, None
         if sampling_states:
             logits = self._logits(inputs, hidden, fused_logits)
             out = self._sample(scheduler_output, inputs, sampling_states, logits)
-            tensors.add_step(out.sampled, out.logprobs)
+            if verification is None:
+                tensors.add_step(out.sampled, out.logprobs)
             masses = _constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
         if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
             tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
         host = tensors.to_host()
-        for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
-            state.token_ids.append(token_id)
-        output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
+        if verification is not None:
+            output = self._verified(verification, states, inputs.sampled_req_ids, out)
+            output.prompt_logprobs = host.prompt_logprobs
+        else:
+            for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
+                state.token_ids.append(token_id)
+            output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
         output.constraint_masses = masses
         return output
 
-    def _prepare(self, states: list[RequestState], num_tokens: list[int]) -> StepInputs:
+    def _propose(
+        self, states: list[RequestState], num_tokens: list[int], spec_tokens: dict[str, int]
+    ) -> Verification | None:
+        """The proposer's tokens for the requests the scheduler let speculate, appended to their token
+        lists (and their step's tokens) for verification; None where nothing was proposed."""
+        if not spec_tokens or self.proposer is None:
+            return None
+        chosen = [i for i, s in enumerate(states) if s.req_id in spec_tokens]
+        proposals = self.proposer.propose([states[i] for i in chosen], [spec_tokens[states[i].req_id] for i in chosen])
+        drafts = {}
+        for i, tokens in zip(chosen, proposals):
+            if tokens:
+                drafts[states[i].req_id] = tokens
+                states[i].token_ids.extend(tokens)
+                num_tokens[i] += len(tokens)
+        return Verification(drafts) if drafts else None
+
+    def _verified(
+        self, verification: Verification, states: list[RequestState], row_req_ids: list[str], out: SamplerOutput
+    ) -> ModelRunnerOutput:
+        """The kept tokens of every sampled request (a verified one's agreeing proposals and the model's
+        token after them) and their logprob rows, in the multi-step shape; the rejected proposals' KV
+        left behind as not computed."""
+        num_context = {r: len(self.states[r].token_ids) - len(d) for r, d in verification.drafts.items()}
+        kept = accept(verification, states, row_req_ids, out.sampled.tolist())
+        for req_id, drafts in verification.drafts.items():
+            num_kept = len(kept[req_id]) - 1
+            self.states[req_id].num_computed_tokens -= len(drafts) - num_kept
+            self.proposer.kept(req_id, num_context[req_id], num_kept)
+        req_ids = list(dict.fromkeys(row_req_ids))
+        logprob_req_ids = [r for r in req_ids if self.states[r].logprobs_k is not None]
+        output = kept_output(kept, row_req_ids, logprob_req_ids, out.logprobs).runner_output(req_ids, logprob_req_ids)
+        output.num_draft_tokens = {r: len(d) for r, d in verification.drafts.items()}
+        return output
+
+    def _prepare(
+        self, states: list[RequestState], num_tokens: list[int], verification: Verification | None = None
+    ) -> StepInputs:
         """The step's flattened inputs, with the backend's attention plan made before the forward."""
-        inputs = build_step_inputs(states, num_tokens, self.block_size, self.device)
+        verified = frozenset() if verification is None else verification.req_ids
+        inputs = build_step_inputs(states, num_tokens, self.block_size, self.device, verified)
         self.backend.prepare(inputs.attn)
         return inputs
 
@@ -226,8 +281,13 @@ class ModelRunner:
     def _apply_diffs(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.states.pop(req_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(req_id)
         for data in scheduler_output.new_reqs:
-            self.states[data.req_id] = RequestState.from_new(data)
+            self.states[data.req_id] = state = RequestState.from_new(data)
+            if self.spec_seeds is not None and state.params.seed is None and not state.params.is_greedy:
+                # speculation samples each position from (seed, position): an unseeded request gets one
+                state.spec_seed = int(torch.randint(0, 2**62, (1,), generator=self.spec_seeds))
         for data in scheduler_output.cached_reqs:
             state = self.states[data.req_id]
             state.add_blocks(data.new_block_ids)
@@ -261,6 +321,8 @@ class ModelRunner:
         weights too, keeping their shapes."""
         self.backend.release()
         self.kv_caches = []
+        if self.proposer is not None:
+            self.proposer.release()
         if level >= 2 and not self.weights.is_dropped:
             self.weights.drop()
 

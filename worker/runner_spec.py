@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.config import SpeculativeConfig
+
 
 class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     model: str
@@ -16,3 +18,4 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     batch_invariant: bool = True  # EngineConfig's: one order of summation per row, whatever the batch
     tensor_parallel_size: int = 1
     num_threads: int | None = None  # torch threads in each rank process; None: shared out among them
+    speculative: SpeculativeConfig | None = None  # the proposer the runner builds; None: no speculation

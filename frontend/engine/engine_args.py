@@ -9,7 +9,7 @@ import msgspec
 
 from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 from protocol.builtin_model import builtin_model_path
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, parse_speculative_config
 from protocol.gguf_header import is_gguf
 
 
@@ -22,10 +22,21 @@ def make_config(model: str | None, engine_args: dict) -> EngineConfig:
     path = builtin_model_path("tiny") if model is None else model
     if model is not None and model.startswith("builtin:"):
         path = builtin_model_path(model.split(":", 1)[1])
+    if engine_args.get("speculative_config") is not None:
+        engine_args = {**engine_args, "speculative_config": _speculative(engine_args["speculative_config"])}
     try:  # convert, not the constructor: it checks every field's type (msgspec's __init__ does not)
         return msgspec.convert({"model": path, **engine_args}, EngineConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"bad engine arguments: {exc}") from exc
+
+
+def _speculative(value: object) -> dict:
+    """The speculative config checked by name (vLLM's keys), its draft model's `builtin:` name resolved."""
+    spec = parse_speculative_config(value)
+    fields = msgspec.structs.asdict(spec)
+    if spec.model is not None and spec.model.startswith("builtin:"):
+        fields["model"] = builtin_model_path(spec.model.split(":", 1)[1])
+    return fields
 
 
 def load_tokenizer(model_dir: str):

@@ -102,7 +102,7 @@ def next_sampling_step(meta: SamplingMetadata, states: list[RequestState]) -> Sa
 
 def _generator(state: RequestState, device: torch.device) -> torch.Generator | None:
     """A seeded row's noise depends only on (seed, output position): the same tokens in any batch."""
-    seed = state.params.seed
+    seed = state.params.seed if state.params.seed is not None else state.spec_seed
     if seed is None or state.params.is_greedy:
         return None
     mixed = (seed * _SEED_MIX + state.num_output_tokens) % (2**63)

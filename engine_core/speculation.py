@@ -1,0 +1,60 @@
+"""Speculative decoding, the scheduler's side (engine-core process): how many tokens each decoding
+request may have proposed and verified this step, and what a round's outcome changes (docs/speculative.md).
+
+The worker proposes (worker/speculative/) and verifies; the scheduler only holds the budget and the KV
+blocks for the proposals and adapts each request's proposal length to what its rounds keep:
+- a round that keeps every proposed token lengthens the next proposal by one (up to the configured
+  number), one that keeps fewer proposes one more than it kept;
+- a request whose rounds keep nothing twice in a row stops proposing for 2, 4, 8 ... 64 steps (a
+  proposal that keeps nothing costs the verification of its positions and gains no token), so a workload
+  that proposals do not fit runs at its speed without them.
+"""
+
+from __future__ import annotations
+
+from engine_core.request import Request
+from protocol.config import SpeculativeConfig
+
+MAX_PAUSE = 64  # steps without proposals after a run of rounds that kept nothing, at most
+
+
+class SpeculationPolicy:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_rounds = 0  # rounds with at least one proposed token, since start
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.num_speculative_tokens  # kept at proposal position i
+
+    def num_tokens(self, req: Request, num_running: int, budget: int, max_model_len: int) -> int:
+        """Proposals `req` may have after its one scheduled decode token this step (0: none)."""
+        config = self.config
+        if req.grammar is not None:  # the matcher advances on the host, token by token
+            return 0
+        if config.disable_by_batch_size is not None and num_running >= config.disable_by_batch_size:
+            return 0
+        if req.spec_pause > 0:
+            req.spec_pause -= 1
+            return 0
+        k = req.spec_k or config.num_speculative_tokens
+        if req.max_tokens is not None:
+            k = min(k, req.max_tokens - req.num_output_tokens - 1)  # the last token is the model's own
+        return max(0, min(k, budget - 1, max_model_len - req.num_tokens - 1))
+
+    def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """One verified round of `req`: `num_accepted` of its `num_drafts` proposed tokens kept."""
+        self.num_rounds += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+        most = self.config.num_speculative_tokens
+        req.spec_k = min(most, num_drafts + 1) if num_accepted == num_drafts else min(most, num_accepted + 1)
+        if num_accepted:
+            req.spec_misses = 0
+            return
+        req.spec_misses += 1
+        if req.spec_misses >= 2:
+            req.spec_pause = min(MAX_PAUSE, 2 ** (req.spec_misses - 1))
