@@ -54,6 +54,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "enable_prefix_caching": (_boolean, None),
     "tensor_parallel_size": (int, None),
     "batch_invariant": (_boolean, None),
+    "speculative_config": (str, None),  # JSON, checked by name in make_config
 }
 
 

@@ -81,7 +81,30 @@ class EngineCounters:
             queries.add_metric([], self.stats.prefix_cache_queries)
             hits.add_metric([], self.stats.prefix_cache_hits)
             cached.add_metric([], self.stats.num_cached_blocks)
-        return [queries, hits, cached]
+        return [queries, hits, cached, *self._speculation()]
+
+    def _speculation(self) -> list:
+        """Speculative decoding's counters under vLLM's names (`vllm:spec_decode_*`), where it is on:
+        acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts."""
+        stats = self.stats
+        if stats is None or not stats.spec_accepted_per_position:
+            return []
+        families = []
+        for name, value, text in (
+            ("num_drafts", stats.spec_num_drafts, "Verified rounds with at least one proposed token"),
+            ("num_draft_tokens", stats.spec_num_draft_tokens, "Tokens proposed and verified"),
+            ("num_accepted_tokens", stats.spec_num_accepted_tokens, "Proposed tokens kept"),
+        ):
+            family = CounterMetricFamily(f"vllm:spec_decode_{name}", text)
+            family.add_metric([], value)
+            families.append(family)
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens kept, by proposal position",
+            labels=["position"],
+        )
+        for position, value in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([str(position)], value)
+        return [*families, per_position]
 
     def describe(self):
         return []

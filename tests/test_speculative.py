@@ -1,0 +1,241 @@
+"""Speculative decoding changes nothing but the speed (docs/speculative.md): with it on, every request
+gets the same token ids, text, sample logprobs (top 5, ranks) and prompt logprobs as with it off, bit for
+bit, greedy and seeded at temperature 0.8, alone and in a batch with requests that do not speculate; a
+stop string inside a kept run; a grammar; the server streaming. The real SmolLM2 (its Q4_1 file, and
+its fp32 weights with the Q4_1 file as draft) and the built-in tiny model. A negative control shows the
+comparison can fail: without batch invariance the verification rows round differently.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import IS_BF16_MODE
+from server_harness import running_server
+
+from engine_core.request import Request
+from engine_core.speculation import MAX_PAUSE, SpeculationPolicy
+from frontend import LLM, SamplingParams
+from protocol.builtin_model import builtin_model_path
+from protocol.config import SpeculativeConfig, parse_speculative_config
+from protocol.structured_outputs import StructuredOutputsParams
+from worker.speculative.ngram import lookup
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+CODE = (
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n"
+)
+PASSAGE = (
+    'The report said: "The river rose four metres overnight, and the old bridge closed at dawn." '
+    'The mayor added: "Nobody was hurt, and the bridge will reopen when the water falls."'
+)
+CHATS = [
+    [{"role": "user", "content": "Rename the function mean to average and show the whole code:\n" + CODE}],
+    [{"role": "user", "content": PASSAGE + "\nWhat did the mayor say? Quote him exactly."}],
+    [{"role": "user", "content": "Write two sentences about autumn."}],
+    [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "And what is the capital of Italy?"},
+    ],
+]
+PHRASE = [5012, 318, 257, 1332, 286, 262, 3288, 11]
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, logprobs=5, prompt_logprobs=5)
+SEEDED = SamplingParams(max_tokens=48, temperature=0.8, seed=11, logprobs=5, prompt_logprobs=5)
+
+
+def everything(output) -> tuple:
+    """What a request returns that speculation must not change: ids, text, every sample logprob entry
+    (id, value, rank), and the prompt logprobs."""
+    completion = output.outputs[0]
+    rows = [[(i, e.logprob, e.rank) for i, e in entry.items()] for entry in completion.logprobs or []]
+    prompt = [
+        None if entry is None else [(i, e.logprob, e.rank) for i, e in entry.items()]
+        for entry in output.prompt_logprobs or []
+    ]
+    return completion.token_ids, completion.text, rows, prompt, completion.finish_reason
+
+
+def chat_all(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
+    return [everything(o) for o in llm.chat(CHATS * (len(params) // len(CHATS)), params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_outputs():
+    """Speculation off, then on (ngram), on the SmolLM2 file (Q4_1 kept quantized): each chat alone,
+    greedy and seeded, and the 16 of them batched with 4 requests that do not speculate (a grammar)."""
+    params = [GREEDY] * 4 + [SEEDED] * 4
+    results = {}
+    for name, extra in (("off", {}), ("on", {"speculative_config": NGRAM})):
+        dtype = "bfloat16" if IS_BF16_MODE else "auto"
+        with LLM(builtin_model_path("smollm2"), multiprocess=False, dtype=dtype, num_kv_blocks=512, **extra) as llm:
+            alone = [everything(llm.chat([chat], p, use_tqdm=False)[0]) for chat, p in zip(CHATS * 2, params)]
+            batch = llm.chat(CHATS * 4 + [CHATS[2]] * 4, [GREEDY, SEEDED] * 8 + [grammar_params()] * 4, use_tqdm=False)
+            results[name] = (alone, [everything(o) for o in batch], llm.get_engine_stats())
+    return results
+
+
+def grammar_params() -> SamplingParams:
+    schema = {"type": "object", "properties": {"season": {"type": "string"}}, "required": ["season"]}
+    return SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, structured_outputs=StructuredOutputsParams(json=schema))
+
+
+def test_smollm2_with_ngram_speculation_equals_without_alone_and_in_a_batch(smollm2_outputs):
+    off_alone, off_batch, _ = smollm2_outputs["off"]
+    on_alone, on_batch, stats = smollm2_outputs["on"]
+    assert on_alone == off_alone
+    assert on_batch == off_batch
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    # the grammar rows: valid JSON, the same as without speculation
+    assert all(json.loads(text)["season"] for _, text, *_ in on_batch[-4:])
+
+
+def test_a_stop_string_inside_a_kept_run_cuts_the_text_as_without_speculation():
+    chat = CHATS[0]
+    path = builtin_model_path("smollm2")
+    dtype = "bfloat16" if IS_BF16_MODE else "auto"
+    with LLM(path, multiprocess=False, dtype=dtype, num_kv_blocks=256) as llm:
+        plain = llm.chat([chat], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = plain[len(plain) // 2 : len(plain) // 2 + 6]  # a string in the middle of the copied code
+    params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=5, stop=[stop])
+    got = {}
+    for name, extra in (("off", {}), ("on", {"speculative_config": NGRAM})):
+        with LLM(path, multiprocess=False, dtype=dtype, num_kv_blocks=256, **extra) as llm:
+            got[name] = everything(llm.chat([chat], params, use_tqdm=False)[0])
+    assert got["on"] == got["off"]
+    assert got["on"][4] == "stop" and stop not in got["on"][1]
+
+
+@pytest.mark.fp32_exact("the draft is the Q4_1 file, bit-equal to the fp32 target only in fp32")
+def test_fp32_smollm2_drafted_by_its_q4_1_file_equals_plain_fp32_and_keeps_every_proposal():
+    path = builtin_model_path("smollm2")
+    draft = {"method": "draft_model", "model": "builtin:smollm2", "num_speculative_tokens": 4}
+    params = [GREEDY, SEEDED] * 2
+    got = {}
+    for name, extra in (("off", {}), ("on", {"speculative_config": draft})):
+        with LLM(path, multiprocess=False, dtype="float32", num_kv_blocks=256, **extra) as llm:
+            got[name] = (chat_all(llm, params), llm.get_engine_stats())
+    assert got["on"][0] == got["off"][0]
+    stats = got["on"][1]
+    # Q4_1 kept in blocks gives the fp32 model's bits, and the draft samples with the same noise: every
+    # proposal is the model's own token
+    assert stats.spec_num_draft_tokens > 50 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def repeating_prompts() -> list[dict]:
+    """Token-id prompts that repeat a phrase: prompt lookup proposes on the random-weight model too."""
+    return [{"prompt_token_ids": PHRASE * 4 + [100 + i]} for i in range(6)] + [{"prompt_token_ids": PHRASE * 3}]
+
+
+@pytest.mark.parametrize(
+    "engine_args", [{}, {"num_scheduler_steps": 4}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 12}]
+)
+def test_tiny_model_speculation_equals_plain_decoding(tiny_path, engine_args):
+    """The built-in model, proposals from a draft identical to it (every one kept) and from prompt lookup
+    (mostly rejected: the KV of rejected positions written and left behind), with multi-step windows and
+    chunked prefill, and preemption (12 blocks cannot hold the 7 requests): the same bits."""
+    prompts = repeating_prompts()
+    # four allowed tokens: the random weights' output repeats itself, so prompt lookup proposes
+    params = [
+        SamplingParams(max_tokens=24, temperature=t, seed=3, logprobs=5, ignore_eos=True, allowed_token_ids=allowed)
+        for t in (0.0, 0.8)
+        for allowed in (None, PHRASE[:4])
+    ]
+    params = [params[i % 4] for i in range(len(prompts))]
+    results = []
+    ngram = {**NGRAM, "prompt_lookup_min": 1}
+    for spec in (None, ngram, {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3}):
+        extra = {} if spec is None else {"speculative_config": spec}
+        with LLM(tiny_path, multiprocess=False, **{"num_kv_blocks": 128, **engine_args}, **extra) as llm:
+            results.append(([everything(o) for o in llm.generate(prompts, params, use_tqdm=False)], llm.get_engine_stats()))
+    (plain, _), (ngram, ngram_stats), (draft, draft_stats) = results
+    assert ngram == plain and draft == plain
+    assert 0 < ngram_stats.spec_num_accepted_tokens < ngram_stats.spec_num_draft_tokens  # kept and rejected
+    if "num_kv_blocks" in engine_args:
+        assert ngram_stats.num_preemptions > 0
+    assert draft_stats.spec_num_draft_tokens > 0
+    assert draft_stats.spec_num_accepted_tokens == draft_stats.spec_num_draft_tokens
+
+
+@pytest.mark.fp32_exact("bf16 products are the dot kernel's at every row count either way")
+def test_negative_control_without_batch_invariance_verification_changes_logprob_bits(tiny_path):
+    """Without invariance the verification's several rows take other products than one row's decode, so
+    the same comparison finds differences: the equality above is not one that cannot fail."""
+    prompts = repeating_prompts()
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True, allowed_token_ids=PHRASE[:4])
+    draft = {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 4}
+    results = []
+    for extra in ({}, {"speculative_config": draft}):
+        with LLM(tiny_path, multiprocess=False, num_kv_blocks=128, batch_invariant=False, **extra) as llm:
+            results.append([everything(o)[2] for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] != results[1]
+
+
+def test_the_server_streams_the_same_tokens_and_logprobs_with_speculation_and_counts_it(tiny_path):
+    import httpx
+    import openai
+
+    prompt = repeating_prompts()[0]["prompt_token_ids"]
+    with LLM(tiny_path, multiprocess=False, num_kv_blocks=64) as llm:
+        params = SamplingParams(max_tokens=24, logprobs=3, temperature=0.0, ignore_eos=True)
+        expected = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    spec = json.dumps({"method": "draft_model", "model": "builtin:tiny", "num_speculative_tokens": 3})
+    with running_server("--speculative-config", spec) as (base, _):
+        with openai.OpenAI(base_url=base + "/v1", api_key="none") as client:
+            stream = client.completions.create(
+                model="builtin:tiny", prompt=prompt, max_tokens=24, logprobs=3, temperature=0.0, stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            logprobs = [lp for chunk in stream for lp in chunk.choices[0].logprobs.token_logprobs]
+        assert logprobs == [entry[t].logprob for t, entry in zip(expected.token_ids, expected.logprobs)]
+        metrics = httpx.get(base + "/metrics").text
+    accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+def test_vllm_names_are_taken_and_what_is_not_built_is_refused_by_name():
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert config.lookup_range() == (4, 4)
+    assert parse_speculative_config({"model": "x", "num_speculative_tokens": 2}).method == "draft_model"
+    for bad, name in (
+        ({"method": "eagle", "num_speculative_tokens": 2}, "eagle"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "colour": 1}, "colour"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            parse_speculative_config(bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(None, tensor_parallel_size=2, speculative_config={"model": "builtin:tiny", "num_speculative_tokens": 2})
+
+
+def test_prompt_lookup_takes_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 2, 3]
+    assert lookup(tokens, 2, 5, 3) == [7, 8, 4]  # "2 3" last seen before the end at index 5
+    assert lookup(tokens + [7], 2, 5, 2) == [8, 4]  # "2 3 7" beats the shorter "3 7"
+    assert lookup([1, 2, 3, 4], 2, 4, 3) == []
+    assert lookup([5, 5, 5, 5], 1, 2, 8) == [5]  # never past the end of the context
+
+
+def test_a_request_whose_proposals_keep_failing_stops_proposing_for_longer_each_time():
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    req = Request(
+        req_id="r", client_id=b"c", client_req_id="r", prompt_token_ids=[1, 2], params=SamplingParams(),
+        arrival_time=0.0, eos_token_ids=[], logprobs_mode="raw_logprobs",
+    )
+    req.output_token_ids = [3]
+    assert policy.num_tokens(req, 1, 100, 1000) == 4
+    policy.record(req, 4, 4)
+    policy.record(req, 4, 1)
+    assert req.spec_k == 2  # one more than it kept
+    pauses = []
+    for _ in range(8):
+        policy.record(req, 2, 0)
+        pauses.append(req.spec_pause)
+    assert pauses[0] == 0 and pauses[1:4] == [2, 4, 8] and pauses[-1] == MAX_PAUSE
+    assert [policy.num_tokens(req, 1, 100, 1000) for _ in range(MAX_PAUSE)] == [0] * MAX_PAUSE
+    assert policy.num_tokens(req, 1, 100, 1000) == 1
+    assert policy.num_accepted_tokens == 5 and policy.accepted_per_position == [2, 1, 1, 1]
