@@ -101,6 +101,8 @@ class Scheduler:
         output = SchedulerOutput([], [], {}, self.finished_req_ids)
         self.finished_req_ids = set()
         num_dropped_before = len(output.finished_req_ids)
+        if self.speculation is not None:
+            self.speculation.begin_step(len(self.running))
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
