@@ -38,6 +38,9 @@ class CoreClient(Protocol):
     def take_lost(self) -> dict[str, str]:
         """Core request ids lost with a core that died while others live on, and why; then forgotten."""
 
+    def take_spec_counts(self) -> dict[str, list[int]]:
+        """Speculative decoding since the last call: core request id -> [tokens proposed, kept]."""
+
     def get_stats(self) -> EngineStats:
         """The core's state after everything this client sent before, taken between two steps."""
 

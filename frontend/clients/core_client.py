@@ -38,6 +38,7 @@ from protocol.messages import (
     HandshakeReply,
     Heartbeat,
     Hello,
+    add_spec_counts,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class MPClient:
         self.stats: EngineStats | None = None  # the latest answer to GetStats
         self.stats_nonce = 0
         self.pending: list[EngineCoreOutput] = []  # outputs drained while waiting for stats
+        self.spec_counts: dict[str, list[int]] = {}  # speculation's counts, until taken
         self.control_replies: dict[int, ControlReply] = {}  # by nonce, until control() takes its own
         self.facts = self._handshake(fingerprint, startup_timeout_s)
         # A daemon that exits or is killed closes the connection: known at once, not after the silence.
@@ -197,6 +199,10 @@ class MPClient:
         """Requests lost with a core while others live on: none here (one core's death is everyone's)."""
         return {}
 
+    def take_spec_counts(self) -> dict[str, list[int]]:
+        counts, self.spec_counts = self.spec_counts, {}
+        return counts
+
     def get_stats(self) -> EngineStats:
         """The core's state after everything this client sent before (its aborts included), taken by
         the core between two steps; waits as long as the core is alive (a window or a long prefill
@@ -234,6 +240,7 @@ class MPClient:
             self.last_heard = time.monotonic()
             if isinstance(message, EngineCoreOutputs):
                 outputs.extend(message.outputs)
+                add_spec_counts(self.spec_counts, message)
             elif isinstance(message, EngineStats):
                 self.stats = message
             elif isinstance(message, ControlReply):

@@ -16,6 +16,7 @@ from protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
+    add_spec_counts,
 )
 
 
@@ -33,6 +34,7 @@ class InprocClient:
         self.facts = self.core.facts()
         self.client_id = b""
         self.pending: list[EngineCoreOutput] = []
+        self.spec_counts: dict[str, list[int]] = {}
 
     def send(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
@@ -55,12 +57,12 @@ class InprocClient:
             if isinstance(message, ControlReply):
                 replies.append(message)
             elif isinstance(message, EngineCoreOutputs):
-                self.pending.extend(message.outputs)
+                self.pending.extend(self._outputs(message))
 
         self.core.control.submit(self.client_id, command, outbox)
         while not replies:
             for batch in self.core.step().values():
-                self.pending.extend(batch.outputs)
+                self.pending.extend(self._outputs(batch))
             self.core.control.poll(outbox)
         return replies[0]
 
@@ -71,11 +73,19 @@ class InprocClient:
                 os.read(wake_fd, 4096)
             return outputs
         for batch in self.core.step().values():
-            outputs.extend(batch.outputs)
+            outputs.extend(self._outputs(batch))
         return outputs
+
+    def _outputs(self, message: EngineCoreOutputs) -> list[EngineCoreOutput]:
+        add_spec_counts(self.spec_counts, message)
+        return message.outputs
 
     def take_lost(self) -> dict[str, str]:
         return {}
+
+    def take_spec_counts(self) -> dict[str, list[int]]:
+        counts, self.spec_counts = self.spec_counts, {}
+        return counts
 
     def shutdown(self) -> None:
         if self.core is not None:

@@ -90,12 +90,18 @@ class MultiCoreClient:
         lost, self.lost = self.lost, {}
         return lost
 
+    def take_spec_counts(self) -> dict[str, list[int]]:
+        counts: dict[str, list[int]] = {}
+        for core in self.live:
+            counts.update(core.take_spec_counts())  # request ids are the frontend's: one core each
+        return counts
+
     def get_stats(self) -> EngineStats:
         stats = [s for s in (self._guarded(core, core.get_stats) for core in list(self.live)) if s]
         if not stats:
             raise EngineDeadError("every engine core is gone")
-        counts = EngineStats.__struct_fields__[1:]  # every field but the nonce is a count
-        return EngineStats(nonce=0, **{f: sum(getattr(s, f) for s in stats) for f in counts})
+        counts = EngineStats.__struct_fields__[1:]  # every field but the nonce is a count (or a list of them)
+        return EngineStats(nonce=0, **{f: _sum_counts([getattr(s, f) for s in stats]) for f in counts})
 
     def control(self, command: ControlCommand) -> ControlReply:
         """Every live core runs the command (one model's daemons serve alike): an update checked by all
@@ -139,3 +145,10 @@ def _common_facts(cores: list[MPClient]) -> HandshakeReply:
                 "every core behind one frontend must hold the same model with the same limits"
             )
     return msgspec.structs.replace(first, num_kv_blocks=min(c.facts.num_kv_blocks for c in cores))
+
+
+def _sum_counts(values: list) -> int | list[int]:
+    """Counts summed across cores; lists of counts (per speculative position) summed element-wise."""
+    if values and isinstance(values[0], list):
+        return [sum(column) for column in zip(*values)] if all(values) else next((v for v in values if v), [])
+    return sum(values)

@@ -140,7 +140,7 @@ class FrontendEngine:
         """Waits up to `timeout_s` (or until `wake_fd` is readable) for the core's outputs and processes
         them; raises EngineDeadError when the core is gone."""
         outputs = self.client.get_outputs(timeout_s, wake_fd)
-        processed = self.outputs.process(outputs, self.client.take_lost())
+        processed = self.outputs.process(outputs, self.client.take_lost(), self.client.take_spec_counts())
         self.client.abort(processed.to_abort)
         return processed
 

@@ -124,7 +124,10 @@ class OutputProcessor:
         return bool(self.requests)
 
     def process(
-        self, outputs: list[EngineCoreOutput], lost: dict[str, str] | None = None
+        self,
+        outputs: list[EngineCoreOutput],
+        lost: dict[str, str] | None = None,
+        spec_counts: dict[str, list[int]] | None = None,
     ) -> ProcessedOutputs:
         """Applies the core's outputs. A request whose output cannot be handled, that the core refused,
         or that was `lost` with its core (core request id -> why) fails alone: it is finished, its
@@ -138,6 +141,12 @@ class OutputProcessor:
                 result.to_abort.extend(self._fail(state))
                 result.errors[state.request_id] = state.error
                 touched[state.request_id] = state
+        for core_req_id, (proposed, kept) in (spec_counts or {}).items():
+            state = self.owner_of.get(core_req_id)
+            if state is not None:  # speculative decoding, per request (its completions together)
+                metrics = state.metrics
+                metrics["spec_num_draft_tokens"] = metrics.get("spec_num_draft_tokens", 0) + proposed
+                metrics["spec_num_accepted_tokens"] = metrics.get("spec_num_accepted_tokens", 0) + kept
         for output in outputs:
             completion = self.completion_of.get(output.req_id)
             if completion is None:

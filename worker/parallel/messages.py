@@ -71,6 +71,7 @@ class WireRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: list[LogprobsArrays]  # one per step
     prompt_logprobs: dict[str, LogprobsArrays]
     constraint_masses: dict[str, float] = {}  # req_id -> the mass its grammar allowed (logprob rows only)
+    num_draft_tokens: dict[str, int] = {}  # speculative decoding: req_id -> tokens proposed and verified
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -104,6 +105,7 @@ def to_wire(output: ModelRunnerOutput) -> WireRunnerOutput:
         logprobs=[_arrays(rows) for rows in output.logprobs],
         prompt_logprobs={req_id: _arrays(rows) for req_id, rows in output.prompt_logprobs.items()},
         constraint_masses=output.constraint_masses,
+        num_draft_tokens=output.num_draft_tokens,
     )
 
 
@@ -118,6 +120,7 @@ def from_wire(wire: WireRunnerOutput) -> ModelRunnerOutput:
         logprobs=[_host(arrays) for arrays in wire.logprobs],
         prompt_logprobs={req_id: _host(arrays) for req_id, arrays in wire.prompt_logprobs.items()},
         constraint_masses=dict(wire.constraint_masses),
+        num_draft_tokens=dict(wire.num_draft_tokens),
     )
 
 
