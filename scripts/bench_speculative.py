@@ -13,7 +13,7 @@ first token to its last), what speculation changes. Cases (docs/speculative.md h
 Every request is greedy; each case's outputs with speculation are checked equal to those without
 (tokens), so a figure never comes from different text.
 
-    python scripts/bench_speculative.py [--max-tokens 160] [--k 4] [--draft-k 8] [--json bench_out/speculative.json]
+    python scripts/bench_speculative.py [--max-tokens 160] [--k 8] [--draft-k 8] [--json bench_out/speculative.json]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def abba(name: str, model: str, dtype: str, spec: dict, chats: list, concurrency
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--k", type=int, default=4, help="ngram's num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=8, help="ngram's num_speculative_tokens")
     parser.add_argument("--draft-k", type=int, default=8, help="the draft model's num_speculative_tokens")
     parser.add_argument("--json", default="bench_out/speculative.json")
     args = parser.parse_args()

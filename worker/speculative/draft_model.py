@@ -24,6 +24,9 @@ from worker.runner_spec import RunnerSpec
 from worker.sampling.metadata import build_sampling_metadata
 
 
+CATCH_UP_ROWS = 8  # a catch-up of up to this many tokens runs as decode rows (a longer one as a prefill chunk)
+
+
 class DraftModelProposer:
     def __init__(
         self, spec: RunnerSpec, config: SpeculativeConfig, vocab_size: int, make_runner: Callable[[RunnerSpec], Any]
@@ -78,10 +81,18 @@ class DraftModelProposer:
         for step in range(max(most)):
             active = [i for i, k in enumerate(most) if k > step]
             batch = [views[i] for i in active]
-            inputs = build_step_inputs(batch, [num_tokens[i] for i in active], self.block_size, runner.device)
+            # A short catch-up (the kept proposals past the draft's last write, and the model's token) as
+            # decode rows, so that the step stays the fused decode forward; the last row samples.
+            short = frozenset(
+                views[i].req_id for i in active if 1 < num_tokens[i] <= CATCH_UP_ROWS and views[i].num_computed_tokens
+            )
+            inputs = build_step_inputs(batch, [num_tokens[i] for i in active], self.block_size, runner.device, short)
             runner.backend.prepare(inputs.attn)
             hidden, fused_logits = runner.backend.forward(runner.model, inputs, runner.kv_caches, None)
             logits = runner._logits(inputs, hidden, fused_logits)
+            if short:  # one row a request: each one's last
+                last = {req_id: row for row, req_id in enumerate(inputs.sampled_req_ids)}
+                logits = logits[torch.tensor([last[v.req_id] for v in batch], device=logits.device)]
             meta = build_sampling_metadata(batch, runner.vocab_size, runner.device)
             sampled = runner.sampler(logits, meta).sampled.tolist()
             for i, token in zip(active, sampled):
