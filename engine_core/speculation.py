@@ -41,7 +41,7 @@ class SpeculationPolicy:
     def num_tokens(self, req: Request, num_running: int, budget: int, max_model_len: int) -> int:
         """Proposals `req` may have after its one scheduled decode token this step (0: none)."""
         config = self.config
-        if req.grammar is not None:  # the matcher advances on the host, token by token
+        if req.grammar is not None or req.params.disable_spec_decode:  # a grammar's matcher: token by token
             return 0
         if config.disable_by_batch_size is not None and num_running >= config.disable_by_batch_size:
             return 0

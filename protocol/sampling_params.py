@@ -83,6 +83,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     # The grammar the output must follow (vLLM's name; docs/structured_outputs.md); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
+    # Speculative decoding off for this request alone (the name of vLLM's per-request switch); its tokens
+    # and logprobs are the same either way, only its speed changes (docs/speculative.md).
+    disable_spec_decode: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -268,6 +268,19 @@ def test_vllm_names_are_taken_and_what_is_not_built_is_refused_by_name():
         LLM(None, tensor_parallel_size=2, speculative_config={"model": "builtin:tiny", "num_speculative_tokens": 2})
 
 
+def test_a_request_may_opt_out_and_gets_the_same_output(tiny_path):
+    prompts = repeating_prompts()
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True, allowed_token_ids=PHRASE[:4])
+    opted_out = SamplingParams(
+        max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True, allowed_token_ids=PHRASE[:4], disable_spec_decode=True
+    )
+    with LLM(tiny_path, multiprocess=False, num_kv_blocks=64, speculative_config={**NGRAM, "prompt_lookup_min": 1}) as llm:
+        out = [everything(o) for o in llm.generate(prompts, opted_out, use_tqdm=False)]
+        assert llm.get_engine_stats().spec_num_draft_tokens == 0
+        assert [everything(o) for o in llm.generate(prompts, params, use_tqdm=False)] == out
+        assert llm.get_engine_stats().spec_num_draft_tokens > 0
+
+
 def test_prompt_lookup_takes_the_latest_longest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 2, 3]
     assert lookup(tokens, 2, 5, 3) == [7, 8, 4]  # "2 3" last seen before the end at index 5

@@ -147,6 +147,7 @@ def sampling_params(
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
+            disable_spec_decode=body.disable_spec_decode,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,

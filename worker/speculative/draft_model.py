@@ -23,7 +23,6 @@ from worker.input_batch import RequestState, build_step_inputs
 from worker.runner_spec import RunnerSpec
 from worker.sampling.metadata import build_sampling_metadata
 
-
 CATCH_UP_ROWS = 8  # a catch-up of up to this many tokens runs as decode rows (a longer one as a prefill chunk)
 
 
