@@ -68,15 +68,49 @@ class Grammars:
         sampling = [r for r in reqs if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
         if not sampling:
             return
-        bitmask = np.zeros((len(sampling), -(-self.vocab_size // 32)), dtype=np.int32)
-        for row, req in enumerate(sampling):
-            req.grammar.matcher.fill_next_token_bitmask(bitmask, row)
-        output.grammar_req_ids = [r.req_id for r in sampling]
-        output.grammar_bitmask = bitmask.astype("<i4", copy=False).tobytes()
+        drafts = output.spec_drafts
+        num_rows = len(sampling) + sum(len(drafts.get(r.req_id, ())) for r in sampling)
+        bitmask = np.zeros((num_rows, -(-self.vocab_size // 32)), dtype=np.int32)
+        row, req_ids = 0, []
+        for req in sampling:
+            matcher = req.grammar.matcher
+            num_kept = _walk(matcher, drafts.get(req.req_id, []))
+            if req.req_id in drafts:  # speculation: the proposals the grammar takes, or none
+                if num_kept:
+                    drafts[req.req_id] = drafts[req.req_id][:num_kept]
+                else:
+                    del drafts[req.req_id]
+                    output.spec_tokens.pop(req.req_id, None)
+            for j in range(num_kept + 1):  # a row for each verified position: row j follows proposal j
+                matcher.fill_next_token_bitmask(bitmask, row)
+                row += 1
+                req_ids.append(req.req_id)
+                if j < num_kept:
+                    matcher.accept_token(drafts[req.req_id][j])
+            if num_kept:
+                matcher.rollback(num_kept)
+        output.grammar_req_ids = req_ids
+        output.grammar_bitmask = bitmask[:row].astype("<i4", copy=False).tobytes()
 
     def close(self) -> None:
         if self.compiler is not None:
             self.compiler.close()
+
+
+def _walk(matcher, proposed: list[int]) -> int:
+    """How many of the proposals, in order, the grammar takes before one it refuses or one that ends it
+    (the model's own token ends a grammar, unproposed); the matcher is left where it was."""
+    num_taken = 0
+    for token in proposed:
+        if not matcher.accept_token(token):
+            break
+        if matcher.is_terminated():
+            matcher.rollback(1)
+            break
+        num_taken += 1
+    if num_taken:
+        matcher.rollback(num_taken)
+    return num_taken
 
 
 def wait_for_any(grammars: list[RequestGrammar], timeout_s: float = WAIT_S) -> None:

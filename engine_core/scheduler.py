@@ -130,7 +130,10 @@ class Scheduler:
         if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs and not output.spec_tokens:
             self._extend_to_window(output)
         if self.num_with_grammar:
-            self.grammars.add_bitmask(output, [self.requests[r] for r in output.num_scheduled_tokens])
+            reqs = [self.requests[r] for r in output.num_scheduled_tokens]
+            if output.spec_tokens:  # a grammar request's proposals are made here, to be walked by its matcher
+                self.speculation.propose_for_grammars(reqs, output)
+            self.grammars.add_bitmask(output, reqs)
         return output
 
     def _allocate_proposals(self, req: Request, num_new: int, budget: int) -> tuple[int, list[int] | None]:
@@ -326,7 +329,7 @@ class Scheduler:
             if num_drafts:
                 spec_counts[req.client_id][req.client_req_id] = [num_drafts, len(token_ids) - 1]
             if req_id in runner_output.constraint_masses:
-                output.constraint_masses = [runner_output.constraint_masses[req_id]]
+                output.constraint_masses = runner_output.constraint_masses[req_id][:num_new]
             by_client[req.client_id].append(output)
             if req.is_finished:
                 self._free(req)

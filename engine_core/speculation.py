@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from engine_core.request import Request
 from protocol.config import SpeculativeConfig
+from protocol.step import SchedulerOutput
+from worker.speculative.ngram import lookup
 
 MAX_PAUSE = 64  # steps without proposals after a run of rounds that kept nothing, at most
 # Rows a step may verify in all (its decode rows and the proposals): a few rows cost little more than one
@@ -41,7 +43,9 @@ class SpeculationPolicy:
     def num_tokens(self, req: Request, num_running: int, budget: int, max_model_len: int) -> int:
         """Proposals `req` may have after its one scheduled decode token this step (0: none)."""
         config = self.config
-        if req.grammar is not None or req.params.disable_spec_decode:  # a grammar's matcher: token by token
+        if req.params.disable_spec_decode:
+            return 0
+        if req.grammar is not None and config.method != "ngram":  # a draft cannot see the grammar
             return 0
         if config.disable_by_batch_size is not None and num_running >= config.disable_by_batch_size:
             return 0
@@ -54,6 +58,20 @@ class SpeculationPolicy:
         k = max(0, min(k, budget - 1, max_model_len - req.num_tokens - 1))
         self.room -= k
         return k
+
+    def propose_for_grammars(self, reqs: list[Request], output: SchedulerOutput) -> None:
+        """Prompt lookup for the step's grammar requests that may speculate, here in the core: their
+        matchers must walk the proposals to give each verified position its bitmask (Grammars.add_bitmask
+        cuts a proposal at the first token its grammar refuses)."""
+        low, high = self.config.lookup_range()
+        for req in reqs:
+            k = output.spec_tokens.get(req.req_id, 0)
+            if req.grammar is not None and k:
+                drafts = lookup(req.all_token_ids, low, high, k)
+                if drafts:
+                    output.spec_drafts[req.req_id] = drafts
+                else:
+                    del output.spec_tokens[req.req_id]
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """One verified round of `req`: `num_accepted` of its `num_drafts` proposed tokens kept."""

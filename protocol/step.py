@@ -47,6 +47,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the most tokens the worker may propose and verify for it this step,
     # after its one scheduled token (its KV blocks and the token budget are held for all of them)
     spec_tokens: dict[str, int] = field(default_factory=dict)
+    # The proposals the scheduler made itself (a grammar request's: cut where its grammar refuses one);
+    # its grammar's bitmask has a row for each verified position (grammar_req_ids repeats its id)
+    spec_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class ModelRunnerOutput:
     logprob_req_ids: list[str] = field(default_factory=list)  # subset of sampled_req_ids that asked
     logprobs: list[HostLogprobs] = field(default_factory=list)  # one per step, rows follow logprob_req_ids
     prompt_logprobs: dict[str, HostLogprobs] = field(default_factory=dict)  # rows of this step's chunk
-    # req_id -> the probability mass its grammar allowed under the model's own distribution (logprob rows only)
-    constraint_masses: dict[str, float] = field(default_factory=dict)
+    # req_id -> the probability mass its grammar allowed under the model's own distribution, per token
+    # (logprob rows only)
+    constraint_masses: dict[str, list[float]] = field(default_factory=dict)  # one per sampled token
     num_draft_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens proposed and verified

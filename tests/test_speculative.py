@@ -130,6 +130,31 @@ def test_a_stop_string_or_stop_token_inside_a_kept_run_ends_it_as_without_specul
     assert token_reason == "stop" and ids[-1] == stop_token and len(ids) < 48
 
 
+def test_a_grammar_request_speculates_its_proposals_cut_by_the_grammar_and_gets_the_same_output():
+    """Prompt lookup for a JSON-schema request: the core's matcher walks the proposals (cut at the first
+    token the grammar refuses) and gives each verified position its own mask row."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "city", "age"],
+    }
+    chat = [{"role": "user", "content": 'A record: {"name": "Alice Martin", "city": "Lyon", "age": 34}. Write it as JSON.'}]
+    params = [
+        SamplingParams(max_tokens=60, temperature=t, seed=3, logprobs=2, structured_outputs=StructuredOutputsParams(json=schema))
+        for t in (0.0, 0.8)
+    ]
+    got = {}
+    dtype = "bfloat16" if IS_BF16_MODE else "auto"
+    for name, extra in (("off", {}), ("on", {"speculative_config": NGRAM})):
+        with LLM(builtin_model_path("smollm2"), multiprocess=False, dtype=dtype, num_kv_blocks=256, **extra) as llm:
+            outputs = llm.chat([chat, chat], params, use_tqdm=False)
+            got[name] = [(everything(o), o.outputs[0].constraint_masses) for o in outputs]
+            kept = [o.metrics.get("spec_num_accepted_tokens", 0) for o in outputs]
+    assert got["on"] == got["off"]
+    assert all(k > 0 for k in kept)  # both requests kept proposals under their grammar
+    assert all(json.loads(text)["city"] for (_, text, *_), _ in got["on"])
+
+
 @pytest.mark.fp32_exact("the draft is the Q4_1 file, bit-equal to the fp32 target only in fp32")
 def test_fp32_smollm2_drafted_by_its_q4_1_file_equals_plain_fp32_and_keeps_every_proposal():
     path = builtin_model_path("smollm2")

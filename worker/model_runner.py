@@ -126,7 +126,7 @@ class ModelRunner:
             assert not scheduler_output.grammar_req_ids  # the scheduler cuts windows with a grammar row
             return self._execute_window(states, scheduler_output.num_steps)
         num_tokens = list(scheduler_output.num_scheduled_tokens.values())
-        verification = self._propose(states, num_tokens, scheduler_output.spec_tokens)
+        verification = self._propose(states, num_tokens, scheduler_output.spec_tokens, scheduler_output.spec_drafts)
         inputs = self._prepare(states, num_tokens, verification)
         hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
         for state, num in zip(states, num_tokens):
@@ -145,24 +145,33 @@ class ModelRunner:
             tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
         host = tensors.to_host()
         if verification is not None:
-            output = self._verified(verification, states, inputs.sampled_req_ids, out)
+            output = self._verified(verification, states, inputs.sampled_req_ids, out, masses)
             output.prompt_logprobs = host.prompt_logprobs
         else:
             for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
                 state.token_ids.append(token_id)
             output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
-        output.constraint_masses = masses
+            output.constraint_masses = masses
         return output
 
     def _propose(
-        self, states: list[RequestState], num_tokens: list[int], spec_tokens: dict[str, int]
+        self,
+        states: list[RequestState],
+        num_tokens: list[int],
+        spec_tokens: dict[str, int],
+        given: dict[str, list[int]],
     ) -> Verification | None:
-        """The proposer's tokens for the requests the scheduler let speculate, appended to their token
-        lists (and their step's tokens) for verification; None where nothing was proposed."""
+        """The proposer's tokens for the requests the scheduler let speculate (the scheduler's own for
+        those it `given`: a grammar's), appended to their token lists (and their step's tokens) for
+        verification; None where nothing was proposed."""
         if not spec_tokens or self.proposer is None:
             return None
-        chosen = [i for i, s in enumerate(states) if s.req_id in spec_tokens]
-        proposals = self.proposer.propose([states[i] for i in chosen], [spec_tokens[states[i].req_id] for i in chosen])
+        chosen = [i for i, s in enumerate(states) if s.req_id in spec_tokens and s.req_id not in given]
+        proposals = []
+        if chosen:
+            proposals = self.proposer.propose([states[i] for i in chosen], [spec_tokens[states[i].req_id] for i in chosen])
+        chosen += [i for i, s in enumerate(states) if s.req_id in given]
+        proposals += [given[states[i].req_id] for i in chosen[len(proposals) :]]
         drafts = {}
         for i, tokens in zip(chosen, proposals):
             if tokens:
@@ -172,7 +181,12 @@ class ModelRunner:
         return Verification(drafts) if drafts else None
 
     def _verified(
-        self, verification: Verification, states: list[RequestState], row_req_ids: list[str], out: SamplerOutput
+        self,
+        verification: Verification,
+        states: list[RequestState],
+        row_req_ids: list[str],
+        out: SamplerOutput,
+        constraint_masses: dict[str, list[float]],
     ) -> ModelRunnerOutput:
         """The kept tokens of every sampled request (a verified one's agreeing proposals and the model's
         token after them) and their logprob rows, in the multi-step shape; the rejected proposals' KV
@@ -187,6 +201,7 @@ class ModelRunner:
         logprob_req_ids = [r for r in req_ids if self.states[r].logprobs_k is not None]
         output = kept_output(kept, row_req_ids, logprob_req_ids, out.logprobs).runner_output(req_ids, logprob_req_ids)
         output.num_draft_tokens = {r: len(d) for r, d in verification.drafts.items()}
+        output.constraint_masses = {r: masses[: len(kept[r])] for r, masses in constraint_masses.items()}
         return output
 
     def _prepare(
@@ -339,14 +354,17 @@ class ModelRunner:
             self.allocate_kv_cache(self.num_kv_blocks)  # zeroed; the backend binds to it again
 
 
-def _constraint_masses(grammar_req_ids: list[str], out: SamplerOutput, states: dict) -> dict[str, float]:
-    """The grammar rows' allowed mass, for those that asked for logprobs (a second small copy, only on
-    steps with such a row)."""
+def _constraint_masses(grammar_req_ids: list[str], out: SamplerOutput, states: dict) -> dict[str, list[float]]:
+    """The grammar rows' allowed mass, per row of each request that asked for logprobs (a verified one
+    has a row a position); a second small copy, only on steps with such a row."""
     wanted = [row for row, r in enumerate(grammar_req_ids) if states[r].logprobs_k is not None]
     if not wanted or out.constraint_masses is None:
         return {}
     values = out.constraint_masses.cpu().tolist()
-    return {grammar_req_ids[row]: values[row] for row in wanted}
+    masses: dict[str, list[float]] = {}
+    for row in wanted:
+        masses.setdefault(grammar_req_ids[row], []).append(values[row])
+    return masses
 
 
 def _logprob_req_ids(states: list[RequestState]) -> list[str]:

@@ -70,7 +70,7 @@ class WireRunnerOutput(msgspec.Struct, array_like=True):
     logprob_req_ids: list[str]
     logprobs: list[LogprobsArrays]  # one per step
     prompt_logprobs: dict[str, LogprobsArrays]
-    constraint_masses: dict[str, float] = {}  # req_id -> the mass its grammar allowed (logprob rows only)
+    constraint_masses: dict[str, list[float]] = {}  # req_id -> the masses its grammar allowed (logprob rows)
     num_draft_tokens: dict[str, int] = {}  # speculative decoding: req_id -> tokens proposed and verified
 
 

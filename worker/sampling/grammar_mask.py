@@ -32,14 +32,21 @@ def build_grammar_mask(
     (SchedulerOutput's); the rows of the mask follow the sampling rows (`sampled_req_ids`)."""
     if not grammar_req_ids:
         return None
-    row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
+    rows_of: dict[str, list[int]] = {}  # a verified request samples several rows: its bitmask rows follow them
+    for row, req_id in enumerate(sampled_req_ids):
+        rows_of.setdefault(req_id, []).append(row)
+    taken: dict[str, int] = {}
+    row_of = []
+    for req_id in grammar_req_ids:
+        row_of.append(rows_of[req_id][taken.get(req_id, 0)])
+        taken[req_id] = taken.get(req_id, 0) + 1
     words = -(-vocab_size // _BITS)
     # Bit j of little-endian int32 word w is token 32 w + j, so in byte order bit k of byte i is token
     # 8 i + k: numpy's little-endian unpack in one C pass (7x the shift-and-mask of [G, W, 32] ints).
     packed = np.frombuffer(bitmask, dtype=np.uint8).reshape(len(grammar_req_ids), words * 4)
     bits = np.unpackbits(packed, axis=-1, bitorder="little")[:, :vocab_size]
     is_allowed = torch.from_numpy(bits).to(device=device, dtype=torch.bool)
-    rows = torch.tensor([row_of[r] for r in grammar_req_ids], dtype=torch.int64, device=device)
+    rows = torch.tensor(row_of, dtype=torch.int64, device=device)
     return GrammarMask(rows, is_allowed)
 
 
