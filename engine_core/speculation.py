@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from engine_core.request import Request
 from protocol.config import SpeculativeConfig
+from protocol.prompt_lookup import lookup
 from protocol.step import SchedulerOutput
-from worker.speculative.ngram import lookup
 
 MAX_PAUSE = 64  # steps without proposals after a run of rounds that kept nothing, at most
 # Rows a step may verify in all (its decode rows and the proposals): a few rows cost little more than one

@@ -19,8 +19,8 @@ from engine_core.speculation import MAX_PAUSE, STEP_ROWS, SpeculationPolicy
 from frontend import LLM, SamplingParams
 from protocol.builtin_model import builtin_model_path
 from protocol.config import SpeculativeConfig, parse_speculative_config
+from protocol.prompt_lookup import lookup
 from protocol.structured_outputs import StructuredOutputsParams
-from worker.speculative.ngram import lookup
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 CODE = (
@@ -66,7 +66,7 @@ def chat_all(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
 @pytest.fixture(scope="module")
 def smollm2_outputs():
     """Speculation off, then on (ngram), on the SmolLM2 file (Q4_1 kept quantized): each chat alone,
-    greedy and seeded, and the 16 of them batched with 4 requests that do not speculate (a grammar)."""
+    greedy and seeded, and 16 of them batched (a quarter opted out) with 4 grammar requests."""
     params = [GREEDY] * 4 + [SEEDED] * 4
     results = {}
     for name, extra in (("off", {}), ("on", {"speculative_config": NGRAM})):
@@ -82,9 +82,16 @@ def smollm2_outputs():
 
 def batch_params() -> list[SamplingParams]:
     """16 requests, greedy and seeded, of 12 to 57 tokens: the batch shrinks as they finish, and once it
-    leaves room (STEP_ROWS) the rest speculate beside the ones that do not."""
+    leaves room (STEP_ROWS) the rest speculate beside the ones that do not (opted out)."""
     return [
-        SamplingParams(max_tokens=12 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=11, logprobs=5, prompt_logprobs=5)
+        SamplingParams(
+            max_tokens=12 + 3 * i,
+            temperature=0.8 if i % 2 else 0.0,
+            seed=11,
+            logprobs=5,
+            prompt_logprobs=5,
+            disable_spec_decode=i % 4 == 3,  # a quarter opt out: they run beside the ones that speculate
+        )
         for i in range(16)
     ]
 
