@@ -361,6 +361,8 @@ FAMILY_CONFIGS = {
         padded_vocab=128 * 1024 + 512,
         rope_parameters=dict(rope_type="linear", rope_theta=1000000.0, factor=2.0),
     ),
+    # Phi-3-mini-4k's shape: fused qkv_proj and gate_up_proj tensors, a sliding window (2047 there)
+    "phi3": dict(model_type="phi3", tokenizer="llama2", rope_theta=10000.0, sliding_window=24, pad_token_id=0),
 }
 
 

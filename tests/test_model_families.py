@@ -1,4 +1,4 @@
-"""Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3) against Hugging Face transformers on
+"""Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3, Phi-3) against Hugging Face transformers on
 the same random weights: greedy tokens, sample and prompt logprobs, past the RoPE thresholds and the
 sliding window, with chunked prefill and preemption forced; config keys the engine cannot honour refused.
 """
@@ -45,12 +45,14 @@ CASES = [
     ("mistral", False, dict(num_scheduler_steps=4, can_use_cpu_kernels=False)),  # multi-step windows
     ("qwen2", False, CHUNKED),
     ("qwen3", True, CHUNKED),
+    ("phi3", False, CHUNKED),  # fused checkpoint tensors and a window, chunked and preempted
     # and each family in the other process mode too
     ("llama2", False, CHUNKED),
     ("llama3.1", True, CHUNKED),
     ("llama3.2", True, CHUNKED),
     ("qwen2", True, CHUNKED),
     ("qwen3", False, CHUNKED),
+    ("phi3", True, CHUNKED),
 ]
 
 
@@ -130,3 +132,8 @@ def test_unsupported_config_is_a_value_error_at_load(family_model, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="mlp_bias"):
         LLM(str(tmp_path), multiprocess=False)
+
+
+def test_phi3_under_tensor_parallelism_is_refused_by_name(family_model):
+    with pytest.raises(Exception, match="Phi-3"):
+        LLM(family_model("phi3"), tensor_parallel_size=2)

@@ -1,5 +1,5 @@
 """A Hugging Face config.json read into the model's arguments, for the families this engine runs
-(Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3), and refused with a ValueError where it asks for math the
+(Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, dense Phi-3/Phi-4), and refused with a ValueError where it asks for math the
 engine does not do (engine-core process; the frontend reads nothing of it).
 """
 
@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # dense Phi-3 / Phi-4: fused qkv_proj and gate_up_proj in the checkpoint
 }
 _MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's default when config.json has no sliding_window key
 # Keys of other architectures that change the math; any of them set (not null, not 0/False/1) is refused.
@@ -112,6 +113,8 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
 def _sliding_window(config: dict, family: str) -> int | None:
     if family == "mistral":
         return config.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+    if family == "phi3":  # Phi-3-mini-4k's 2047; None in Phi3Config's default
+        return config.get("sliding_window")
     return None
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from protocol.gguf_header import is_gguf, read_gguf_header
 from worker.models import gguf_quantized, gguf_weights, safetensors_files
-from worker.models.config import LlamaArgs
+from worker.models.config import LlamaArgs, model_family
 from worker.models.gguf_config import hf_config_from_gguf
 from worker.models.gguf_quantized import quantization_plan
 from worker.models.llama import LlamaModel
@@ -78,7 +78,13 @@ def load_model(
     rank's part of a tensor-parallel model (its heads and MLP columns; worker/parallel/sharding.py).
     `place`: called with the allocated model before its weights are read (where a backend wants its
     weights to live, so they are written once, there)."""
-    args = LlamaArgs.from_hf_config(read_config(model_dir))
+    config = read_config(model_dir)
+    args = LlamaArgs.from_hf_config(config)
+    if shard is not None and model_family(config) == "phi3":
+        raise ValueError(
+            "tensor_parallel_size > 1 with a Phi-3 checkpoint (its fused qkv_proj and gate_up_proj split "
+            "by q/k/v and gate/up parts) is not built"
+        )
     keeps_blocks = dtype == "auto" and is_gguf(model_dir)  # GGUF's default: its quantization kept
     dtype = _weights_dtype(args, model_dir, dtype, device)
     if shard is not None:
@@ -169,6 +175,9 @@ def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None
         "self_attn.v_proj": ("qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size)),
         "mlp.gate_proj": ("gate_up_proj", slice(0, inter)),
         "mlp.up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+        # Phi-3's checkpoints hold them fused already, in the same order (q, k, v; gate, up)
+        "self_attn.qkv_proj": ("qkv_proj", None),
+        "mlp.gate_up_proj": ("gate_up_proj", None),
     }
     module, kind = rest.rsplit(".", 1)
     if module in fused:
