@@ -363,6 +363,19 @@ FAMILY_CONFIGS = {
     ),
     # Phi-3-mini-4k's shape: fused qkv_proj and gate_up_proj tensors, a sliding window (2047 there)
     "phi3": dict(model_type="phi3", tokenizer="llama2", rope_theta=10000.0, sliding_window=24, pad_token_id=0),
+    # Phi-3.5-mini's LongRoPE (its 4096 scaled to 32; factors per frequency of a 16-wide head)
+    "phi3.5": dict(
+        model_type="phi3",
+        tokenizer="llama2",
+        pad_token_id=0,
+        original_max_position_embeddings=32,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            short_factor=[1.0 + 0.05 * i for i in range(8)],
+            long_factor=[1.5 + 0.75 * i for i in range(8)],
+        ),
+    ),
 }
 
 

@@ -106,7 +106,7 @@ def test_hf_config_formats_agree(family_model):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "short_factor"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -137,3 +137,40 @@ def test_unsupported_config_is_a_value_error_at_load(family_model, tmp_path):
 def test_phi3_under_tensor_parallelism_is_refused_by_name(family_model):
     with pytest.raises(Exception, match="Phi-3"):
         LLM(family_model("phi3"), tensor_parallel_size=2)
+
+
+def hf_logprobs_decoded(model, token_ids: list[int]):
+    """[len(token_ids), vocab] float64 log_softmax of HF's logits, one token at a time with its KV cache:
+    LongRoPE's frequencies chosen per step by the positions so far (HF's generation), not once for the
+    whole sequence as a single forward would."""
+    import torch
+
+    rows, past = [], None
+    with torch.no_grad():
+        for token in token_ids:
+            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            rows.append(out.logits[0, -1])
+    return torch.log_softmax(torch.stack(rows).double(), dim=-1)
+
+
+def test_phi3_longrope_across_the_switch_matches_hf_decoding_with_its_cache(family_model):
+    """Phi-3.5's LongRoPE, original_max_position_embeddings scaled down to 32: prompts of 40-70 tokens
+    cross it. Below it the short factors, from it the long ones, per position (as HF's decoding with a
+    KV cache; HF's single forward over a sequence past 32 would rotate every position with the long)."""
+    path = family_model("phi3.5")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    with LLM(path, multiprocess=False, max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(FAMILY_PROMPTS[:3], params, use_tqdm=False)
+    hf = load_hf(path)
+    for output in outputs:
+        completion = output.outputs[0]
+        reference = hf_logprobs_decoded(hf, output.prompt_token_ids + completion.token_ids)
+        start = len(output.prompt_token_ids) - 1
+        assert start > 32
+        for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = reference[start + step]
+            assert row[token_id] >= row.max() - HF_TOLERANCE
+            for entry_id, logprob in entries.items():
+                assert abs(logprob.logprob - row[entry_id].item()) < HF_TOLERANCE
+        _assert_prompt_logprobs(output, reference, HF_TOLERANCE)

@@ -97,12 +97,16 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
-    if rope_type in ("llama3", "yarn"):  # HF: a top-level original_max_position_embeddings wins
+    if rope_type in ("llama3", "yarn", "longrope"):  # HF: a top-level original_max_position_embeddings wins
         original = config.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = original or params.get(
             "original_max_position_embeddings", max_positions
         )
-    if rope_type != "default" and rope_type != "yarn" and "factor" not in params:
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(params.get(key) or ()) != head_dim // 2:
+                raise ValueError(f"RoPE type 'longrope' needs {key}: {head_dim // 2} values (head_dim / 2)")
+    if rope_type not in ("default", "yarn", "longrope") and "factor" not in params:
         raise ValueError(f"RoPE type {rope_type!r} needs a `factor`")
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     for key in ("rope_type", "type"):

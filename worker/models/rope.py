@@ -1,5 +1,6 @@
 """RoPE variants as Hugging Face transformers computes them: inverse frequencies and the attention
-scaling of cos/sin, for `default`, `linear`, `dynamic`, `llama3` and `yarn` (engine-core process).
+scaling of cos/sin, for `default`, `linear`, `dynamic`, `llama3`, `yarn` and `longrope` (engine-core
+process).
 
 Each function repeats HF's float32 arithmetic step for step (transformers' `modeling_rope_utils`), so
 the cos/sin tables are the same bits as HF's. `dynamic` (NTK) is HF's static case: HF recomputes the
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -37,15 +38,38 @@ def rope_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, spec.params), 1.0
     if spec.rope_type == "yarn":
         return _yarn(spec)
+    if spec.rope_type == "longrope":
+        return _longrope(spec, "short_factor")
     return inv_freq, 1.0  # default, and dynamic up to max_position_embeddings
 
 
 def cos_sin_tables(spec: RopeSpec, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [num_positions, head_dim] float32, scaled as HF scales them."""
+    """cos and sin [num_positions, head_dim] float32, scaled as HF scales them. LongRoPE: positions
+    below original_max_position_embeddings take the short factors, the rest the long ones (per
+    position, whatever the batch: HF's decoding with a KV cache, where the keys of a sequence that
+    crossed keep the rotation they were computed with; docs/models.md)."""
     inv_freq, scaling = rope_frequencies(spec)
     freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    if spec.rope_type == "longrope":
+        long_inv_freq, _ = _longrope(spec, "long_factor")
+        is_long = torch.arange(num_positions)[:, None] >= spec.params["original_max_position_embeddings"]
+        freqs = torch.where(is_long, torch.arange(num_positions, dtype=torch.float32)[:, None] * long_inv_freq, freqs)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _longrope(spec: RopeSpec, factors: str) -> tuple[torch.Tensor, float]:
+    """LongRoPE's inverse frequencies with its short or long factors, and its attention factor (from
+    max_position_embeddings / original_max_position_embeddings where `factor` is not given, as Phi-3)."""
+    params, dim = spec.params, spec.head_dim
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor") or spec.max_position_embeddings / original_max
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    ext_factors = torch.tensor(params[factors], dtype=torch.float32)
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors * spec.theta**inv_freq_shape), attention_factor
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
