@@ -162,17 +162,22 @@ def test_a_grammar_request_speculates_its_proposals_cut_by_the_grammar_and_gets_
     assert all(json.loads(text)["city"] for (_, text, *_), _ in got["on"])
 
 
-@pytest.mark.fp32_exact("the draft is the Q4_1 file, bit-equal to the fp32 target only in fp32")
-def test_fp32_smollm2_drafted_by_its_q4_1_file_equals_plain_fp32_and_keeps_every_proposal():
+def drafted_by_q4_1(dtype: str) -> tuple[bool, object]:
+    """SmolLM2 loaded in `dtype`, drafted by its Q4_1 file: whether every chat's output (greedy and
+    seeded) equals plain decoding's, and the speculating engine's stats."""
     path = builtin_model_path("smollm2")
     draft = {"method": "draft_model", "model": "builtin:smollm2", "num_speculative_tokens": 4}
-    params = [GREEDY, SEEDED] * 2
     got = {}
     for name, extra in (("off", {}), ("on", {"speculative_config": draft})):
-        with LLM(path, multiprocess=False, dtype="float32", num_kv_blocks=256, **extra) as llm:
-            got[name] = (chat_all(llm, params), llm.get_engine_stats())
-    assert got["on"][0] == got["off"][0]
-    stats = got["on"][1]
+        with LLM(path, multiprocess=False, dtype=dtype, num_kv_blocks=256, **extra) as llm:
+            got[name] = (chat_all(llm, [GREEDY, SEEDED] * 2), llm.get_engine_stats())
+    return got["on"][0] == got["off"][0], got["on"][1]
+
+
+@pytest.mark.fp32_exact("the draft is the Q4_1 file, bit-equal to the fp32 target only in fp32")
+def test_fp32_smollm2_drafted_by_its_q4_1_file_equals_plain_fp32_and_keeps_every_proposal():
+    is_equal, stats = drafted_by_q4_1("float32")
+    assert is_equal
     # Q4_1 kept in blocks gives the fp32 model's bits, and the draft samples with the same noise: every
     # proposal is the model's own token
     assert stats.spec_num_draft_tokens > 50 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
@@ -180,15 +185,8 @@ def test_fp32_smollm2_drafted_by_its_q4_1_file_equals_plain_fp32_and_keeps_every
 
 @pytest.mark.skipif(IS_BF16_MODE, reason="the bf16 run of the suite loads its own dtype; this one names both")
 def test_bf16_smollm2_drafted_by_its_q4_1_file_equals_plain_bf16():
-    path = builtin_model_path("smollm2")
-    draft = {"method": "draft_model", "model": "builtin:smollm2", "num_speculative_tokens": 4}
-    params = [GREEDY, SEEDED] * 2
-    got = {}
-    for name, extra in (("off", {}), ("on", {"speculative_config": draft})):
-        with LLM(path, multiprocess=False, dtype="bfloat16", num_kv_blocks=256, **extra) as llm:
-            got[name] = (chat_all(llm, params), llm.get_engine_stats())
-    assert got["on"][0] == got["off"][0]
-    stats = got["on"][1]
+    is_equal, stats = drafted_by_q4_1("bfloat16")
+    assert is_equal
     assert stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens / 2  # a close draft, not an equal one
 
 
@@ -224,6 +222,10 @@ def test_tiny_model_speculation_equals_plain_decoding(tiny_path, engine_args):
     ]
     params = [params[i % 4] for i in range(len(prompts))]
     params[-1] = SamplingParams(max_tokens=24, temperature=0.8, seed=5, n=2, logprobs=2, allowed_token_ids=PHRASE[:4])
+    params[1] = SamplingParams(  # processed logprobs, after a penalty that counts the proposals before each row
+        max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True, allowed_token_ids=PHRASE[:4],
+        logprobs_mode="processed_logprobs", presence_penalty=0.5,
+    )
     results = []
     ngram = {**NGRAM, "prompt_lookup_min": 1}
     for spec in (None, ngram, {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3}):
