@@ -74,10 +74,7 @@ def build_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> E
             if f != "model" and getattr(args, f) is not None
         }
         if "speculative_config" in values:  # JSON on the command line, vLLM's names
-            spec = msgspec.structs.asdict(parse_speculative_config(values["speculative_config"]))
-            if spec["model"] is not None:
-                spec["model"] = resolve_model(spec["model"])
-            values["speculative_config"] = spec
+            values["speculative_config"] = parse_speculative_config(values["speculative_config"])
         return msgspec.convert({"model": resolve_model(args.model), **values}, EngineConfig, strict=False)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         parser.error(_flag_error(str(exc)))

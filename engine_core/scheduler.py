@@ -107,7 +107,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             req = self.running[index]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            num_spec, new_blocks = self._allocate_proposals(req, num_new, budget)
+            num_spec, new_blocks = 0, None
+            if self.speculation is not None:
+                num_spec, new_blocks = self.speculation.allocate(req, num_new, budget, self.kv_cache, self.max_model_len)
             if not num_spec:
                 new_blocks = self._allocate_or_preempt(req, num_new, output)
             if new_blocks is None:
@@ -135,18 +137,6 @@ class Scheduler:
                 self.speculation.propose_for_grammars(reqs, output)
             self.grammars.add_bitmask(output, reqs)
         return output
-
-    def _allocate_proposals(self, req: Request, num_new: int, budget: int) -> tuple[int, list[int] | None]:
-        """Speculative decoding: (proposals, new blocks) for a decoding request, its blocks grown for
-        them; (0, None) where it does not speculate this step or the free blocks do not hold them (no
-        request is preempted for proposals)."""
-        if self.speculation is None or num_new != 1 or req.num_output_tokens == 0:
-            return 0, None
-        num_spec = self.speculation.num_tokens(req, len(self.running), budget, self.max_model_len)
-        if not num_spec:
-            return 0, None
-        new_blocks = self.kv_cache.allocate(req.req_id, req.num_computed_tokens + 1 + num_spec)
-        return (0, None) if new_blocks is None else (num_spec, new_blocks)
 
     def _take_compiled(self) -> None:
         """Requests whose grammar compiled join the waiting queue; one that failed is reported with its
@@ -314,11 +304,10 @@ class Scheduler:
             if req_id not in sampled:
                 continue  # a prefill chunk that did not reach the last token
             token_ids = sampled[req_id]
-            if runner_output.num_draft_tokens and -1 in token_ids:  # a step that verified proposals:
-                token_ids = token_ids[: token_ids.index(-1)]  # each row ends at its first -1
+            if -1 in token_ids:  # a step that verified proposals: each row ends at its first -1
+                token_ids = token_ids[: token_ids.index(-1)]
             num_drafts = runner_output.num_draft_tokens.get(req_id, 0)
             if num_drafts:
-                req.num_computed_tokens += len(token_ids) - 1  # the kept proposals' KV is the model's own
                 self.speculation.record(req, num_drafts, len(token_ids) - 1)
             num_new = self._append_tokens(req, token_ids)
             row = logprob_rows.get(req_id)

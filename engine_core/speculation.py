@@ -14,6 +14,7 @@ blocks for the proposals and adapts each request's proposal length to what its r
 
 from __future__ import annotations
 
+from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from protocol.config import SpeculativeConfig
 from protocol.prompt_lookup import lookup
@@ -37,17 +38,34 @@ class SpeculationPolicy:
         self.room = 0  # proposals this step may still hold (begin_step)
 
     def begin_step(self, num_running: int) -> None:
-        """A new step with `num_running` requests in the batch: its room for proposals."""
-        self.room = max(0, STEP_ROWS - num_running)
+        """A new step with `num_running` requests in the batch: its room for proposals (none at
+        disable_by_batch_size or more)."""
+        limit = self.config.disable_by_batch_size
+        self.room = 0 if limit is not None and num_running >= limit else max(0, STEP_ROWS - num_running)
 
-    def num_tokens(self, req: Request, num_running: int, budget: int, max_model_len: int) -> int:
+    def allocate(
+        self, req: Request, num_new: int, budget: int, kv_cache: KVCacheManager, max_model_len: int
+    ) -> tuple[int, list[int] | None]:
+        """(proposals, new blocks) for a running request scheduled `num_new` tokens, its blocks grown for
+        them; (0, None) where it does not speculate this step (not decoding, no room, or too few free
+        blocks: no request is preempted for proposals)."""
+        if num_new != 1 or req.num_output_tokens == 0:
+            return 0, None
+        num_spec = self.num_tokens(req, budget, max_model_len)
+        if not num_spec:
+            return 0, None
+        new_blocks = kv_cache.allocate(req.req_id, req.num_computed_tokens + 1 + num_spec)
+        if new_blocks is None:
+            self.room += num_spec
+            return 0, None
+        return num_spec, new_blocks
+
+    def num_tokens(self, req: Request, budget: int, max_model_len: int) -> int:
         """Proposals `req` may have after its one scheduled decode token this step (0: none)."""
         config = self.config
         if req.params.disable_spec_decode:
             return 0
         if req.grammar is not None and config.method != "ngram":  # a draft cannot see the grammar
-            return 0
-        if config.disable_by_batch_size is not None and num_running >= config.disable_by_batch_size:
             return 0
         if req.spec_pause > 0:
             req.spec_pause -= 1
@@ -74,7 +92,9 @@ class SpeculationPolicy:
                     del output.spec_tokens[req.req_id]
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """One verified round of `req`: `num_accepted` of its `num_drafts` proposed tokens kept."""
+        """One verified round of `req`: `num_accepted` of its `num_drafts` proposed tokens kept (their KV
+        is the model's own: computed)."""
+        req.num_computed_tokens += num_accepted
         self.num_rounds += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted

@@ -68,7 +68,8 @@ UNBUILT_SPECULATIVE_KEYS = (
 
 def parse_speculative_config(value: object) -> SpeculativeConfig | None:
     """`speculative_config` as a user gives it (a dict, a JSON string, or the struct): vLLM's names;
-    a method or key that is not built is a ValueError naming it. A model without a method is a draft."""
+    a method or key that is not built is a ValueError naming it. A model without a method is a draft;
+    a `builtin:` draft is resolved to its path."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     if isinstance(value, (str, bytes)):
@@ -93,6 +94,10 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
             f"speculative_config keys not implemented: {unbuilt + unknown}; "
             f"known: {sorted(SpeculativeConfig.__struct_fields__)}"
         )
+    if isinstance(value.get("model"), str) and value["model"].startswith("builtin:"):
+        from protocol.builtin_model import builtin_model_path  # made on first use: only when named
+
+        value["model"] = builtin_model_path(value["model"].split(":", 1)[1])
     try:
         return msgspec.convert(value, SpeculativeConfig)
     except msgspec.ValidationError as exc:

@@ -331,9 +331,9 @@ def test_a_request_whose_proposals_keep_failing_stops_proposing_for_longer_each_
     )
     req.output_token_ids = [3]
     policy.begin_step(1)
-    assert policy.num_tokens(req, 1, 100, 1000) == 4
+    assert policy.num_tokens(req, 100, 1000) == 4
     policy.begin_step(STEP_ROWS - 2)  # a fuller batch: room for two
-    assert policy.num_tokens(req, STEP_ROWS - 2, 100, 1000) == 2
+    assert policy.num_tokens(req, 100, 1000) == 2
     policy.begin_step(1)
     policy.record(req, 4, 4)
     policy.record(req, 4, 1)
@@ -343,7 +343,12 @@ def test_a_request_whose_proposals_keep_failing_stops_proposing_for_longer_each_
         policy.record(req, 2, 0)
         pauses.append(req.spec_pause)
     assert pauses[0] == 0 and pauses[1:4] == [2, 4, 8] and pauses[-1] == MAX_PAUSE
-    assert [policy.num_tokens(req, 1, 100, 1000) for _ in range(MAX_PAUSE)] == [0] * MAX_PAUSE
+    assert [policy.num_tokens(req, 100, 1000) for _ in range(MAX_PAUSE)] == [0] * MAX_PAUSE
     policy.begin_step(1)
-    assert policy.num_tokens(req, 1, 100, 1000) == 1
+    assert policy.num_tokens(req, 100, 1000) == 1
     assert policy.num_accepted_tokens == 5 and policy.accepted_per_position == [2, 1, 1, 1]
+    capped = SpeculationPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=3))
+    capped.begin_step(3)
+    assert capped.num_tokens(req, 100, 1000) == 0
+    capped.begin_step(2)
+    assert capped.num_tokens(req, 100, 1000) == 1  # its proposal length now (one more than it kept)

@@ -28,8 +28,8 @@ from worker.sampling.grammar_mask import build_grammar_mask
 from worker.sampling.metadata import build_sampling_metadata, next_sampling_step
 from worker.sampling.prompt_logprobs import candidate_ids, prompt_logprobs
 from worker.sampling.sampler import Sampler, SamplerOutput, advance_penalties
-from worker.speculative.proposers import Proposer, make_proposer
-from worker.speculative.verification import Verification, accept, kept_output
+from worker.speculative.speculator import Speculator
+from worker.speculative.verification import Verification
 from worker.step_tensors import LogprobsTensors, StepTensors
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,8 @@ class ModelRunner:
         # After each decoder layer and each model step of a multi-step window: the core counts it as
         # progress, so a long window or prefill chunk on a busy CPU is not taken for a hung loop.
         self.on_progress = on_progress
-        # Speculative decoding's proposer (worker/speculative/); None: no speculation
-        self.proposer: Proposer | None = make_proposer(spec, self.vocab_size, ModelRunner)
-        self.spec_seeds = None if self.proposer is None else torch.Generator().manual_seed(spec.seed + 1)
+        # Speculative decoding (worker/speculative/); None: no speculation
+        self.speculator = Speculator.build(spec, self.vocab_size, ModelRunner)
 
     def _stepped_lately(self) -> bool:
         return time.monotonic() - self.last_step_at < 0.25
@@ -95,7 +94,7 @@ class ModelRunner:
     def host_kv_bytes(self, num_blocks: int) -> int:
         """The host memory a KV cache of num_blocks takes (a draft model's too): all of it on the CPU,
         none on a GPU."""
-        draft = 0 if self.proposer is None else self.proposer.host_kv_bytes(num_blocks)
+        draft = 0 if self.speculator is None else self.speculator.proposer.host_kv_bytes(num_blocks)
         return (num_blocks * self.bytes_per_block() if self.device.type == "cpu" else 0) + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -105,8 +104,8 @@ class ModelRunner:
         self.kv_caches = self.backend.allocate_kv_cache(a.num_layers, shape, self.dtype)
         self.num_kv_blocks = num_blocks
         self.backend.bind(self.model, self.kv_caches)
-        if self.proposer is not None:
-            self.proposer.allocate_kv_cache(num_blocks)
+        if self.speculator is not None:
+            self.speculator.proposer.allocate_kv_cache(num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB); startup: KV cache %.3f s",
             num_blocks,
@@ -126,14 +125,15 @@ class ModelRunner:
             assert not scheduler_output.grammar_req_ids  # the scheduler cuts windows with a grammar row
             return self._execute_window(states, scheduler_output.num_steps)
         num_tokens = list(scheduler_output.num_scheduled_tokens.values())
-        verification = self._propose(states, num_tokens, scheduler_output.spec_tokens, scheduler_output.spec_drafts)
+        verification = None if self.speculator is None else self.speculator.propose(states, num_tokens, scheduler_output)
         inputs = self._prepare(states, num_tokens, verification)
         hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
         for state, num in zip(states, num_tokens):
             state.num_computed_tokens += num
-        sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
         if verification is not None:  # a state per sampled row: a verified request has several
             sampling_states = verification.row_states(states, inputs.sampled_req_ids)
+        else:
+            sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
         tensors, masses, out = StepTensors(), {}, None
         if sampling_states:
             logits = self._logits(inputs, hidden, fused_logits)
@@ -145,63 +145,16 @@ class ModelRunner:
             tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
         host = tensors.to_host()
         if verification is not None:
-            output = self._verified(verification, states, inputs.sampled_req_ids, out, masses)
+            sampled = [self.states[req_id] for req_id in dict.fromkeys(inputs.sampled_req_ids)]
+            output = self.speculator.verified(
+                verification, sampled, inputs.sampled_req_ids, out, _logprob_req_ids(sampled), masses
+            )
             output.prompt_logprobs = host.prompt_logprobs
-        else:
-            for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
-                state.token_ids.append(token_id)
-            output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
-            output.constraint_masses = masses
-        return output
-
-    def _propose(
-        self,
-        states: list[RequestState],
-        num_tokens: list[int],
-        spec_tokens: dict[str, int],
-        given: dict[str, list[int]],
-    ) -> Verification | None:
-        """The proposer's tokens for the requests the scheduler let speculate (the scheduler's own for
-        those it `given`: a grammar's), appended to their token lists (and their step's tokens) for
-        verification; None where nothing was proposed."""
-        if not spec_tokens or self.proposer is None:
-            return None
-        chosen = [i for i, s in enumerate(states) if s.req_id in spec_tokens and s.req_id not in given]
-        proposals = []
-        if chosen:
-            proposals = self.proposer.propose([states[i] for i in chosen], [spec_tokens[states[i].req_id] for i in chosen])
-        chosen += [i for i, s in enumerate(states) if s.req_id in given]
-        proposals += [given[states[i].req_id] for i in chosen[len(proposals) :]]
-        drafts = {}
-        for i, tokens in zip(chosen, proposals):
-            if tokens:
-                drafts[states[i].req_id] = tokens
-                states[i].token_ids.extend(tokens)
-                num_tokens[i] += len(tokens)
-        return Verification(drafts) if drafts else None
-
-    def _verified(
-        self,
-        verification: Verification,
-        states: list[RequestState],
-        row_req_ids: list[str],
-        out: SamplerOutput,
-        constraint_masses: dict[str, list[float]],
-    ) -> ModelRunnerOutput:
-        """The kept tokens of every sampled request (a verified one's agreeing proposals and the model's
-        token after them) and their logprob rows, in the multi-step shape; the rejected proposals' KV
-        left behind as not computed."""
-        num_context = {r: len(self.states[r].token_ids) - len(d) for r, d in verification.drafts.items()}
-        kept = accept(verification, states, row_req_ids, out.sampled.tolist())
-        for req_id, drafts in verification.drafts.items():
-            num_kept = len(kept[req_id]) - 1
-            self.states[req_id].num_computed_tokens -= len(drafts) - num_kept
-            self.proposer.kept(req_id, num_context[req_id], num_kept)
-        req_ids = list(dict.fromkeys(row_req_ids))
-        logprob_req_ids = [r for r in req_ids if self.states[r].logprobs_k is not None]
-        output = kept_output(kept, row_req_ids, logprob_req_ids, out.logprobs).runner_output(req_ids, logprob_req_ids)
-        output.num_draft_tokens = {r: len(d) for r, d in verification.drafts.items()}
-        output.constraint_masses = {r: masses[: len(kept[r])] for r, masses in constraint_masses.items()}
+            return output
+        for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
+            state.token_ids.append(token_id)
+        output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
+        output.constraint_masses = masses
         return output
 
     def _prepare(
@@ -296,13 +249,12 @@ class ModelRunner:
     def _apply_diffs(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.states.pop(req_id, None)
-            if self.proposer is not None:
-                self.proposer.forget(req_id)
+            if self.speculator is not None:
+                self.speculator.proposer.forget(req_id)
         for data in scheduler_output.new_reqs:
             self.states[data.req_id] = state = RequestState.from_new(data)
-            if self.spec_seeds is not None and state.params.seed is None and not state.params.is_greedy:
-                # speculation samples each position from (seed, position): an unseeded request gets one
-                state.spec_seed = int(torch.randint(0, 2**62, (1,), generator=self.spec_seeds))
+            if self.speculator is not None:
+                self.speculator.adopt(state)
         for data in scheduler_output.cached_reqs:
             state = self.states[data.req_id]
             state.add_blocks(data.new_block_ids)
@@ -336,8 +288,8 @@ class ModelRunner:
         weights too, keeping their shapes."""
         self.backend.release()
         self.kv_caches = []
-        if self.proposer is not None:
-            self.proposer.release()
+        if self.speculator is not None:
+            self.speculator.proposer.release()
         if level >= 2 and not self.weights.is_dropped:
             self.weights.drop()
 

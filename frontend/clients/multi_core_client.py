@@ -6,6 +6,7 @@ requests go to the others, and engine stats are the sum over the cores that live
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import defaultdict
@@ -150,5 +151,5 @@ def _common_facts(cores: list[MPClient]) -> HandshakeReply:
 def _sum_counts(values: list) -> int | list[int]:
     """Counts summed across cores; lists of counts (per speculative position) summed element-wise."""
     if values and isinstance(values[0], list):
-        return [sum(column) for column in zip(*values)] if all(values) else next((v for v in values if v), [])
+        return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
     return sum(values)

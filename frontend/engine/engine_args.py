@@ -23,20 +23,11 @@ def make_config(model: str | None, engine_args: dict) -> EngineConfig:
     if model is not None and model.startswith("builtin:"):
         path = builtin_model_path(model.split(":", 1)[1])
     if engine_args.get("speculative_config") is not None:
-        engine_args = {**engine_args, "speculative_config": _speculative(engine_args["speculative_config"])}
+        engine_args = {**engine_args, "speculative_config": parse_speculative_config(engine_args["speculative_config"])}
     try:  # convert, not the constructor: it checks every field's type (msgspec's __init__ does not)
         return msgspec.convert({"model": path, **engine_args}, EngineConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"bad engine arguments: {exc}") from exc
-
-
-def _speculative(value: object) -> dict:
-    """The speculative config checked by name (vLLM's keys), its draft model's `builtin:` name resolved."""
-    spec = parse_speculative_config(value)
-    fields = msgspec.structs.asdict(spec)
-    if spec.model is not None and spec.model.startswith("builtin:"):
-        fields["model"] = builtin_model_path(spec.model.split(":", 1)[1])
-    return fields
 
 
 def load_tokenizer(model_dir: str):

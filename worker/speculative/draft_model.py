@@ -43,9 +43,6 @@ class DraftModelProposer:
         self.block_size = spec.block_size
         self.num_computed: dict[str, int] = {}  # req_id -> positions whose draft KV is written
 
-    def bytes_per_block(self) -> int:
-        return self.runner.bytes_per_block()
-
     def host_kv_bytes(self, num_blocks: int) -> int:
         return self.runner.host_kv_bytes(num_blocks)
 
