@@ -45,6 +45,7 @@ class EngineCore:
     def _start(self, config: EngineConfig) -> None:
         args = self.executor.model_args
         self.vocab_size = args.vocab_size
+        self.num_moe_layers = len(args.moe_layers)
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
@@ -126,6 +127,7 @@ class EngineCore:
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.config.block_size,
             has_rl_control=True,
+            num_moe_layers=self.num_moe_layers,
         )
 
     def add_request(self, client_id: bytes, request: EngineCoreRequest) -> EngineCoreOutput | None:

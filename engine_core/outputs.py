@@ -24,6 +24,8 @@ def make_output(
         output.prompt_logprobs = _prompt_logprobs(req)
         req.has_sent_prompt_logprobs = True
         req.prompt_logprob_parts = []
+    if req.params.return_routed_experts:
+        output.routed_experts = req.take_routed_experts()
     if req.num_output_tokens == num_new:  # the first output: what the prefix cache saved
         output.num_cached_tokens = req.num_cached_tokens
     if req.is_finished:

@@ -6,7 +6,7 @@ import enum
 
 import numpy as np
 
-from protocol.arrays import LogprobsArrays
+from protocol.arrays import LogprobsArrays, RoutedExperts
 from protocol.messages import FinishReason
 from protocol.sampling_params import SamplingParams
 
@@ -55,6 +55,16 @@ class Request:
         self.spec_pause = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # return_routed_experts: rows by position as the steps computed them (a later step's rows for a
+        # position replace an earlier one's: rejected proposals, recomputation), and how many were sent
+        self.routed_experts: np.ndarray | None = None  # [positions, MoE layers, top_k] int16
+        self.num_routed_sent = 0
+
+    @property
+    def can_read_prefix_cache(self) -> bool:
+        """Prompt logprobs and routed experts come from computing each position: such a request computes
+        all of its prompt (prompt logprobs: until they are sent)."""
+        return self.has_sent_prompt_logprobs and not self.params.return_routed_experts
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,6 +99,25 @@ class Request:
         self.prompt_logprob_parts.append(
             LogprobsArrays.from_numpy(token_ids, logprobs, ranks, candidate_ranks)
         )
+
+    def add_routed_experts(self, parts: list[tuple[int, np.ndarray]]) -> None:
+        for first, rows in parts:
+            end = first + len(rows)
+            if self.routed_experts is None or len(self.routed_experts) < end:
+                grown = np.zeros((max(end, 2 * self.num_tokens), *rows.shape[1:]), dtype=np.int16)
+                if self.routed_experts is not None:
+                    grown[: len(self.routed_experts)] = self.routed_experts
+                self.routed_experts = grown
+            self.routed_experts[first:end] = rows
+
+    def take_routed_experts(self) -> RoutedExperts | None:
+        """The rows of the positions computed and not sent yet: every token but the last (a sampled
+        token is computed when the next step feeds it)."""
+        end = self.num_tokens - 1
+        if self.routed_experts is None or end <= self.num_routed_sent:
+            return None
+        first, self.num_routed_sent = self.num_routed_sent, end
+        return RoutedExperts.from_numpy(first, self.routed_experts[first:end])
 
     def reset_for_recompute(self) -> None:
         """Preempted: its KV is gone; prompt logprob chunks not yet sent are computed again."""

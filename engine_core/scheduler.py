@@ -160,7 +160,7 @@ class Scheduler:
         """Schedules the head of the waiting queue, after its cached prefix when it may read the cache;
         returns its scheduled tokens, or None when it must wait (no blocks, or its prefix is being
         computed by a running request and will be in the cache after this step)."""
-        can_read_cache = self.kv_cache.index is not None and req.has_sent_prompt_logprobs
+        can_read_cache = self.kv_cache.index is not None and req.can_read_prefix_cache
         if can_read_cache and self._is_prefix_being_computed(req):
             return None
         if can_read_cache:  # the last token is always computed: its logits are needed
@@ -301,6 +301,8 @@ class Scheduler:
             chunk = runner_output.prompt_logprobs.get(req_id)
             if chunk is not None and not req.has_sent_prompt_logprobs:
                 req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks, chunk.candidate_ranks)
+            if req_id in runner_output.routed_experts:
+                req.add_routed_experts(runner_output.routed_experts[req_id])
             if req_id not in sampled:
                 continue  # a prefill chunk that did not reach the last token
             token_ids = sampled[req_id]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 
 class Logprob(msgspec.Struct, gc=False):
@@ -38,6 +39,9 @@ class CompletionOutput:
     # With structured_outputs and logprobs, one per token: the probability the model's own distribution
     # gave the tokens the grammar allowed there (docs/structured_outputs.md); None otherwise.
     constraint_masses: list[float] | None = None
+    # With return_routed_experts (a mixture of experts), once finished: [positions, MoE layers, top_k]
+    # int16, the experts each computed position was routed to, most probable first (docs/models.md)
+    routed_experts: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

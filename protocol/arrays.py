@@ -62,6 +62,26 @@ class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
         return len(self.token_ids) + len(self.logprobs) + len(self.ranks) + len(self.candidate_ranks)
 
 
+class RoutedExperts(msgspec.Struct, array_like=True, gc=False):
+    """A request's routed experts at positions first_position .. first_position + num_rows - 1: for
+    each, per MoE layer (in layer order), the top_k expert ids the router chose, most probable first."""
+
+    first_position: int
+    num_rows: int
+    num_layers: int
+    top_k: int
+    expert_ids: memoryview  # [num_rows, num_layers, top_k] int16 little-endian
+
+    @classmethod
+    def from_numpy(cls, first_position: int, ids: np.ndarray) -> RoutedExperts:
+        num_rows, num_layers, top_k = ids.shape
+        data = np.ascontiguousarray(ids, dtype="<i2").tobytes()
+        return cls(first_position, num_rows, num_layers, top_k, data)
+
+    def to_numpy(self) -> np.ndarray:  # [num_rows, num_layers, top_k] int16
+        return np.frombuffer(self.expert_ids, dtype="<i2").reshape(self.num_rows, self.num_layers, self.top_k)
+
+
 def concat_logprobs(parts: list[LogprobsArrays]) -> LogprobsArrays:
     """Stacks row blocks of the same width (e.g. prompt logprobs computed chunk by chunk)."""
     if len(parts) == 1:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from protocol.arrays import LogprobsArrays
+from protocol.arrays import LogprobsArrays, RoutedExperts
 from protocol.sampling_params import SamplingParams
 
 
@@ -138,6 +138,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # Per new token of a request with a grammar that asked for logprobs: the probability the model's own
     # distribution gave the tokens the grammar allowed (docs/structured_outputs.md).
     constraint_masses: list[float] | None = None
+    # return_routed_experts: the positions computed since the last output (prompt ones in the first)
+    routed_experts: RoutedExperts | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):
@@ -168,6 +170,7 @@ class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
     num_kv_blocks: int
     block_size: int
     has_rl_control: bool = False  # the core takes UpdateWeights, Sleep... (an older core omits it)
+    num_moe_layers: int = 0  # a mixture of experts' routed layers (return_routed_experts); 0: dense
 
 
 class EngineStats(msgspec.Struct, tag="stats", array_like=True):

@@ -27,6 +27,7 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_blocks: int
     block_size: int  # tokens per KV block
     eos_token_ids: tuple[int, ...] = ()  # banned with the stop token ids until min_tokens are generated
+    num_moe_layers: int = 0  # 0: a dense model, no routed experts to return
 
     @classmethod
     def of(cls, facts: HandshakeReply) -> RequestLimits:
@@ -37,6 +38,7 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
             num_kv_blocks=facts.num_kv_blocks,
             block_size=facts.block_size,
             eos_token_ids=tuple(facts.eos_token_ids),
+            num_moe_layers=facts.num_moe_layers,
         )
 
 
@@ -68,6 +70,11 @@ def check_request(
     check_token_ids("logit_bias", params.logit_bias or (), limits.vocab_size)
     check_token_ids("allowed_token_ids", params.allowed_token_ids or (), limits.vocab_size)
     check_min_tokens_leave_a_token(params, limits)
+    if params.return_routed_experts and not limits.num_moe_layers:
+        raise RequestRuleError(
+            "return_routed_experts needs a mixture-of-experts model; this model routes no experts",
+            "return_routed_experts",
+        )
     check_kv_room(len(prompt_token_ids), params.max_tokens, limits)
 
 

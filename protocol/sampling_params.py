@@ -86,6 +86,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Speculative decoding off for this request alone (the name of vLLM's per-request switch); its tokens
     # and logprobs are the same either way, only its speed changes (docs/speculative.md).
     disable_spec_decode: bool = False
+    # A mixture-of-experts model returns each token's routed experts (vLLM's name; docs/models.md): per
+    # position computed, per MoE layer, the top_k expert ids, for a trainer to replay the routing.
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -75,3 +75,5 @@ class ModelRunnerOutput:
     # (logprob rows only)
     constraint_masses: dict[str, list[float]] = field(default_factory=dict)  # one per sampled token
     num_draft_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens proposed and verified
+    # return_routed_experts: req_id -> (first position, [rows, MoE layers, top_k] int16) per forward pass
+    routed_experts: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)

@@ -376,6 +376,22 @@ FAMILY_CONFIGS = {
             long_factor=[1.5 + 0.75 * i for i in range(8)],
         ),
     ),
+    # Mixtures of experts, 8 experts, 2 a token. Qwen3-MoE: its q/k head norms, renormalised top-k,
+    # layer 1 a dense MLP (mlp_only_layers), experts narrower than the dense MLP
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", tokenizer="llama3", head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1000000.0,
+    ),
+    # Mixtral: top-k always renormalised, Mistral's window
+    "mixtral": dict(
+        model_type="mixtral", tokenizer="llama2", num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=24, rope_theta=1000000.0,
+    ),
+    # OLMoE: q/k norms over the whole projections, clip_qkv, top-k probabilities as they are
+    "olmoe": dict(
+        model_type="olmoe", tokenizer="llama2", num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        clip_qkv=2.0, pad_token_id=0,
+    ),
 }
 
 
@@ -415,7 +431,7 @@ def _peaked_init(name: str, param):
     if "embed_tokens" in name:
         return torch.randn_like(param)
     scale = 5.0 if "lm_head" in name else 0.5 if ("o_proj" in name or "down_proj" in name) else 1.0
-    return scale * param.shape[1] ** -0.5 * torch.randn_like(param)
+    return scale * param.shape[-1] ** -0.5 * torch.randn_like(param)  # [..., out, in]: HF's 3-D experts too
 
 
 @pytest.fixture(scope="session")

@@ -53,6 +53,10 @@ CASES = [
     ("qwen2", True, CHUNKED),
     ("qwen3", False, CHUNKED),
     ("phi3", True, CHUNKED),
+    ("qwen3_moe", False, CHUNKED),  # mixtures of experts: routed per token, chunked and preempted
+    ("mixtral", True, CHUNKED),
+    ("olmoe", False, CHUNKED),
+    ("qwen3_moe", True, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's ops
 ]
 
 

@@ -23,6 +23,7 @@ from worker.models.loader import load_model
 from worker.models.weight_store import WeightStore
 from worker.parallel.group import TensorParallelGroup
 from worker.parallel.sharding import Shard, apply_tp
+from worker.routed_experts import merge, routed_rows
 from worker.runner_spec import RunnerSpec
 from worker.sampling.grammar_mask import build_grammar_mask
 from worker.sampling.metadata import build_sampling_metadata, next_sampling_step
@@ -128,6 +129,7 @@ class ModelRunner:
         verification = None if self.speculator is None else self.speculator.propose(states, num_tokens, scheduler_output)
         inputs = self._prepare(states, num_tokens, verification)
         hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
+        routed = routed_rows(self.model, states, num_tokens)
         for state, num in zip(states, num_tokens):
             state.num_computed_tokens += num
         if verification is not None:  # a state per sampled row: a verified request has several
@@ -149,12 +151,12 @@ class ModelRunner:
             output = self.speculator.verified(
                 verification, sampled, inputs.sampled_req_ids, out, _logprob_req_ids(sampled), masses
             )
-            output.prompt_logprobs = host.prompt_logprobs
+            output.prompt_logprobs, output.routed_experts = host.prompt_logprobs, routed
             return output
         for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
             state.token_ids.append(token_id)
         output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
-        output.constraint_masses = masses
+        output.constraint_masses, output.routed_experts = masses, routed
         return output
 
     def _prepare(
@@ -218,12 +220,13 @@ class ModelRunner:
         logprobs of all steps come to the host in one copy at the end. Positions, slots and context
         lengths advance on the device; each request's token list holds placeholders until the end, so
         that seeds and min_tokens bans (per output position) advance exactly as with one step."""
-        tensors = StepTensors()
+        tensors, routed = StepTensors(), {}
         inputs = self._prepare(states, [1] * len(states))
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         for step in range(num_steps):
             hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
             out = self._agreed(self.sampler(self._logits(inputs, hidden, fused_logits), meta))
+            merge(routed, routed_rows(self.model, states, [1] * len(states)))
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
@@ -237,7 +240,9 @@ class ModelRunner:
         host = tensors.to_host()  # sampled_token_ids [num_reqs, num_steps]
         for state, tokens in zip(states, host.sampled_token_ids.tolist()):
             state.token_ids[-num_steps:] = tokens
-        return host.runner_output([s.req_id for s in states], _logprob_req_ids(states))
+        output = host.runner_output([s.req_id for s in states], _logprob_req_ids(states))
+        output.routed_experts = routed
+        return output
 
     def _agreed(self, out: SamplerOutput) -> SamplerOutput:
         """Tensor parallelism: every rank samples the same logits alike, and takes rank 0's tokens all

@@ -8,6 +8,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from frontend.engine.logprob_rows import add_chosen, to_position_dicts
 from frontend.engine.request_ids import child_params
 from frontend.engine.token_text import IncrementalDetokenizer, TokenTable
@@ -34,6 +36,14 @@ class CompletionState:
     num_sent_chars: int = 0
     has_sent_finish: bool = False  # streaming: a finished completion is in one delta, never after
     constraint_masses: list[float] | None = None  # grammar requests with logprobs: one per token
+    routed_parts: list[np.ndarray] | None = None  # return_routed_experts: the core's rows, in order
+
+    def routed_experts(self, num_prompt_tokens: int) -> np.ndarray | None:
+        """[positions, MoE layers, top_k] int16: every position the model computed for the tokens kept
+        (the prompt's, then each kept token but the last)."""
+        if self.routed_parts is None or not self.routed_parts:
+            return None
+        return np.concatenate(self.routed_parts)[: num_prompt_tokens + len(self.token_ids) - 1]
 
     @property
     def text(self) -> str:
@@ -103,6 +113,7 @@ class OutputProcessor:
                 logprobs=[] if p.logprobs is not None else None,
                 cumulative_logprob=0.0 if p.logprobs is not None else None,
                 constraint_masses=[] if p.logprobs is not None and p.structured_outputs is not None else None,
+                routed_parts=[] if p.return_routed_experts else None,
             )
             for i, (core_id, p) in enumerate(children)
         ]
@@ -216,6 +227,8 @@ class OutputProcessor:
             )
         if output.constraint_masses is not None and completion.constraint_masses is not None:
             completion.constraint_masses.extend(output.constraint_masses[:num_kept])
+        if output.routed_experts is not None and completion.routed_parts is not None:
+            completion.routed_parts.append(output.routed_experts.to_numpy().copy())
         if is_core_done and not is_stopped:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason
@@ -266,7 +279,8 @@ def make_request_output(state: RequestState) -> RequestOutput:
     """Streaming with n > 1: a delta carries only the completions this step changed (new tokens or
     text, or the finish), so that a finished completion is never sent again; n = 1 always has its one."""
     is_parent = len(state.completions) > 1
-    completions = [_completion_output(c, state.is_delta, is_parent) for c in state.completions]
+    num_prompt = len(state.prompt_token_ids)
+    completions = [_completion_output(c, state.is_delta, is_parent, num_prompt) for c in state.completions]
     completions = [c for c in completions if c is not None]
     prompt_logprobs = state.prompt_logprobs
     if state.is_delta:  # the first delta that has them carries them; later deltas carry None
@@ -285,8 +299,11 @@ def make_request_output(state: RequestState) -> RequestOutput:
     )
 
 
-def _completion_output(c: CompletionState, is_delta: bool, can_skip: bool) -> CompletionOutput | None:
-    """The whole completion, or (streaming) what is new since the last delta: None when nothing is."""
+def _completion_output(
+    c: CompletionState, is_delta: bool, can_skip: bool, num_prompt: int
+) -> CompletionOutput | None:
+    """The whole completion, or (streaming) what is new since the last delta: None when nothing is.
+    Routed experts: whole, in the finished completion (streaming: its finishing delta)."""
     if not is_delta:
         return CompletionOutput(
             index=c.index,
@@ -297,6 +314,7 @@ def _completion_output(c: CompletionState, is_delta: bool, can_skip: bool) -> Co
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             constraint_masses=None if c.constraint_masses is None else list(c.constraint_masses),
+            routed_experts=c.routed_experts(num_prompt) if c.finish_reason is not None else None,
         )
     text = c.text
     if c.finish_reason is None and c.params.stop:  # hold back what could still become a stop string
@@ -315,6 +333,7 @@ def _completion_output(c: CompletionState, is_delta: bool, can_skip: bool) -> Co
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
         constraint_masses=None if c.constraint_masses is None else c.constraint_masses[c.num_sent_tokens :],
+        routed_experts=c.routed_experts(num_prompt) if is_new_finish else None,
     )
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
     c.has_sent_finish = c.finish_reason is not None

@@ -126,6 +126,8 @@ class ChatResponse:
             }
             if self.body.return_token_ids:
                 choice["token_ids"] = piece["token_ids"]
+            if "routed_experts" in piece:
+                choice["routed_experts"] = piece["routed_experts"]
             yield self._chunk([choice])
         if self.body.include_usage:
             yield {**self._envelope("chat.completion.chunk", []), "usage": self._usage()}
@@ -169,7 +171,7 @@ def _piece(completion: CompletionOutput, k: int, as_token_ids: bool) -> dict:
             completion.token_ids, completion.logprobs, k, as_token_ids, completion.constraint_masses
         )
         logprobs = {"content": content}
-    return {
+    piece = {
         "index": completion.index,
         "text": completion.text,
         "token_ids": list(completion.token_ids),
@@ -177,6 +179,9 @@ def _piece(completion: CompletionOutput, k: int, as_token_ids: bool) -> dict:
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
     }
+    if completion.routed_experts is not None:  # in the finished completion: every position's
+        piece["routed_experts"] = completion.routed_experts.tolist()
+    return piece
 
 
 def _merge(choice: dict, piece: dict) -> None:
@@ -189,3 +194,5 @@ def _merge(choice: dict, piece: dict) -> None:
         choice["logprobs"]["content"].extend(piece["logprobs"]["content"])
     if piece["finish_reason"] is not None:
         choice["finish_reason"], choice["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
+    if "routed_experts" in piece:
+        choice["routed_experts"] = piece["routed_experts"]

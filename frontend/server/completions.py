@@ -193,6 +193,8 @@ class CompletionChoice:
         if self.is_scoring:
             return
         piece["text"] += completion.text
+        if completion.routed_experts is not None:  # in the finished completion: every position's
+            piece["routed_experts"] = completion.routed_experts.tolist()
         self.num_tokens += len(completion.token_ids)
         if "token_ids" in piece:
             piece["token_ids"].extend(completion.token_ids)
@@ -220,6 +222,8 @@ def _merge(merged: dict[int, dict], piece: dict) -> None:
         into["token_ids"].extend(piece["token_ids"])
     if piece["finish_reason"] is not None:
         into["finish_reason"], into["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
+    if "routed_experts" in piece:
+        into["routed_experts"] = piece["routed_experts"]
     if piece["logprobs"] is not None:
         if into["logprobs"] is None:
             into["logprobs"] = {key: [] for key in piece["logprobs"]}

@@ -148,6 +148,7 @@ def sampling_params(
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
             disable_spec_decode=body.disable_spec_decode,
+            return_routed_experts=body.return_routed_experts,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,

@@ -79,6 +79,8 @@ class SamplingFields(StrictBody):
     return_tokens_as_token_ids: bool = False  # logprob token strings as "token_id:N"
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
     disable_spec_decode: bool = False  # speculative decoding off for this request (docs/speculative.md)
+    # A mixture of experts' routed experts, per computed position, layer and top_k (docs/models.md)
+    return_routed_experts: bool = False
     # Ignorable by definition: identifiers and hints that change nothing coreserve computes.
     user: str | None = None
     safety_identifier: str | None = None

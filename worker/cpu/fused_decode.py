@@ -50,7 +50,8 @@ class FusedForward:
     ) -> None:
         assert len(caches) == len(weights.layers) > 0
         self.kernels, self.args, self.caches = kernels, args, list(caches)
-        self.applies = _can_read(weights.layers)  # else every step runs op by op
+        # else every step runs op by op: mixtures of experts and OLMoE's whole-projection norms, always
+        self.applies = _can_read(weights.layers) and not args.qk_norm_whole and args.clip_qkv is None
         if not self.applies:
             return
         is_bf16 = _is_bf16(weights.layers)
@@ -149,6 +150,8 @@ def _can_read(layers: list[LayerWeights]) -> bool:
     all of one dtype (fp32 or bf16: the layers share is_bf16). Models of fp32 and bf16 products both
     run op by op."""
     products = [p for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)]
+    if any(p is None for p in products):  # a mixture of experts' layer
+        return False
     float_dtypes = {p.dtype for p in products if not ggml_type_of(p)}
     return len(float_dtypes) <= 1 and float_dtypes <= {torch.float32, torch.bfloat16}
 

@@ -1,5 +1,6 @@
 """A Hugging Face config.json read into the model's arguments, for the families this engine runs
-(Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, dense Phi-3/Phi-4), and refused with a ValueError where it asks for math the
+(Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, dense Phi-3/Phi-4, and the mixtures of experts Qwen3-MoE,
+Mixtral and OLMoE), and refused with a ValueError where it asks for math the
 engine does not do (engine-core process; the frontend reads nothing of it).
 """
 
@@ -15,7 +16,11 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # dense Phi-3 / Phi-4: fused qkv_proj and gate_up_proj in the checkpoint
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, experts behind a softmax top-k router
+    "MixtralForCausalLM": "mixtral",  # Mistral's attention, top-k always renormalised
+    "OlmoeForCausalLM": "olmoe",  # q/k norms over the whole projection, clip_qkv
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 _MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's default when config.json has no sliding_window key
 # Keys of other architectures that change the math; any of them set (not null, not 0/False/1) is refused.
 _REFUSED_KEYS = (
@@ -29,7 +34,23 @@ _REFUSED_KEYS = (
     "attention_multiplier",
     "num_experts",
     "num_local_experts",
+    "shared_expert_intermediate_size",
 )
+
+
+@dataclass(frozen=True)
+class MoeArgs:
+    """A mixture-of-experts MLP: a softmax over the router's logits, the top_k experts of each token
+    (their probabilities renormalised to sum to one where norm_topk_prob), each a SwiGLU MLP."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE's mlp_only_layers, sparse step)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -50,6 +71,14 @@ class LlamaArgs:
     tie_word_embeddings: bool
     sliding_window: int | None  # Mistral: a token attends to itself and the window - 1 before it
     torch_dtype: str  # the checkpoint's dtype as config.json names it ("bfloat16", ...)
+    qk_norm_whole: bool = False  # OLMoE: RMSNorm over all of q's and all of k's features, before RoPE
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after the norms
+    moe: MoeArgs | None = None  # the mixtures of experts
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts, in order (the routed experts' layer axis)."""
+        return [i for i in range(self.num_layers) if self.moe is not None and self.moe.is_sparse(i)]
 
     @classmethod
     def from_hf_config(cls, config: dict) -> LlamaArgs:
@@ -59,7 +88,7 @@ class LlamaArgs:
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         max_positions = config.get("max_position_embeddings", 2048)
         # HF's Mistral and Qwen2 have no such option (Qwen2: q/k/v biases always, o_proj none)
-        attention_bias = family in ("llama", "qwen3") and bool(config.get("attention_bias"))
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "olmoe") and bool(config.get("attention_bias"))
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -73,10 +102,13 @@ class LlamaArgs:
             rope=rope_spec(config, head_dim, max_positions),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            has_qk_norm=family == "qwen3",
+            has_qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             sliding_window=_sliding_window(config, family),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            qk_norm_whole=family == "olmoe",
+            clip_qkv=config.get("clip_qkv") if family == "olmoe" else None,
+            moe=moe_args(config, family),
         )
 
 
@@ -114,10 +146,29 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     return RopeSpec(rope_type, float(theta), head_dim, max_positions, params)
 
 
+def moe_args(config: dict, family: str) -> MoeArgs | None:
+    if family not in MOE_FAMILIES:
+        return None
+    num_layers = config["num_hidden_layers"]
+    dense: tuple[int, ...] = ()
+    if family == "qwen3_moe":  # HF: sparse where not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+        step = config.get("decoder_sparse_step", 1) or 1
+        only = set(config.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    inter = config["moe_intermediate_size"] if family == "qwen3_moe" else config["intermediate_size"]
+    return MoeArgs(
+        num_experts=config.get("num_experts") or config["num_local_experts"],
+        top_k=config["num_experts_per_tok"],
+        intermediate_size=inter,
+        norm_topk_prob=family == "mixtral" or bool(config.get("norm_topk_prob", False)),
+        dense_layers=dense,
+    )
+
+
 def _sliding_window(config: dict, family: str) -> int | None:
     if family == "mistral":
         return config.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
-    if family == "phi3":  # Phi-3-mini-4k's 2047; None in Phi3Config's default
+    if family in ("phi3", "mixtral"):  # Phi-3-mini-4k's 2047; None in Phi3Config's and Mixtral's defaults
         return config.get("sliding_window")
     return None
 
@@ -128,11 +179,14 @@ def _refuse_unsupported(config: dict, family: str) -> None:
         raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
     if config.get("mlp_bias"):
         raise ValueError("mlp_bias=true (biases in the MLP) is not supported")
-    if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window"):
         raise ValueError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
     layer_types = set(config.get("layer_types") or ["full_attention"])
     if family != "mistral" and layer_types != {"full_attention"}:
         raise ValueError(f"layer_types {sorted(layer_types)} (mixed attention layers) are not supported")
-    for key in _REFUSED_KEYS:
+    refused = [k for k in _REFUSED_KEYS if family not in MOE_FAMILIES or k not in ("num_experts", "num_local_experts")]
+    if family in MOE_FAMILIES and config.get("num_experts_per_tok", 0) < 1:
+        raise ValueError(f"{family}: num_experts_per_tok must be at least 1")
+    for key in refused:
         if config.get(key) not in (None, 0, False, 1, 1.0):
             raise ValueError(f"config key {key}={config[key]!r} is not supported by this engine")

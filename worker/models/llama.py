@@ -1,5 +1,6 @@
-"""Llama-family decoder over a paged KV cache: Llama, Mistral (sliding window), Qwen2 (qkv bias) and
-Qwen3 (per-head q/k RMSNorm), tied or untied embeddings (engine-core process).
+"""Llama-family decoder over a paged KV cache: Llama, Mistral (sliding window), Qwen2 (qkv bias),
+Qwen3 (per-head q/k RMSNorm), Phi-3, and the mixtures of experts (worker/models/moe.py: Qwen3-MoE,
+Mixtral, OLMoE with its whole-projection q/k norms), tied or untied embeddings (engine-core process).
 
 The one statement of the model's math. Every op goes through `self.ops` (worker/models/ops.py),
 chosen once outside the model: torch's, or the CPU backend's (fp32 activations, norms and KV cache
@@ -19,6 +20,7 @@ from torch import nn
 
 from worker.attention import AttentionMetadata
 from worker.models.config import LlamaArgs
+from worker.models.moe import SparseMoe
 from worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
 from worker.models.rope import RopeSpec, cos_sin_tables
 
@@ -46,13 +48,13 @@ class LayerWeights(NamedTuple):
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
-    q_norm: torch.Tensor | None  # [D] Qwen3
-    k_norm: torch.Tensor | None  # [D] Qwen3
+    q_norm: torch.Tensor | None  # [D] Qwen3 ([Hq D] OLMoE)
+    k_norm: torch.Tensor | None  # [D] Qwen3 ([Hkv D] OLMoE)
     o: torch.Tensor  # [hidden, Hq D]
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 I, hidden]
-    down: torch.Tensor  # [hidden, I]
+    gate_up: torch.Tensor | None  # [2 I, hidden]; None: a mixture of experts
+    down: torch.Tensor | None  # [hidden, I]
 
 
 class ModelWeights(NamedTuple):
@@ -94,7 +96,7 @@ class Rotary(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, index: int = 0) -> None:
         super().__init__()
         self.args = args
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -103,11 +105,17 @@ class DecoderLayer(nn.Module):
         # Fused at load time: one matmul for q/k/v and one for gate/up.
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.moe = SparseMoe(args) if args.moe is not None and args.moe.is_sparse(index) else None
+        self.routed: torch.Tensor | None = None  # a mixture's last step: each token's experts [T, top_k]
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         if args.has_qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        elif args.qk_norm_whole:
+            self.q_norm = RMSNorm(self.q_size, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, args.rms_norm_eps)
         self.heads = HeadShape(args.num_heads, args.num_kv_heads, args.head_dim)
 
     def forward(
@@ -116,29 +124,37 @@ class DecoderLayer(nn.Module):
         """x: [T, hidden] -> [T, hidden]; this step's K and V written to `cache`."""
         num_tokens, a = x.shape[0], self.args
         qkv = ops.linear(self.qkv_proj, ops.rms_norm(self.input_layernorm, x))
-        if a.has_qk_norm:
+        if a.has_qk_norm or a.qk_norm_whole:
             qkv = self._norm_qk(qkv)
+        if a.clip_qkv is not None:
+            qkv = qkv.clamp(-a.clip_qkv, a.clip_qkv)
         q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
         attn = ops.attention(q, k, v, cache, meta, a.sliding_window).reshape(num_tokens, self.q_size)
         attn_out = ops.sum_over_ranks(ops.linear(self.o_proj, attn))
         x, normed = ops.add_rms_norm(self.post_attention_layernorm, x, attn_out)
+        if self.moe is not None:
+            mlp_out, self.routed = self.moe(normed, ops)
+            return x + ops.sum_over_ranks(mlp_out)
         gate_up = ops.linear(self.gate_up_proj, normed)
         return x + ops.sum_over_ranks(ops.linear(self.down_proj, ops.silu_mul(gate_up)))
 
     def weights(self) -> LayerWeights:
-        has_qk_norm = self.args.has_qk_norm
+        has_qk_norm = self.args.has_qk_norm or self.args.qk_norm_whole
+        dense = self.moe is None
         return LayerWeights(
             self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
             self.q_norm.weight if has_qk_norm else None, self.k_norm.weight if has_qk_norm else None,
             self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
-            self.gate_up_proj.weight, self.down_proj.weight,
+            self.gate_up_proj.weight if dense else None, self.down_proj.weight if dense else None,
         )
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3: RMSNorm over each head of q and k (before RoPE); qkv [T, (Hq + 2 Hkv) D] stays whole.
-        torch's norm on every backend (it is few elements a token)."""
+        """Qwen3: RMSNorm over each head of q and k (OLMoE: over all of q and all of k), before RoPE;
+        qkv [T, (Hq + 2 Hkv) D] stays whole. torch's norm on every backend (few elements a token)."""
         num_tokens, a = qkv.shape[0], self.args
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if a.qk_norm_whole:
+            return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         q = self.q_norm(q.reshape(num_tokens, a.num_heads, a.head_dim)).flatten(1)
         k = self.k_norm(k.reshape(num_tokens, a.num_kv_heads, a.head_dim)).flatten(1)
         return torch.cat((q, k, v), dim=-1)
@@ -153,7 +169,7 @@ class LlamaModel(nn.Module):
         # init's normal_ on a meta-device model first imports torch._dynamo (seconds).
         table = torch.empty(args.vocab_size, args.hidden_size)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=table)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:  # one tensor, not two copies
@@ -178,6 +194,12 @@ class LlamaModel(nn.Module):
             if on_layer is not None:
                 on_layer()
         return ops.rms_norm(self.norm, x)
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """The last forward's routed experts [T, MoE layers, top_k] int16 (most probable first); None:
+        not a mixture of experts."""
+        routed = [layer.routed for layer in self.layers if layer.moe is not None]
+        return torch.stack(routed, dim=1).to(torch.int16) if routed else None
 
     def weights(self) -> ModelWeights:
         return ModelWeights(

@@ -85,6 +85,10 @@ def load_model(
             "tensor_parallel_size > 1 with a Phi-3 checkpoint (its fused qkv_proj and gate_up_proj split "
             "by q/k/v and gate/up parts) is not built"
         )
+    if shard is not None and args.qk_norm_whole:
+        raise ValueError(
+            "tensor_parallel_size > 1 with OLMoE (its q/k norms span every head, across the ranks) is not built"
+        )
     keeps_blocks = dtype == "auto" and is_gguf(model_dir)  # GGUF's default: its quantization kept
     dtype = _weights_dtype(args, model_dir, dtype, device)
     if shard is not None:
@@ -180,6 +184,11 @@ def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None
         "mlp.gate_up_proj": ("gate_up_proj", None),
     }
     module, kind = rest.rsplit(".", 1)
+    if args.moe is not None and module.split(".")[0] in ("mlp", "block_sparse_moe"):
+        expert = _expert_destination(args, module)
+        if expert is not None:
+            name, rows = expert
+            return prefix + f"{name}.{kind}", rows
     if module in fused:
         name, rows = fused[module]
         return prefix + f"{name}.{kind}", rows
@@ -187,3 +196,22 @@ def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None
              "self_attn.k_norm": "k_norm", "input_layernorm": "input_layernorm",
              "post_attention_layernorm": "post_attention_layernorm"}
     return (prefix + f"{plain[module]}.{kind}", None) if module in plain else None
+
+
+# An expert's tensors by their names in each family's checkpoints (Mixtral's w1, w3, w2)
+_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def _expert_destination(args: LlamaArgs, module: str) -> tuple[str, slice | None] | None:
+    """A mixture's router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) and its experts' tensors
+    (`mlp.experts.E.gate_proj`, ...): gate and up fill each expert's fused gate_up_proj."""
+    parts = module.split(".")
+    if parts[1:] == ["gate"]:
+        return "moe.gate", None
+    if len(parts) != 4 or parts[1] != "experts" or parts[3] not in _EXPERT_PARTS:
+        return None
+    assert args.moe is not None
+    inter, role = args.moe.intermediate_size, _EXPERT_PARTS[parts[3]]
+    target = f"moe.experts.{parts[2]}." + ("down_proj" if role == "down" else "gate_up_proj")
+    rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "down": None}[role]
+    return target, rows

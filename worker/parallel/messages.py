@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from protocol.arrays import LogprobsArrays
+from protocol.arrays import LogprobsArrays, RoutedExperts
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
 from worker.runner_spec import RunnerSpec
 
@@ -72,6 +72,7 @@ class WireRunnerOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, LogprobsArrays]
     constraint_masses: dict[str, list[float]] = {}  # req_id -> the masses its grammar allowed (logprob rows)
     num_draft_tokens: dict[str, int] = {}  # speculative decoding: req_id -> tokens proposed and verified
+    routed_experts: dict[str, list[RoutedExperts]] = {}  # return_routed_experts: per forward pass
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -106,6 +107,10 @@ def to_wire(output: ModelRunnerOutput) -> WireRunnerOutput:
         prompt_logprobs={req_id: _arrays(rows) for req_id, rows in output.prompt_logprobs.items()},
         constraint_masses=output.constraint_masses,
         num_draft_tokens=output.num_draft_tokens,
+        routed_experts={
+            req_id: [RoutedExperts.from_numpy(first, rows) for first, rows in parts]
+            for req_id, parts in output.routed_experts.items()
+        },
     )
 
 
@@ -121,6 +126,10 @@ def from_wire(wire: WireRunnerOutput) -> ModelRunnerOutput:
         prompt_logprobs={req_id: _host(arrays) for req_id, arrays in wire.prompt_logprobs.items()},
         constraint_masses=dict(wire.constraint_masses),
         num_draft_tokens=dict(wire.num_draft_tokens),
+        routed_experts={
+            req_id: [(part.first_position, part.to_numpy()) for part in parts]
+            for req_id, parts in wire.routed_experts.items()
+        },
     )
 
 

@@ -51,11 +51,15 @@ def shard_args(args: LlamaArgs, size: int) -> LlamaArgs:
         "num_key_value_heads": args.num_kv_heads,
         "intermediate_size": args.intermediate_size,
     }
+    if args.moe is not None:  # each expert splits as a dense MLP does; the router is whole on every rank
+        counts["moe_intermediate_size"] = args.moe.intermediate_size
     uneven = [f"{name}={count}" for name, count in counts.items() if count % size]
     if uneven:
         raise ValueError(f"tensor_parallel_size={size} must divide the model's {', '.join(uneven)}")
+    moe = args.moe and dataclasses.replace(args.moe, intermediate_size=args.moe.intermediate_size // size)
     return dataclasses.replace(
         args,
+        moe=moe,
         num_heads=args.num_heads // size,
         num_kv_heads=args.num_kv_heads // size,
         intermediate_size=args.intermediate_size // size,
@@ -80,8 +84,18 @@ def rank_part(hf_name: str, tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
     return tensor.chunk(shard.size, dim=dim)[shard.rank]
 
 
+# A mixture's expert tensors split as the dense MLP's of the same role
+_EXPERT_ROLES = {"gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+                 "w1": "mlp.gate_proj", "w3": "mlp.up_proj", "w2": "mlp.down_proj"}
+
+
 def _layer_part(hf_name: str) -> str | None:
+    """The name after `model.layers.N.`; an expert's (`mlp.experts.E.up_proj.weight`, Mixtral's
+    `block_sparse_moe.experts.E.w3.weight`) as its dense role's (`mlp.up_proj.weight`)."""
     parts = hf_name.split(".")
     if len(parts) < 5 or parts[:2] != ["model", "layers"]:
         return None
-    return ".".join(parts[3:])
+    rest = parts[3:]
+    if len(rest) == 5 and rest[1] == "experts" and rest[3] in _EXPERT_ROLES:
+        return f"{_EXPERT_ROLES[rest[3]]}.{rest[4]}"
+    return ".".join(rest)
