@@ -376,6 +376,22 @@ FAMILY_CONFIGS = {
             long_factor=[1.5 + 0.75 * i for i in range(8)],
         ),
     ),
+    # Gemma 2: alternating local (window 24) and global layers, both soft-caps, query_pre_attn_scalar
+    # other than head_dim (Gemma 2 27B's case), tied embeddings
+    "gemma2": dict(
+        model_type="gemma2", tokenizer="llama2", head_dim=32, sliding_window=24, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=8.0, pad_token_id=0,
+    ),
+    # Gemma 3 (text): q/k norms, local layers (window 24) with their own RoPE base, a global layer with
+    # linear scaling, no soft-caps
+    "gemma3": dict(
+        model_type="gemma3_text", tokenizer="llama2", head_dim=32, sliding_window=24, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+        },
+    ),
     # Mixtures of experts, 8 experts, 2 a token. Qwen3-MoE: its q/k head norms, renormalised top-k,
     # layer 1 a dense MLP (mlp_only_layers), experts narrower than the dense MLP
     "qwen3_moe": dict(

@@ -1,6 +1,8 @@
-"""Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3, Phi-3) against Hugging Face transformers on
-the same random weights: greedy tokens, sample and prompt logprobs, past the RoPE thresholds and the
-sliding window, with chunked prefill and preemption forced; config keys the engine cannot honour refused.
+"""Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE,
+Mixtral, OLMoE) against Hugging Face transformers on the same random weights: greedy tokens, sample and
+prompt logprobs, past the RoPE thresholds and the sliding window, with chunked prefill and preemption
+forced; batch invariance for the families added since the first (alone = batched, scoring = generation);
+config keys the engine cannot honour refused. The routed experts: test_moe.py.
 """
 
 from __future__ import annotations
@@ -8,11 +10,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import HF_TOLERANCE, HF_TOLERANCE_TORCH_PATH, hf_logprobs, load_hf
+from test_batch_invariance import sampled_rows, scoring_mismatches
 
 from frontend import LLM, SamplingParams
 from worker.models.config import LlamaArgs
+
+INVARIANCE_PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5),
+    SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=5),
+]
 
 # Long enough (40-70 tokens) to cross the scaled-down RoPE thresholds (32) and Mistral's window (24).
 FAMILY_PROMPTS = [
@@ -57,6 +66,10 @@ CASES = [
     ("mixtral", True, CHUNKED),
     ("olmoe", False, CHUNKED),
     ("qwen3_moe", True, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's ops
+    ("gemma2", False, CHUNKED),  # soft-caps, sandwich norms, local and global layers
+    ("gemma2", True, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's ops
+    ("gemma3", True, CHUNKED),  # two RoPE tables, q/k norms
+    ("gemma3", False, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),
 ]
 
 
@@ -86,6 +99,27 @@ def test_family_matches_hf(family, multiprocess, engine_args, family_model):
                 assert abs(logprob.logprob - row[entry_id].item()) < tolerance, (family, step, entry_id)
         if p.prompt_logprobs is not None:
             _assert_prompt_logprobs(output, reference, tolerance)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral", "olmoe"])
+def test_alone_equals_batched_and_scoring_equals_generation(family, family_model):
+    """Each of 5 prompts alone, then all in one batch with 16-token chunks; then the generated sequence
+    scored with prompt_logprobs (prefill) against its sample logprobs (decode)."""
+    is_moe = family in ("qwen3_moe", "mixtral", "olmoe")  # and their routed experts too
+    params = [SamplingParams(**{**_fields(p), "return_routed_experts": is_moe}) for p in INVARIANCE_PARAMS]
+    params = [params[i % 2] for i in range(len(FAMILY_PROMPTS))]
+    with LLM(family_model(family), multiprocess=False, max_num_batched_tokens=16) as llm:
+        alone = [llm.generate([prompt], p, use_tqdm=False)[0] for prompt, p in zip(FAMILY_PROMPTS, params)]
+        batched = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
+        assert [scoring_mismatches(llm, out) for out in batched] == [0] * len(batched)
+    for one, many in zip(alone, batched):
+        assert sampled_rows(one) == sampled_rows(many)
+        if is_moe:
+            assert np.array_equal(one.outputs[0].routed_experts, many.outputs[0].routed_experts)
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__struct_fields__}
 
 
 def _assert_prompt_logprobs(output, reference, tolerance: float) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_hf
-from test_batch_invariance import sampled_rows, scoring_mismatches
+from test_batch_invariance import sampled_rows
 from test_model_families import FAMILY_PROMPTS
 
 from frontend import LLM, SamplingParams
@@ -47,27 +47,6 @@ def test_routed_experts_equal_hf_router_top_k(family, family_model):
         experts = routed(output)
         assert experts.dtype == np.int16 and experts.shape == (len(tokens) - 1, num_layers, top_k)
         assert np.array_equal(experts, hf_router_top_k(hf, tokens[:-1], top_k))
-
-
-@pytest.mark.parametrize("family", [*MOE_FAMILIES, "phi3"])
-def test_alone_equals_batched_and_scoring_equals_generation(family, family_model):
-    """Each of 5 prompts alone, then all in one batch with 16-token chunks; then the generated sequence
-    scored with prompt_logprobs (prefill) against its sample logprobs (decode)."""
-    is_moe = family != "phi3"
-    params = [SamplingParams(**{**_fields(p), "return_routed_experts": is_moe}) for p in (GREEDY, SAMPLED)]
-    params = [params[i % 2] for i in range(len(FAMILY_PROMPTS))]
-    with LLM(family_model(family), multiprocess=False, max_num_batched_tokens=16) as llm:
-        alone = [llm.generate([prompt], p, use_tqdm=False)[0] for prompt, p in zip(FAMILY_PROMPTS, params)]
-        batched = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
-        assert [scoring_mismatches(llm, out) for out in batched] == [0] * len(batched)
-    for one, many in zip(alone, batched):
-        assert sampled_rows(one) == sampled_rows(many)
-        if is_moe:
-            assert np.array_equal(routed(one), routed(many))
-
-
-def _fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in params.__struct_fields__}
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ def test_two_ranks_equal_one_in_process_with_multi_step(tiny_path, tp1_outputs):
     assert all(proc.poll() is not None for proc in procs)  # stopped with the engine
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases split with their heads; q/k norms
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "gemma3"])  # biases, q/k norms, sandwich norms
 def test_two_ranks_equal_one_for_model_families(family, family_model):
     path = family_model(family)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=2)

@@ -140,8 +140,11 @@ def every_token_rows(meta: AttentionMetadata, block_size: int) -> DecodeRows:
 
 
 # q [T, Hq, D], out [T, Hq, D] (its decode rows written), cache, the step's metadata (its decode rows
-# and the backend's plan of them), the sliding window or None
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, "int | None"], None]
+# and the backend's plan of them), the sliding window or None, the scores' scale (None: D ** -0.5) and
+# soft-cap (None: none)
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, "int | None", "float | None", "float | None"], None
+]
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -158,34 +161,38 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int | None,
     attend_decode: DecodeAttention,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D].
-    `window` (Mistral's sliding window): a token attends to itself and the window - 1 tokens before it."""
+    `window` (Mistral's sliding window): a token attends to itself and the window - 1 tokens before it.
+    `scale`: the scores' (None: D ** -0.5; Gemma's query_pre_attn_scalar ** -0.5); `softcap`: scores
+    become softcap tanh(score / softcap) before the softmax (Gemma 2)."""
     out = torch.empty_like(q)
     if meta.decode is not None:
-        attend_decode(q, out, cache, meta, window)
+        attend_decode(q, out, cache, meta, window, scale, softcap)
     for seq in meta.seqs:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-        out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, window)
+        out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, window, scale, softcap)
     return out
 
 
 def _attend_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seq: SeqSpan, window: int | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seq: SeqSpan, window: int | None,
+    scale: float | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """One prefill chunk: q [Tq, Hq, D], k and v [Tq, Hkv, D] of its own tokens; earlier positions
     come from the cache, only those some query's window still reaches."""
     if seq.context_len == seq.num_tokens:  # the whole context is this chunk
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
-        if window is None or seq.num_tokens <= window:  # plain causal attention
-            return _sdpa(q, keys, values, None, True)
-        return _sdpa(
-            q, keys, values, _causal_mask(seq.num_tokens, seq.context_len, 0, window, q.device), False
-        )
+        if (window is None or seq.num_tokens <= window) and softcap is None:  # plain causal attention
+            return _sdpa(q, keys, values, None, True, scale)
+        mask = _causal_mask(seq.num_tokens, seq.context_len, 0, window, q.device)
+        return _sdpa(q, keys, values, mask, False, scale, softcap)
     first_key = 0 if window is None else max(0, seq.context_len - seq.num_tokens - window + 1)
     keys, values = _context(cache, _skip_slots(seq.runs, first_key))
     mask = _causal_mask(seq.num_tokens, seq.context_len, first_key, window, q.device)
-    return _sdpa(q, keys, values, mask, False)
+    return _sdpa(q, keys, values, mask, False, scale, softcap)
 
 
 def _causal_mask(
@@ -213,7 +220,8 @@ def _skip_slots(runs: list[tuple[int, int]], num_skipped: int) -> list[tuple[int
 
 
 def decode_attention_torch(
-    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None,
+    scale: float | None = None, softcap: float | None = None,
 ) -> None:
     """Writes the decode rows of `out`: one gather of every row's keys and values, two batched products
     over (KV head, row), the padding masked. Scores in the model's dtype, softmax in fp32 as SDPA does."""
@@ -224,8 +232,10 @@ def decode_attention_torch(
     shape = (num_kv_heads, num_rows, gather.slots.shape[1], head_dim)  # [Hkv, R, L, D]
     flat = gather.slots.reshape(-1)  # index_select: faster than advanced indexing on the CPU
     keys, values = cache[0].index_select(1, flat).view(shape), cache[1].index_select(1, flat).view(shape)
-    grouped_q = (q[gather.rows] * head_dim**-0.5).view(num_rows, num_kv_heads, group, head_dim)
+    grouped_q = (q[gather.rows] * (head_dim**-0.5 if scale is None else scale)).view(num_rows, num_kv_heads, group, head_dim)
     scores = torch.matmul(grouped_q.transpose(0, 1), keys.transpose(2, 3))  # [Hkv, R, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     is_masked = gather.is_padding
     if window is not None:  # also the positions that slid out of the window
         positions = torch.arange(gather.slots.shape[1], device=q.device)
@@ -246,9 +256,21 @@ def _context(cache: torch.Tensor, runs: list[tuple[int, int]]) -> tuple[torch.Te
     return keys, values
 
 
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, is_causal: bool) -> torch.Tensor:
-    """q: [Tq, Hq, D]; keys, values: [Hkv, L, D]. Returns [Tq, Hq, D]."""
+def _sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, is_causal: bool,
+    scale: float | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """q: [Tq, Hq, D]; keys, values: [Hkv, L, D]. Returns [Tq, Hq, D]. With a soft-cap (which SDPA
+    has not): the scores, capped, masked, their softmax in fp32, written out."""
+    if softcap is not None:
+        group = q.shape[1] // keys.shape[0]
+        keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        scores = torch.matmul(q.transpose(0, 1) * scale, keys.transpose(1, 2))  # [Hq, Tq, L]
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(weights, values).transpose(0, 1)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+        q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True, scale=scale
     )
     return out.transpose(0, 1)

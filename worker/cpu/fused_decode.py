@@ -50,8 +50,8 @@ class FusedForward:
     ) -> None:
         assert len(caches) == len(weights.layers) > 0
         self.kernels, self.args, self.caches = kernels, args, list(caches)
-        # else every step runs op by op: mixtures of experts and OLMoE's whole-projection norms, always
-        self.applies = _can_read(weights.layers) and not args.qk_norm_whole and args.clip_qkv is None
+        # else every step runs op by op (and always for the other families: experts, Gemma, OLMoE)
+        self.applies = _can_read(weights.layers) and args.is_llama_shaped
         if not self.applies:
             return
         is_bf16 = _is_bf16(weights.layers)

@@ -59,11 +59,12 @@ def decode_attention(
     scale: float,
     window: int = 0,
     pointers: tuple[int, int, int] | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """q, out: [T, Hq, D] float32 contiguous; cache: [2, Hkv, slots, D]; rows [R] int64, block_tables
     [R, max_blocks] int32, context_lens [R] int32 numpy arrays (C-contiguous); window: a sliding
     window (each row attends to its last `window` positions), 0 for none; pointers: the three
-    arrays' addresses where the caller has them already."""
+    arrays' addresses where the caller has them already; softcap: Gemma 2's cap on the scores, 0 none."""
     assert q.is_contiguous() and out.is_contiguous() and cache.is_contiguous() and q.dtype == torch.float32
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     if pointers is None:
@@ -86,6 +87,7 @@ def decode_attention(
         block_size,
         scale,
         window,
+        softcap,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -18,7 +18,7 @@ from worker.cpu.attention_plan import CpuAttentionPlan, KernelRows
 from worker.cpu.bindings import CpuKernels
 from worker.cpu.kernels import decode_attention, rms_norm, rope_write_kv, silu_mul
 from worker.cpu.linear import linear
-from worker.models.ops import HeadShape, Rope
+from worker.models.ops import HeadShape, Rope, gelu_tanh_mul
 
 
 def _whole(partial: torch.Tensor) -> torch.Tensor:
@@ -39,12 +39,12 @@ class CpuOps:
         return table(input_ids).float()
 
     def rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(self.kernels, x, norm.weight, norm.eps)[1]  # one C pass, not six torch ops
+        return rms_norm(self.kernels, x, _scale(norm), norm.eps)[1]  # one C pass, not six torch ops
 
     def add_rms_norm(
         self, norm: nn.Module, x: torch.Tensor, delta: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(self.kernels, x, norm.weight, norm.eps, delta)
+        return rms_norm(self.kernels, x, _scale(norm), norm.eps, delta)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(layer, x, self.kernels, self.is_batch_invariant)
@@ -57,30 +57,40 @@ class CpuOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(self.kernels, gate_up)
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_mul(gate_up)  # torch's, element-wise (Gemma alone uses it)
+
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, window: int | None,
+        meta: AttentionMetadata, window: int | None, scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         if not self.is_batch_invariant:
-            return paged_attention(q, k, v, cache, meta, window, self._attend_decode)
+            return paged_attention(q, k, v, cache, meta, window, self._attend_decode, scale, softcap)
         out = torch.empty_like(q)  # this step's k and v are in the cache already (rope_write_kv)
-        self._attend_rows(q, out, cache, _plan(meta).every_token, window)
+        self._attend_rows(q, out, cache, _plan(meta).every_token, window, scale, softcap)
         return out
 
     def _attend_decode(
-        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None,
+        scale: float | None = None, softcap: float | None = None,
     ) -> None:
-        self._attend_rows(q, out, cache, _plan(meta).decode, window)
+        self._attend_rows(q, out, cache, _plan(meta).decode, window, scale, softcap)
 
     def _attend_rows(
-        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: KernelRows | None, window: int | None
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: KernelRows | None, window: int | None,
+        scale: float | None, softcap: float | None,
     ) -> None:
         assert rows is not None
         r = rows.rows
         decode_attention(
             self.kernels, q, out, cache, r.rows, r.block_tables, r.context_lens, r.block_size,
-            q.shape[2] ** -0.5, window or 0, rows.pointers,
+            q.shape[2] ** -0.5 if scale is None else scale, window or 0, rows.pointers, softcap or 0.0,
         )
+
+
+def _scale(norm: nn.Module) -> torch.Tensor:
+    """A norm's multiplier: its weight, or Gemma's 1 + weight (in fp32, as HF computes it)."""
+    return norm.weight if not getattr(norm, "offset", 0.0) else norm.weight.float() + norm.offset
 
 
 def _plan(meta: AttentionMetadata) -> CpuAttentionPlan:

@@ -19,7 +19,10 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, experts behind a softmax top-k router
     "MixtralForCausalLM": "mixtral",  # Mistral's attention, top-k always renormalised
     "OlmoeForCausalLM": "olmoe",  # q/k norms over the whole projection, clip_qkv
+    "Gemma2ForCausalLM": "gemma2",  # GemmaArgs: GeGLU, 1 + w norms around both halves, soft-caps
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text model: q/k norms, a RoPE base per layer kind
 }
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 _MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's default when config.json has no sliding_window key
 # Keys of other architectures that change the math; any of them set (not null, not 0/False/1) is refused.
@@ -36,6 +39,21 @@ _REFUSED_KEYS = (
     "num_local_experts",
     "shared_expert_intermediate_size",
 )
+
+
+@dataclass(frozen=True)
+class GemmaArgs:
+    """Gemma 2 and 3's departures from Llama: the embedding times sqrt(hidden) (rounded to the weights'
+    dtype, as HF), RMSNorms that scale by 1 + weight, norms before and after attention and the MLP
+    (the sandwich), GeGLU (gelu_pytorch_tanh), scores scaled by query_pre_attn_scalar ** -0.5 and
+    soft-capped (Gemma 2), logits soft-capped (Gemma 2), local (sliding) and global layers."""
+
+    embed_scale: float
+    attn_scale: float
+    attn_softcap: float | None
+    final_softcap: float | None
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window; None: a global layer
+    rope_local: RopeSpec | None  # Gemma 3: the sliding layers' RoPE (rope_local_base_freq); None: one RoPE
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,15 @@ class LlamaArgs:
     qk_norm_whole: bool = False  # OLMoE: RMSNorm over all of q's and all of k's features, before RoPE
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after the norms
     moe: MoeArgs | None = None  # the mixtures of experts
+    gemma: GemmaArgs | None = None  # Gemma 2 and 3
+
+    def window_of(self, layer: int) -> int | None:
+        return self.gemma.layer_windows[layer] if self.gemma is not None else self.sliding_window
+
+    @property
+    def is_llama_shaped(self) -> bool:
+        """Whether decode_forward.c reads this model: none of the other families' departures."""
+        return self.moe is None and self.gemma is None and not self.qk_norm_whole and self.clip_qkv is None
 
     @property
     def moe_layers(self) -> list[int]:
@@ -99,16 +126,18 @@ class LlamaArgs:
             head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=max_positions,
-            rope=rope_spec(config, head_dim, max_positions),
+            rope=rope_spec(_global_rope_config(config, family), head_dim, max_positions),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            has_qk_norm=family in ("qwen3", "qwen3_moe"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            has_qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            # Gemma's configs default to tied (a config.json may leave the key out)
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             sliding_window=_sliding_window(config, family),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             qk_norm_whole=family == "olmoe",
             clip_qkv=config.get("clip_qkv") if family == "olmoe" else None,
             moe=moe_args(config, family),
+            gemma=gemma_args(config, family, head_dim, max_positions),
         )
 
 
@@ -146,6 +175,40 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     return RopeSpec(rope_type, float(theta), head_dim, max_positions, params)
 
 
+def gemma_args(config: dict, family: str, head_dim: int, max_positions: int) -> GemmaArgs | None:
+    if family not in GEMMA_FAMILIES:
+        return None
+    num_layers, window = config["num_hidden_layers"], config.get("sliding_window")
+    kinds = config.get("layer_types")
+    if not kinds:  # older configs: Gemma 2 alternates from a local layer; Gemma 3 has 5 local to 1 global
+        pattern = 2 if family == "gemma2" else config.get("sliding_window_pattern", 6)
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    params = config.get("rope_parameters") or {}
+    rope_local = None
+    if "sliding_attention" in params:  # transformers 5: one RoPE per kind of layer
+        local = {**config, "rope_parameters": params["sliding_attention"]}
+        rope_local = rope_spec(local, head_dim, max_positions)
+    elif family == "gemma3":
+        base = float(config.get("rope_local_base_freq", 10000.0))
+        rope_local = RopeSpec("default", base, head_dim, max_positions, {})
+    return GemmaArgs(
+        embed_scale=config["hidden_size"] ** 0.5,
+        attn_scale=float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        attn_softcap=config.get("attn_logit_softcapping"),
+        final_softcap=config.get("final_logit_softcapping"),
+        layer_windows=tuple(window if kind == "sliding_attention" else None for kind in kinds),
+        rope_local=rope_local,
+    )
+
+
+def _global_rope_config(config: dict, family: str) -> dict:
+    """Gemma 3 in transformers 5 keeps a RoPE per kind of layer; the global layers' is the model's."""
+    params = config.get("rope_parameters") or {}
+    if family in GEMMA_FAMILIES and "full_attention" in params:
+        return {**config, "rope_parameters": params["full_attention"]}
+    return config
+
+
 def moe_args(config: dict, family: str) -> MoeArgs | None:
     if family not in MOE_FAMILIES:
         return None
@@ -174,17 +237,26 @@ def _sliding_window(config: dict, family: str) -> int | None:
 
 
 def _refuse_unsupported(config: dict, family: str) -> None:
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
+    if family in GEMMA_FAMILIES:
+        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation={act!r} is not supported for {family} (only gelu_pytorch_tanh)")
+        if config.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=true (an encoder's attention) is not supported")
+    elif config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (only silu)")
     if config.get("mlp_bias"):
         raise ValueError("mlp_bias=true (biases in the MLP) is not supported")
     if family in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window"):
         raise ValueError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
     layer_types = set(config.get("layer_types") or ["full_attention"])
-    if family != "mistral" and layer_types != {"full_attention"}:
+    other = layer_types - {"full_attention"} - ({"sliding_attention"} if family in GEMMA_FAMILIES else set())
+    if family != "mistral" and other:
         raise ValueError(f"layer_types {sorted(layer_types)} (mixed attention layers) are not supported")
-    refused = [k for k in _REFUSED_KEYS if family not in MOE_FAMILIES or k not in ("num_experts", "num_local_experts")]
+    allowed = {"num_experts", "num_local_experts"} if family in MOE_FAMILIES else set()
+    if family in GEMMA_FAMILIES:
+        allowed = {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"}
+    refused = [key for key in _REFUSED_KEYS if key not in allowed]
     if family in MOE_FAMILIES and config.get("num_experts_per_tok", 0) < 1:
         raise ValueError(f"{family}: num_experts_per_tok must be at least 1")
     for key in refused:

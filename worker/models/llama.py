@@ -28,13 +28,20 @@ __all__ = ["LlamaArgs", "LlamaModel"]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """`offset` 1: Gemma's, normalised and scaled by 1 + weight in fp32, then cast to x's dtype."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.offset:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (self.offset + self.weight.float())).to(dtype)
         if dtype == torch.float32:  # one fused op, the same arithmetic as the lines below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
@@ -100,8 +107,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.args = args
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        gemma, eps = args.gemma, args.rms_norm_eps
+        offset = 0.0 if gemma is None else 1.0
+        self.window = args.window_of(index)
+        self.is_local = gemma is not None and gemma.rope_local is not None and self.window is not None
+        self.input_layernorm = RMSNorm(args.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, offset)
+        if gemma is not None:  # the sandwich: post_attention_layernorm is on the attention's output
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, offset)
         # Fused at load time: one matmul for q/k/v and one for gate/up.
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
@@ -111,8 +125,8 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
             self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         if args.has_qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.q_norm = RMSNorm(args.head_dim, eps, offset)
+            self.k_norm = RMSNorm(args.head_dim, eps, offset)
         elif args.qk_norm_whole:
             self.q_norm = RMSNorm(self.q_size, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, args.rms_norm_eps)
@@ -129,7 +143,9 @@ class DecoderLayer(nn.Module):
         if a.clip_qkv is not None:
             qkv = qkv.clamp(-a.clip_qkv, a.clip_qkv)
         q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
-        attn = ops.attention(q, k, v, cache, meta, a.sliding_window).reshape(num_tokens, self.q_size)
+        if a.gemma is not None:
+            return self._gemma_rest(x, q, k, v, cache, meta, ops)
+        attn = ops.attention(q, k, v, cache, meta, self.window).reshape(num_tokens, self.q_size)
         attn_out = ops.sum_over_ranks(ops.linear(self.o_proj, attn))
         x, normed = ops.add_rms_norm(self.post_attention_layernorm, x, attn_out)
         if self.moe is not None:
@@ -137,6 +153,21 @@ class DecoderLayer(nn.Module):
             return x + ops.sum_over_ranks(mlp_out)
         gate_up = ops.linear(self.gate_up_proj, normed)
         return x + ops.sum_over_ranks(ops.linear(self.down_proj, ops.silu_mul(gate_up)))
+
+    def _gemma_rest(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+        meta: AttentionMetadata, ops: ModelOps,
+    ) -> torch.Tensor:
+        """Gemma's layer after RoPE: its scores' scale and soft-cap, a norm on each half's output before
+        the residual adds it, GeGLU."""
+        g = self.args.gemma
+        assert g is not None
+        attn = ops.attention(q, k, v, cache, meta, self.window, g.attn_scale, g.attn_softcap)
+        attn_out = ops.sum_over_ranks(ops.linear(self.o_proj, attn.reshape(x.shape[0], self.q_size)))
+        attn_out = ops.rms_norm(self.post_attention_layernorm, attn_out)
+        x, normed = ops.add_rms_norm(self.pre_feedforward_layernorm, x, attn_out)
+        mlp_out = ops.linear(self.down_proj, ops.gelu_tanh_mul(ops.linear(self.gate_up_proj, normed)))
+        return x + ops.rms_norm(self.post_feedforward_layernorm, ops.sum_over_ranks(mlp_out))
 
     def weights(self) -> LayerWeights:
         has_qk_norm = self.args.has_qk_norm or self.args.qk_norm_whole
@@ -165,12 +196,14 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.args = args
         self.rotary = Rotary(args.rope)
+        if args.gemma is not None and args.gemma.rope_local is not None:  # Gemma 3's sliding layers'
+            self.rotary_local = Rotary(args.gemma.rope_local)
         # Given its (uninitialised) table: every weight is read from the checkpoint, and the default
         # init's normal_ on a meta-device model first imports torch._dynamo (seconds).
         table = torch.empty(args.vocab_size, args.hidden_size)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, 0.0 if args.gemma is None else 1.0)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:  # one tensor, not two copies
             self.lm_head.weight = self.embed_tokens.weight
@@ -186,11 +219,14 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]. `on_layer`:
         called after each layer (the engine counts it as progress)."""
-        ops = self.ops
+        ops, gemma = self.ops, self.args.gemma
         x = ops.embed(self.embed_tokens, input_ids)
+        if gemma is not None:  # HF's normalizer: sqrt(hidden) in the weights' dtype
+            x = x * torch.tensor(gemma.embed_scale, dtype=self.embed_tokens.weight.dtype).to(x.dtype)
         rope = self.rotary.tables(positions, x.dtype)
+        rope_local = self.rotary_local.tables(positions, x.dtype) if hasattr(self, "rotary_local") else rope
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, rope, cache, meta, ops)
+            x = layer(x, rope_local if layer.is_local else rope, cache, meta, ops)
             if on_layer is not None:
                 on_layer()
         return ops.rms_norm(self.norm, x)
@@ -213,5 +249,7 @@ class LlamaModel(nn.Module):
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, hidden] -> logits [R, vocab] float32."""
-        return self.ops.linear(self.lm_head, hidden).float()
+        """hidden: [R, hidden] -> logits [R, vocab] float32 (Gemma 2: soft-capped, cap tanh(logit / cap))."""
+        logits = self.ops.linear(self.lm_head, hidden).float()
+        cap = None if self.args.gemma is None else self.args.gemma.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

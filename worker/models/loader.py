@@ -95,12 +95,15 @@ def load_model(
         args = shard_args(args, shard.size)
     with torch.device("meta"):
         model = LlamaModel(args)
-    rotary = model.rotary  # float32 tables on the CPU, as HF computes them, kept out of the dtype cast
-    del model.rotary
+    # float32 tables on the CPU, as HF computes them, kept out of the dtype cast (Gemma 3 has two)
+    rotaries = {name: getattr(model, name) for name in ("rotary", "rotary_local") if hasattr(model, name)}
+    for name in rotaries:
+        delattr(model, name)
     _allocate(model, dtype, device)  # uninitialized: every byte is read below
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = rotary.to(device)
+    for name, rotary in rotaries.items():
+        setattr(model, name, rotary.to(device))
     if keeps_blocks:
         quantize_modules(model, quantization_plan(model_dir, model, functools.partial(weight_destination, args)))
     if place is not None:
@@ -194,7 +197,9 @@ def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None
         return prefix + f"{name}.{kind}", rows
     plain = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj", "self_attn.q_norm": "q_norm",
              "self_attn.k_norm": "k_norm", "input_layernorm": "input_layernorm",
-             "post_attention_layernorm": "post_attention_layernorm"}
+             "post_attention_layernorm": "post_attention_layernorm",
+             "pre_feedforward_layernorm": "pre_feedforward_layernorm",  # Gemma's sandwich
+             "post_feedforward_layernorm": "post_feedforward_layernorm"}
     return (prefix + f"{plain[module]}.{kind}", None) if module in plain else None
 
 

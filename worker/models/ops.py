@@ -42,9 +42,10 @@ class ModelOps(Protocol):
         self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # q [T, Hq, D], k and v [T, Hkv, D]
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # [T, 2 I] -> [T, I]
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # Gemma's GeGLU, [T, 2 I] -> [T, I]
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, window: int | None,
+        meta: AttentionMetadata, window: int | None, scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor: ...
     # [T, hidden] partial output of a layer half -> the whole: the sum over tensor-parallel ranks
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
@@ -97,8 +98,17 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_mul(gate_up)
+
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, window: int | None,
+        meta: AttentionMetadata, window: int | None, scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, cache, meta, window, decode_attention_torch)
+        return paged_attention(q, k, v, cache, meta, window, decode_attention_torch, scale, softcap)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with HF's gelu_pytorch_tanh: element-wise, so a row's numbers never depend on the batch."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void weighted_values(float *acc, co
 static inline __attribute__((always_inline)) void attend(const float *q, float *out, const float *keys,
                                                         const float *values, const int32_t *table, int start,
                                                         int context_len, int group, int head_dim, int block_size,
-                                                        float scale, float *scores, float *acc) {
+                                                        float scale, float softcap, float *scores, float *acc) {
     const int span = context_len - start;
     float scaled_q[group * head_dim];
     for (int i = 0; i < group * head_dim; i++) scaled_q[i] = q[i] * scale;
@@ -148,6 +148,8 @@ static inline __attribute__((always_inline)) void attend(const float *q, float *
                 scores[g * span + pos - start + t] = dot(scaled_q + g * head_dim, key, head_dim);
         pos += count;
     }
+    if (softcap > 0.0f) /* Gemma 2's soft-capping of the scores, before the softmax: cap tanh(s / cap) */
+        for (int j = 0; j < group * span; j++) scores[j] = softcap * tanhf(scores[j] / softcap);
     /* Softmax: each row's largest score (a maximum in any order is the same value), then its exps and
      * their sum in position order, the rows side by side so that their sums' chains overlap. */
     float totals[group], tops[group];
@@ -213,25 +215,26 @@ static inline __attribute__((always_inline)) void attend(const float *q, float *
  * The common head sizes are inlined with the size a constant, so the
  * compiler unrolls dot() and the value columns; the same operations in the same order as any other size. */
 void attend_one(const float *q, float *out, const float *keys, const float *values, const int32_t *table,
-                int start, int context_len, int group, int head_dim, int block_size, float scale, float *scores,
-                float *acc) {
+                int start, int context_len, int group, int head_dim, int block_size, float scale, float softcap,
+                float *scores, float *acc) {
     if (head_dim == 64)
-        attend(q, out, keys, values, table, start, context_len, group, 64, block_size, scale, scores, acc);
+        attend(q, out, keys, values, table, start, context_len, group, 64, block_size, scale, softcap, scores, acc);
     else if (head_dim == 128)
-        attend(q, out, keys, values, table, start, context_len, group, 128, block_size, scale, scores, acc);
+        attend(q, out, keys, values, table, start, context_len, group, 128, block_size, scale, softcap, scores, acc);
     else
-        attend(q, out, keys, values, table, start, context_len, group, head_dim, block_size, scale, scores, acc);
+        attend(q, out, keys, values, table, start, context_len, group, head_dim, block_size, scale, softcap, scores,
+               acc);
 }
 
 /* q, out: [num_tokens, num_q_heads, head_dim]; key_cache, value_cache: [num_kv_heads, num_slots,
  * head_dim]; rows: [num_rows] the token rows to attend; block_tables: [num_rows, max_blocks];
  * context_lens: [num_rows]; window: a sliding window (each row attends to its last `window` positions),
- * 0 for none. Returns 0, or -1 when scratch memory could not be allocated. */
+ * 0 for none; softcap: scores soft-capped to (-softcap, softcap) (Gemma 2), 0 for none. Returns 0, or -1 when scratch memory could not be allocated. */
 int decode_attention(const float *q, float *out, const float *key_cache, const float *value_cache,
                      int64_t num_slots, const int64_t *rows, const int32_t *block_tables,
                      int32_t max_blocks, const int32_t *context_lens, int32_t num_rows,
                      int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                     float scale, int32_t window, int32_t num_threads) {
+                     float scale, int32_t window, float softcap, int32_t num_threads) {
     const int group = num_q_heads / num_kv_heads;
     int max_len = 1, failed = 0;
     for (int i = 0; i < num_rows; i++) max_len = context_lens[i] > max_len ? context_lens[i] : max_len;
@@ -248,7 +251,7 @@ int decode_attention(const float *q, float *out, const float *key_cache, const f
                 const int start = window > 0 && context_lens[i] > window ? context_lens[i] - window : 0;
                 attend_one(q + q_offset, out + q_offset, key_cache + head_offset,
                            value_cache + head_offset, block_tables + (int64_t)i * max_blocks, start,
-                           context_lens[i], group, head_dim, block_size, scale, scores,
+                           context_lens[i], group, head_dim, block_size, scale, softcap, scores,
                            scores + group * max_len);
             }
         free(scores);

@@ -31,7 +31,7 @@ void rope_write_kv_token(const float *qkv, const float *c, const float *s, const
 /* decode_attention.c: one (row, KV head) task over context positions [start, context_len). scores:
  * [group, context_len - start] scratch; acc: [group, head_dim] scratch. */
 void attend_one(const float *q, float *out, const float *keys, const float *values, const int32_t *table,
-                int start, int context_len, int group, int head_dim, int block_size, float scale,
+                int start, int context_len, int group, int head_dim, int block_size, float scale, float softcap,
                 float *scores, float *acc);
 
 /* gemv.c: a thread's part of out = x @ W^T (+ bias), fp32 or bf16 weights, in runs taken from the
