@@ -376,6 +376,20 @@ FAMILY_CONFIGS = {
             long_factor=[1.5 + 0.75 * i for i in range(8)],
         ),
     ),
+    # Phi-4-mini's partial rotary (3/4 of each 16-wide head) under LongRoPE (6 factors: rotary width / 2)
+    "phi4-mini": dict(
+        model_type="phi3",
+        tokenizer="llama2",
+        pad_token_id=0,
+        original_max_position_embeddings=32,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.75,
+            short_factor=[1.0 + 0.05 * i for i in range(6)],
+            long_factor=[1.5 + 0.75 * i for i in range(6)],
+        ),
+    ),
     # Gemma 2: alternating local (window 24) and global layers, both soft-caps, query_pre_attn_scalar
     # other than head_dim (Gemma 2 27B's case), tied embeddings
     "gemma2": dict(

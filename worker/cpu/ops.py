@@ -18,7 +18,7 @@ from worker.cpu.attention_plan import CpuAttentionPlan, KernelRows
 from worker.cpu.bindings import CpuKernels
 from worker.cpu.kernels import decode_attention, rms_norm, rope_write_kv, silu_mul
 from worker.cpu.linear import linear
-from worker.models.ops import HeadShape, Rope, gelu_tanh_mul
+from worker.models.ops import HeadShape, Rope, TorchOps, gelu_tanh_mul
 
 
 def _whole(partial: torch.Tensor) -> torch.Tensor:
@@ -52,6 +52,9 @@ class CpuOps:
     def rope_write_kv(
         self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if rope[0].shape[-1] < shape.head_dim:  # partial rotary: torch's rotation, then the C attention
+            q, k, v = TorchOps().rope_write_kv(qkv, rope, slots, shape, cache)
+            return q.contiguous(), k, v
         return rope_write_kv(self.kernels, qkv, *rope, slots, shape.num_heads, cache)  # one call
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

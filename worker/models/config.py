@@ -100,7 +100,10 @@ class LlamaArgs:
     @property
     def is_llama_shaped(self) -> bool:
         """Whether decode_forward.c reads this model: none of the other families' departures."""
-        return self.moe is None and self.gemma is None and not self.qk_norm_whole and self.clip_qkv is None
+        return (
+            self.moe is None and self.gemma is None and not self.qk_norm_whole and self.clip_qkv is None
+            and self.rope.head_dim == self.head_dim  # every feature of a head rotates
+        )
 
     @property
     def moe_layers(self) -> list[int]:
@@ -156,8 +159,11 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
+    if partial != 1.0 and model_family(config) != "phi3":
+        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4 only")
+    head_dim = int(head_dim * partial)  # Phi-4-mini: the first 3/4 of each head rotate, HF's int()
+    if head_dim % 2:
+        raise ValueError(f"partial_rotary_factor={partial} leaves an odd rotary width {head_dim}")
     if rope_type in ("llama3", "yarn", "longrope"):  # HF: a top-level original_max_position_embeddings wins
         original = config.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = original or params.get(
@@ -166,7 +172,7 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     if rope_type == "longrope":
         for key in ("short_factor", "long_factor"):
             if len(params.get(key) or ()) != head_dim // 2:
-                raise ValueError(f"RoPE type 'longrope' needs {key}: {head_dim // 2} values (head_dim / 2)")
+                raise ValueError(f"RoPE type 'longrope' needs {key}: {head_dim // 2} values (rotary width / 2)")
     if rope_type not in ("default", "yarn", "longrope") and "factor" not in params:
         raise ValueError(f"RoPE type {rope_type!r} needs a `factor`")
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))

@@ -52,7 +52,11 @@ class ModelOps(Protocol):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]. HF's x * cos + rotate_half(x) * sin, with rotate_half's minus folded into sin."""
+    """x: [T, H, D]. HF's x * cos + rotate_half(x) * sin, with rotate_half's minus folded into sin.
+    Tables narrower than D (partial rotary, Phi-4-mini): the first R features rotate, the rest pass."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :width], cos, signed_sin), x[..., width:]), dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
