@@ -409,7 +409,7 @@ FAMILY_CONFIGS = {
     # Mixtures of experts, 8 experts, 2 a token. Qwen3-MoE: its q/k head norms, renormalised top-k,
     # layer 1 a dense MLP (mlp_only_layers), experts narrower than the dense MLP
     "qwen3_moe": dict(
-        model_type="qwen3_moe", tokenizer="llama3", head_dim=32, num_experts=8, num_experts_per_tok=2,
+        model_type="qwen3_moe", tokenizer="llama2", head_dim=32, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1000000.0,
     ),
     # Mixtral: top-k always renormalised, Mistral's window

@@ -138,7 +138,7 @@ class LlamaArgs:
             sliding_window=_sliding_window(config, family),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             qk_norm_whole=family == "olmoe",
-            clip_qkv=config.get("clip_qkv") if family == "olmoe" else None,
+            clip_qkv=(config.get("clip_qkv") or None) if family == "olmoe" else None,
             moe=moe_args(config, family),
             gemma=gemma_args(config, family, head_dim, max_positions),
         )

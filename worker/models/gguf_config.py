@@ -3,16 +3,26 @@
 
 GGUF names the architecture (`general.architecture`) and keeps its numbers under that prefix. Loaded:
 `llama` (Llama 2/3 and SmolLM; Mistral too, which llama.cpp writes as `llama`: named so in
-`general.name`, it becomes MistralForCausalLM as transformers makes it), `qwen2` and `qwen3`. Anything
-else, and any key that changes the math (experts, RoPE frequencies stored as a tensor, other RoPE
-scalings), is a ValueError naming it.
+`general.name`, it becomes MistralForCausalLM as transformers makes it; with experts, Mixtral),
+`qwen2`, `qwen3`, `qwen3moe`, `olmoe`, `phi3` (LongRoPE's factors are tensors in the file), `gemma2`
+and `gemma3`. What llama.cpp leaves out of the metadata, it fixes in its code, and so here: Qwen3-MoE
+and Mixtral renormalise the top-k, OLMoE does not; Gemma's query scale is the head size's except for
+the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden / heads); Gemma 2 alternates local and
+global layers, Gemma 3 has 5 local to 1 global with a local RoPE base of 10000. Anything else, and any
+key that changes the math (RoPE frequencies stored as a tensor, other RoPE scalings), is a ValueError
+naming it.
 """
 
 from __future__ import annotations
 
 from protocol.gguf_header import GGUFHeader
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 # `<arch>.KEY` -> config.json key
 _KEYS = {
     "context_length": "max_position_embeddings",
@@ -26,8 +36,14 @@ _KEYS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
     "attention.sliding_window": "sliding_window",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "attention.clamp_kqv": "clip_qkv",
 }
-_REFUSED_KEYS = ("expert_count", "attention.logit_softcapping", "final_logit_softcapping")
+_REFUSED_KEYS = ("expert_shared_count", "attention.logit_softcapping")
 _ROPE_SCALINGS = ("none", "linear", "yarn")
 
 
@@ -53,12 +69,14 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     config = {key: meta[f"{arch}.{gguf_key}"] for gguf_key, key in _KEYS.items() if f"{arch}.{gguf_key}" in meta}
     if "vocab_size" not in config:  # older files: one embedding row per token
         config["vocab_size"] = len(meta.get("tokenizer.ggml.tokens", []))
-    is_mistral = arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower()
-    family = "mistral" if is_mistral else arch
+    is_mixtral = arch == "llama" and bool(config.get("num_experts"))
+    is_mistral = arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower() and not is_mixtral
+    family = "mistral" if is_mistral else "mixtral" if is_mixtral else _MODEL_TYPES.get(arch, arch)
+    architecture = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}.get(family, ARCHITECTURES[arch])
     config.update(
-        architectures=["MistralForCausalLM" if is_mistral else ARCHITECTURES[arch]],
+        architectures=[architecture],
         model_type=family,
-        hidden_act="silu",
+        hidden_act="gelu_pytorch_tanh" if arch.startswith("gemma") else "silu",
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch != "qwen2" and "blk.0.attn_q.bias" in names,
         rope_parameters=_rope_parameters(header, arch, float(config.get("rope_theta", 10000.0))),
@@ -68,9 +86,69 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
         raise ValueError(f"{header.path}: a qwen2 GGUF without q/k/v biases is not a Qwen2 model")
     if arch == "llama":  # its RoPE covers whole heads: the rotary dimension is the head's
         config.setdefault("head_dim", int(meta.get(f"{arch}.rope.dimension_count", 0)) or None)
+    config.update(_family_keys(header, arch, family, config))
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     config.update({k: int(v) for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in config.items() if v is not None}
+
+
+def _family_keys(header: GGUFHeader, arch: str, family: str, config: dict) -> dict:
+    """The keys llama.cpp fixes in its code for a family rather than in the file's metadata."""
+    meta, keys = header.metadata, {}
+    if config.get("num_experts"):  # the top-k renormalised (build_moe_ffn's norm_w) except OLMoE's
+        keys["norm_topk_prob"] = family != "olmoe"
+        routers = {t.name for t in header.tensors if t.name.endswith("ffn_gate_inp.weight")}
+        dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in routers]
+        if dense and family == "qwen3_moe":  # layers without a router: Qwen3-MoE's mlp_only_layers
+            keys["mlp_only_layers"] = dense
+        if family != "qwen3_moe" or "intermediate_size" not in config:  # the experts' width where no other
+            keys["intermediate_size"] = config.get("moe_intermediate_size") or config["intermediate_size"]
+    if arch == "phi3":
+        heads = config["num_attention_heads"]
+        head_dim = config["hidden_size"] // heads
+        rotary = int(meta.get("phi3.rope.dimension_count", head_dim))
+        keys["partial_rotary_factor"] = rotary / head_dim
+        long, short = _rope_factors(header)
+        if long is not None:
+            keys["rope_parameters"] = {
+                "rope_type": "longrope", "rope_theta": float(config.get("rope_theta", 10000.0)),
+                "long_factor": long, "short_factor": short, "partial_rotary_factor": rotary / head_dim,
+                "original_max_position_embeddings": int(meta["phi3.rope.scaling.original_context_length"]),
+            }
+            attention = meta.get("phi3.rope.scaling.attn_factor")
+            if attention is not None and not _is_default_attention(float(attention), config, keys["rope_parameters"]):
+                keys["rope_parameters"]["attention_factor"] = float(attention)
+    if arch in ("gemma2", "gemma3"):
+        layers, heads, hidden = config["num_hidden_layers"], config["num_attention_heads"], config["hidden_size"]
+        is_27b = layers == (46 if arch == "gemma2" else 62)
+        keys["query_pre_attn_scalar"] = hidden // heads if is_27b else config.get("head_dim", hidden // heads)
+        if arch == "gemma3":
+            keys["sliding_window_pattern"] = int(meta.get("gemma3.attention.sliding_window_pattern", 6))
+            keys["rope_local_base_freq"] = float(meta.get("gemma3.rope.freq_base_swa", 10000.0))
+    return keys
+
+
+def _is_default_attention(attention: float, config: dict, rope: dict) -> bool:
+    """Whether the file's LongRoPE attention factor is HF's own default (written as a float32), which
+    is then computed as HF computes it."""
+    import math
+
+    original = rope["original_max_position_embeddings"]
+    factor = config["max_position_embeddings"] / original
+    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return abs(attention - default) <= 1e-6 * default
+
+
+def _rope_factors(header: GGUFHeader) -> tuple[list[float] | None, list[float] | None]:
+    """Phi-3's LongRoPE factors: llama.cpp keeps them as two F32 tensors."""
+    import numpy as np
+
+    found = {}
+    for info in header.tensors:
+        if info.name in ("rope_factors_long.weight", "rope_factors_short.weight") and info.ggml_type == 0:
+            values = np.memmap(header.path, dtype="<f4", mode="r", offset=info.offset, shape=(info.dims[0],))
+            found[info.name] = [float(v) for v in values]
+    return found.get("rope_factors_long.weight"), found.get("rope_factors_short.weight")
 
 
 def _rope_parameters(header: GGUFHeader, arch: str, theta: float) -> dict:

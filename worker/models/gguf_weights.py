@@ -37,7 +37,19 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
+    "post_attention_norm": "post_attention_layernorm",  # Gemma's sandwich (its ffn_norm is the pre-MLP norm)
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Per architecture, where a GGUF name means something else than in `llama`
+_ARCH_LAYER = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, in that order
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+}
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE: config
 
 
 @dataclass(frozen=True)
@@ -48,12 +60,14 @@ class GGUFEntry:
     shape: tuple[int, ...]  # torch's order
     num_bytes: int
     interleaved_heads: int | None  # llama-architecture q/k: heads whose rows llama.cpp permuted
+    minus_one: bool = False  # Gemma's norms: llama.cpp stores 1 + weight
 
 
 def list_tensors(path: str) -> Iterator[GGUFEntry]:
     """Every tensor of the file, in file order; an unsupported tensor type is a ValueError naming it."""
     header = read_gguf_header(path)
-    is_llama = gguf_architecture(header) == "llama"
+    arch = gguf_architecture(header)
+    is_llama, is_gemma = arch == "llama", arch.startswith("gemma")
     meta = header.metadata
     heads = {"attn_q": meta.get("llama.attention.head_count"), "attn_k": meta.get("llama.attention.head_count_kv")}
     heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
@@ -61,20 +75,43 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
         if info.ggml_type not in SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {info.name} has GGUF type {_type_name(info.ggml_type)}, which is "
                              f"not supported; supported: {sorted(SUPPORTED_TYPES.values())}")
-        name, module = hf_name(info.name)
+        if info.name in _CONFIG_TENSORS:
+            continue
+        name, module = hf_name(info.name, arch)
         interleaved = int(heads[module]) if is_llama and module in heads else None
-        yield GGUFEntry(name, info, path, tuple(reversed(info.dims)), _num_bytes(info), interleaved)
+        if module in _EXPERTS:
+            yield from _expert_entries(info, path, name)
+            continue
+        minus_one = is_gemma and name.endswith("norm.weight")
+        yield GGUFEntry(name, info, path, tuple(reversed(info.dims)), _num_bytes(info), interleaved, minus_one)
 
 
-def hf_name(gguf_name: str) -> tuple[str, str | None]:
-    """The HF tensor name, and the GGUF module name it came from (`attn_q`, ...)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> tuple[str, str | None]:
+    """The HF tensor name, and the GGUF module name it came from (`attn_q`, ...). An experts tensor
+    (`ffn_gate_exps`, all of a layer's experts) gets its layer's prefix, `model.layers.N.mlp.experts`."""
     module, _, kind = gguf_name.rpartition(".")
     if module in _TOP:
         return f"{_TOP[module]}.{kind}", module
     parts = module.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{kind}", parts[2]
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERTS:
+        return f"model.layers.{parts[1]}.mlp.experts", parts[2]
+    layer = {**_LAYER, **_ARCH_LAYER.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{kind}", parts[2]
     return gguf_name, None
+
+
+def _expert_entries(info: GGUFTensorInfo, path: str, prefix: str) -> Iterator[GGUFEntry]:
+    """One entry per expert of a [experts, rows, columns] tensor: each expert's rows are a contiguous
+    run of the file, read (or kept in blocks) as any 2-D tensor is, under HF's per-expert name."""
+    if len(info.dims) != 3:
+        raise ValueError(f"tensor {info.name}: an experts tensor has 3 dimensions, not {len(info.dims)}")
+    columns, rows, num_experts = info.dims
+    role = _EXPERTS[info.name.split(".")[2]]
+    num_bytes = _num_bytes(info) // num_experts
+    for expert in range(num_experts):
+        one = GGUFTensorInfo(info.name, info.ggml_type, (columns, rows), info.offset + expert * num_bytes)
+        yield GGUFEntry(f"{prefix}.{expert}.{role}.weight", one, path, (rows, columns), num_bytes, None)
 
 
 def read_into(entry: GGUFEntry, destination: torch.Tensor) -> None:
@@ -82,7 +119,7 @@ def read_into(entry: GGUFEntry, destination: torch.Tensor) -> None:
     block of rows at a time: only one block's fp32 values exist besides the destination."""
     if destination.numel() != int(np.prod(entry.shape)):
         raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit {list(destination.shape)}")
-    if entry.interleaved_heads is not None or not destination.is_contiguous():  # q/k: small; reordered
+    if entry.interleaved_heads is not None or entry.minus_one or not destination.is_contiguous():  # small
         destination.copy_(read_tensor(entry).view(destination.shape))
         return
     rows = _raw_rows(entry)  # [num_rows, bytes per row] uint8
@@ -97,7 +134,7 @@ def read_tensor(entry: GGUFEntry) -> torch.Tensor:
     values = torch.from_numpy(_dequantize(_raw_rows(entry), entry)).reshape(entry.shape)
     if entry.interleaved_heads is not None:
         values = _undo_pair_interleave(values, entry.interleaved_heads)
-    return values
+    return values - 1 if entry.minus_one else values
 
 
 _BLOCK_BYTES = 4 << 20  # raw bytes dequantized at a time
