@@ -98,7 +98,9 @@ def make_files(folder: Path, types: list[str]) -> dict[str, Path]:
     return files
 
 
-def measure(name: str, path: str, args: argparse.Namespace, rng: random.Random) -> dict:
+def measure(
+    name: str, path: str, args: argparse.Namespace, rng: random.Random, kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+) -> dict:
     extra = ["--num-kv-blocks", str(KV_BLOCKS)] if name == "coreserve" else []
     with start(name, path, str(LLAMA_SERVER), SLOTS, extra=extra) as server:
         base = server.base
@@ -119,7 +121,7 @@ def measure(name: str, path: str, args: argparse.Namespace, rng: random.Random) 
         figures["RSS after load MiB"] = held
         figures["RSS peak MiB"] = rss_mib(engine_pid, "VmHWM")
         if name == "coreserve":
-            figures["KV cache reserved MiB"] = KV_BLOCKS * 16 * KV_BYTES_PER_TOKEN / 2**20
+            figures["KV cache reserved MiB"] = KV_BLOCKS * 16 * kv_bytes_per_token / 2**20
     return figures
 
 

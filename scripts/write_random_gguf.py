@@ -9,6 +9,12 @@ people download (`scripts/build_llama_server.sh` builds it).
 
 The default shape: hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, SmolLM2's 49,152-token
 vocabulary, tied embeddings. Weights ~ N(0, 0.02), norms 1.
+
+`--arch qwen3moe` writes a Qwen3-MoE instead (q/k norms, a router and 3-D expert tensors per layer), in
+Qwen3-30B-A3B's layer shape by default (hidden 2048, 32 heads of 128, 4 KV heads, 128 experts of FFN
+768, 8 a token) with fewer layers (`--layers`):
+
+    python scripts/write_random_gguf.py --arch qwen3moe --layers 6 --out bench_out/random-moe-f16.gguf
 """
 
 from __future__ import annotations
@@ -35,7 +41,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    parser.add_argument("--arch", choices=["llama", "qwen3moe"], default="llama")
+    parser.add_argument("--head-dim", type=int, default=0, help="0: hidden / heads (qwen3moe: 128)")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--experts-used", type=int, default=8)
+    parser.add_argument("--expert-ffn", type=int, default=768)
+    args = parser.parse_args()
+    if args.arch == "qwen3moe" and args.kv_heads == 8 and "--kv-heads" not in sys.argv:
+        args.kv_heads = 4  # Qwen3-30B-A3B's
+    return args
 
 
 def field_value(reader, name: str):
@@ -69,10 +83,11 @@ def main() -> None:
 
     args = parse_args()
     reader = gguf.GGUFReader(builtin_model_path("smollm2"))
-    writer = gguf.GGUFWriter(args.out, "llama")
-    writer.add_name("coreserve random Llama")
+    is_moe = args.arch == "qwen3moe"
+    writer = gguf.GGUFWriter(args.out, args.arch)
+    writer.add_name("coreserve random " + ("Qwen3-MoE" if is_moe else "Llama"))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    head_dim = args.hidden // args.heads
+    head_dim = args.head_dim or (128 if is_moe else args.hidden // args.heads)
     writer.add_context_length(8192)
     writer.add_embedding_length(args.hidden)
     writer.add_block_count(args.layers)
@@ -82,6 +97,12 @@ def main() -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(100000.0)
     writer.add_rope_dimension_count(head_dim)
+    if is_moe:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_count(args.experts)
+        writer.add_expert_used_count(args.experts_used)
+        writer.add_expert_feed_forward_length(args.expert_ffn)
     vocab = add_tokenizer(writer, reader)
     writer.add_vocab_size(vocab)
     rng = np.random.default_rng(args.seed)
@@ -92,13 +113,24 @@ def main() -> None:
     ones = np.ones(args.hidden, dtype=np.float32)
     writer.add_tensor("token_embd.weight", matrix(vocab, args.hidden))
     writer.add_tensor("output_norm.weight", ones)
-    kv = args.kv_heads * head_dim
+    kv, q = args.kv_heads * head_dim, args.heads * head_dim
     for i in range(args.layers):
-        for name, shape in (("attn_q", (args.hidden, args.hidden)), ("attn_k", (kv, args.hidden)),
-                            ("attn_v", (kv, args.hidden)), ("attn_output", (args.hidden, args.hidden)),
-                            ("ffn_gate", (args.ffn, args.hidden)), ("ffn_up", (args.ffn, args.hidden)),
-                            ("ffn_down", (args.hidden, args.ffn))):
+        for name, shape in (("attn_q", (q, args.hidden)), ("attn_k", (kv, args.hidden)),
+                            ("attn_v", (kv, args.hidden)), ("attn_output", (args.hidden, q))):
             writer.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
+        if is_moe:
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", matrix(args.experts, args.hidden).astype(np.float32))
+            for name, shape in (("ffn_gate_exps", (args.expert_ffn, args.hidden)),
+                                ("ffn_up_exps", (args.expert_ffn, args.hidden)),
+                                ("ffn_down_exps", (args.hidden, args.expert_ffn))):
+                stacked = np.stack([matrix(*shape) for _ in range(args.experts)])  # [experts, rows, columns]
+                writer.add_tensor(f"blk.{i}.{name}.weight", stacked)
+        else:
+            for name, shape in (("ffn_gate", (args.ffn, args.hidden)), ("ffn_up", (args.ffn, args.hidden)),
+                                ("ffn_down", (args.hidden, args.ffn))):
+                writer.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
         writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
     writer.write_header_to_file()
