@@ -34,6 +34,7 @@ def routed(output) -> np.ndarray:
     return output.outputs[0].routed_experts
 
 
+@pytest.mark.fp32_exact("bf16 routing flips near-ties against fp32 HF (docs/models.md: the measured bound)")
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_routed_experts_equal_hf_router_top_k(family, family_model):
     path = family_model(family)
