@@ -54,6 +54,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.get("/metrics")(metrics)
     app.post("/tokenize")(tokenize)
     app.post("/detokenize")(detokenize)
+    app.get("/tokenizer_info")(tokenizer_info)
     if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
         app.include_router(rl_router())
         app.post(GENERATE_PATH)(generate)  # token ids in and out (token_generate.py)
@@ -64,7 +65,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
 
 class APIKeyMiddleware:
     """`Authorization: Bearer KEY` on every /v1 route and on `extra_paths` (the RL control endpoints);
-    as vLLM, /health, /metrics and /tokenize stay open."""
+    as vLLM, /health, /metrics, /tokenize, /detokenize and /tokenizer_info stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str, extra_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
@@ -144,6 +145,21 @@ def _tokenize(server: ServerState, body: TokenizeRequest) -> list[int]:
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from exc
     return server.tokenizer(text, add_special_tokens=False).input_ids
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's /tokenizer_info, the shape lm-eval's RemoteTokenizer reads (its special tokens as text, the
+    chat template it renders itself), so a client needs no local tokenizer."""
+    server: ServerState = request.app.state.server
+    tokenizer = server.tokenizer
+    special = {key: getattr(tokenizer, key, None) for key in ("eos_token", "bos_token", "pad_token", "unk_token")}
+    return JSONBytesResponse({
+        "tokenizer_class": type(tokenizer).__name__,
+        **{key: value if isinstance(value, str) else None for key, value in special.items()},
+        "chat_template": server.chat_template or getattr(tokenizer, "chat_template", None),
+        "model_max_length": server.facts.max_model_len,
+        "vocab_size": server.facts.vocab_size,
+    })
 
 
 async def detokenize(request: Request, body: DetokenizeRequest) -> Response:

@@ -55,6 +55,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "tensor_parallel_size": (int, None),
     "batch_invariant": (_boolean, None),
     "speculative_config": (str, None),  # JSON, checked by name in make_config
+    "num_threads": (int, None),  # the core's threads: replicas sharing a host take a core each
 }
 
 

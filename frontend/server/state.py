@@ -37,6 +37,7 @@ class ServerState:
             self.prompt_bound = PromptBound(self.table, self.tokenizer)
         if self.admission is None:
             self.admission = Admission(self.engine.config.max_num_seqs, self.max_queued_requests)
+        self.metrics.name(self.served_model_name, self.engine)
 
     @property
     def tokenizer(self):

@@ -38,6 +38,9 @@ COMMON: dict[str, tuple[list, str]] = {
     "mm_processor_kwargs": ([], _MEDIA),
     "service_tier": (["auto", "default"], "there is one service tier"),
     "store": ([False], "completions are not stored"),
+    # SGLang's names, which vllm-router and sglang-router write into every request they forward
+    "no_stop_trim": ([False], "stop strings are trimmed from the text (include_stop_str_in_output keeps them)"),
+    "return_hidden_states": ([False], "hidden states are not returned"),
 }
 COMPLETION_ONLY: dict[str, tuple[list, str]] = {
     "prompt_embeds": ([], "prompts are text or token ids; embeddings are not taken"),
@@ -53,6 +56,9 @@ CHAT_ONLY: dict[str, tuple[list, str]] = {
     "prediction": ([], "predicted outputs are not implemented"),
     "reasoning_effort": ([], "there is no reasoning mode"),
     "include_reasoning": ([True], "there is no reasoning parser: the reasoning is in the content"),
+    # SGLang's: without a reasoning parser (none runs here) it ignores both, as here (the routers send them)
+    "separate_reasoning": ([True], "there is no reasoning parser to separate the reasoning with"),
+    "stream_reasoning": ([True], "there is no reasoning parser to stream the reasoning apart"),
     "verbosity": ([], "verbosity is not implemented"),
     "web_search_options": ([], "web search is not implemented"),
     "documents": ([], "documents for the chat template are not implemented"),
