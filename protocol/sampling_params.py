@@ -89,6 +89,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # A mixture-of-experts model returns each token's routed experts (vLLM's name; docs/models.md): per
     # position computed, per MoE layer, the top_k expert ids, for a trainer to replay the routing.
     return_routed_experts: bool = False
+    # vLLM's: False leaves the text "" and every logprob's decoded_token None (the ids and numbers are the
+    # same); lm-eval's in-process vLLM backend scores with it. Stop strings need the text: refused with it.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +118,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         checks = [
             (not self.stop or all(self.stop), "stop strings must not be empty"),
             (self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every token)"),
+            (self.detokenize or not self.stop, "stop strings need the text: they cannot be used with detokenize=False"),
             (self.truncate_prompt_tokens != 0, "truncate_prompt_tokens must be at least 1, or -1"),
             (
                 self.prompt_logprobs is not None or self.prompt_logprobs_temperature is None,

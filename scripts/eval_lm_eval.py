@@ -1,7 +1,7 @@
 """The suite's multiple-choice set (tests/data/smollm2_mc.jsonl) through lm-eval, against a coreserve
 server, the way lm-eval users score a model with `local-completions`.
 
-    pip install "lm-eval[api]==0.4.13"     # not a dependency of coreserve
+    (lm-eval[api]==0.4.13 is in the test extras)
     python scripts/eval_lm_eval.py        # builtin:smollm2; --model PATH for another
 
 It starts `python -m frontend serve MODEL` on a free loopback port, writes the set as a local lm-eval

@@ -12,7 +12,7 @@ import numpy as np
 
 from frontend.engine.logprob_rows import add_chosen, to_position_dicts
 from frontend.engine.request_ids import child_params
-from frontend.engine.token_text import IncrementalDetokenizer, TokenTable
+from frontend.engine.token_text import IncrementalDetokenizer, TokenIdsOnly, TokenTable
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from protocol.messages import EngineCoreOutput, FinishReason
@@ -26,7 +26,7 @@ class CompletionState:
     core_req_id: str
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | TokenIdsOnly
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
     text_end: int | None = None  # where a stop string cut the text
@@ -107,9 +107,8 @@ class OutputProcessor:
                 core_req_id=core_id,
                 index=i,
                 params=p,
-                detokenizer=IncrementalDetokenizer(
-                    self.table, p.skip_special_tokens, p.spaces_between_special_tokens
-                ),
+                detokenizer=IncrementalDetokenizer(self.table, p.skip_special_tokens, p.spaces_between_special_tokens)
+                if p.detokenize else TokenIdsOnly(),
                 logprobs=[] if p.logprobs is not None else None,
                 cumulative_logprob=0.0 if p.logprobs is not None else None,
                 constraint_masses=[] if p.logprobs is not None and p.structured_outputs is not None else None,
@@ -215,12 +214,15 @@ class OutputProcessor:
         state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
         state.weight_version = max(state.weight_version, output.weight_version)
         if output.prompt_logprobs is not None:
-            state.prompt_logprobs = [None] + to_position_dicts(output.prompt_logprobs, self.table)
+            detokenize = completion.params.detokenize
+            state.prompt_logprobs = [None] + to_position_dicts(output.prompt_logprobs, self.table, detokenize=detokenize)
         is_core_done = output.finish_reason is not None
         num_kept, is_stopped = self._append_text(completion, output.new_token_ids, is_core_done)
         if output.new_logprobs is not None and completion.logprobs is not None:
             is_masked = completion.params.structured_outputs is not None  # its -inf entries are not shown
-            positions = to_position_dicts(output.new_logprobs, self.table, drop_masked=is_masked)
+            positions = to_position_dicts(
+                output.new_logprobs, self.table, drop_masked=is_masked, detokenize=completion.params.detokenize
+            )
             completion.logprobs.extend(positions[:num_kept])
             completion.cumulative_logprob = add_chosen(
                 completion.cumulative_logprob, output.new_logprobs, num_kept

@@ -157,6 +157,22 @@ class IncrementalDetokenizer:
         )
 
 
+class TokenIdsOnly:
+    """IncrementalDetokenizer's interface without the text (`SamplingParams(detokenize=False)`, vLLM's):
+    the token ids only, the text always ""."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def append(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 class _DecodeWindow:
     """vLLM's prefix/read offsets over the ids: each step decodes the tokens since the one before the
     last emitted chunk, and emits what they add to the text of that prefix. Text waits while it ends in

@@ -1,0 +1,58 @@
+"""lm-eval (the test extras' `lm-eval[api]`) against coreserve's server with no local tokenizer: its
+`local-completions` model with `tokenizer_backend=remote`, which reads `/tokenizer_info`, tokenizes
+with `/tokenize` and decodes with `/detokenize` (lm_eval/utils.py's RemoteTokenizer), scores the
+suite's 48-question multiple-choice set (tests/data/smollm2_mc.jsonl) as a local task on the real
+SmolLM2; every choice's log-likelihood equals HF's on the same token ids within 1e-4 (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import IS_BF16_MODE
+from hf_reference import gguf_reference
+from server_harness import running_server
+
+from frontend.engine.engine_args import load_tokenizer
+from protocol.builtin_model import builtin_model_path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from eval_lm_eval import DATA, TASK  # noqa: E402
+
+TOLERANCE = 4 * 0.25 if IS_BF16_MODE else 1e-4  # a sum of 1-4 tokens (test_real_model.py's bound)
+
+
+def test_local_completions_with_the_remote_tokenizer_gets_hfs_loglikelihoods(tmp_path):
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "coreserve_smollm2_mc.yaml").write_text(TASK.format(data=DATA))
+    path = builtin_model_path("smollm2")
+    flags = ("--served-model-name", "coreserve", "--dtype", "bfloat16" if IS_BF16_MODE else "auto")
+    with running_server(*flags, model=path) as (base, _):
+        command = [
+            sys.executable, "-m", "lm_eval", "--model", "local-completions",
+            "--model_args", f"model=coreserve,base_url={base}/v1/completions,tokenizer_backend=remote,"
+            "num_concurrent=2,max_retries=1",
+            "--tasks", "coreserve_smollm2_mc", "--include_path", str(tmp_path / "tasks"),
+            "--output_path", str(tmp_path / "out"), "--log_samples",
+        ]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OPENAI_API_KEY": "unused"}
+        subprocess.run(command, check=True, cwd=tmp_path, env=env, timeout=600, stdout=subprocess.DEVNULL)
+    samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_*.jsonl")).read_text().splitlines()]
+    assert len(samples) == 48
+    tokenizer = load_tokenizer(path)
+    sequences, wanted, scores = [], [], []
+    for sample in samples:  # lm-eval's own requests: context and continuation, tokenized apart (no specials)
+        requests = [(a["arg_0"], a["arg_1"]) for a in sample["arguments"].values()]  # gen_args_0, 1, ...
+        for (context, continuation), response in zip(requests, sample["filtered_resps"]):
+            context_ids = tokenizer(context, add_special_tokens=False).input_ids
+            ids = context_ids + tokenizer(continuation, add_special_tokens=False).input_ids
+            sequences.append(ids)
+            wanted.append({r: [ids[r + 1]] for r in range(len(context_ids) - 1, len(ids) - 1)})
+            scores.append(float(response[0]))
+    answers = gguf_reference(path).teacher_forced(sequences, wanted)
+    theirs = [sum(rows[r].logprobs[ids[r + 1]] for r in rows) for rows, ids in zip(answers, sequences)]
+    worst = max(abs(a - b) for a, b in zip(scores, theirs))
+    assert worst <= TOLERANCE, worst
