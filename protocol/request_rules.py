@@ -69,6 +69,7 @@ def check_request(
     check_token_ids("stop_token_ids", params.stop_token_ids or (), limits.vocab_size)
     check_token_ids("logit_bias", params.logit_bias or (), limits.vocab_size)
     check_token_ids("allowed_token_ids", params.allowed_token_ids or (), limits.vocab_size)
+    check_token_ids("trace_decode_token_ids", params.trace_decode_token_ids or (), limits.vocab_size)
     check_min_tokens_leave_a_token(params, limits)
     if params.return_routed_experts and not limits.num_moe_layers:
         raise RequestRuleError(

@@ -92,6 +92,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # vLLM's: False leaves the text "" and every logprob's decoded_token None (the ids and numbers are the
     # same); lm-eval's in-process vLLM backend scores with it. Stop strings need the text: refused with it.
     detokenize: bool = True
+    # Trace replay (vLLM's name): output position i is this list's token i instead of a sampled one, and
+    # its logprob row is the model's (raw or processed, as asked) with that token's true logprob and rank;
+    # past the list's end tokens are sampled as usual. With batch invariance a replayed rollout gets its
+    # own logprobs back bit for bit (docs/rl.md).
+    trace_decode_token_ids: list[TokenId] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +124,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (not self.stop or all(self.stop), "stop strings must not be empty"),
             (self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every token)"),
             (self.detokenize or not self.stop, "stop strings need the text: they cannot be used with detokenize=False"),
+            (
+                self.trace_decode_token_ids is None or self.structured_outputs is None,
+                "trace_decode_token_ids cannot be combined with structured_outputs (a forced token may "
+                "break the grammar)",
+            ),
             (self.truncate_prompt_tokens != 0, "truncate_prompt_tokens must be at least 1, or -1"),
             (
                 self.prompt_logprobs is not None or self.prompt_logprobs_temperature is None,

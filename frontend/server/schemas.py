@@ -81,6 +81,7 @@ class SamplingFields(StrictBody):
     disable_spec_decode: bool = False  # speculative decoding off for this request (docs/speculative.md)
     # A mixture of experts' routed experts, per computed position, layer and top_k (docs/models.md)
     return_routed_experts: bool = False
+    trace_decode_token_ids: list[Int64] | None = None  # trace replay: these tokens, their true logprobs
     # Ignorable by definition: identifiers and hints that change nothing coreserve computes.
     user: str | None = None
     safety_identifier: str | None = None

@@ -42,6 +42,7 @@ class SamplingMetadata:
     is_logits: torch.Tensor | None = None  # [R'] bool, row wants logits, not logprobs; None: no row does
     logit_rules: LogitRules | None = None  # allowed_token_ids and logit_bias; None: no row has them
     grammar: GrammarMask | None = None  # structured outputs' masks; None: no row has a grammar
+    forced: torch.Tensor | None = None  # [R] int64 trace replay's token, -1 where sampled; None: no row
     device: torch.device = torch.device("cpu")  # where the rows' tensors live
 
 
@@ -86,6 +87,7 @@ def build_sampling_metadata(
         else None,
         logit_rules=build_logit_rules(params, vocab_size, device),
         device=device,
+        forced=_forced(states, device),
     )
 
 
@@ -97,7 +99,20 @@ def next_sampling_step(meta: SamplingMetadata, states: list[RequestState]) -> Sa
         meta,
         generators=[_generator(s, meta.device) for s in states],
         banned=_banned(states),
+        forced=_forced(states, meta.device),
     )
+
+
+def _forced(states: list[RequestState], device: torch.device) -> torch.Tensor | None:
+    """Each row's trace token at its output position (trace_decode_token_ids), -1 past the trace or
+    without one; None when no row replays a trace."""
+    if all(s.params.trace_decode_token_ids is None for s in states):
+        return None
+    forced = []
+    for state in states:
+        trace, position = state.params.trace_decode_token_ids or (), state.num_output_tokens
+        forced.append(trace[position] if position < len(trace) else -1)
+    return torch.tensor(forced, dtype=torch.int64, device=device)
 
 
 def _generator(state: RequestState, device: torch.device) -> torch.Generator | None:

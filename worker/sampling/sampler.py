@@ -37,7 +37,7 @@ class Sampler:
         masses = None if meta.grammar is None else allowed_mass(logits, meta.grammar)
         rows = meta.logprob_rows
         if rows is None:
-            return SamplerOutput(self._sample(processed, meta), None, masses)
+            return SamplerOutput(_force(self._sample(processed, meta), meta), None, masses)
         scores = logits if meta.is_all_rows else logits[rows]
         if meta.is_processed is not None:
             chosen_scores = processed if meta.is_all_rows else processed[rows]
@@ -47,6 +47,7 @@ class Sampler:
             sampled = top.ids[:, 0]  # greedy and unprocessed: the top-1 is the argmax, no extra pass
         else:
             sampled = self._sample(processed, meta)
+        sampled = _force(sampled, meta)  # trace replay: the trace's token, its row the model's own
         token_ids, values, ranks = gather_logprobs(top, sampled[rows], meta.num_logprobs)
         if meta.is_logits is not None:  # the logits modes: the same tokens and ranks, their scores' values
             values = torch.where(meta.is_logits[:, None], scores.gather(-1, token_ids.long()), values)
@@ -95,6 +96,10 @@ class Sampler:
                 noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(meta.is_greedy, greedy, sampled)
+
+
+def _force(sampled: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    return sampled if meta.forced is None else torch.where(meta.forced >= 0, meta.forced, sampled)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
