@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from engine_core.request import Request
-from protocol.arrays import LogprobsArrays, concat_logprobs
+from protocol.arrays import LogprobsArrays, SamplingMaskArrays, concat_logprobs
 from protocol.messages import EngineCoreOutput
-from protocol.step import HostLogprobs
+from protocol.step import HostLogprobs, ModelRunnerOutput
 
 
 def make_output(
@@ -32,6 +32,15 @@ def make_output(
         output.finish_reason = req.finish_reason
         output.stop_reason = req.stop_reason
     return output
+
+
+def add_token_extras(output: EngineCoreOutput, req_id: str, step: ModelRunnerOutput, num_new: int) -> None:
+    """What the step computed per sampled row beside the tokens (grammar masses, sampling supports),
+    one per kept token: rows past a stop or a rejected proposal are dropped."""
+    if req_id in step.constraint_masses:
+        output.constraint_masses = step.constraint_masses[req_id][:num_new]
+    if req_id in step.sampling_masks:
+        output.sampling_mask = SamplingMaskArrays.from_rows(step.sampling_masks[req_id][:num_new])
 
 
 def _rows_for(k: int, step_logprobs: list[HostLogprobs], row: int) -> LogprobsArrays:

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 from engine_core.grammars import Grammars, wait_for_any
 from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.outputs import make_output
+from engine_core.outputs import add_token_extras, make_output
 from engine_core.prefix_index import ROOT
 from engine_core.request import Request, RequestStatus
 from engine_core.speculation import SpeculationPolicy
@@ -319,8 +319,7 @@ class Scheduler:
             output = make_output(req, num_new, step_logprobs, row)
             if num_drafts:
                 spec_counts[req.client_id][req.client_req_id] = [num_drafts, len(token_ids) - 1]
-            if req_id in runner_output.constraint_masses:
-                output.constraint_masses = runner_output.constraint_masses[req_id][:num_new]
+            add_token_extras(output, req_id, runner_output, num_new)
             by_client[req.client_id].append(output)
             if req.is_finished:
                 self._free(req)

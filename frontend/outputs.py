@@ -24,6 +24,28 @@ class Logprob(msgspec.Struct, gc=False):
     decoded_token: str | None = None
 
 
+@dataclass
+class SamplingMask:
+    """vLLM's: generated token i was drawn from token_ids[offsets[i]:offsets[i + 1]] (ascending ids), the
+    support left after top-k/top-p/min-p and any rule, grammar or ban; a greedy token's is itself."""
+
+    token_ids: np.ndarray  # [total] int32
+    offsets: np.ndarray  # [num_tokens + 1] int64
+
+    @classmethod
+    def of(cls, rows: list[np.ndarray]) -> SamplingMask:
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(r) for r in rows])
+        ids = np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, dtype=np.int32)
+        return cls(ids, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.token_ids[self.offsets[index] : self.offsets[index + 1]]
+
+
 PositionLogprobs = dict[int, Logprob]  # token id -> Logprob; the sampled (or prompt) token first
 
 
@@ -42,6 +64,8 @@ class CompletionOutput:
     # With return_routed_experts (a mixture of experts), once finished: [positions, MoE layers, top_k]
     # int16, the experts each computed position was routed to, most probable first (docs/models.md)
     routed_experts: np.ndarray | None = None
+    # With return_sampling_mask: each token's support (streaming: the new tokens')
+    sampling_mask: SamplingMask | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

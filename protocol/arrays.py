@@ -82,6 +82,25 @@ class RoutedExperts(msgspec.Struct, array_like=True, gc=False):
         return np.frombuffer(self.expert_ids, dtype="<i2").reshape(self.num_rows, self.num_layers, self.top_k)
 
 
+class SamplingMaskArrays(msgspec.Struct, array_like=True, gc=False):
+    """Generated tokens' supports in CSR form: token i's ids are token_ids[offsets[i]:offsets[i + 1]],
+    ascending."""
+
+    token_ids: memoryview  # [total] int32 little-endian
+    offsets: memoryview  # [num_tokens + 1] int64 little-endian
+
+    @classmethod
+    def from_rows(cls, rows: list[np.ndarray]) -> SamplingMaskArrays:
+        offsets = np.zeros(len(rows) + 1, dtype="<i8")
+        offsets[1:] = np.cumsum([len(r) for r in rows])
+        ids = np.concatenate(rows).astype("<i4") if rows else np.zeros(0, dtype="<i4")
+        return cls(ids.tobytes(), offsets.tobytes())
+
+    def rows(self) -> list[np.ndarray]:
+        ids, offsets = np.frombuffer(self.token_ids, dtype="<i4"), np.frombuffer(self.offsets, dtype="<i8")
+        return [ids[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
 def concat_logprobs(parts: list[LogprobsArrays]) -> LogprobsArrays:
     """Stacks row blocks of the same width (e.g. prompt logprobs computed chunk by chunk)."""
     if len(parts) == 1:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from protocol.arrays import LogprobsArrays, RoutedExperts
+from protocol.arrays import LogprobsArrays, RoutedExperts, SamplingMaskArrays
 from protocol.sampling_params import SamplingParams
 
 
@@ -140,6 +140,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     constraint_masses: list[float] | None = None
     # return_routed_experts: the positions computed since the last output (prompt ones in the first)
     routed_experts: RoutedExperts | None = None
+    sampling_mask: SamplingMaskArrays | None = None  # return_sampling_mask: one support per new token
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):

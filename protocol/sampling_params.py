@@ -97,6 +97,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # past the list's end tokens are sampled as usual. With batch invariance a replayed rollout gets its
     # own logprobs back bit for bit (docs/rl.md).
     trace_decode_token_ids: list[TokenId] | None = None
+    # Sampling replay (SGLang's request name, vLLM's `sampling_mask` output): each generated token's
+    # support, the ids the sampler drew from after top-k/top-p/min-p (and any rule, grammar or ban), so
+    # a trainer renormalises over the same set. Needs a truncation: else the support is the vocabulary.
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +128,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (not self.stop or all(self.stop), "stop strings must not be empty"),
             (self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every token)"),
             (self.detokenize or not self.stop, "stop strings need the text: they cannot be used with detokenize=False"),
+            (
+                not self.return_sampling_mask or self.is_greedy or self.top_k > 0 or self.top_p < 1.0
+                or self.min_p > 0.0,
+                "return_sampling_mask needs top_k, top_p or min_p (without a truncation every token is in "
+                "the support)",
+            ),
             (
                 self.trace_decode_token_ids is None or self.structured_outputs is None,
                 "trace_decode_token_ids cannot be combined with structured_outputs (a forced token may "

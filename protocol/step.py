@@ -77,3 +77,6 @@ class ModelRunnerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens proposed and verified
     # return_routed_experts: req_id -> (first position, [rows, MoE layers, top_k] int16) per forward pass
     routed_experts: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
+    # return_sampling_mask: req_id -> each sampled row's support (int32 ids), in row order (a window's
+    # steps, a verified request's rows: the scheduler keeps one per kept token)
+    sampling_masks: dict[str, list[np.ndarray]] = field(default_factory=dict)

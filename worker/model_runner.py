@@ -29,6 +29,7 @@ from worker.sampling.grammar_mask import build_grammar_mask
 from worker.sampling.metadata import build_sampling_metadata, next_sampling_step
 from worker.sampling.prompt_logprobs import candidate_ids, prompt_logprobs
 from worker.sampling.sampler import Sampler, SamplerOutput, advance_penalties
+from worker.sampling.supports import sampling_masks
 from worker.speculative.speculator import Speculator
 from worker.speculative.verification import Verification
 from worker.step_tensors import LogprobsTensors, StepTensors
@@ -152,11 +153,13 @@ class ModelRunner:
                 verification, sampled, inputs.sampled_req_ids, out, _logprob_req_ids(sampled), masses
             )
             output.prompt_logprobs, output.routed_experts = host.prompt_logprobs, routed
+            output.sampling_masks = sampling_masks(sampling_states, out)
             return output
         for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
             state.token_ids.append(token_id)
         output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
         output.constraint_masses, output.routed_experts = masses, routed
+        output.sampling_masks = sampling_masks(sampling_states, out)
         return output
 
     def _prepare(
@@ -220,13 +223,14 @@ class ModelRunner:
         logprobs of all steps come to the host in one copy at the end. Positions, slots and context
         lengths advance on the device; each request's token list holds placeholders until the end, so
         that seeds and min_tokens bans (per output position) advance exactly as with one step."""
-        tensors, routed = StepTensors(), {}
+        tensors, routed, masks = StepTensors(), {}, {}
         inputs = self._prepare(states, [1] * len(states))
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         for step in range(num_steps):
             hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
             out = self._agreed(self.sampler(self._logits(inputs, hidden, fused_logits), meta))
             merge(routed, routed_rows(self.model, states, [1] * len(states)))
+            merge(masks, sampling_masks(states, out))
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
@@ -241,7 +245,7 @@ class ModelRunner:
         for state, tokens in zip(states, host.sampled_token_ids.tolist()):
             state.token_ids[-num_steps:] = tokens
         output = host.runner_output([s.req_id for s in states], _logprob_req_ids(states))
-        output.routed_experts = routed
+        output.routed_experts, output.sampling_masks = routed, masks
         return output
 
     def _agreed(self, out: SamplerOutput) -> SamplerOutput:

@@ -14,7 +14,7 @@ from frontend.engine.logprob_rows import add_chosen, to_position_dicts
 from frontend.engine.request_ids import child_params
 from frontend.engine.token_text import IncrementalDetokenizer, TokenIdsOnly, TokenTable
 from frontend.errors import EngineDeadError, RequestFailedError
-from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput, SamplingMask
 from protocol.messages import EngineCoreOutput, FinishReason
 from protocol.sampling_params import SamplingParams
 
@@ -37,6 +37,7 @@ class CompletionState:
     has_sent_finish: bool = False  # streaming: a finished completion is in one delta, never after
     constraint_masses: list[float] | None = None  # grammar requests with logprobs: one per token
     routed_parts: list[np.ndarray] | None = None  # return_routed_experts: the core's rows, in order
+    mask_rows: list[np.ndarray] | None = None  # return_sampling_mask: one support per kept token
 
     def routed_experts(self, num_prompt_tokens: int) -> np.ndarray | None:
         """[positions, MoE layers, top_k] int16: every position the model computed for the tokens kept
@@ -113,6 +114,7 @@ class OutputProcessor:
                 cumulative_logprob=0.0 if p.logprobs is not None else None,
                 constraint_masses=[] if p.logprobs is not None and p.structured_outputs is not None else None,
                 routed_parts=[] if p.return_routed_experts else None,
+                mask_rows=[] if p.return_sampling_mask else None,
             )
             for i, (core_id, p) in enumerate(children)
         ]
@@ -229,6 +231,8 @@ class OutputProcessor:
             )
         if output.constraint_masses is not None and completion.constraint_masses is not None:
             completion.constraint_masses.extend(output.constraint_masses[:num_kept])
+        if output.sampling_mask is not None and completion.mask_rows is not None:
+            completion.mask_rows.extend(row.copy() for row in output.sampling_mask.rows()[:num_kept])
         if output.routed_experts is not None and completion.routed_parts is not None:
             completion.routed_parts.append(output.routed_experts.to_numpy().copy())
         if is_core_done and not is_stopped:
@@ -317,6 +321,7 @@ def _completion_output(
             stop_reason=c.stop_reason,
             constraint_masses=None if c.constraint_masses is None else list(c.constraint_masses),
             routed_experts=c.routed_experts(num_prompt) if c.finish_reason is not None else None,
+            sampling_mask=None if c.mask_rows is None else SamplingMask.of(c.mask_rows),
         )
     text = c.text
     if c.finish_reason is None and c.params.stop:  # hold back what could still become a stop string
@@ -336,6 +341,7 @@ def _completion_output(
         stop_reason=c.stop_reason,
         constraint_masses=None if c.constraint_masses is None else c.constraint_masses[c.num_sent_tokens :],
         routed_experts=c.routed_experts(num_prompt) if is_new_finish else None,
+        sampling_mask=None if c.mask_rows is None else SamplingMask.of(c.mask_rows[c.num_sent_tokens :]),
     )
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
     c.has_sent_finish = c.finish_reason is not None

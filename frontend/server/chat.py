@@ -126,8 +126,9 @@ class ChatResponse:
             }
             if self.body.return_token_ids:
                 choice["token_ids"] = piece["token_ids"]
-            if "routed_experts" in piece:
-                choice["routed_experts"] = piece["routed_experts"]
+            for key in ("routed_experts", "sampling_mask"):
+                if key in piece:
+                    choice[key] = piece[key]
             yield self._chunk([choice])
         if self.body.include_usage:
             yield {**self._envelope("chat.completion.chunk", []), "usage": self._usage()}
@@ -181,6 +182,9 @@ def _piece(completion: CompletionOutput, k: int, as_token_ids: bool) -> dict:
     }
     if completion.routed_experts is not None:  # in the finished completion: every position's
         piece["routed_experts"] = completion.routed_experts.tolist()
+    if completion.sampling_mask is not None:  # each new token's support
+        mask = completion.sampling_mask
+        piece["sampling_mask"] = [mask[i].tolist() for i in range(len(mask))]
     return piece
 
 
@@ -196,3 +200,5 @@ def _merge(choice: dict, piece: dict) -> None:
         choice["finish_reason"], choice["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
     if "routed_experts" in piece:
         choice["routed_experts"] = piece["routed_experts"]
+    if "sampling_mask" in piece:
+        choice.setdefault("sampling_mask", []).extend(piece["sampling_mask"])

@@ -195,6 +195,9 @@ class CompletionChoice:
         piece["text"] += completion.text
         if completion.routed_experts is not None:  # in the finished completion: every position's
             piece["routed_experts"] = completion.routed_experts.tolist()
+        if completion.sampling_mask is not None:  # each new token's support
+            mask = completion.sampling_mask
+            piece.setdefault("sampling_mask", []).extend(mask[i].tolist() for i in range(len(mask)))
         self.num_tokens += len(completion.token_ids)
         if "token_ids" in piece:
             piece["token_ids"].extend(completion.token_ids)
@@ -215,8 +218,9 @@ def _merge(merged: dict[int, dict], piece: dict) -> None:
     into = merged.get(piece["index"])
     if into is None:
         into = merged[piece["index"]] = {**piece, "text": "", "logprobs": None}
-        if "token_ids" in piece:
-            into["token_ids"] = []
+        for key in ("token_ids", "sampling_mask"):
+            if key in piece:
+                into[key] = []
     into["text"] += piece["text"]
     if "token_ids" in piece:
         into["token_ids"].extend(piece["token_ids"])
@@ -224,6 +228,8 @@ def _merge(merged: dict[int, dict], piece: dict) -> None:
         into["finish_reason"], into["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
     if "routed_experts" in piece:
         into["routed_experts"] = piece["routed_experts"]
+    if "sampling_mask" in piece:
+        into.setdefault("sampling_mask", []).extend(piece["sampling_mask"])
     if piece["logprobs"] is not None:
         if into["logprobs"] is None:
             into["logprobs"] = {key: [] for key in piece["logprobs"]}

@@ -149,6 +149,7 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             disable_spec_decode=body.disable_spec_decode,
             return_routed_experts=body.return_routed_experts,
+            return_sampling_mask=body.return_sampling_mask,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,

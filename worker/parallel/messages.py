@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from protocol.arrays import LogprobsArrays, RoutedExperts
+from protocol.arrays import LogprobsArrays, RoutedExperts, SamplingMaskArrays
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
 from worker.runner_spec import RunnerSpec
 
@@ -73,6 +73,7 @@ class WireRunnerOutput(msgspec.Struct, array_like=True):
     constraint_masses: dict[str, list[float]] = {}  # req_id -> the masses its grammar allowed (logprob rows)
     num_draft_tokens: dict[str, int] = {}  # speculative decoding: req_id -> tokens proposed and verified
     routed_experts: dict[str, list[RoutedExperts]] = {}  # return_routed_experts: per forward pass
+    sampling_masks: dict[str, SamplingMaskArrays] = {}  # return_sampling_mask: a support per sampled row
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -111,6 +112,7 @@ def to_wire(output: ModelRunnerOutput) -> WireRunnerOutput:
             req_id: [RoutedExperts.from_numpy(first, rows) for first, rows in parts]
             for req_id, parts in output.routed_experts.items()
         },
+        sampling_masks={req_id: SamplingMaskArrays.from_rows(rows) for req_id, rows in output.sampling_masks.items()},
     )
 
 
@@ -130,6 +132,7 @@ def from_wire(wire: WireRunnerOutput) -> ModelRunnerOutput:
             req_id: [(part.first_position, part.to_numpy()) for part in parts]
             for req_id, parts in wire.routed_experts.items()
         },
+        sampling_masks={req_id: arrays.rows() for req_id, arrays in wire.sampling_masks.items()},
     )
 
 

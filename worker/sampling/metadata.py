@@ -3,7 +3,7 @@ sample (core process)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,6 +43,7 @@ class SamplingMetadata:
     logit_rules: LogitRules | None = None  # allowed_token_ids and logit_bias; None: no row has them
     grammar: GrammarMask | None = None  # structured outputs' masks; None: no row has a grammar
     forced: torch.Tensor | None = None  # [R] int64 trace replay's token, -1 where sampled; None: no row
+    mask_rows: list[int] = field(default_factory=list)  # rows that return their sampling support
     device: torch.device = torch.device("cpu")  # where the rows' tensors live
 
 
@@ -88,6 +89,7 @@ def build_sampling_metadata(
         logit_rules=build_logit_rules(params, vocab_size, device),
         device=device,
         forced=_forced(states, device),
+        mask_rows=[i for i, p in enumerate(params) if p.return_sampling_mask],
     )
 
 

@@ -22,6 +22,7 @@ class SamplerOutput:
     sampled: torch.Tensor  # [R] int64
     logprobs: LogprobsTensors | None  # rows R' of the requests that asked; None: no row asked
     constraint_masses: torch.Tensor | None = None  # [G] float32 mass each grammar row allowed (raw softmax)
+    supports: list[torch.Tensor] | None = None  # per meta.mask_rows: the ids sampled from, ascending
 
 
 class Sampler:
@@ -37,7 +38,8 @@ class Sampler:
         masses = None if meta.grammar is None else allowed_mass(logits, meta.grammar)
         rows = meta.logprob_rows
         if rows is None:
-            return SamplerOutput(_force(self._sample(processed, meta), meta), None, masses)
+            sampled = _force(self._sample(processed, meta), meta)
+            return SamplerOutput(sampled, None, masses, _supports(processed, sampled, meta))
         scores = logits if meta.is_all_rows else logits[rows]
         if meta.is_processed is not None:
             chosen_scores = processed if meta.is_all_rows else processed[rows]
@@ -51,7 +53,8 @@ class Sampler:
         token_ids, values, ranks = gather_logprobs(top, sampled[rows], meta.num_logprobs)
         if meta.is_logits is not None:  # the logits modes: the same tokens and ranks, their scores' values
             values = torch.where(meta.is_logits[:, None], scores.gather(-1, token_ids.long()), values)
-        return SamplerOutput(sampled, LogprobsTensors(token_ids, values, ranks), masses)
+        supports = _supports(processed, sampled, meta)
+        return SamplerOutput(sampled, LogprobsTensors(token_ids, values, ranks), masses, supports)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Logit rules (allowed tokens, bias), the grammar's mask, penalties, min_tokens bans, temperature,
@@ -96,6 +99,19 @@ class Sampler:
                 noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(meta.is_greedy, greedy, sampled)
+
+
+def _supports(processed: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list | None:
+    """Each asking row's support: the tokens whose processed logit is finite (what the sampler drew
+    from), or the chosen token alone on a greedy row (argmax, no draw)."""
+    if not meta.mask_rows:
+        return None
+    supports = []
+    for row in meta.mask_rows:
+        is_greedy = meta.all_greedy or bool(meta.is_greedy[row])
+        ids = sampled[row : row + 1] if is_greedy else torch.isfinite(processed[row]).nonzero().squeeze(1)
+        supports.append(ids.to(torch.int32))
+    return supports
 
 
 def _force(sampled: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
