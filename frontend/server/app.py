@@ -18,6 +18,7 @@ from frontend.errors import EngineDeadError
 from frontend.server.chat import create_chat_completion
 from frontend.server.completions import create_completion
 from frontend.server.errors import APIError, error_response, install_error_handlers
+from frontend.server.inference_generate import INFERENCE_GENERATE_PATH, inference_generate
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.limits import BodyLimitMiddleware
 from frontend.server.logprob_json import token_text
@@ -45,7 +46,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     if server.api_key:  # added last, so it runs first: a bad key is refused before the body is read
         rl_paths = (
             RL_PATHS | {GENERATE_PATH, SEQUENCE_LOGPROBS_PATH} if server.enable_rl_endpoints else frozenset()
-        )
+        ) | {INFERENCE_GENERATE_PATH}
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key, extra_paths=rl_paths)
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
@@ -55,6 +56,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.post("/tokenize")(tokenize)
     app.post("/detokenize")(detokenize)
     app.get("/tokenizer_info")(tokenizer_info)
+    app.post(INFERENCE_GENERATE_PATH)(inference_generate)  # vLLM's tokens in, tokens out (prime-rl)
     if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
         app.include_router(rl_router())
         app.post(GENERATE_PATH)(generate)  # token ids in and out (token_generate.py)

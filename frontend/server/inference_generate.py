@@ -1,0 +1,158 @@
+"""POST /inference/v1/generate: vLLM's tokens-in, tokens-out endpoint (its `ServingTokens`), which
+prime-rl and SkyRL-style rollouts call (frontend process, HTTP server). Behind the API key.
+
+Request: `token_ids` (one prompt), `sampling_params` (vLLM's `SamplingParams` fields by their names,
+coreserve's SamplingParams: a field it does not implement is a 400 naming it), `stream`,
+`stream_options`, `request_id`, `model`; `cache_salt`, `priority`, `kv_transfer_params` and
+`features` only at their no-op values. Answer: `choices` of {index, token_ids, finish_reason,
+logprobs: {content: [{token: "token_id:N", logprob, top_logprobs}]}}, vLLM's `prompt_logprobs`,
+`usage`, and coreserve's `weight_version`; streamed, each chunk a choice's new tokens, then usage
+(with `stream_options.include_usage`) and `[DONE]`. Leaving the connection aborts the request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend.outputs import CompletionOutput, PositionLogprobs
+from frontend.server.errors import APIError
+from frontend.server.generation import Generation, PromptInput
+from frontend.server.inputs import check_prompts, start_checked
+from frontend.server.json_response import JSONBytesResponse
+from frontend.server.schemas import Int64, StreamOptions, StrictBody
+from frontend.server.state import ServerState
+from frontend.server.transport import sse_response, until_disconnected
+from protocol.sampling_params import SamplingParams
+
+INFERENCE_GENERATE_PATH = "/inference/v1/generate"
+_NO_OP = {"cache_salt": None, "priority": 0, "kv_transfer_params": None, "features": None}
+_FLOOR = -9999.0  # vLLM's clamp: JSON has no -inf
+
+
+class TokensRequest(StrictBody):
+    token_ids: Annotated[list[Int64], Field(min_length=1)]
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = None
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict | None = None
+    features: dict | None = None
+
+
+async def inference_generate(request: Request, body: TokensRequest) -> Response:
+    server: ServerState = request.app.state.server
+    server.check_model(body.model)
+    for name, no_op in _NO_OP.items():
+        if getattr(body, name) != no_op:
+            raise APIError(400, f"{name}: not implemented by this server (only {no_op!r})", name)
+    params = _sampling_params(body.sampling_params, len(body.token_ids), server.facts.max_model_len)
+    prompts = [PromptInput(None, list(body.token_ids))]
+    check_prompts(prompts, server.facts, params.max_tokens, "token_ids")
+    request_id = body.request_id or server.new_request_id("generate-tokens")
+    generation = Generation(server.engine, request_id, prompts, params, server.metrics, server.admission)
+    if body.stream:
+        await start_checked(generation, body)
+        return sse_response(_chunks(generation, body, params), generation.close)
+    return await until_disconnected(request, _whole(generation, body, params, server.served_model_name))
+
+
+def _sampling_params(fields: dict, num_prompt: int, max_model_len: int) -> SamplingParams:
+    fields = dict(fields)
+    if fields.get("max_tokens") is None:  # vLLM's server: what the context leaves, not 16
+        fields["max_tokens"] = max(1, max_model_len - num_prompt)
+    try:
+        return SamplingParams(**fields)
+    except TypeError as exc:  # a name SamplingParams has no field for
+        unknown = str(exc).split("'")[1] if "'" in str(exc) else str(exc)
+        raise APIError(400, f"sampling_params.{unknown} is not implemented by this server", "sampling_params") from exc
+    except ValueError as exc:
+        raise APIError(400, f"sampling_params: {exc}", "sampling_params") from exc
+
+
+async def _whole(generation: Generation, body: TokensRequest, params: SamplingParams, model: str) -> Response:
+    outputs: dict[int, CompletionOutput] = {}
+    prompt_logprobs, weight_version = None, 0
+    try:
+        await start_checked(generation, body)
+        async for _, out in generation.deltas():
+            prompt_logprobs = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_logprobs
+            weight_version = out.weight_version
+            for completion in out.outputs:
+                _merge_into(outputs, completion)
+    finally:
+        await generation.close()
+    choices = [_choice(outputs[i], params) for i in sorted(outputs)]
+    num_tokens = sum(len(c["token_ids"]) for c in choices)
+    return JSONBytesResponse({
+        "request_id": generation.request_id,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "prompt_logprobs": _prompt_logprobs(prompt_logprobs),
+        "usage": _usage(generation, num_tokens),
+        "weight_version": weight_version,
+    })
+
+
+async def _chunks(generation: Generation, body: TokensRequest, params: SamplingParams):
+    num_tokens = 0
+    async for _, out in generation.deltas():
+        for completion in out.outputs:
+            if not completion.token_ids and completion.finish_reason is None:
+                continue
+            num_tokens += len(completion.token_ids)
+            choice = _choice(completion, params)
+            yield {"request_id": generation.request_id, "choices": [choice], "weight_version": out.weight_version}
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield {"request_id": generation.request_id, "choices": [], "usage": _usage(generation, num_tokens)}
+
+
+def _merge_into(outputs: dict[int, CompletionOutput], delta: CompletionOutput) -> None:
+    whole = outputs.get(delta.index)
+    if whole is None:
+        outputs[delta.index] = CompletionOutput(delta.index, "", list(delta.token_ids), None,
+                                                None if delta.logprobs is None else list(delta.logprobs),
+                                                delta.finish_reason, delta.stop_reason)
+        return
+    whole.token_ids.extend(delta.token_ids)
+    if whole.logprobs is not None and delta.logprobs is not None:
+        whole.logprobs.extend(delta.logprobs)
+    whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def _choice(completion: CompletionOutput, params: SamplingParams) -> dict:
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = {"content": [_content(t, entry, params.logprobs) for t, entry in
+                                zip(completion.token_ids, completion.logprobs)]}
+    return {"index": completion.index, "token_ids": list(completion.token_ids), "logprobs": logprobs,
+            "finish_reason": completion.finish_reason}
+
+
+def _content(token_id: int, entry: PositionLogprobs, k: int | None) -> dict:
+    """vLLM's: the token as "token_id:N", its logprob, and the entry's first max(k, 1) tokens."""
+    top = [{"token": f"token_id:{t}", "logprob": max(e.logprob, _FLOOR)} for t, e in entry.items()]
+    return {"token": f"token_id:{token_id}", "logprob": max(entry[token_id].logprob, _FLOOR),
+            "top_logprobs": top[: max(k or 0, 1)]}
+
+
+def _prompt_logprobs(positions: list | None) -> list | None:
+    if positions is None:
+        return None
+    return [None if p is None else {str(t): {"logprob": max(e.logprob, _FLOOR), "rank": e.rank,
+                                             "decoded_token": e.decoded_token} for t, e in p.items()}
+            for p in positions]
+
+
+def _usage(generation: Generation, num_tokens: int) -> dict:
+    usage = generation.usage(num_tokens)
+    usage.pop("prompt_tokens_details", None)  # vLLM's: only with --enable-prompt-tokens-details
+    return usage

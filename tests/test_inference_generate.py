@@ -1,0 +1,79 @@
+"""vLLM's tokens-in, tokens-out endpoint, POST /inference/v1/generate, with requests shaped as prime-rl's
+orchestrator sends them (token_ids and vLLM's nested sampling_params; its teacher scoring asks
+prompt_logprobs): tokens and logprobs equal to the Python API's bit for bit, streamed or not; the
+weight version on every answer; what is not implemented is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from server_harness import running_server
+
+from frontend import SamplingParams
+
+PROMPT = [464, 3139, 286, 4881, 318, 262, 1388, 1748, 286]
+ROLLOUT = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, "logprobs": 2, "seed": 7, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as (base, _):
+        yield base
+
+
+def python_api(llm, fields: dict):
+    return llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(**fields), use_tqdm=False)[0]
+
+
+def test_a_rollout_equals_the_python_apis_bits(server, llm_inproc):
+    answer = httpx.post(server + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": ROLLOUT},
+                        timeout=60).json()
+    expected = python_api(llm_inproc, ROLLOUT).outputs[0]
+    choice = answer["choices"][0]
+    assert choice["token_ids"] == expected.token_ids and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in expected.token_ids]
+    assert [c["logprob"] for c in content] == [d[t].logprob for t, d in zip(expected.token_ids, expected.logprobs)]
+    assert [[x["logprob"] for x in c["top_logprobs"]] for c in content] == [
+        [e.logprob for e in d.values()][:2] for d in expected.logprobs]
+    assert answer["weight_version"] == 0 and answer["usage"]["completion_tokens"] == 12
+
+
+def test_streamed_chunks_add_up_to_the_whole_answer(server):
+    body = {"token_ids": PROMPT, "sampling_params": ROLLOUT, "stream": True, "stream_options": {"include_usage": True}}
+    token_ids, logprobs, usage = [], [], None
+    with httpx.stream("POST", server + "/inference/v1/generate", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk["choices"]:
+                token_ids += choice["token_ids"]
+                logprobs += [c["logprob"] for c in choice["logprobs"]["content"]]
+            usage = chunk.get("usage", usage)
+    whole = httpx.post(server + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": ROLLOUT},
+                       timeout=60).json()["choices"][0]
+    assert token_ids == whole["token_ids"] and logprobs == [c["logprob"] for c in whole["logprobs"]["content"]]
+    assert usage["completion_tokens"] == 12
+
+
+def test_teacher_scoring_with_prompt_logprobs(server, llm_inproc):
+    fields = {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
+    answer = httpx.post(server + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": fields},
+                        timeout=60).json()
+    expected = python_api(llm_inproc, fields).prompt_logprobs
+    assert answer["prompt_logprobs"][0] is None
+    for position, entry in enumerate(answer["prompt_logprobs"][1:], start=1):
+        assert entry[str(PROMPT[position])]["logprob"] == expected[position][PROMPT[position]].logprob
+
+
+@pytest.mark.parametrize("body, name", [
+    ({"token_ids": PROMPT, "sampling_params": {"use_beam_search": True}}, "use_beam_search"),
+    ({"token_ids": PROMPT, "cache_salt": "x"}, "cache_salt"),
+    ({"token_ids": [10**9]}, "token_ids"),
+])
+def test_what_is_not_implemented_is_refused_by_name(server, body, name):
+    response = httpx.post(server + "/inference/v1/generate", json=body, timeout=60)
+    assert response.status_code == 400 and name in response.text
