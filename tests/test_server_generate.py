@@ -95,7 +95,7 @@ def test_the_weight_version_follows_an_update(http, tiny_path, tmp_path):
             "top_n",
         ),
         ({"input_ids": [1, 2], "text": "hello"}, "text", "text"),
-        ({"input_ids": [1, 2], "stream": True}, "stream", "stream"),
+        ({"input_ids": [[1, 2], [3]], "stream": True}, "stream", "stream"),
         ({"input_ids": [1, 2], "logprobs_mode": "raw_logits"}, "logprobs_mode", "return_logprob"),
         ({"input_ids": []}, "input_ids", "input_ids"),
         ({"input_ids": [1, 10**9]}, "input_ids", "out of vocabulary"),
@@ -113,3 +113,54 @@ def test_a_bad_field_is_a_400_naming_it(http, body, param, words):
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert generated(http, PROMPTS[1], max_new_tokens=1)["meta_info"]["completion_tokens"] == 1  # serving on
+
+
+def test_slimes_reading_of_meta_info_and_the_top_logprobs(http):
+    """slime reads meta_info.output_token_logprobs as [logprob, token id, text] rows (rollout/sglang_rollout.py)."""
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0},
+            "return_logprob": True, "top_logprobs_num": 3}
+    answer = http.post("/generate", json=body).json()
+    meta = answer["meta_info"]
+    assert [row[1] for row in meta["output_token_logprobs"]] == answer["output_ids"]
+    assert [row[0] for row in meta["output_token_logprobs"]] == answer["output_token_logprobs"]
+    assert all(len(top) == 3 and top[0][1] == token for top, token in zip(meta["output_top_logprobs"], answer["output_ids"]))
+    assert meta["weight_version"] >= 0
+
+
+def test_a_stream_is_sglangs_cumulative_chunks(http):
+    import json
+
+    body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}, "return_logprob": True,
+            "stream": True}
+    chunks = []
+    with http.stream("POST", "/generate", json=body) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    whole = generated(http, PROMPTS[1], max_new_tokens=8, temperature=0.0)
+    assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
+    assert all(a["output_ids"] == b["output_ids"][: len(a["output_ids"])] for a, b in zip(chunks, chunks[1:]))
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_request_ends_a_rollout_with_what_it_generated(http):
+    import threading
+    import time
+
+    result = {}
+
+    def run():
+        body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
+                "rid": "rollout-7"}
+        result["answer"] = http.post("/generate", json=body, timeout=120).json()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    aborted, deadline = [], time.monotonic() + 10
+    while not aborted and time.monotonic() < deadline:  # once it runs
+        time.sleep(0.05)
+        aborted = http.post("/abort_request", json={"abort_all": True}).json()["aborted"]
+    thread.join(timeout=60)
+    answer = result["answer"]
+    assert aborted == ["rollout-7"], answer
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort" and len(answer["output_ids"]) < 1000

@@ -26,7 +26,7 @@ from frontend.server.rl_routes import RL_PATHS, rl_router
 from frontend.server.schemas import DetokenizeRequest, TokenizeRequest
 from frontend.server.sequence_logprobs import SEQUENCE_LOGPROBS_PATH, get_sequence_logprobs
 from frontend.server.state import ServerState
-from frontend.server.token_generate import GENERATE_PATH, generate
+from frontend.server.token_generate import GENERATE_PATH, abort_request, generate
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -45,7 +45,9 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=server.max_request_bytes)
     if server.api_key:  # added last, so it runs first: a bad key is refused before the body is read
         rl_paths = (
-            RL_PATHS | {GENERATE_PATH, SEQUENCE_LOGPROBS_PATH} if server.enable_rl_endpoints else frozenset()
+            RL_PATHS | {GENERATE_PATH, "/abort_request", SEQUENCE_LOGPROBS_PATH}
+            if server.enable_rl_endpoints
+            else frozenset()
         ) | {INFERENCE_GENERATE_PATH}
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key, extra_paths=rl_paths)
     app.post("/v1/completions")(create_completion)
@@ -60,6 +62,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
         app.include_router(rl_router())
         app.post(GENERATE_PATH)(generate)  # token ids in and out (token_generate.py)
+        app.post("/abort_request")(abort_request)  # SGLang's, for /generate requests
         app.post(SEQUENCE_LOGPROBS_PATH + "/")(get_sequence_logprobs)  # TRL's scoring (sequence_logprobs.py)
         app.post(SEQUENCE_LOGPROBS_PATH)(get_sequence_logprobs)
     return app

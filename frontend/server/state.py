@@ -29,6 +29,7 @@ class ServerState:
     max_queued_requests: int | None = None  # past max_num_seqs + this many sequences: 503 (admission.py)
     admission: Admission | None = None
     _serials: itertools.count = field(default_factory=itertools.count)
+    live: dict = field(default_factory=dict)  # SGLang /generate requests running, by rid (/abort_request)
 
     def __post_init__(self) -> None:
         if self.table is None:  # the engine's own: built once per tokenizer (128k entries for Llama 3)

@@ -1,11 +1,16 @@
-"""POST /generate: token ids in, token ids and logprobs out, in SGLang's shape, for RL rollouts
-(frontend process, HTTP server). Routed with `--enable-rl-endpoints`, behind the API key.
+"""POST /generate and /abort_request: token ids in, token ids and logprobs out, in SGLang's shape, for
+RL rollouts (slime, SkyRL's SGLang path; frontend process, HTTP server). Routed with
+`--enable-rl-endpoints`, behind the API key.
 
 `input_ids` is one prompt (a list of ids: the answer is one object) or several (a list of lists: a
 list, completion j of input i at i * n + j). `sampling_params` takes SGLang's names; a field it does
-not know is a 400 naming it. Each answer: `output_ids`, `output_token_logprobs` (the sampled tokens'
-logprobs, with `return_logprob`), `text`, and `meta_info` with the weight version that computed it.
-No streaming: the whole answer once every completion finished.
+not know is a 400 naming it. Each answer: `text`, `output_ids`, and `meta_info` with SGLang's
+`output_token_logprobs` ([logprob, token id, null] per token, with `return_logprob`),
+`output_top_logprobs` (with `top_logprobs_num`), `weight_version`, `finish_reason`, token counts
+(`output_token_logprobs` also as plain floats at the top level, coreserve's first shape). `stream`
+(one input, n = 1): SGLang's cumulative chunks, each the whole answer so far, then `[DONE]`. `rid`
+names the request for `/abort_request` (`{"rid"}` or `{"abort_all": true}`), which ends it with what it
+generated and finish_reason `abort`, as SGLang does.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from frontend.server.inputs import check_prompts, start_checked
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.schemas import Int64, NonNegativeInt64, StrictBody, Text
 from frontend.server.state import ServerState
-from frontend.server.transport import until_disconnected
+from frontend.server.transport import sse_response, until_disconnected
 from protocol.sampling_params import LogprobsMode, SamplingParams
 
 GENERATE_PATH = "/generate"
@@ -59,26 +64,68 @@ class GenerateRequest(StrictBody):
     input_ids: Annotated[list[Int64], Field(min_length=1)] | Annotated[list[list[Int64]], Field(min_length=1)]
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     return_logprob: bool = False
+    top_logprobs_num: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0  # with return_logprob: top-k a token
     logprobs_mode: LogprobsMode | None = None  # vLLM's names; None: the engine's (--logprobs-mode)
     model: str | None = None
-    stream: bool = False  # refused when true
+    stream: bool = False  # one input and n = 1
+    rid: str | None = None  # SGLang's request id, for /abort_request
+
+
+class AbortRequest(StrictBody):
+    rid: str | None = None
+    abort_all: bool = False
 
 
 async def generate(request: Request, body: GenerateRequest) -> Response:
     server: ServerState = request.app.state.server
     server.check_model(body.model)
-    if body.stream:
-        raise APIError(400, "stream: /generate answers once every completion finished", "stream")
     if body.logprobs_mode is not None and not body.return_logprob:
         raise APIError(400, "logprobs_mode needs return_logprob: true", "logprobs_mode")
     is_batch = isinstance(body.input_ids[0], list)
     prompts = [PromptInput(None, list(ids)) for ids in (body.input_ids if is_batch else [body.input_ids])]
     check_prompts(prompts, server.facts, body.sampling_params.max_new_tokens, "input_ids")
     params = _sampling_params(body)
-    generation = Generation(server.engine, server.new_request_id("gen"), prompts, params, server.metrics, server.admission)
-    return await until_disconnected(
-        request, _respond(generation, body, is_one=not is_batch and params.n == 1)
-    )
+    if body.stream and (is_batch or params.n > 1):
+        raise APIError(400, "stream: one input with n = 1 streams (SGLang's chunks are one answer's)", "stream")
+    if body.rid is not None and body.rid in server.live:
+        raise APIError(400, f"rid: a request {body.rid!r} is already running", "rid")
+    request_id = body.rid or server.new_request_id("gen")
+    generation = Generation(server.engine, request_id, prompts, params, server.metrics, server.admission)
+    server.live[request_id] = generation
+    if body.stream:
+        try:
+            await start_checked(generation, body)
+        except BaseException:
+            server.live.pop(request_id, None)
+            raise
+        return sse_response(_chunks(generation, body, server), lambda: _close(generation, server))
+    try:
+        return await until_disconnected(request, _respond(generation, body, is_one=not is_batch and params.n == 1))
+    finally:
+        server.live.pop(request_id, None)
+
+
+async def abort_request(request: Request, body: AbortRequest) -> Response:
+    """SGLang's: ends the named request (or every /generate request) with what it generated so far."""
+    server: ServerState = request.app.state.server
+    names = list(server.live) if body.abort_all else [body.rid] if body.rid in server.live else []
+    for name in names:
+        generation = server.live[name]
+        for index in range(len(generation.prompts)):
+            await server.engine.abort(f"{name}-{index}")
+    return JSONBytesResponse({"aborted": names})
+
+
+async def _close(generation: Generation, server: ServerState) -> None:
+    server.live.pop(generation.request_id, None)
+    await generation.close()
+
+
+async def _chunks(generation: Generation, body: GenerateRequest, server: ServerState):
+    answer = CompletionAnswer()
+    async for _, out in generation.deltas():
+        answer.add(out.outputs[0], out)
+        yield answer.json(generation, 0, body.return_logprob, body.top_logprobs_num)
 
 
 def _sampling_params(body: GenerateRequest) -> SamplingParams:
@@ -89,7 +136,7 @@ def _sampling_params(body: GenerateRequest) -> SamplingParams:
             max_tokens=fields.max_new_tokens,
             min_tokens=fields.min_new_tokens,
             seed=fields.sampling_seed,
-            logprobs=0 if body.return_logprob else None,
+            logprobs=body.top_logprobs_num if body.return_logprob else None,
             logprobs_mode=body.logprobs_mode,
             **same,
         )
@@ -111,7 +158,7 @@ async def _respond(generation: Generation, body: GenerateRequest, is_one: bool) 
     finally:
         await generation.close()
     answers = [
-        answer.json(generation, prompt_index, body.return_logprob)
+        answer.json(generation, prompt_index, body.return_logprob, body.top_logprobs_num)
         for prompt_index, answers in enumerate(completions)
         for answer in answers
     ]
@@ -124,6 +171,7 @@ class CompletionAnswer:
     def __init__(self) -> None:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[list] = []  # per token: the top-k [logprob, id, null] by rank
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -134,11 +182,15 @@ class CompletionAnswer:
         self.text += completion.text
         if completion.logprobs is not None:
             self.logprobs.extend(p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids))
+            self.tops.extend(
+                [[e.logprob, i, None] for i, e in sorted(p.items(), key=lambda item: item[1].rank)]
+                for p in completion.logprobs
+            )
         if completion.finish_reason is not None:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
         self.weight_version = out.weight_version
 
-    def json(self, generation: Generation, prompt_index: int, has_logprobs: bool) -> dict:
+    def json(self, generation: Generation, prompt_index: int, has_logprobs: bool, k: int = 0) -> dict:
         """SGLang's answer; `finish_reason` its object: {"type"}, with "matched" (the stop token or
         string) or "length" (the tokens generated)."""
         reason: dict = {"type": self.finish_reason}
@@ -151,6 +203,7 @@ class CompletionAnswer:
             answer["output_token_logprobs"] = self.logprobs
         answer["meta_info"] = {
             "id": f"{generation.request_id}-{prompt_index}",
+            **self._logprob_fields(has_logprobs, k),
             "weight_version": self.weight_version,
             "finish_reason": reason,
             "prompt_tokens": len(generation.prompts[prompt_index].token_ids),
@@ -158,3 +211,11 @@ class CompletionAnswer:
             "cached_tokens": generation.num_cached_tokens[prompt_index],
         }
         return answer
+
+    def _logprob_fields(self, has_logprobs: bool, k: int) -> dict:
+        if not has_logprobs:
+            return {}
+        fields = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]}
+        if k:
+            fields["output_top_logprobs"] = [top[:k] for top in self.tops]
+        return fields
