@@ -12,7 +12,7 @@ from collections.abc import Callable
 from engine_core.grammars import Grammars
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
-from engine_core.rl_control import CoreControl
+from engine_core.rl_control import CoreControl, pinned_error
 from engine_core.scheduler import Scheduler
 from protocol import PROTOCOL_VERSION
 from protocol.config import EngineConfig
@@ -157,6 +157,9 @@ class EngineCore:
             return str(exc)
         if core_req_id(client_id, request.req_id) in self.scheduler.requests:
             return f"request id {request.req_id!r} is already in flight"
+        pinned = request.sampling_params.weight_version
+        if pinned is not None and pinned != self.control.weight_version:
+            return pinned_error(pinned, self.control.weight_version)
         return None
 
     def abort_requests(self, client_id: bytes, req_ids: list[str]) -> None:

@@ -121,6 +121,7 @@ class CoreControl:
         phases = self.executor.update_weights(command.path)  # a ValueError leaves the old weights serving
         self.is_weights_asleep = False
         self.weight_version += 1
+        self.abort_all(outbox, only_pinned=True)  # a request pinned to the old weights never sees new ones
         loaded = time.perf_counter()
         self.scheduler.kv_cache.reset_prefix_cache()
         done = time.perf_counter()
@@ -151,17 +152,27 @@ class CoreControl:
             self.executor.wake_up(True, None)
             self.is_kv_asleep = False
 
-    def abort_all(self, outbox: Outbox) -> None:
-        """Every request in flight finished as aborted, each client told."""
+    def abort_all(self, outbox: Outbox, only_pinned: bool = False) -> None:
+        """Every request in flight finished as aborted, each client told; `only_pinned`: only those
+        pinned to another weight_version than the engine's now, finished with an error saying so."""
         reqs = list(self.scheduler.requests.values())
+        if only_pinned:
+            reqs = [r for r in reqs if r.params.weight_version not in (None, self.weight_version)]
         self.scheduler.abort_requests([r.req_id for r in reqs])
         by_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         for req in reqs:
             output = EngineCoreOutput(req.client_req_id, [], finish_reason=FinishReason.ABORT)
+            if only_pinned:
+                output.finish_reason = FinishReason.ERROR
+                output.error = pinned_error(req.params.weight_version, self.weight_version)
             output.weight_version = self.weight_version
             by_client[req.client_id].append(output)
         for client, outputs in by_client.items():
             outbox(client, EngineCoreOutputs(outputs, time.time()))
+
+
+def pinned_error(pinned: int, held: int) -> str:
+    return f"weight_version: the request is pinned to weights {pinned}, the engine holds {held}"
 
 
 def _drains(command: ControlCommand) -> bool:

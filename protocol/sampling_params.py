@@ -101,6 +101,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # support, the ids the sampler drew from after top-k/top-p/min-p (and any rule, grammar or ban), so
     # a trainer renormalises over the same set. Needs a truncation: else the support is the vocabulary.
     return_sampling_mask: bool = False
+    # Pinned weights (as slime pins a rollout): the engine's weight_version must be this one when the
+    # request arrives, and an update to other weights while it runs ends it; either is an error naming
+    # weight_version. None: any weights (docs/rl.md).
+    weight_version: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

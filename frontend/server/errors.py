@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from frontend.errors import EngineDeadError
+from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.server.json_response import JSONBytesResponse
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
         return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(request: Request, exc: RequestFailedError):
+        """The core ended one request (its input, or weights it was pinned to that moved): its own 4xx."""
+        text = str(exc)
+        if text.startswith("weight_version:"):
+            return error_response(409, text, "weight_version", "weight_version_mismatch")
+        return error_response(400, text)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

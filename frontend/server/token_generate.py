@@ -69,6 +69,7 @@ class GenerateRequest(StrictBody):
     model: str | None = None
     stream: bool = False  # one input and n = 1
     rid: str | None = None  # SGLang's request id, for /abort_request
+    weight_version: NonNegativeInt64 | None = None  # pinned weights: another version is an error
 
 
 class AbortRequest(StrictBody):
@@ -138,6 +139,7 @@ def _sampling_params(body: GenerateRequest) -> SamplingParams:
             seed=fields.sampling_seed,
             logprobs=body.top_logprobs_num if body.return_logprob else None,
             logprobs_mode=body.logprobs_mode,
+            weight_version=body.weight_version,
             **same,
         )
     except ValueError as exc:
