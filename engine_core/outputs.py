@@ -10,7 +10,7 @@ import numpy as np
 
 from engine_core.request import Request
 from protocol.arrays import LogprobsArrays, SamplingMaskArrays, concat_logprobs
-from protocol.messages import EngineCoreOutput
+from protocol.messages import EngineCoreOutput, TokenExtras
 from protocol.step import HostLogprobs, ModelRunnerOutput
 
 
@@ -24,8 +24,9 @@ def make_output(
         output.prompt_logprobs = _prompt_logprobs(req)
         req.has_sent_prompt_logprobs = True
         req.prompt_logprob_parts = []
-    if req.params.return_routed_experts:
-        output.routed_experts = req.take_routed_experts()
+    routed = req.take_routed_experts() if req.params.return_routed_experts else None
+    if routed is not None:
+        _extras(output).routed_experts = routed
     if req.num_output_tokens == num_new:  # the first output: what the prefix cache saved
         output.num_cached_tokens = req.num_cached_tokens
     if req.is_finished:
@@ -38,9 +39,15 @@ def add_token_extras(output: EngineCoreOutput, req_id: str, step: ModelRunnerOut
     """What the step computed per sampled row beside the tokens (grammar masses, sampling supports),
     one per kept token: rows past a stop or a rejected proposal are dropped."""
     if req_id in step.constraint_masses:
-        output.constraint_masses = step.constraint_masses[req_id][:num_new]
+        _extras(output).constraint_masses = step.constraint_masses[req_id][:num_new]
     if req_id in step.sampling_masks:
-        output.sampling_mask = SamplingMaskArrays.from_rows(step.sampling_masks[req_id][:num_new])
+        _extras(output).sampling_mask = SamplingMaskArrays.from_rows(step.sampling_masks[req_id][:num_new])
+
+
+def _extras(output: EngineCoreOutput) -> TokenExtras:
+    if output.extras is None:
+        output.extras = TokenExtras()
+    return output.extras
 
 
 def _rows_for(k: int, step_logprobs: list[HostLogprobs], row: int) -> LogprobsArrays:

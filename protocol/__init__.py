@@ -4,6 +4,6 @@ from protocol.sampling_params import LogprobsMode, SamplingParams
 
 # 2: GetStats / EngineStats; 3: requests encoded one by one, handshake enforced;
 # 4: prefix cache stats and num_cached_tokens
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 __all__ = ["PROTOCOL_VERSION", "LogprobsMode", "SamplingParams"]

@@ -135,12 +135,20 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None  # with FinishReason.ERROR: why the core refused the request
     num_cached_tokens: int = 0  # in the first output: prompt tokens read from the prefix cache
     weight_version: int = 0  # the core's weights that computed this output (0 = those it started with)
-    # Per new token of a request with a grammar that asked for logprobs: the probability the model's own
-    # distribution gave the tokens the grammar allowed (docs/structured_outputs.md).
+    # What a few requests asked beside their tokens, in one field so that an output that asked nothing
+    # costs one byte for all of them (the 64 x 21 wire test's bound)
+    extras: TokenExtras | None = None
+
+
+class TokenExtras(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per new token of a request with a grammar that asked for logprobs: the probability the model's own
+    distribution gave the tokens the grammar allowed (docs/structured_outputs.md); return_routed_experts:
+    the positions computed since the last output (prompt ones in the first); return_sampling_mask: one
+    support per new token."""
+
     constraint_masses: list[float] | None = None
-    # return_routed_experts: the positions computed since the last output (prompt ones in the first)
     routed_experts: RoutedExperts | None = None
-    sampling_mask: SamplingMaskArrays | None = None  # return_sampling_mask: one support per new token
+    sampling_mask: SamplingMaskArrays | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):

@@ -12,6 +12,7 @@ import numpy as np
 
 from frontend.engine.logprob_rows import add_chosen, to_position_dicts
 from frontend.engine.request_ids import child_params
+from frontend.engine.token_extras import apply_extras, routed_experts
 from frontend.engine.token_text import IncrementalDetokenizer, TokenIdsOnly, TokenTable
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput, SamplingMask
@@ -40,11 +41,7 @@ class CompletionState:
     mask_rows: list[np.ndarray] | None = None  # return_sampling_mask: one support per kept token
 
     def routed_experts(self, num_prompt_tokens: int) -> np.ndarray | None:
-        """[positions, MoE layers, top_k] int16: every position the model computed for the tokens kept
-        (the prompt's, then each kept token but the last)."""
-        if self.routed_parts is None or not self.routed_parts:
-            return None
-        return np.concatenate(self.routed_parts)[: num_prompt_tokens + len(self.token_ids) - 1]
+        return routed_experts(self.routed_parts, num_prompt_tokens + len(self.token_ids) - 1)
 
     @property
     def text(self) -> str:
@@ -229,12 +226,8 @@ class OutputProcessor:
             completion.cumulative_logprob = add_chosen(
                 completion.cumulative_logprob, output.new_logprobs, num_kept
             )
-        if output.constraint_masses is not None and completion.constraint_masses is not None:
-            completion.constraint_masses.extend(output.constraint_masses[:num_kept])
-        if output.sampling_mask is not None and completion.mask_rows is not None:
-            completion.mask_rows.extend(row.copy() for row in output.sampling_mask.rows()[:num_kept])
-        if output.routed_experts is not None and completion.routed_parts is not None:
-            completion.routed_parts.append(output.routed_experts.to_numpy().copy())
+        if output.extras is not None:
+            apply_extras(completion, output.extras, num_kept)
         if is_core_done and not is_stopped:
             completion.finish_reason = str(output.finish_reason)
             completion.stop_reason = output.stop_reason

@@ -1,6 +1,8 @@
 """Llama-family decoder over a paged KV cache: Llama, Mistral (sliding window), Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm), Phi-3, and the mixtures of experts (worker/models/moe.py: Qwen3-MoE,
-Mixtral, OLMoE with its whole-projection q/k norms), tied or untied embeddings (engine-core process).
+Qwen3 (per-head q/k RMSNorm), Phi-3 (partial rotary), Gemma 2 and 3 (GemmaArgs: 1 + w norms around
+both halves, GeGLU, soft-caps, local and global layers), and the mixtures of experts
+(worker/models/moe.py: Qwen3-MoE, Mixtral, OLMoE with its whole-projection q/k norms), tied or untied
+embeddings (engine-core process).
 
 The one statement of the model's math. Every op goes through `self.ops` (worker/models/ops.py),
 chosen once outside the model: torch's, or the CPU backend's (fp32 activations, norms and KV cache
