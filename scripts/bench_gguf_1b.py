@@ -82,16 +82,19 @@ def main() -> None:
         write_json(args.json, results)  # what is measured so far, kept if a later file fails
 
 
-def make_files(folder: Path, types: list[str]) -> dict[str, Path]:
-    """The F16 model (written once) and each preset made from it by llama-quantize (once)."""
+def make_files(
+    folder: Path, types: list[str], stem: str = "random-1b", writer_args: tuple[str, ...] = ()
+) -> dict[str, Path]:
+    """The F16 model (written once by write_random_gguf.py with `writer_args`) and each preset made from
+    it by llama-quantize (once), named `stem`-TYPE.gguf."""
     folder.mkdir(parents=True, exist_ok=True)
-    f16 = folder / "random-1b-f16.gguf"
+    f16 = folder / f"{stem}-f16.gguf"
     if not f16.exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "write_random_gguf.py"), "--out", str(f16)],
-                       check=True)
+        script = str(ROOT / "scripts" / "write_random_gguf.py")
+        subprocess.run([sys.executable, script, *writer_args, "--out", str(f16)], check=True)
     files = {}
     for type_name in types:
-        files[type_name] = folder / f"random-1b-{type_name}.gguf"
+        files[type_name] = folder / f"{stem}-{type_name}.gguf"
         if not files[type_name].exists():
             subprocess.run([str(LLAMA_QUANTIZE), str(f16), str(files[type_name]), type_name, "2"], check=True,
                            stdout=subprocess.DEVNULL)

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, write_json  # noqa: E402
-from bench_gguf_1b import LLAMA_QUANTIZE, SLOTS, measure  # noqa: E402
+from bench_gguf_1b import LLAMA_QUANTIZE, SLOTS, make_files, measure  # noqa: E402
 from bench_llama_cpp import LLAMA_SERVER  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 LAYERS = 6
 KV_BYTES_PER_TOKEN = LAYERS * 2 * 4 * 128 * 4  # layers x (K, V) x KV heads x head dim x fp32
 
@@ -46,7 +44,7 @@ def main() -> None:
     for tool in (LLAMA_SERVER, LLAMA_QUANTIZE):
         if not tool.exists():
             raise SystemExit(f"{tool} is missing: build it with scripts/build_llama_server.sh")
-    files = make_files(Path(args.folder), args.types)
+    files = make_files(Path(args.folder), args.types, "random-moe", ("--arch", "qwen3moe", "--layers", str(LAYERS)))
     results: dict = {"machine": machine(), "threads": 2, "slots": SLOTS, "layers": LAYERS, "files": {}}
     rng = random.Random(0)
     for index, (type_name, path) in enumerate(files.items()):
@@ -60,22 +58,6 @@ def main() -> None:
         results["files"][type_name] = figures
         print(type_name, figures, flush=True)
         write_json(args.json, results)
-
-
-def make_files(folder: Path, types: list[str]) -> dict[str, Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    f16 = folder / "random-moe-f16.gguf"
-    if not f16.exists():
-        script = ROOT / "scripts" / "write_random_gguf.py"
-        command = [sys.executable, str(script), "--arch", "qwen3moe", "--layers", str(LAYERS), "--out", str(f16)]
-        subprocess.run(command, check=True)
-    files = {}
-    for type_name in types:
-        files[type_name] = folder / f"random-moe-{type_name}.gguf"
-        if not files[type_name].exists():
-            subprocess.run([str(LLAMA_QUANTIZE), str(f16), str(files[type_name]), type_name, "2"], check=True,
-                           stdout=subprocess.DEVNULL)
-    return files
 
 
 if __name__ == "__main__":

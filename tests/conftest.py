@@ -314,6 +314,18 @@ _SMALL = dict(
     rms_norm_eps=1e-5,
     hidden_act="silu",
 )
+def _longrope_phi(num_factors: int, **rope) -> dict:
+    """A Phi-3 config with LongRoPE, its original_max_position_embeddings scaled down to 32."""
+    factors = dict(
+        short_factor=[1.0 + 0.05 * i for i in range(num_factors)],
+        long_factor=[1.5 + 0.75 * i for i in range(num_factors)],
+    )
+    return dict(
+        model_type="phi3", tokenizer="llama2", pad_token_id=0, original_max_position_embeddings=32,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, **rope, **factors),
+    )
+
+
 FAMILY_CONFIGS = {
     "llama2": dict(model_type="llama", tokenizer="llama2", rope_theta=10000.0, tie_word_embeddings=False),
     "llama3.1": dict(
@@ -364,32 +376,9 @@ FAMILY_CONFIGS = {
     # Phi-3-mini-4k's shape: fused qkv_proj and gate_up_proj tensors, a sliding window (2047 there)
     "phi3": dict(model_type="phi3", tokenizer="llama2", rope_theta=10000.0, sliding_window=24, pad_token_id=0),
     # Phi-3.5-mini's LongRoPE (its 4096 scaled to 32; factors per frequency of a 16-wide head)
-    "phi3.5": dict(
-        model_type="phi3",
-        tokenizer="llama2",
-        pad_token_id=0,
-        original_max_position_embeddings=32,
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            short_factor=[1.0 + 0.05 * i for i in range(8)],
-            long_factor=[1.5 + 0.75 * i for i in range(8)],
-        ),
-    ),
+    "phi3.5": _longrope_phi(8),
     # Phi-4-mini's partial rotary (3/4 of each 16-wide head) under LongRoPE (6 factors: rotary width / 2)
-    "phi4-mini": dict(
-        model_type="phi3",
-        tokenizer="llama2",
-        pad_token_id=0,
-        original_max_position_embeddings=32,
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            partial_rotary_factor=0.75,
-            short_factor=[1.0 + 0.05 * i for i in range(6)],
-            long_factor=[1.5 + 0.75 * i for i in range(6)],
-        ),
-    ),
+    "phi4-mini": _longrope_phi(6, partial_rotary_factor=0.75),
     # Gemma 2: alternating local (window 24) and global layers, both soft-caps, query_pre_attn_scalar
     # other than head_dim (Gemma 2 27B's case), tied embeddings
     "gemma2": dict(

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from gguf_files import _gpt2_tokenizer_lists, interleave_heads, quantized
+from gguf_files import add_gpt2_tokenizer, interleave_heads, quantized
 
 # family -> (GGUF architecture, general.name)
 ARCHS = {"mixtral": ("llama", "mixtral test"), "qwen3_moe": ("qwen3moe", "t"), "olmoe": ("olmoe", "t"),
@@ -149,16 +149,7 @@ def _metadata(writer, arch: str, name: str, config: dict, tensors: dict) -> None
     if arch == "gemma3":
         writer.add_float32(f"{arch}.rope.freq_base_swa", config["rope_parameters"]["sliding_attention"]["rope_theta"])
         add(f"{arch}.attention.sliding_window_pattern", 2)  # the test config's: local, global
-    vocab = tensors["model.embed_tokens.weight"].shape[0]
-    writer.add_vocab_size(vocab)
-    tokens, merges = _gpt2_tokenizer_lists()
-    tokens = tokens[: vocab - 1] + ["<|endoftext|>"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if token == "<|endoftext|>" else 1 for token in tokens])
-    writer.add_token_merges(merges[: vocab - 257])
-    writer.add_bos_token_id(vocab - 1)
-    writer.add_eos_token_id(vocab - 1)
+    add_gpt2_tokenizer(writer, tensors["model.embed_tokens.weight"].shape[0])
 
 
 def _longrope_attention(config: dict, rope: dict) -> float:

@@ -126,6 +126,12 @@ def _write_metadata(writer, vocab_size: int) -> None:
     writer.add_layer_norm_rms_eps(SPEC.rms_norm_eps)
     writer.add_rope_freq_base(SPEC.rope_theta)
     writer.add_rope_dimension_count(SPEC.head_dim)
+    add_gpt2_tokenizer(writer, vocab_size)
+
+
+def add_gpt2_tokenizer(writer, vocab_size: int) -> None:
+    """GPT-2's first vocab_size - 1 tokens, then its own last token as the EOS (and BOS), and the merges
+    that make them."""
     writer.add_vocab_size(vocab_size)
     tokens, merges = _gpt2_tokenizer_lists()
     tokens = tokens[: vocab_size - 1] + ["<|endoftext|>"]  # GPT-2's own last token, its EOS

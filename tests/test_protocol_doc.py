@@ -64,7 +64,7 @@ class DocClient:
 
     def handshake(self, model_dir: str) -> list:
         for _ in range(40):
-            self.send(["hello", 4, fingerprint(model_dir)])
+            self.send(["hello", 5, fingerprint(model_dir)])  # the document's protocol version
             reply = self.receive(0.5)
             if reply is not None and reply[0] == "ready":
                 return reply
@@ -102,41 +102,45 @@ def test_a_client_from_the_document_alone_gets_what_llm_gets(daemon, tiny_path, 
     from frontend import SamplingParams  # only to compute the expected result
 
     client = DocClient(daemon)
-    reply = client.handshake(tiny_path)
-    assert reply[2] is None and reply[3] == 50257 and reply[6] == [50256]
-    prompts = [tokenizer(p).input_ids for p in PROMPTS[:2]]
-    sampling = {"temperature": 0.0, "max_tokens": 6, "logprobs": 3, "prompt_logprobs": 2, "ignore_eos": True}
-    outputs = client.run([[f"q{i}", p, sampling, time.time()] for i, p in enumerate(prompts)])
-    expected = llm_inproc.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
-    for i, exp in enumerate(expected):
-        got = outputs[f"q{i}"]
-        assert [t for o in got for t in o[1]] == exp.outputs[0].token_ids
-        assert got[-1][4] == 1 and got[-1][5] is None  # finish_reason length, no stop_reason
-        rows = [row for o in got if o[2] is not None for row in logprob_rows(o[2])]
-        assert len(rows) == 6
-        for (ids, values, rank), position in zip(rows, exp.outputs[0].logprobs):
-            assert ids[0] in position and position[ids[0]].rank == rank
-            for token_id, value in zip(ids, values):
-                assert value == pytest.approx(position[token_id].logprob, abs=1e-5)
-        prompt_rows = logprob_rows(got[0][3])
-        assert len(prompt_rows) == len(prompts[i]) - 1 and got[1][3] is None
-        for (ids, values, _), position in zip(prompt_rows, exp.prompt_logprobs[1:]):
-            assert ids[0] in position and values[0] == pytest.approx(position[ids[0]].logprob, abs=1e-5)
-    client.send(["getstats", 9])
-    deadline = time.monotonic() + 10
-    while (message := client.receive(1.0)) is None or message[0] != "stats":
-        assert time.monotonic() < deadline
-    assert message[1] == 9 and message[2] == message[3] == 0 and message[4] == message[5]
-    client.close()
+    try:
+        reply = client.handshake(tiny_path)
+        assert reply[2] is None and reply[3] == 50257 and reply[6] == [50256]
+        prompts = [tokenizer(p).input_ids for p in PROMPTS[:2]]
+        sampling = {"temperature": 0.0, "max_tokens": 6, "logprobs": 3, "prompt_logprobs": 2, "ignore_eos": True}
+        outputs = client.run([[f"q{i}", p, sampling, time.time()] for i, p in enumerate(prompts)])
+        expected = llm_inproc.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
+        for i, exp in enumerate(expected):
+            got = outputs[f"q{i}"]
+            assert [t for o in got for t in o[1]] == exp.outputs[0].token_ids
+            assert got[-1][4] == 1 and got[-1][5] is None  # finish_reason length, no stop_reason
+            rows = [row for o in got if o[2] is not None for row in logprob_rows(o[2])]
+            assert len(rows) == 6
+            for (ids, values, rank), position in zip(rows, exp.outputs[0].logprobs):
+                assert ids[0] in position and position[ids[0]].rank == rank
+                for token_id, value in zip(ids, values):
+                    assert value == pytest.approx(position[token_id].logprob, abs=1e-5)
+            prompt_rows = logprob_rows(got[0][3])
+            assert len(prompt_rows) == len(prompts[i]) - 1 and got[1][3] is None
+            for (ids, values, _), position in zip(prompt_rows, exp.prompt_logprobs[1:]):
+                assert ids[0] in position and values[0] == pytest.approx(position[ids[0]].logprob, abs=1e-5)
+        client.send(["getstats", 9])
+        deadline = time.monotonic() + 10
+        while (message := client.receive(1.0)) is None or message[0] != "stats":
+            assert time.monotonic() < deadline
+        assert message[1] == 9 and message[2] == message[3] == 0 and message[4] == message[5]
+    finally:
+        client.close()
 
 
 def test_a_malformed_request_is_refused_with_its_id_and_reason(daemon, tiny_path):
     client = DocClient(daemon)
-    client.handshake(tiny_path)
-    outputs = client.run([["bad", [1, 2], {"max_tokens": -3}, 0.0], ["good", [1, 2], {"max_tokens": 2}, 0.0]])
-    assert outputs["bad"][-1][4] == 3 and "max_tokens" in outputs["bad"][-1][6]
-    assert sum(len(o[1]) for o in outputs["good"]) == 2
-    client.close()
+    try:
+        client.handshake(tiny_path)
+        outputs = client.run([["bad", [1, 2], {"max_tokens": -3}, 0.0], ["good", [1, 2], {"max_tokens": 2}, 0.0]])
+        assert outputs["bad"][-1][4] == 3 and "max_tokens" in outputs["bad"][-1][6]
+        assert sum(len(o[1]) for o in outputs["good"]) == 2
+    finally:
+        client.close()  # a failed check must not leave a context behind (its term would wait)
 
 
 def test_the_client_imports_nothing_of_coreserve():
