@@ -42,6 +42,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from frontend.server.errors import error_response
+
 PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
 
 
@@ -76,7 +78,6 @@ class CoreserveReplica:
         from frontend.server.app import build_app
         from frontend.server.state import ServerState
 
-        self.model = model
         self.engine = AsyncLLM(model, **engine_args)
         self.state = ServerState(self.engine, served_model_name)
         transport = httpx.ASGITransport(app=build_app(self.state))
@@ -110,11 +111,6 @@ class CoreserveReplica:
     def check_health(self) -> None:
         if self.engine.is_dead:
             raise RuntimeError("the engine is not running")
-
-
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": param,
-                                   "code": None}}, status_code=status)
 
 
 app = FastAPI(title="coreserve on Ray Serve", docs_url=None, redoc_url=None)
@@ -156,21 +152,21 @@ class CoreserveIngress:
     async def update_weights(self, request: Request) -> JSONResponse:
         path = (await request.json()).get("model_path")
         if not isinstance(path, str):
-            return _error(400, "model_path: a checkpoint path (a safetensors file or folder) is required")
+            return error_response(400, "model_path: a checkpoint path (a safetensors file or folder) is required")
         async with self.lock:
             return await self._update_all(path)
 
     @app.post("/{verb}")
     async def control(self, verb: str, request: Request) -> JSONResponse:
         if verb not in _VERBS:
-            return _error(404, f"/{verb} is not a route of this application")
+            return error_response(404, f"/{verb} is not a route of this application")
         kwargs = await request.json() if int(request.headers.get("content-length") or 0) else {}
-        await self._each("control", _VERBS[verb], kwargs)
-        return JSONResponse({"success": True, "replicas": len(await self._each("weight_version"))})
+        done = await self._each("control", _VERBS[verb], kwargs)
+        return JSONResponse({"success": True, "replicas": len(done)})
 
     async def _route(self, path: str, body: dict) -> JSONResponse:
         if body.get("stream"):
-            return _error(400, "stream: streaming through the Ray Serve application is not built (serve "
+            return error_response(400, "stream: streaming through the Ray Serve application is not built (serve "
                                "`coreserve serve` behind a router to stream)", "stream")
         if path == "/v1/completions":
             routed: RoutedCompletion | RoutedChat = RoutedCompletion(path, body, body.get("prompt"))
@@ -197,7 +193,7 @@ class CoreserveIngress:
         if took:  # a replica's own failure while the others took it: those load the previous weights
             await self._each("restore", self.checkpoint, took[0])
         index, reason = next(iter(failed.items()))
-        return _error(400, f"update_weights: replica {index} refused {path} ({reason}); every replica holds "
+        return error_response(400, f"update_weights: replica {index} refused {path} ({reason}); every replica holds "
                            f"{self.checkpoint} ({len(took)} loaded it back)", "model_path")
 
 

@@ -99,7 +99,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
         except BaseException:
             server.live.pop(request_id, None)
             raise
-        return sse_response(_chunks(generation, body, server), lambda: _close(generation, server))
+        return sse_response(_chunks(generation, body), lambda: _close(generation, server))
     try:
         return await until_disconnected(request, _respond(generation, body, is_one=not is_batch and params.n == 1))
     finally:
@@ -122,7 +122,7 @@ async def _close(generation: Generation, server: ServerState) -> None:
     await generation.close()
 
 
-async def _chunks(generation: Generation, body: GenerateRequest, server: ServerState):
+async def _chunks(generation: Generation, body: GenerateRequest):
     answer = CompletionAnswer()
     async for _, out in generation.deltas():
         answer.add(out.outputs[0], out)

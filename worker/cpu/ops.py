@@ -25,6 +25,9 @@ def _whole(partial: torch.Tensor) -> torch.Tensor:
     return partial  # one process holds the whole layer
 
 
+_TORCH = TorchOps()  # torch's rope_write_kv, for the partial rotary the C kernel does not do
+
+
 class CpuOps:
     """`is_batch_invariant`: every product on gemv.c, and prefill tokens attended by the decode kernel
     over their causal prefix (the plan's every_token rows), so a token's numbers are the same in any
@@ -53,7 +56,7 @@ class CpuOps:
         self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if rope[0].shape[-1] < shape.head_dim:  # partial rotary: torch's rotation, then the C attention
-            q, k, v = TorchOps().rope_write_kv(qkv, rope, slots, shape, cache)
+            q, k, v = _TORCH.rope_write_kv(qkv, rope, slots, shape, cache)
             return q.contiguous(), k, v
         return rope_write_kv(self.kernels, qkv, *rope, slots, shape.num_heads, cache)  # one call
 

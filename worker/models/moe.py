@@ -53,8 +53,14 @@ class SparseMoe(nn.Module):
         num_tokens, k = by_id.shape
         outputs = x.new_empty(num_tokens * k, x.shape[-1])  # row t k + j: token t's j-th expert by id
         flat = by_id.flatten()
-        for expert_id in flat.unique().tolist():
-            slots = (flat == expert_id).nonzero().squeeze(1)
+        slots_by_expert = flat.argsort(stable=True)  # one sort groups every expert's slots
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if not count:
+                continue
+            slots = slots_by_expert[start : start + count]
+            start += count
             expert = self.experts[expert_id]
             hidden = ops.silu_mul(ops.linear(expert.gate_up_proj, x[slots // k]))
             outputs[slots] = ops.linear(expert.down_proj, hidden)
