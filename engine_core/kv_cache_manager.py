@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine_core.prefix_index import ROOT, PrefixIndex
+from engine_core.prompt_rows import Flavour, PromptRows
 
 
 class KVCacheManager:
@@ -28,6 +29,7 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[int]] = {}
         self._req_chain: dict[str, list[int]] = {}  # content ids of a request's first indexed blocks
         self.index = PrefixIndex() if enable_prefix_caching else None
+        self.prompt_rows = PromptRows(block_size)  # prompt logprob rows of indexed blocks
         self._unindexed: set[str] = set()  # requests holding blocks from before a prefix-cache reset
         self.num_queried_tokens = 0  # prompt tokens of requests that looked their prefix up
         self.num_hit_tokens = 0  # of those, tokens found in the cache
@@ -40,9 +42,12 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return self.index.num_cached_blocks if self.index is not None else 0
 
-    def take_cached_prefix(self, req_id: str, token_ids: list[int], max_tokens: int) -> int:
+    def take_cached_prefix(
+        self, req_id: str, token_ids: list[int], max_tokens: int, flavour: Flavour | None = None
+    ) -> int:
         """Gives a request that holds no blocks the indexed blocks of its longest cached prefix of full
-        blocks within `max_tokens`; returns how many tokens they hold (0 without prefix caching)."""
+        blocks within `max_tokens`; returns how many tokens they hold (0 without prefix caching). With a
+        prompt-logprob `flavour`, only blocks that keep that flavour's rows for this prompt count."""
         assert not self._req_blocks.get(req_id), "a request takes its cached prefix before any block"
         if self.index is None:
             return 0
@@ -50,6 +55,8 @@ class KVCacheManager:
         for start in range(0, max_tokens - size + 1, size):
             block = self.index.lookup(chain[-1] if chain else ROOT, tuple(token_ids[start : start + size]))
             if block is None:
+                break
+            if flavour is not None and not self.prompt_rows.can_read(block, flavour, token_ids[start + size]):
                 break
             if self._num_refs[block] == 0:
                 self.index.reuse(block)
@@ -63,18 +70,23 @@ class KVCacheManager:
 
     def cache_full_blocks(
         self, req_id: str, prompt_ids: list[int], output_ids: list[int], num_computed: int
-    ) -> None:
-        """Indexes the request's full blocks whose KV is written (positions below `num_computed`)."""
+    ) -> list[tuple[int, int]]:
+        """Indexes the request's full blocks whose KV is written (positions below `num_computed`);
+        returns the newly indexed ones as (block number in the request, the block holding the content)."""
         if self.index is None or req_id in self._unindexed:
-            return
+            return []
         chain, blocks, size = (
             self._req_chain.setdefault(req_id, []),
             self._req_blocks[req_id],
             self.block_size,
         )
+        indexed = []
         for i in range(len(chain), min(num_computed // size, len(blocks))):
             tokens = _token_slice(prompt_ids, output_ids, i * size, (i + 1) * size)
-            chain.append(self.index.insert(chain[-1] if chain else ROOT, tokens, blocks[i]))
+            parent = chain[-1] if chain else ROOT
+            chain.append(self.index.insert(parent, tokens, blocks[i]))
+            indexed.append((i, self.index.lookup(parent, tokens)))
+        return indexed
 
     def num_indexed_tokens(self, req_id: str) -> int:
         """Tokens of the request's prefix that other requests can now read from the cache."""
@@ -100,6 +112,7 @@ class KVCacheManager:
         for _ in range(num_new):
             if self._num_free == 0:  # only cached blocks are left: the least recently freed is rewritten
                 next_block = self.index.evict_oldest()
+                self.prompt_rows.drop(next_block)
             else:
                 if not (0 <= next_block < self.num_blocks and self._is_free[next_block]):
                     next_block = self._fresh_start()
@@ -135,6 +148,7 @@ class KVCacheManager:
                 self._is_free[block] = True
                 self._num_free += 1
         self.index = PrefixIndex()
+        self.prompt_rows.clear()
         self._req_chain = {req_id: [] for req_id in self._req_blocks}
         self._unindexed.update(self._req_blocks)
 

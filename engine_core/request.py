@@ -6,6 +6,7 @@ import enum
 
 import numpy as np
 
+from engine_core.prompt_rows import flavour_of
 from protocol.arrays import LogprobsArrays, RoutedExperts
 from protocol.messages import FinishReason
 from protocol.sampling_params import SamplingParams
@@ -62,9 +63,15 @@ class Request:
 
     @property
     def can_read_prefix_cache(self) -> bool:
-        """Prompt logprobs and routed experts come from computing each position: such a request computes
-        all of its prompt (prompt logprobs: until they are sent)."""
-        return self.has_sent_prompt_logprobs and not self.params.return_routed_experts
+        """Routed experts come from computing each position: such a request computes all of its prompt.
+        Prompt logprobs owed are read with the blocks that keep them (engine_core/prompt_rows.py), for
+        the flavours kept there; candidate ids are computed."""
+        if self.params.return_routed_experts:
+            return False
+        params = self.params
+        return self.has_sent_prompt_logprobs or (
+            flavour_of(params) is not None and params.prompt_logprob_token_ids is None
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

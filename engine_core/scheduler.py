@@ -9,8 +9,10 @@ from collections import defaultdict
 
 from engine_core.grammars import Grammars, wait_for_any
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.multi_step import extend_to_window
 from engine_core.outputs import add_token_extras, make_output
 from engine_core.prefix_index import ROOT
+from engine_core.prompt_rows import flavour_of
 from engine_core.request import Request, RequestStatus
 from engine_core.speculation import SpeculationPolicy
 from engine_core.stop import check_stop
@@ -130,7 +132,8 @@ class Scheduler:
                 break
             budget -= num_new
         if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs and not output.spec_tokens:
-            self._extend_to_window(output)
+            reqs = [self.requests[data.req_id] for data in output.cached_reqs]
+            extend_to_window(output, reqs, self.kv_cache, self.num_scheduler_steps, self.max_model_len)
         if self.num_with_grammar:
             reqs = [self.requests[r] for r in output.num_scheduled_tokens]
             if output.spec_tokens:  # a grammar request's proposals are made here, to be walked by its matcher
@@ -163,16 +166,12 @@ class Scheduler:
         can_read_cache = self.kv_cache.index is not None and req.can_read_prefix_cache
         if can_read_cache and self._is_prefix_being_computed(req):
             return None
-        if can_read_cache:  # the last token is always computed: its logits are needed
-            req.num_computed_tokens = self.kv_cache.take_cached_prefix(
-                req.req_id, req.all_token_ids, req.num_tokens - 1
-            )
-            if req.num_output_tokens == 0:
-                req.num_cached_tokens = req.num_computed_tokens
+        if can_read_cache:
+            self._read_cached_prefix(req)
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
         if self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_new) is None:
             self.kv_cache.free(req.req_id)
-            req.num_computed_tokens = 0
+            req.reset_for_recompute()
             return None
         self.waiting.popleft()
         self.running.append(req)
@@ -180,6 +179,19 @@ class Scheduler:
         output.new_reqs.append(self._new_request_data(req, self.kv_cache.blocks_of(req.req_id)))
         self._commit(req, num_new, output)
         return num_new
+
+    def _read_cached_prefix(self, req: Request) -> None:
+        """Takes the request's cached prefix (never its last token: its logits are needed). One that
+        still owes prompt logprobs reads only blocks that keep its rows (engine_core/prompt_rows.py),
+        and takes those rows."""
+        kv = self.kv_cache
+        flavour = None if req.has_sent_prompt_logprobs else flavour_of(req.params)
+        tokens = req.all_token_ids
+        req.num_computed_tokens = kv.take_cached_prefix(req.req_id, tokens, req.num_tokens - 1, flavour)
+        if req.num_output_tokens == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        if flavour is not None and req.num_computed_tokens:
+            req.prompt_logprob_parts = [kv.prompt_rows.take(kv.blocks_of(req.req_id), tokens, flavour)]
 
     def _is_prefix_being_computed(self, req: Request) -> bool:
         """`req`'s first block is not cached yet, but a running request with the same first block is
@@ -196,48 +208,6 @@ class Scheduler:
             and self.kv_cache.num_indexed_tokens(r.req_id)
             < (min(r.num_prompt_tokens, req.num_prompt_tokens) - 1) // size * size
             for r in self.running
-        )
-
-    def _extend_to_window(self, output: SchedulerOutput) -> None:
-        """A decode-only batch runs up to num_scheduler_steps model steps before the scheduler looks
-        again; blocks for the whole window are reserved now. Tokens past a stop are dropped later."""
-        reqs = [self.requests[data.req_id] for data in output.cached_reqs]
-        if not reqs or any(n != 1 for n in output.num_scheduled_tokens.values()):
-            return
-        if any(r.grammar is not None for r in reqs):
-            return  # the matchers advance on the host, token by token: one step
-        if any(r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens for r in reqs):
-            return  # a prefill (a first one, or a recompute after preemption) is in the batch: run single
-        num_steps = min(
-            self.num_scheduler_steps,
-            max(self._tokens_left(r) for r in reqs),  # no longer than the batch needs
-            min(self.max_model_len - r.num_tokens for r in reqs),  # tokens the model's length allows
-        )
-        # Every request's blocks or none: a window that does not fit is halved, down to a single step,
-        # so that it never holds blocks for later steps while another request goes short.
-        while num_steps >= 2 and self._window_blocks(reqs, num_steps) > self.kv_cache.num_free_blocks:
-            num_steps //= 2
-        if num_steps < 2:
-            return
-        for req, data in zip(reqs, output.cached_reqs):
-            new_blocks = self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_steps - 1)
-            assert new_blocks is not None  # counted above
-            data.new_block_ids.extend(new_blocks)
-        for req in reqs:
-            req.num_computed_tokens += num_steps - 1
-        output.num_steps = num_steps
-
-    def _tokens_left(self, req: Request) -> int:
-        """Tokens `req` may still generate before max_tokens (the model's length is capped apart)."""
-        return self.num_scheduler_steps if req.max_tokens is None else req.max_tokens - req.num_output_tokens
-
-    def _window_blocks(self, reqs: list[Request], num_steps: int) -> int:
-        """New blocks a window of `num_steps` needs. Every row of a window writes its KV each step, even
-        past its own stop, so each request holds blocks for all of the window's positions."""
-        kv = self.kv_cache
-        return sum(
-            max(0, kv.num_blocks_needed(r.num_computed_tokens + num_steps - 1) - len(kv.blocks_of(r.req_id)))
-            for r in reqs
         )
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
@@ -293,16 +263,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
-            # Written by this step (and the tokens at those positions known): others may now read it.
-            num_written = min(req.num_computed_tokens, req.num_tokens)
-            self.kv_cache.cache_full_blocks(
-                req.req_id, req.prompt_token_ids, req.output_token_ids, num_written
-            )
-            chunk = runner_output.prompt_logprobs.get(req_id)
-            if chunk is not None and not req.has_sent_prompt_logprobs:
-                req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks, chunk.candidate_ranks)
-            if req_id in runner_output.routed_experts:
-                req.add_routed_experts(runner_output.routed_experts[req_id])
+            self._record_written(req, runner_output)
             if req_id not in sampled:
                 continue  # a prefill chunk that did not reach the last token
             token_ids = sampled[req_id]
@@ -329,6 +290,23 @@ class Scheduler:
             client: EngineCoreOutputs(outputs, spec_counts=spec_counts.get(client))
             for client, outputs in by_client.items()
         }
+
+    def _record_written(self, req: Request, runner_output: ModelRunnerOutput) -> None:
+        """Keeps what the step computed for `req` beside its tokens (prompt logprob rows, routed
+        experts) and indexes the blocks it wrote (their positions' tokens known), with their prompt rows:
+        other requests may now read them."""
+        chunk = runner_output.prompt_logprobs.get(req.req_id)
+        if chunk is not None and not req.has_sent_prompt_logprobs:
+            req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks, chunk.candidate_ranks)
+        if req.req_id in runner_output.routed_experts:
+            req.add_routed_experts(runner_output.routed_experts[req.req_id])
+        num_written = min(req.num_computed_tokens, req.num_tokens)
+        indexed = self.kv_cache.cache_full_blocks(
+            req.req_id, req.prompt_token_ids, req.output_token_ids, num_written
+        )
+        flavour = flavour_of(req.params)
+        if indexed and flavour is not None and not req.has_sent_prompt_logprobs:
+            self.kv_cache.prompt_rows.store(indexed, req.prompt_logprob_parts, req.prompt_token_ids, flavour)
 
     def _append_tokens(self, req: Request, token_ids: list[int]) -> int:
         """Appends a window's tokens one by one; tokens after a stop are discarded. Returns how many stayed."""

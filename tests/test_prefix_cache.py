@@ -122,7 +122,7 @@ def test_n_completions_of_one_prompt_prefill_it_once():
     assert scheduler.kv_cache.num_free_blocks == 64
 
 
-def test_a_request_asking_for_prompt_logprobs_reads_nothing_from_the_cache():
+def test_a_request_asking_for_prompt_logprobs_reads_no_block_without_its_rows():
     scheduler = Scheduler(KVCacheManager(64, BLOCK, True), 8, 256, max_model_len=128)
     worker = ShadowWorker(64)
     prompt = list(range(1, 20))
@@ -199,7 +199,7 @@ def test_prompt_logprobs_after_the_prompt_was_cached_are_those_of_a_cold_run(tin
     with _engine(tiny_path, True, num_kv_blocks=256) as llm:
         cold = llm.generate(SYSTEM, params, use_tqdm=False)[0]
         warm = llm.generate(SYSTEM, params, use_tqdm=False)[0]
-        assert warm.num_cached_tokens == 0
+        assert warm.num_cached_tokens > 0  # with the rows the cold run kept (tests/test_prompt_rows.py)
         assert llm.generate(SYSTEM, SamplingParams(max_tokens=1), use_tqdm=False)[0].num_cached_tokens > 0
     assert warm.prompt_logprobs == cold.prompt_logprobs  # Logprob equality: bit for bit
 
