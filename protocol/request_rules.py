@@ -175,6 +175,12 @@ def _check_ids(param: str, what: str, token_ids: Iterable[int], vocab_size: int)
     if isinstance(token_ids, list) and token_ids and min(token_ids) >= 0 and max(token_ids) < vocab_size:
         return  # the common case at C speed: a long prompt's ids are not walked in Python
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None and bad < 0:
+        raise RequestRuleError(
+            f"{what} {bad} is negative: {param} must be token ids greater than or equal to 0 (and below "
+            f"the vocabulary's {vocab_size})",
+            param,
+        )
     if bad is not None:
         raise RequestRuleError(
             f"{what} {bad} is out of vocabulary; the vocabulary has {vocab_size} tokens, so {param} "

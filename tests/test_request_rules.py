@@ -34,7 +34,7 @@ def test_a_request_within_every_limit_passes():
         ([], None, "prompt", "the prompt is empty"),
         ([1] * 64, None, "prompt", "has 64 tokens, but max_model_len is 64"),
         ([1, 100], None, "prompt", "token id 100 is out of vocabulary"),
-        ([-1, 5], None, "prompt", "token id -1 is out of vocabulary"),
+        ([-1, 5], None, "prompt", "token id -1 is negative: prompt must be token ids greater than or equal to 0"),
         ([1], SamplingParams(logprobs=6), "logprobs", "logprobs=6 is more than max_logprobs=5"),
         ([1], SamplingParams(prompt_logprobs=-1), "prompt_logprobs", "-1 (the whole vocabulary)"),
         ([1], SamplingParams(stop_token_ids=[100]), "stop_token_ids", "stop_token_ids: token id 100"),

@@ -189,3 +189,31 @@ def test_a_bad_streamed_request_is_a_400_before_the_stream(http):
     body = {"model": MODEL, "prompt": "Hello", "logprobs": 99, "stream": True}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+
+
+# vLLM's own tests' matches: tests/entrypoints/openai/test_chat.py::test_long_seed (pydantic's bound
+# names), completion/test_completion_error.py (negative ids), completion/test_empty_prompt_list.py,
+# test_prompt_validation.py (ids past the vocabulary)
+VLLM_WORDING = [
+    ({"seed": 2**63}, "less_than_equal"),
+    ({"seed": -(2**63) - 1}, "greater_than_equal"),
+    ({"prompt": [-1]}, "greater than or equal to 0"),
+    ({"prompt": [[-1]]}, "greater than or equal to 0"),
+    ({"prompt": []}, "prompt or prompt_embeds"),
+    ({"prompt": [50257]}, "out of vocabulary"),
+]
+
+
+@pytest.mark.parametrize(("change", "words"), VLLM_WORDING)
+def test_refusals_carry_the_words_vllms_tests_match(http, change, words):
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, **change})
+    assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+
+
+def test_null_stream_options_read_as_false(http):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stream": True}
+    options = {"include_usage": None, "continuous_usage_stats": None}
+    response = http.post("/v1/completions", json={**body, "stream_options": options})
+    assert response.status_code == 200 and '"usage"' not in response.text.replace('"usage":null', "")
+    unstreamed = http.post("/v1/completions", json={**body, "stream": False, "stream_options": options})
+    assert unstreamed.status_code == 400  # stream_options without a stream, as vLLM

@@ -1,7 +1,7 @@
 """Streaming as vLLM's own tests expect it (issue 20), through the official openai client: with n > 1 a
 finished choice is sent once and never after (completions and chat); stream_options only with a stream,
 include_usage and continuous_usage_stats; usage.prompt_tokens_details.cached_tokens from the prefix
-cache."""
+cache with --enable-prompt-tokens-details (null without it, as vLLM)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ STAGGERED = dict(n=3, temperature=1.0, seed=5, max_tokens=24, stop=["a"])
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     flags = ["--chat-template", chat_template_file(tmp_path_factory), "--num-kv-blocks", "256"]
+    flags.append("--enable-prompt-tokens-details")
     with running_server(*flags) as (base, _):
         yield base
 
@@ -105,7 +106,7 @@ def test_cached_tokens_count_the_prompt_tokens_read_from_the_prefix_cache(client
     prompt = "A prompt that no other test sends, long enough to fill several blocks. " * 6
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens_details is None  # none cached: null, as vLLM
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0  # whole blocks of 16
     chunks = list(
@@ -114,3 +115,12 @@ def test_cached_tokens_count_the_prompt_tokens_read_from_the_prefix_cache(client
         )
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_prompt_tokens_details_are_null_without_the_flag():
+    prompt = "Another prompt no other test sends, long enough to fill several blocks. " * 6
+    with running_server("--num-kv-blocks", "64") as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        for _ in range(2):  # the second reads the prefix cache
+            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+            assert reply.usage.prompt_tokens_details is None

@@ -91,6 +91,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the RL control endpoints (/update_weights_from_disk, /pause, /resume, /sleep, /wake_up, "
         "/is_sleeping, /reset_prefix_cache, ...; docs/rl.md), behind the API key when one is set",
     )
+    parser.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="fill usage.prompt_tokens_details.cached_tokens (prompt tokens read from the prefix cache) where "
+        "any were; without it the field is null, as vLLM",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     engine = parser.add_argument_group("engine arguments (vLLM's names)")
     for name, (kind, choices) in _ENGINE_FLAGS.items():

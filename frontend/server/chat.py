@@ -162,7 +162,7 @@ class ChatResponse:
         }
 
     def _usage(self) -> dict:
-        return self.generation.usage(sum(self.num_tokens))
+        return self.generation.usage(sum(self.num_tokens), self.server.enable_prompt_tokens_details)
 
 
 def _piece(completion: CompletionOutput, k: int, as_token_ids: bool) -> dict:

@@ -124,7 +124,8 @@ class CompletionResponse:
         }
 
     def _usage(self) -> dict:
-        return self.generation.usage(sum(c.num_tokens for c in self.choices))
+        num_tokens = sum(c.num_tokens for c in self.choices)
+        return self.generation.usage(num_tokens, self.server.enable_prompt_tokens_details)
 
 
 class CompletionChoice:

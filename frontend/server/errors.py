@@ -19,6 +19,7 @@ from frontend.server.json_response import JSONBytesResponse
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
+_RANGE_TYPES = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 _LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?(?:the )?([a-z_]+)\b")
 
 
@@ -87,6 +88,9 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     if is_type_error and len(path) < len(loc) and name in _EXPECTED:  # no alternative of a union fits
         got = _JSON_TYPES.get(type(first.get("input")), "something else")
         return f"{field} must be {_EXPECTED[name]}, got {got}", str(path[0])
+    kind = first.get("type")
+    if kind in _RANGE_TYPES:  # pydantic's own name for the bound, which vLLM's messages carry too
+        return f"{field}: {first.get('msg')} ({kind})", str(path[0])
     return f"{field}: {first.get('msg')}", str(path[0])
 
 

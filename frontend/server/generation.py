@@ -47,14 +47,15 @@ class Generation:
         self._tasks: list[asyncio.Task] = []
         self.num_cached_tokens = [0] * len(prompts)  # per prompt: its tokens read from the prefix cache
 
-    def usage(self, num_completion_tokens: int) -> dict:
-        """OpenAI's usage object; each prompt counts once, whatever n is."""
-        num_prompt = sum(len(p.token_ids) for p in self.prompts)
+    def usage(self, num_completion_tokens: int, with_cached_tokens: bool = False) -> dict:
+        """OpenAI's usage object; each prompt counts once, whatever n is. `prompt_tokens_details` as vLLM
+        fills it: the cached tokens with --enable-prompt-tokens-details where any were, else null."""
+        num_prompt, num_cached = sum(len(p.token_ids) for p in self.prompts), sum(self.num_cached_tokens)
         return {
             "prompt_tokens": num_prompt,
             "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens)},
+            "prompt_tokens_details": {"cached_tokens": num_cached} if with_cached_tokens and num_cached else None,
         }
 
     async def start(self) -> None:

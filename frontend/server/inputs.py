@@ -42,7 +42,9 @@ async def completion_prompts(server, body: CompletionRequest) -> list[PromptInpu
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     if not prompt:
-        raise APIError(400, "prompt must not be empty", "prompt")
+        raise APIError(  # vLLM's wording (prompt_embeds is not taken here: a prompt is needed)
+            400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+        )
     prompts = []
     for p in prompt:
         if isinstance(p, str):

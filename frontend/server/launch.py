@@ -36,6 +36,7 @@ def serve(args: argparse.Namespace) -> None:
             api_key(args),
             max_request_bytes=args.max_request_bytes,
             enable_rl_endpoints=args.enable_rl_endpoints,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             max_queued_requests=args.max_queued_requests,
         )
         logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)

@@ -40,8 +40,10 @@ class StrictBody(BaseModel):
 
 
 class StreamOptions(StrictBody):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    """null is taken as false, as vLLM's optional fields read it."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
     include_obfuscation: bool | None = None  # OpenAI's padding of chunks: ignorable, nothing is padded
 
 
@@ -91,11 +93,11 @@ class SamplingFields(StrictBody):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
-        return self.include_usage and self.stream_options.continuous_usage_stats
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields, StructuredFields, CompletionUnsupportedFields):

@@ -26,6 +26,7 @@ class ServerState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     prompt_bound: PromptBound | None = None
     enable_rl_endpoints: bool = False  # /update_weights_from_disk, /pause, /sleep, ... (rl_routes.py)
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details filled (else null, as vLLM)
     max_queued_requests: int | None = None  # past max_num_seqs + this many sequences: 503 (admission.py)
     admission: Admission | None = None
     _serials: itertools.count = field(default_factory=itertools.count)
