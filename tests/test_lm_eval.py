@@ -1,22 +1,28 @@
-"""lm-eval (the test extras' `lm-eval[api]`) against coreserve's server with no local tokenizer: its
-`local-completions` model with `tokenizer_backend=remote`, which reads `/tokenizer_info`, tokenizes
-with `/tokenize` and decodes with `/detokenize` (lm_eval/utils.py's RemoteTokenizer), scores the
-suite's 48-question multiple-choice set (tests/data/smollm2_mc.jsonl) as a local task on the real
-SmolLM2; every choice's log-likelihood equals HF's on the same token ids within 1e-4 (fp32).
+"""lm-eval (the test extras' `lm-eval[api]`) scores the suite's 48-question multiple-choice set
+(tests/data/smollm2_mc.jsonl) as a local task on the real SmolLM2, two ways, and every choice's
+log-likelihood equals HF's on the same token ids within 1e-4 (fp32):
+- against coreserve's server with no local tokenizer: its `local-completions` model with
+  `tokenizer_backend=remote`, which reads `/tokenizer_info`, tokenizes with `/tokenize` and decodes with
+  `/detokenize` (lm_eval/utils.py's RemoteTokenizer);
+- in process, its `vllm` model (lm_eval/models/vllm_causallms.py) on coreserve's `LLM` through
+  frontend/vllm_shim.py, no vLLM installed: `python -m frontend.vllm_shim -m lm_eval --model vllm`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import IS_BF16_MODE
-from hf_reference import gguf_reference
+from hf_reference import gguf_reference, gguf_reference_folder
 from server_harness import running_server
 
 from frontend.engine.engine_args import load_tokenizer
+from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 from protocol.builtin_model import builtin_model_path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
@@ -26,8 +32,6 @@ TOLERANCE = 4 * 0.25 if IS_BF16_MODE else 1e-4  # a sum of 1-4 tokens (test_real
 
 
 def test_local_completions_with_the_remote_tokenizer_gets_hfs_loglikelihoods(tmp_path):
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "coreserve_smollm2_mc.yaml").write_text(TASK.format(data=DATA))
     path = builtin_model_path("smollm2")
     flags = ("--served-model-name", "coreserve", "--dtype", "bfloat16" if IS_BF16_MODE else "auto")
     with running_server(*flags, model=path) as (base, _):
@@ -35,11 +39,44 @@ def test_local_completions_with_the_remote_tokenizer_gets_hfs_loglikelihoods(tmp
             sys.executable, "-m", "lm_eval", "--model", "local-completions",
             "--model_args", f"model=coreserve,base_url={base}/v1/completions,tokenizer_backend=remote,"
             "num_concurrent=2,max_retries=1",
-            "--tasks", "coreserve_smollm2_mc", "--include_path", str(tmp_path / "tasks"),
-            "--output_path", str(tmp_path / "out"), "--log_samples",
         ]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OPENAI_API_KEY": "unused"}
-        subprocess.run(command, check=True, cwd=tmp_path, env=env, timeout=600, stdout=subprocess.DEVNULL)
+        _run_lm_eval(command, tmp_path)
+    _assert_hf_scores(tmp_path, path)
+
+
+def test_the_vllm_backend_on_coreserves_llm_gets_hfs_loglikelihoods(tmp_path):
+    """lm-eval's in-process vLLM backend with the shim's `vllm`: a folder model (lm-eval reads its
+    config with AutoConfig), SmolLM2's weights as HF dequantizes them and the GGUF's tokenizer."""
+    path = builtin_model_path("smollm2")
+    folder = tmp_path / "smollm2"
+    shutil.copytree(gguf_tokenizer_folder(path), folder)
+    reference = Path(gguf_reference_folder(path))
+    (folder / "model.safetensors").symlink_to(reference / "model.safetensors")
+    config = json.loads((reference / "config.json").read_text())  # transformers' GGUF load names no class
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    dtype = "bfloat16" if IS_BF16_MODE else "float32"
+    command = [
+        sys.executable, "-m", "frontend.vllm_shim", "-m", "lm_eval", "--model", "vllm",
+        "--model_args", f"pretrained={folder},dtype={dtype},max_model_len=2048,num_threads=2",
+        "--batch_size", "auto",
+    ]
+    _run_lm_eval(command, tmp_path)
+    _assert_hf_scores(tmp_path, path)
+
+
+def _run_lm_eval(command: list[str], tmp_path) -> None:
+    (tmp_path / "tasks").mkdir(exist_ok=True)
+    (tmp_path / "tasks" / "coreserve_smollm2_mc.yaml").write_text(TASK.format(data=DATA))
+    command += [
+        "--tasks", "coreserve_smollm2_mc", "--include_path", str(tmp_path / "tasks"),
+        "--output_path", str(tmp_path / "out"), "--log_samples",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OPENAI_API_KEY": "unused"}
+    subprocess.run(command, check=True, cwd=tmp_path, env=env, timeout=600, stdout=subprocess.DEVNULL)
+
+
+def _assert_hf_scores(tmp_path, path: str) -> None:
+    """Each choice's log-likelihood in lm-eval's samples equals HF's on lm-eval's own token ids."""
     samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_*.jsonl")).read_text().splitlines()]
     assert len(samples) == 48
     tokenizer = load_tokenizer(path)

@@ -20,6 +20,12 @@ from frontend.server.completions import create_completion
 from frontend.server.errors import APIError, error_response, install_error_handlers
 from frontend.server.inference_generate import INFERENCE_GENERATE_PATH, inference_generate
 from frontend.server.json_response import JSONBytesResponse
+from frontend.server.label_scores import (
+    SGLANG_SCORE_PATH,
+    VLLM_SCORE_PATH,
+    sglang_score,
+    vllm_generative_scoring,
+)
 from frontend.server.limits import BodyLimitMiddleware
 from frontend.server.logprob_json import token_text
 from frontend.server.rl_routes import RL_PATHS, rl_router
@@ -48,7 +54,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
             RL_PATHS | {GENERATE_PATH, "/abort_request", SEQUENCE_LOGPROBS_PATH}
             if server.enable_rl_endpoints
             else frozenset()
-        ) | {INFERENCE_GENERATE_PATH}
+        ) | {INFERENCE_GENERATE_PATH, VLLM_SCORE_PATH}
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key, extra_paths=rl_paths)
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
@@ -59,6 +65,8 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.post("/detokenize")(detokenize)
     app.get("/tokenizer_info")(tokenizer_info)
     app.post(INFERENCE_GENERATE_PATH)(inference_generate)  # vLLM's tokens in, tokens out (prime-rl)
+    app.post(SGLANG_SCORE_PATH)(sglang_score)  # label scoring for graders (label_scores.py)
+    app.post(VLLM_SCORE_PATH)(vllm_generative_scoring)
     if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
         app.include_router(rl_router())
         app.post(GENERATE_PATH)(generate)  # token ids in and out (token_generate.py)
