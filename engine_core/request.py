@@ -66,9 +66,9 @@ class Request:
         """Routed experts come from computing each position: such a request computes all of its prompt.
         Prompt logprobs owed are read with the blocks that keep them (engine_core/prompt_rows.py), for
         the flavours kept there; candidate ids are computed."""
-        if self.params.return_routed_experts:
-            return False
         params = self.params
+        if params.return_routed_experts:
+            return False
         return self.has_sent_prompt_logprobs or (
             flavour_of(params) is not None and params.prompt_logprob_token_ids is None
         )

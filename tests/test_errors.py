@@ -21,7 +21,7 @@ OK = SamplingParams(temperature=0.0, max_tokens=4)
         ("", OK, "empty"),
         ([[]], OK, "empty"),
         ([1, 2, 60000], OK, "out of vocabulary"),
-        ([-1, 5], OK, "out of vocabulary"),
+        ([-1, 5], OK, "greater than or equal to 0"),
         ("word " * 3000, OK, "max_model_len"),
         (PROMPTS[0], SamplingParams(logprobs=21), "max_logprobs=20"),
         (PROMPTS[0], SamplingParams(prompt_logprobs=-1), "max_logprobs=20"),
