@@ -1,6 +1,7 @@
-"""Prefix caching on against off, in one run: a shared system prompt (throughput and TTFT P50), n
-completions of one prompt (prefill tokens, from the engine's counter), and prompts that share nothing
-(what the hashing costs). Prints a table of ratios; writes JSON.
+"""Prefix caching on against off, in one run: a shared system prompt (throughput and TTFT P50), the same
+shape scored (`prompt_logprobs=5`, one token: what lm-eval's multiple choice sends; the prompt rows the
+cached blocks keep), n completions of one prompt (prefill tokens, from the engine's counter), and
+prompts that share nothing (what the hashing costs). Prints a table of ratios; writes JSON.
 
     python scripts/bench_prefix_cache.py --model builtin:small
 """
@@ -61,6 +62,7 @@ def workloads(engine: AsyncLLM, args: argparse.Namespace) -> dict[str, list[list
     users = prompts_of_lengths(tokenizer, [args.user_len] * args.num_requests, seed=2)
     return {
         "shared": [system + u for u in users],
+        "scored": [prompts_of_lengths(tokenizer, [args.system_len], seed=6)[0] + u for u in users],
         "distinct": prompts_of_lengths(tokenizer, [args.distinct_len] * args.num_requests, seed=3),
         "n": prompts_of_lengths(tokenizer, [args.n_prompt_len], seed=4),
     }
@@ -78,6 +80,10 @@ async def measure(caching: bool, args: argparse.Namespace) -> dict:
         row = {"caching": caching}  # each engine starts with an empty cache (the warm-up shares nothing)
         shared = await run_batch(engine, loads["shared"], params)
         row.update(shared_tok_s=shared["tok_s"], shared_ttft_p50=shared["ttft_p50"])
+        before = (await engine.get_engine_stats()).num_prefill_tokens
+        scored = await run_batch(engine, loads["scored"], SamplingParams(max_tokens=1, prompt_logprobs=5))
+        row["scored_req_s"] = scored["tok_s"]  # one token each
+        row["scored_prefill_tokens"] = (await engine.get_engine_stats()).num_prefill_tokens - before
         row["distinct_tok_s"] = (await run_batch(engine, loads["distinct"], params))["tok_s"]
         before = (await engine.get_engine_stats()).num_prefill_tokens
         await run_batch(engine, loads["n"], SamplingParams(n=args.n, max_tokens=4, seed=0))
@@ -102,6 +108,8 @@ def main() -> None:
         "shared_throughput_on_off": ratio("shared_tok_s"),
         "shared_ttft_p50_on_off": ratio("shared_ttft_p50"),
         "n_prefill_tokens_off_on": 1 / ratio("n_prefill_tokens"),
+        "scored_throughput_on_off": ratio("scored_req_s"),
+        "scored_prefill_tokens_off_on": 1 / ratio("scored_prefill_tokens"),
         "distinct_throughput_on_off": ratio("distinct_tok_s"),
     }
     print_table([ratios], list(ratios))
