@@ -1,7 +1,8 @@
 """Which KV blocks hold which token prefixes (engine-core process): the prefix cache's index, pure Python.
 
 A full block is keyed by (the content id of the block before it, the block's token ids): a chain, so a
-key names the whole prefix up to and including that block. Content ids are never reused (an evicted
+key names the whole prefix up to and including that block. A salted request's chain starts from its
+salt's own root (vLLM's cache_salt), so it meets only chains of the same salt. Content ids are never reused (an evicted
 block's successor chain can never be matched again), and dict keys compare the token tuples exactly:
 no hash collision can ever hand out the wrong KV. Everything else that changes the KV (model, dtype)
 is fixed for one engine, so it is not part of the key. Blocks no request holds stay indexed and are
@@ -23,6 +24,7 @@ class PrefixIndex:
         self._entry_of: dict[int, tuple[BlockKey, int]] = {}  # block -> (its key, its content id)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed blocks no request holds, LRU first
         self._next_content_id = ROOT + 1
+        self._salt_roots: dict[str, int] = {}  # cache_salt -> the content id "before" its prompts' first blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -37,6 +39,16 @@ class PrefixIndex:
 
     def content_id(self, block: int) -> int:
         return self._entry_of[block][1]
+
+    def root_of(self, salt: str | None) -> int:
+        """The parent of a prompt's first block: ROOT unsalted, else the salt's own id (never another's,
+        never a block's), so salted chains meet no other chain."""
+        if salt is None:
+            return ROOT
+        if salt not in self._salt_roots:
+            self._salt_roots[salt] = self._next_content_id
+            self._next_content_id += 1
+        return self._salt_roots[salt]
 
     def lookup(self, parent: int, token_ids: tuple[int, ...]) -> int | None:
         return self._block_of.get((parent, token_ids))

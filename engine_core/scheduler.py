@@ -11,7 +11,6 @@ from engine_core.grammars import Grammars, wait_for_any
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.multi_step import extend_to_window
 from engine_core.outputs import add_token_extras, make_output
-from engine_core.prefix_index import ROOT
 from engine_core.prompt_rows import flavour_of
 from engine_core.request import Request, RequestStatus
 from engine_core.speculation import SpeculationPolicy
@@ -187,7 +186,9 @@ class Scheduler:
         kv = self.kv_cache
         flavour = None if req.has_sent_prompt_logprobs else flavour_of(req.params)
         tokens = req.all_token_ids
-        req.num_computed_tokens = kv.take_cached_prefix(req.req_id, tokens, req.num_tokens - 1, flavour)
+        req.num_computed_tokens = kv.take_cached_prefix(
+            req.req_id, tokens, req.num_tokens - 1, flavour, req.params.cache_salt
+        )
         if req.num_output_tokens == 0:
             req.num_cached_tokens = req.num_computed_tokens
         if flavour is not None and req.num_computed_tokens:
@@ -200,11 +201,12 @@ class Scheduler:
         size = self.kv_cache.block_size
         if req.num_prompt_tokens <= size:
             return False
-        first = req.prompt_token_ids[:size]
-        if self.kv_cache.index.lookup(ROOT, tuple(first)) is not None:
+        first, salt = req.prompt_token_ids[:size], req.params.cache_salt
+        if self.kv_cache.index.lookup(self.kv_cache.index.root_of(salt), tuple(first)) is not None:
             return False
         return any(
             r.prompt_token_ids[:size] == first
+            and r.params.cache_salt == salt
             and self.kv_cache.num_indexed_tokens(r.req_id)
             < (min(r.num_prompt_tokens, req.num_prompt_tokens) - 1) // size * size
             for r in self.running
@@ -302,7 +304,7 @@ class Scheduler:
             req.add_routed_experts(runner_output.routed_experts[req.req_id])
         num_written = min(req.num_computed_tokens, req.num_tokens)
         indexed = self.kv_cache.cache_full_blocks(
-            req.req_id, req.prompt_token_ids, req.output_token_ids, num_written
+            req.req_id, req.prompt_token_ids, req.output_token_ids, num_written, req.params.cache_salt
         )
         flavour = flavour_of(req.params)
         if indexed and flavour is not None and not req.has_sent_prompt_logprobs:

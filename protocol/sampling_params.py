@@ -105,6 +105,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # request arrives, and an update to other weights while it runs ends it; either is an error naming
     # weight_version. None: any weights (docs/rl.md).
     weight_version: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # vLLM's cache_salt (a prompt dict's key and the servers' request field; carried here to the core):
+    # requests read only prefix-cache blocks computed under the same salt, so tenants (or weight versions,
+    # as prime-rl salts them) never share cached prefixes. None: the shared, unsalted cache.
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

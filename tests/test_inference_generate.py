@@ -69,9 +69,36 @@ def test_teacher_scoring_with_prompt_logprobs(server, llm_inproc):
         assert entry[str(PROMPT[position])]["logprob"] == expected[position][PROMPT[position]].logprob
 
 
+def test_prime_rls_own_bodies(server, llm_inproc):
+    """The bodies prime-rl sends: its rollouts through the renderers client (renderers/client.py
+    `generate`, sampling_params built by verifiers/v1/clients/train.py from prime-rl's extra_body: top_k
+    -1, min_p 0, return_token_ids, a per-weight-version cache_salt; then stop_token_ids, logprobs 1,
+    skip_special_tokens false) and its teacher scoring (prime_rl/utils/client.py `prefill_logprobs`)."""
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "top_k": -1, "min_p": 0.0,
+                "return_token_ids": True, "cache_salt": "policy-step-0", "stop_token_ids": [50256],
+                "logprobs": 1, "skip_special_tokens": False, "seed": 3}
+    body = {"model": "builtin:tiny", "token_ids": PROMPT, "sampling_params": sampling}
+    reply = httpx.post(server + "/inference/v1/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    fields = {k: v for k, v in sampling.items() if k != "return_token_ids"}
+    expected = python_api(llm_inproc, fields).outputs[0]
+    assert choice["token_ids"] == expected.token_ids
+    assert [c["logprob"] for c in choice["logprobs"]["content"]] == [
+        d[t].logprob for t, d in zip(expected.token_ids, expected.logprobs)]
+    scoring = {"model": "builtin:tiny", "token_ids": PROMPT,
+               "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1}}
+    rows = httpx.post(server + "/inference/v1/generate", json=scoring, timeout=60).json()["prompt_logprobs"]
+    expected_rows = python_api(llm_inproc, scoring["sampling_params"]).prompt_logprobs
+    # prime-rl reads each entry's first value (the prompt token's), 0.0 for the first position
+    read = [0.0 if entry is None else next(iter(entry.values()))["logprob"] for entry in rows]
+    assert read == [0.0] + [expected_rows[p][PROMPT[p]].logprob for p in range(1, len(PROMPT))]
+
+
 @pytest.mark.parametrize("body, name", [
     ({"token_ids": PROMPT, "sampling_params": {"use_beam_search": True}}, "use_beam_search"),
-    ({"token_ids": PROMPT, "cache_salt": "x"}, "cache_salt"),
+    ({"token_ids": PROMPT, "sampling_params": {"priority": 3}}, "priority"),
+    ({"token_ids": PROMPT, "sampling_params": {"routed_experts_prompt_start": 3}}, "routed_experts_prompt_start"),
     ({"token_ids": [10**9]}, "token_ids"),
 ])
 def test_what_is_not_implemented_is_refused_by_name(server, body, name):

@@ -220,3 +220,37 @@ def test_n_completions_share_the_prompts_blocks_and_equal_their_single_runs(tiny
                 prompt, SamplingParams(seed=11 + i, max_tokens=6, logprobs=2), use_tqdm=False
             )
             assert completion.token_ids == alone[0].outputs[0].token_ids
+
+
+# ---- cache salts (vLLM's cache_salt) -------------------------------------------------------------------
+
+
+def test_salted_chains_meet_only_their_own_salt():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    tokens = list(range(10))
+    kv.allocate("a", 10)
+    kv.cache_full_blocks("a", tokens, [], 10, salt="tenant-a")
+    assert kv.take_cached_prefix("b", tokens, 9, salt="tenant-a") == 8
+    assert kv.take_cached_prefix("c", tokens, 9) == 0  # unsalted
+    assert kv.take_cached_prefix("d", tokens, 9, salt="tenant-b") == 0
+    kv.allocate("e", 10)
+    kv.cache_full_blocks("e", tokens, [], 10)  # the same tokens unsalted: a chain of their own
+    assert kv.take_cached_prefix("f", tokens, 9) == 8 and kv.blocks_of("f") != kv.blocks_of("b")
+
+
+def test_a_prompts_cache_salt_keeps_its_prefix_to_requests_of_that_salt(tiny_path):
+    prompt = (SYSTEM * 2)[:600]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
+    with _engine(tiny_path, True, num_kv_blocks=256) as llm:
+        first = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, greedy, use_tqdm=False)[0]
+        same = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, greedy, use_tqdm=False)[0]
+        other = llm.generate({"prompt": prompt, "cache_salt": "tenant-b"}, greedy, use_tqdm=False)[0]
+        unsalted = llm.generate(prompt, greedy, use_tqdm=False)[0]
+        with pytest.raises(ValueError, match="multi_modal_data"):
+            llm.generate({"prompt": prompt, "multi_modal_data": {}}, greedy, use_tqdm=False)
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate({"prompt": prompt, "cache_salt": 7}, greedy, use_tqdm=False)
+    assert first.num_cached_tokens == 0 and same.num_cached_tokens > 0
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    for out in (same, other, unsalted):  # the salt changes what is read, never the numbers
+        assert out.outputs[0].logprobs == first.outputs[0].logprobs

@@ -15,7 +15,7 @@ from server_harness import API_KEY, MODEL, running_server
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 SCORE = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 0}
-ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/reset_prefix_cache"), ("POST", "/pause"),
+ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/update_weights"), ("POST", "/reset_prefix_cache"), ("POST", "/pause"),
              ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"), ("POST", "/wake_up"),
              ("GET", "/is_sleeping"), ("GET", "/get_weight_version"), ("POST", "/generate"),
              ("POST", "/get_sequence_logprobs/")]
@@ -100,6 +100,31 @@ def test_a_bad_update_is_a_400_naming_the_field_and_the_old_weights_keep_serving
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "flush"
     assert version(http) == old_version
     assert torch.equal(scored(http), before)
+
+
+def test_prime_rls_filesystem_broadcast(http, tiny_path, tmp_path):
+    """prime-rl's watcher (orchestrator, utils/client.py `update_weights`): the trainer's step folder with
+    its STABLE marker, then /pause?mode=keep&clear_cache=false, the NCCL_READY marker, /update_weights
+    {"weight_dir"}, /resume. A rollout sent around the pause finishes after it; the new weights serve."""
+    old_version = version(http)
+    weight_dir = tmp_path / "broadcasts" / "step_1"
+    folder, model = checkpoint(tiny_path, weight_dir, seed=5)
+    (weight_dir / "STABLE").touch()
+    replies = []
+    long = {**SCORE, "echo": False, "max_tokens": 64, "ignore_eos": True}
+    rollout = threading.Thread(target=lambda: replies.append(http.post("/v1/completions", json=long)))
+    rollout.start()
+    assert http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+    (weight_dir / "NCCL_READY").touch()
+    reply = http.post("/update_weights", json={"weight_dir": folder})
+    assert reply.status_code == 200 and reply.json()["weight_version"] == old_version + 1, reply.text
+    assert http.post("/resume").status_code == 200
+    rollout.join(timeout=60)
+    assert replies[0].status_code == 200 and len(replies[0].json()["choices"][0]["text"]) > 0
+    assert torch.allclose(scored(http), hf_scored(model, http), atol=HF_TOLERANCE)
+    bad = http.post("/update_weights", json={"weight_dir": str(tmp_path / "nowhere")})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight_dir"
+    assert version(http) == old_version + 1
 
 
 def test_pause_holds_new_requests_until_resume(http):

@@ -21,7 +21,7 @@ import msgspec
 
 from frontend.clients.client_protocol import CoreClient
 from frontend.engine.engine_parts import EngineParts, build_engine_parts
-from frontend.engine.input_processor import InputProcessor, PromptType
+from frontend.engine.input_processor import InputProcessor, PromptType, cache_salt_of
 from frontend.engine.output_processor import OutputProcessor, ProcessedOutputs
 from frontend.engine.request_ids import submission_id
 from frontend.engine.rl_control import RLControl
@@ -92,6 +92,9 @@ class FrontendEngine:
         bad one is a ValueError); gives it its submission id. The params' fields are copied as checked,
         so setting a field of the user's object afterwards changes nothing sent (a shallow copy: a list
         or dict changed in place is shared; the core checks its own rules again on arrival)."""
+        salt = cache_salt_of(prompt)
+        if salt is not None:  # the prompt's salt, checked with the rest
+            params = msgspec.structs.replace(params, cache_salt=salt)
         text, token_ids = self.inputs.process(prompt, params)
         key = submission_id(request_id, next(self._serials))
         return PreparedRequest(key, text, token_ids, msgspec.structs.replace(params))

@@ -17,6 +17,12 @@ from protocol.request_rules import RequestLimits, check_request
 from protocol.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}  # vLLM's TextPrompt and TokensPrompt keys built
+
+
+def cache_salt_of(prompt: PromptType) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's key), which the request carries in SamplingParams."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
 class InputProcessor:
@@ -40,6 +46,11 @@ class InputProcessor:
         return text, token_ids
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and set(prompt) - _PROMPT_KEYS:
+            raise ValueError(
+                f"prompt dict keys {sorted(set(prompt) - _PROMPT_KEYS)} are not supported; "
+                f"supported: {sorted(_PROMPT_KEYS)}"
+            )
         if isinstance(prompt, dict) and "prompt" in prompt and "prompt_token_ids" not in prompt:
             prompt = prompt["prompt"]  # vLLM's TextPrompt
             if not isinstance(prompt, str):

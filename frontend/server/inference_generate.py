@@ -3,8 +3,8 @@ prime-rl and SkyRL-style rollouts call (frontend process, HTTP server). Behind t
 
 Request: `token_ids` (one prompt), `sampling_params` (vLLM's `SamplingParams` fields by their names,
 coreserve's SamplingParams: a field it does not implement is a 400 naming it), `stream`,
-`stream_options`, `request_id`, `model`; `cache_salt`, `priority`, `kv_transfer_params` and
-`features` only at their no-op values. Answer: `choices` of {index, token_ids, finish_reason,
+`stream_options`, `request_id`, `model`, `cache_salt` (here or in `sampling_params`, as prime-rl sends
+it); `priority`, `kv_transfer_params` and `features` only at their no-op values. Answer: `choices` of {index, token_ids, finish_reason,
 logprobs: {content: [{token: "token_id:N", logprob, top_logprobs}]}}, vLLM's `prompt_logprobs`,
 `usage`, and coreserve's `weight_version`; streamed, each chunk a choice's new tokens, then usage
 (with `stream_options.include_usage`) and `[DONE]`. Leaving the connection aborts the request.
@@ -30,7 +30,10 @@ from frontend.server.transport import sse_response, until_disconnected
 from protocol.sampling_params import SamplingParams
 
 INFERENCE_GENERATE_PATH = "/inference/v1/generate"
-_NO_OP = {"cache_salt": None, "priority": 0, "kv_transfer_params": None, "features": None}
+_NO_OP = {"priority": 0, "kv_transfer_params": None, "features": None}
+# sampling_params keys of vLLM's server that change nothing here (the answer always holds the token ids;
+# one priority), as prime-rl's renderers client sends them (renderers/client.py: return_token_ids)
+_NO_OP_SAMPLING = {"return_token_ids": (True, False), "priority": (0,)}
 _FLOOR = -9999.0  # vLLM's clamp: JSON has no -inf
 
 
@@ -53,7 +56,10 @@ async def inference_generate(request: Request, body: TokensRequest) -> Response:
     for name, no_op in _NO_OP.items():
         if getattr(body, name) != no_op:
             raise APIError(400, f"{name}: not implemented by this server (only {no_op!r})", name)
-    params = _sampling_params(body.sampling_params, len(body.token_ids), server.facts.max_model_len)
+    fields = dict(body.sampling_params)
+    if body.cache_salt is not None:  # vLLM's top-level field; prime-rl puts it in sampling_params
+        fields.setdefault("cache_salt", body.cache_salt)
+    params = _sampling_params(fields, len(body.token_ids), server.facts.max_model_len)
     prompts = [PromptInput(None, list(body.token_ids))]
     check_prompts(prompts, server.facts, params.max_tokens, "token_ids")
     request_id = body.request_id or server.new_request_id("generate-tokens")
@@ -66,6 +72,9 @@ async def inference_generate(request: Request, body: TokensRequest) -> Response:
 
 def _sampling_params(fields: dict, num_prompt: int, max_model_len: int) -> SamplingParams:
     fields = dict(fields)
+    for name, no_ops in _NO_OP_SAMPLING.items():
+        if name in fields and fields.pop(name) not in no_ops:
+            raise APIError(400, f"sampling_params.{name}: only {no_ops!r} (no-op values here)", "sampling_params")
     if fields.get("max_tokens") is None:  # vLLM's server: what the context leaves, not 16
         fields["max_tokens"] = max(1, max_model_len - num_prompt)
     try:

@@ -29,7 +29,7 @@ from protocol.sampling_params import SamplingParams
 
 _OPTIONAL_SAMPLING = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "trace_decode_token_ids",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "trace_decode_token_ids", "cache_salt",
 )
 
 

@@ -18,8 +18,8 @@ from frontend.server.errors import APIError
 from frontend.server.json_response import JSONBytesResponse
 
 RL_PATHS = frozenset(
-    ("/update_weights_from_disk", "/reset_prefix_cache", "/pause", "/resume", "/is_paused", "/sleep",
-     "/wake_up", "/is_sleeping", "/get_weight_version")
+    ("/update_weights_from_disk", "/update_weights", "/reset_prefix_cache", "/pause", "/resume", "/is_paused",
+     "/sleep", "/wake_up", "/is_sleeping", "/get_weight_version")
 )
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -34,9 +34,20 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     mode: PauseMode = "wait"  # what running requests do first (docs/rl.md)
 
 
+class UpdateWeightsRequest(BaseModel):
+    """prime-rl's body (its filesystem broadcast: `weight_dir`, a folder of safetensors, marker files
+    beside them); it pauses with mode keep around the call, so running requests go on under the new
+    weights, as its own server's update does."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    weight_dir: str
+
+
 def rl_router() -> APIRouter:
     router = APIRouter()
     router.post("/update_weights_from_disk")(update_weights_from_disk)
+    router.post("/update_weights")(update_weights)
     router.post("/reset_prefix_cache")(reset_prefix_cache)
     router.post("/pause")(pause)
     router.post("/resume")(resume)
@@ -64,15 +75,26 @@ async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDisk
     return JSONBytesResponse({"success": True, "message": message, "weight_version": version})
 
 
+async def update_weights(request: Request, body: UpdateWeightsRequest) -> Response:
+    engine = request.app.state.server.engine
+    version = await _engine_call("weight_dir", engine.update_weights(body.weight_dir, "keep"))
+    message = f"weights loaded from {body.weight_dir}; weight_version {version}"
+    return JSONBytesResponse({"success": True, "message": message, "weight_version": version})
+
+
 async def reset_prefix_cache(request: Request) -> Response:
     await _engine_call(None, request.app.state.server.engine.reset_prefix_cache())
     return Response(status_code=200)
 
 
-async def pause(request: Request, mode: str = "abort") -> Response:
-    """vLLM's `POST /pause?mode=abort|wait|keep`: nothing new is scheduled until /resume (a bad mode is
-    the engine's ValueError, a 400 naming `mode`)."""
-    await _engine_call("mode", request.app.state.server.engine.pause_generation(mode))
+async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> Response:
+    """vLLM's `POST /pause?mode=abort|wait|keep&clear_cache=false`: nothing new is scheduled until
+    /resume (a bad mode is the engine's ValueError, a 400 naming `mode`); `clear_cache=true` also
+    forgets the prefix cache once paused."""
+    engine = request.app.state.server.engine
+    await _engine_call("mode", engine.pause_generation(mode))
+    if clear_cache:
+        await _engine_call(None, engine.reset_prefix_cache())
     return Response(status_code=200)
 
 

@@ -85,6 +85,7 @@ class SamplingFields(StrictBody):
     return_routed_experts: bool = False
     trace_decode_token_ids: list[Int64] | None = None  # trace replay: these tokens, their true logprobs
     return_sampling_mask: bool = False  # each choice's `sampling_mask`: a token's support, a list of ids
+    cache_salt: str | None = None  # vLLM's: read only prefix-cache blocks computed under the same salt
     # Ignorable by definition: identifiers and hints that change nothing coreserve computes.
     user: str | None = None
     safety_identifier: str | None = None

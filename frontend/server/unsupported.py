@@ -32,7 +32,6 @@ COMMON: dict[str, tuple[list, str]] = {
     "logits_processors": ([[]], "custom logits processors are not implemented"),
     "priority": ([0], "priority scheduling is not implemented (requests are served first come)"),
     "request_id": ([], "request ids are the server's own"),
-    "cache_salt": ([], "prefix cache salts are not implemented (the cache is shared by every request)"),
     "kv_transfer_params": ([], _PD),
     "vllm_xargs": ([], "vllm_xargs (custom extensions) are not implemented"),
     "mm_processor_kwargs": ([], _MEDIA),
