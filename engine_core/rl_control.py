@@ -120,7 +120,7 @@ class CoreControl:
             self.abort_all(outbox)
         phases = self.executor.update_weights(command.path)  # a ValueError leaves the old weights serving
         self.is_weights_asleep = False
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if command.weight_version is None else command.weight_version
         self.abort_all(outbox, only_pinned=True)  # a request pinned to the old weights never sees new ones
         loaded = time.perf_counter()
         self.scheduler.kv_cache.reset_prefix_cache()

@@ -160,10 +160,15 @@ class AsyncLLM:
     # RL control: FrontendEngine's verbs (whose docstrings say more), each run on the engine thread.
 
     async def update_weights(
-        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+        self,
+        weights: str | os.PathLike | Iterable,
+        mode: str = "wait",
+        keep_buffer: bool = True,
+        weight_version: int | None = None,
     ) -> int:
-        """New weights in place ((HF name, tensor) pairs or a checkpoint path); returns the new weight_version."""
-        return await self._call(lambda engine: engine.update_weights(weights, mode, keep_buffer))
+        """New weights in place ((HF name, tensor) pairs or a checkpoint path); returns the new weight_version
+        (`weight_version`: the one to take; None: one more)."""
+        return await self._call(lambda engine: engine.update_weights(weights, mode, keep_buffer, weight_version))
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """Nothing new is scheduled until resume_generation; mode "abort", "wait" or "keep"."""

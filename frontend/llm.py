@@ -137,10 +137,15 @@ class LLM:
     # RL control, vLLM's names: FrontendEngine's verbs, whose docstrings say more.
 
     def update_weights(
-        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+        self,
+        weights: str | os.PathLike | Iterable,
+        mode: str = "wait",
+        keep_buffer: bool = True,
+        weight_version: int | None = None,
     ) -> int:
-        """New weights in place ((HF name, tensor) pairs or a checkpoint path); returns the new weight_version."""
-        return self.engine.update_weights(weights, mode, keep_buffer)
+        """New weights in place ((HF name, tensor) pairs or a checkpoint path); returns the new weight_version
+        (`weight_version`: the one to take; None: one more)."""
+        return self.engine.update_weights(weights, mode, keep_buffer, weight_version)
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Nothing new is scheduled until resume_generation; mode "abort", "wait" or "keep"."""

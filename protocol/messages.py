@@ -83,6 +83,7 @@ class UpdateWeights(msgspec.Struct, tag="update", array_like=True):
     path: str
     mode: PauseMode = "wait"  # what happens to running requests before the weights change
     check_only: bool = False  # validate every name and shape, copy nothing (several cores: all check first)
+    weight_version: int | None = None  # the version the new weights take (a trainer's step); None: + 1
 
 
 class PauseGeneration(msgspec.Struct, tag="pause", array_like=True):

@@ -18,7 +18,8 @@ SCORE = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, 
 ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/update_weights"), ("POST", "/reset_prefix_cache"), ("POST", "/pause"),
              ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"), ("POST", "/wake_up"),
              ("GET", "/is_sleeping"), ("GET", "/get_weight_version"), ("POST", "/generate"),
-             ("POST", "/get_sequence_logprobs/")]
+             ("POST", "/get_sequence_logprobs/"), ("POST", "/pause_generation"), ("GET", "/flush_cache"),
+             ("POST", "/release_memory_occupation")]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,36 @@ def test_prime_rls_filesystem_broadcast(http, tiny_path, tmp_path):
     bad = http.post("/update_weights", json={"weight_dir": str(tmp_path / "nowhere")})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight_dir"
     assert version(http) == old_version + 1
+
+
+def test_slimes_weight_sync_and_memory_calls(http, tiny_path, tmp_path):
+    """slime's SGLangEngine calls (backends/sglang_utils/sglang_engine.py): pause_generation, GET
+    flush_cache, update_weights_from_disk with the trainer's weight_version (a string), continue;
+    release and resume memory occupation around training; a request pinned to the new version runs."""
+    folder, model = checkpoint(tiny_path, tmp_path / "slime", seed=9)
+    assert http.post("/pause_generation", json={}).status_code == 200
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    assert http.get("/flush_cache").status_code == 200
+    reply = http.post("/update_weights_from_disk", json={"model_path": folder, "weight_version": "7"})
+    assert reply.status_code == 200 and reply.json()["weight_version"] == 7, reply.text
+    assert http.post("/continue_generation", json={}).status_code == 200
+    assert version(http) == 7 and http.get("/is_paused").json() == {"is_paused": False}
+    assert torch.allclose(scored(http), hf_scored(model, http), atol=HF_TOLERANCE)
+    pinned = http.post("/generate", json={"input_ids": [464, 3139], "weight_version": 7,
+                                          "sampling_params": {"max_new_tokens": 2}})
+    assert pinned.status_code == 200 and pinned.json()["meta_info"]["weight_version"] == 7
+    assert http.post("/release_memory_occupation", json={}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True, "level": 1}  # the weights stay
+    assert http.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    again = http.post("/update_weights_from_disk", json={"model_path": folder, "weight_version": "8"})
+    assert again.status_code == 200, again.text
+    assert http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert http.get("/is_sleeping").json()["is_sleeping"] is False and version(http) == 8
+    assert torch.allclose(scored(http), hf_scored(model, http), atol=HF_TOLERANCE)
+    for body, param in [({"model_path": folder, "weight_version": "v2"}, "weight_version"),
+                        ({"model_path": folder, "load_format": "dummy"}, "load_format")]:
+        refused = http.post("/update_weights_from_disk", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
 
 
 def test_pause_holds_new_requests_until_resume(http):

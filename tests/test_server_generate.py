@@ -127,6 +127,33 @@ def test_slimes_reading_of_meta_info_and_the_top_logprobs(http):
     assert meta["weight_version"] >= 0
 
 
+def test_slimes_rollout_body_with_top_p_replay(http):
+    """The sampling_params slime's GenerateState builds (rollout/sglang_rollout.py: no_stop_trim,
+    spaces_between_special_tokens false, custom_params.return_top_p_token_ids when top_p < 1,
+    sampling_seed): the same ids and logprobs as /v1/completions with vLLM's names, and
+    meta_info.top_p_token_ids / top_p_token_offsets the supports completions' sampling_mask gives."""
+    sampling = {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "max_new_tokens": 8, "stop": ["\n\n\n"],
+                "stop_token_ids": [50256], "skip_special_tokens": True, "no_stop_trim": True,
+                "spaces_between_special_tokens": False, "custom_params": {"return_top_p_token_ids": True},
+                "sampling_seed": 11}
+    answer = http.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": sampling,
+                                          "return_logprob": True}).json()
+    choice = completions(http, PROMPTS[0], temperature=1.0, top_p=0.9, top_k=-1, max_tokens=8, stop=["\n\n\n"],
+                         stop_token_ids=[50256], include_stop_str_in_output=True,
+                         spaces_between_special_tokens=False, seed=11, return_sampling_mask=True)
+    assert answer["output_ids"] == choice["token_ids"]
+    assert answer["output_token_logprobs"] == choice["logprobs"]["token_logprobs"]
+    meta = answer["meta_info"]
+    ids, offsets = meta["top_p_token_ids"], meta["top_p_token_offsets"]
+    assert len(offsets) == len(answer["output_ids"]) + 1 and offsets[-1] == len(ids)  # slime's own checks
+    rows = [ids[offsets[i]:offsets[i + 1]] for i in range(len(answer["output_ids"]))]
+    assert rows == choice["sampling_mask"]
+    assert all(token in row for token, row in zip(answer["output_ids"], rows))
+    bad = http.post("/generate", json={"input_ids": PROMPTS[0],
+                                       "sampling_params": {"custom_params": {"other": 1}}})
+    assert bad.status_code == 400 and "other" in bad.text
+
+
 def test_a_stream_is_sglangs_cumulative_chunks(http):
     import json
 

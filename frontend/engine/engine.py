@@ -163,14 +163,19 @@ class FrontendEngine:
     # ---- control (RL; docs/rl.md) ------------------------------------------------------------------
 
     def update_weights(
-        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+        self,
+        weights: str | os.PathLike | Iterable,
+        mode: str = "wait",
+        keep_buffer: bool = True,
+        weight_version: int | None = None,
     ) -> int:
         """New weights in place: (HF name, tensor) pairs or a checkpoint path. `mode` says what running
         requests do first: "wait" (finish on the old weights), "abort", or "keep" (go on with the new).
         `keep_buffer`: the tensors' shared-memory file stays for the next update (rewritten in place;
         it holds the update's size until shutdown) or is freed now.
-        Returns the new weight_version; a name or shape mismatch is a ValueError, old weights kept."""
-        return self.control.update_weights(weights, mode, keep_buffer)
+        Returns the new weight_version (`weight_version`: the one to take, e.g. a trainer's step; None:
+        one more); a name or shape mismatch is a ValueError, old weights kept."""
+        return self.control.update_weights(weights, mode, keep_buffer, weight_version)
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Nothing new is scheduled until resume_generation; "abort" ends requests in flight, "wait"

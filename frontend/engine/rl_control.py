@@ -42,12 +42,21 @@ class RLControl:
         self.buffer = WeightsBuffer()
 
     def update_weights(
-        self, weights: str | os.PathLike | Iterable, mode: str = "wait", keep_buffer: bool = True
+        self,
+        weights: str | os.PathLike | Iterable,
+        mode: str = "wait",
+        keep_buffer: bool = True,
+        weight_version: int | None = None,
     ) -> int:
         """`weights`: (HF name, tensor) pairs (a trainer's `named_parameters()`, whole or in part) or
-        a checkpoint (a safetensors file or folder). Returns the new weight_version. `keep_buffer`:
-        keep the shared-memory file for the next update (rewritten in place, faster) or free it."""
+        a checkpoint (a safetensors file or folder). Returns the new weight_version (`weight_version`:
+        the one to take, a trainer's own numbering; None: one more). `keep_buffer`: keep the
+        shared-memory file for the next update (rewritten in place, faster) or free it."""
         _check_mode(mode)
+        if weight_version is not None and (
+            not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version < 0
+        ):
+            raise ValueError(f"weight_version must be a non-negative integer, got {weight_version!r}")
         begun = time.perf_counter()
         is_path = isinstance(weights, (str, os.PathLike))
         if is_path:
@@ -59,7 +68,7 @@ class RLControl:
             if not is_path:
                 path = self.buffer.write(weights)
             written = time.perf_counter()
-            reply = self._run(UpdateWeights(next(self._nonces), path, mode))
+            reply = self._run(UpdateWeights(next(self._nonces), path, mode, weight_version=weight_version))
             replied = time.perf_counter()
         finally:
             if not keep_buffer:

@@ -10,28 +10,38 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.server.errors import APIError
 from frontend.server.json_response import JSONBytesResponse
+from frontend.server.schemas import NonNegativeInt64
+from frontend.server.sglang_control import SGLANG_PATHS
+from frontend.server.sglang_control import register as register_sglang_names
 
 RL_PATHS = frozenset(
     ("/update_weights_from_disk", "/update_weights", "/reset_prefix_cache", "/pause", "/resume", "/is_paused",
      "/sleep", "/wake_up", "/is_sleeping", "/get_weight_version")
-)
+) | SGLANG_PATHS
 
 PauseMode = Literal["abort", "wait", "keep"]
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):
-    """SGLang's body: `model_path`, a safetensors file or a folder of them (HF names, whole or part)."""
+    """SGLang's body: `model_path`, a safetensors file or a folder of them (HF names, whole or part), and
+    the fields slime sends: `weight_version` (the trainer's: the version the weights take; SGLang's is a
+    string, here an integer written either way), `load_format` (only auto), `abort_all_requests` (mode
+    abort), `flush_cache` (the prefix cache is always flushed: its KV came from the old weights)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field is a 400 naming it
 
     model_path: str
     mode: PauseMode = "wait"  # what running requests do first (docs/rl.md)
+    weight_version: Annotated[str, Field(pattern=r"^[0-9]{1,18}$")] | NonNegativeInt64 | None = None
+    load_format: Literal["auto"] | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -56,6 +66,7 @@ def rl_router() -> APIRouter:
     router.post("/wake_up")(wake_up)
     router.get("/is_sleeping")(is_sleeping)
     router.get("/get_weight_version")(get_weight_version)
+    register_sglang_names(router)
     return router
 
 
@@ -70,9 +81,13 @@ async def _engine_call(param: str | None, call) -> object:
 
 async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDiskRequest) -> Response:
     engine = request.app.state.server.engine
-    version = await _engine_call("model_path", engine.update_weights(body.model_path, body.mode))
+    mode = "abort" if body.abort_all_requests else body.mode
+    target = None if body.weight_version is None else int(body.weight_version)
+    version = await _engine_call("model_path", engine.update_weights(body.model_path, mode, True, target))
     message = f"weights loaded from {body.model_path}; weight_version {version}"
-    return JSONBytesResponse({"success": True, "message": message, "weight_version": version})
+    return JSONBytesResponse(
+        {"success": True, "message": message, "weight_version": version, "num_paused_requests": 0}
+    )
 
 
 async def update_weights(request: Request, body: UpdateWeightsRequest) -> Response:

@@ -8,13 +8,17 @@ not know is a 400 naming it. Each answer: `text`, `output_ids`, and `meta_info` 
 `output_token_logprobs` ([logprob, token id, null] per token, with `return_logprob`),
 `output_top_logprobs` (with `top_logprobs_num`), `weight_version`, `finish_reason`, token counts
 (`output_token_logprobs` also as plain floats at the top level, coreserve's first shape). `stream`
-(one input, n = 1): SGLang's cumulative chunks, each the whole answer so far, then `[DONE]`. `rid`
+(one input, n = 1): SGLang's cumulative chunks, each the whole answer so far, then `[DONE]`.
+`no_stop_trim` keeps a matched stop string in the text; `custom_params.return_top_p_token_ids` (slime's
+top-p replay) adds each token's sampling support as meta_info.top_p_token_ids / top_p_token_offsets.
+`rid`
 names the request for `/abort_request` (`{"rid"}` or `{"abort_all": true}`), which ends it with what it
 generated and finish_reason `abort`, as SGLang does.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated
 
 from pydantic import Field
@@ -39,6 +43,12 @@ _SAME_NAME = (
 )
 
 
+class TopPCustomParams(StrictBody):
+    """The custom_params key slime sends (its patched SGLang's); any other key is a 400 naming it."""
+
+    return_top_p_token_ids: bool = False
+
+
 class GenerateSamplingParams(StrictBody):
     """SGLang's sampling fields that coreserve implements (its defaults: 128 new tokens)."""
 
@@ -58,6 +68,10 @@ class GenerateSamplingParams(StrictBody):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     sampling_seed: Int64 | None = None
+    no_stop_trim: bool = False  # keep a matched stop string in the text (vLLM's include_stop_str_in_output)
+    # slime's top-p replay: {"return_top_p_token_ids": true} returns each token's support (the ids the
+    # sampler drew from) as meta_info.top_p_token_ids and top_p_token_offsets (CSR)
+    custom_params: TopPCustomParams | None = None
 
 
 class GenerateRequest(StrictBody):
@@ -140,10 +154,17 @@ def _sampling_params(body: GenerateRequest) -> SamplingParams:
             logprobs=body.top_logprobs_num if body.return_logprob else None,
             logprobs_mode=body.logprobs_mode,
             weight_version=body.weight_version,
+            include_stop_str_in_output=fields.no_stop_trim,
+            return_sampling_mask=_wants_top_p_ids(body),
             **same,
         )
     except ValueError as exc:
         raise APIError(400, f"sampling_params: {exc}", "sampling_params") from exc
+
+
+def _wants_top_p_ids(body: GenerateRequest) -> bool:
+    custom = body.sampling_params.custom_params
+    return custom is not None and custom.return_top_p_token_ids
 
 
 async def _respond(generation: Generation, body: GenerateRequest, is_one: bool) -> Response:
@@ -178,6 +199,7 @@ class CompletionAnswer:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.weight_version = 0
+        self.supports: list | None = None  # with top-p replay: each token's support ids
 
     def add(self, completion: CompletionOutput, out: RequestOutput) -> None:
         self.output_ids.extend(completion.token_ids)
@@ -190,6 +212,9 @@ class CompletionAnswer:
             )
         if completion.finish_reason is not None:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
+        if completion.sampling_mask is not None:
+            mask = completion.sampling_mask
+            self.supports = (self.supports or []) + [mask[i] for i in range(len(mask))]
         self.weight_version = out.weight_version
 
     def json(self, generation: Generation, prompt_index: int, has_logprobs: bool, k: int = 0) -> dict:
@@ -212,6 +237,10 @@ class CompletionAnswer:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": generation.num_cached_tokens[prompt_index],
         }
+        if self.supports is not None:  # slime's top-p replay: CSR, token i's ids at offsets[i]:offsets[i + 1]
+            answer["meta_info"]["top_p_token_ids"] = [int(t) for row in self.supports for t in row]
+            offsets = itertools.accumulate(len(row) for row in self.supports)
+            answer["meta_info"]["top_p_token_offsets"] = [0, *offsets]
         return answer
 
     def _logprob_fields(self, has_logprobs: bool, k: int) -> dict:
