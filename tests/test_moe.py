@@ -114,11 +114,13 @@ def test_the_server_returns_routed_experts_on_completions_and_chat(family_model,
     path = family_model("olmoe")
     prompt = FAMILY_PROMPTS[3]
     with LLM(path, multiprocess=False) as llm:
-        expected = routed(llm.generate([prompt], GREEDY, use_tqdm=False)[0]).tolist()
+        alone = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        expected = routed(alone).tolist()
     extra = {"ignore_eos": True, "return_routed_experts": True}
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
-    with running_server("--chat-template", str(template), model=path) as (base, _):
+    with running_server("--chat-template", str(template), "--enable-rl-endpoints", model=path) as (base, _):
+        _slimes_routing_replay(base, alone.prompt_token_ids, expected)
         with openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as client:
             done = client.completions.create(model=path, prompt=prompt, max_tokens=12, temperature=0.0, extra_body=extra)
             assert done.choices[0].model_extra["routed_experts"] == expected
@@ -134,6 +136,21 @@ def test_the_server_returns_routed_experts_on_completions_and_chat(family_model,
             assert len(experts) == chat.usage.prompt_tokens + 4 and len(experts[0]) == 2
             plain = client.completions.create(model=path, prompt=prompt, max_tokens=2)
             assert "routed_experts" not in plain.choices[0].model_extra
+
+
+def _slimes_routing_replay(base: str, prompt_ids: list[int], expected: list) -> None:
+    """SGLang's /generate with return_routed_experts, decoded as slime does (utils/misc.py
+    decode_int32_meta_array, reshaped to [len(tokens) - 1, layers, top_k] in utils/types.py)."""
+    import base64
+
+    import httpx
+
+    body = {"input_ids": prompt_ids, "return_routed_experts": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    answer = httpx.post(base + "/generate", json=body, timeout=60).json()
+    flat = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype=np.int32)
+    rows = len(prompt_ids) + len(answer["output_ids"]) - 1
+    assert flat.reshape(rows, len(expected[0]), len(expected[0][0])).tolist() == expected
 
 
 def test_olmoe_under_tensor_parallelism_is_refused_by_name(family_model):

@@ -5,6 +5,9 @@ naming it. The 404 without --enable-rl-endpoints and the 401 without the key are
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 from conftest import load_hf
@@ -152,6 +155,31 @@ def test_slimes_rollout_body_with_top_p_replay(http):
     bad = http.post("/generate", json={"input_ids": PROMPTS[0],
                                        "sampling_params": {"custom_params": {"other": 1}}})
     assert bad.status_code == 400 and "other" in bad.text
+
+
+def test_slimes_abort_until_idle_reads_v1_loads(http):
+    """slime's abort_server_until_idle (backends/sglang_utils/server_control.py): abort_all, then
+    GET /v1/loads?include=core until running + waiting, summed over `loads`, is 0."""
+    def in_flight() -> int:
+        loads = http.get("/v1/loads", params={"include": "core"}).json()["loads"]
+        return sum(load["num_running_reqs"] + load["num_waiting_reqs"] for load in loads)
+
+    assert in_flight() == 0
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    rollout = threading.Thread(target=lambda: http.post("/generate", json=body))
+    rollout.start()
+    deadline = time.monotonic() + 30
+    while in_flight() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert in_flight() == 1
+    assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+    while in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rollout.join(timeout=30)
+    assert in_flight() == 0 and not rollout.is_alive()
+    load = http.get("/v1/loads").json()["loads"][0]
+    assert 0 <= load["num_used_tokens"] <= load["num_total_tokens"] and load["max_running_requests"] > 0
+    assert http.get("/v1/loads", params={"include": "memory"}).status_code == 400
 
 
 def test_a_stream_is_sglangs_cumulative_chunks(http):

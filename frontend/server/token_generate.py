@@ -18,9 +18,11 @@ generated and finish_reason `abort`, as SGLang does.
 
 from __future__ import annotations
 
+import base64
 import itertools
 from typing import Annotated
 
+import numpy as np
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
@@ -84,6 +86,9 @@ class GenerateRequest(StrictBody):
     stream: bool = False  # one input and n = 1
     rid: str | None = None  # SGLang's request id, for /abort_request
     weight_version: NonNegativeInt64 | None = None  # pinned weights: another version is an error
+    # slime's routing replay: meta_info.routed_experts, SGLang's base64 of int32 [tokens - 1, layers, top_k]
+    return_routed_experts: bool = False
+    routed_experts_start_len: Annotated[int, Field(ge=0, le=0)] = 0  # every position: only 0 here
 
 
 class AbortRequest(StrictBody):
@@ -155,6 +160,7 @@ def _sampling_params(body: GenerateRequest) -> SamplingParams:
             logprobs_mode=body.logprobs_mode,
             weight_version=body.weight_version,
             include_stop_str_in_output=fields.no_stop_trim,
+            return_routed_experts=body.return_routed_experts,
             return_sampling_mask=_wants_top_p_ids(body),
             **same,
         )
@@ -200,6 +206,7 @@ class CompletionAnswer:
         self.stop_reason: int | str | None = None
         self.weight_version = 0
         self.supports: list | None = None  # with top-p replay: each token's support ids
+        self.routed_experts = None  # [prompt + tokens - 1, layers, top_k], in the finished completion
 
     def add(self, completion: CompletionOutput, out: RequestOutput) -> None:
         self.output_ids.extend(completion.token_ids)
@@ -215,6 +222,8 @@ class CompletionAnswer:
         if completion.sampling_mask is not None:
             mask = completion.sampling_mask
             self.supports = (self.supports or []) + [mask[i] for i in range(len(mask))]
+        if completion.routed_experts is not None:
+            self.routed_experts = completion.routed_experts
         self.weight_version = out.weight_version
 
     def json(self, generation: Generation, prompt_index: int, has_logprobs: bool, k: int = 0) -> dict:
@@ -237,6 +246,9 @@ class CompletionAnswer:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": generation.num_cached_tokens[prompt_index],
         }
+        if self.routed_experts is not None:  # SGLang's encoding, which slime decodes (utils/misc.py)
+            data = np.ascontiguousarray(self.routed_experts, dtype="<i4").tobytes()
+            answer["meta_info"]["routed_experts"] = base64.b64encode(data).decode("ascii")
         if self.supports is not None:  # slime's top-p replay: CSR, token i's ids at offsets[i]:offsets[i + 1]
             answer["meta_info"]["top_p_token_ids"] = [int(t) for row in self.supports for t in row]
             offsets = itertools.accumulate(len(row) for row in self.supports)
