@@ -4,10 +4,10 @@ prime-rl and SkyRL-style rollouts call (frontend process, HTTP server). Behind t
 Request: `token_ids` (one prompt), `sampling_params` (vLLM's `SamplingParams` fields by their names,
 coreserve's SamplingParams: a field it does not implement is a 400 naming it), `stream`,
 `stream_options`, `request_id`, `model`, `cache_salt` (here or in `sampling_params`, as prime-rl sends
-it); `priority`, `kv_transfer_params` and `features` only at their no-op values. Answer: `choices` of {index, token_ids, finish_reason,
-logprobs: {content: [{token: "token_id:N", logprob, top_logprobs}]}}, vLLM's `prompt_logprobs`,
-`usage`, and coreserve's `weight_version`; streamed, each chunk a choice's new tokens, then usage
-(with `stream_options.include_usage`) and `[DONE]`. Leaving the connection aborts the request.
+it); `priority`, `kv_transfer_params` and `features` only at their no-op values. Answer: `choices` of
+{index, token_ids, finish_reason, logprobs: {content: [{token: "token_id:N", logprob, top_logprobs}]}},
+vLLM's `prompt_logprobs`, `usage`, and coreserve's `weight_version`; streamed, each chunk a choice's
+new tokens, then usage (with `stream_options.include_usage`) and `[DONE]`. Leaving the connection aborts the request.
 """
 
 from __future__ import annotations
