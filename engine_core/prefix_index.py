@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 ROOT = 0  # the content id "before" a prompt's first block
 
-BlockKey = tuple[int, tuple[int, ...]]
+BlockKey = tuple[int | str, tuple[int, ...]]  # (the parent's content id, or a first block's root; tokens)
 
 
 class PrefixIndex:
@@ -24,7 +24,6 @@ class PrefixIndex:
         self._entry_of: dict[int, tuple[BlockKey, int]] = {}  # block -> (its key, its content id)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed blocks no request holds, LRU first
         self._next_content_id = ROOT + 1
-        self._salt_roots: dict[str, int] = {}  # cache_salt -> the content id "before" its prompts' first blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -40,20 +39,16 @@ class PrefixIndex:
     def content_id(self, block: int) -> int:
         return self._entry_of[block][1]
 
-    def root_of(self, salt: str | None) -> int:
-        """The parent of a prompt's first block: ROOT unsalted, else the salt's own id (never another's,
-        never a block's), so salted chains meet no other chain."""
-        if salt is None:
-            return ROOT
-        if salt not in self._salt_roots:
-            self._salt_roots[salt] = self._next_content_id
-            self._next_content_id += 1
-        return self._salt_roots[salt]
+    @staticmethod
+    def root_of(salt: str | None) -> int | str:
+        """The parent of a prompt's first block: ROOT unsalted, else the salt itself (a string, never a
+        content id), so salted chains meet no other chain and nothing is kept per salt."""
+        return ROOT if salt is None else salt
 
-    def lookup(self, parent: int, token_ids: tuple[int, ...]) -> int | None:
+    def lookup(self, parent: int | str, token_ids: tuple[int, ...]) -> int | None:
         return self._block_of.get((parent, token_ids))
 
-    def insert(self, parent: int, token_ids: tuple[int, ...], block: int) -> int:
+    def insert(self, parent: int | str, token_ids: tuple[int, ...], block: int) -> int:
         """Indexes a block whose KV is written; returns the content id of the block that holds it (an
         equal block indexed before keeps its place, and this one stays private)."""
         key = (parent, token_ids)
