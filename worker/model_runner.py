@@ -147,19 +147,20 @@ class ModelRunner:
         if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
             tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
         host = tensors.to_host()
+        masks = sampling_masks(sampling_states, out)
         if verification is not None:
             sampled = [self.states[req_id] for req_id in dict.fromkeys(inputs.sampled_req_ids)]
             output = self.speculator.verified(
                 verification, sampled, inputs.sampled_req_ids, out, _logprob_req_ids(sampled), masses
             )
             output.prompt_logprobs, output.routed_experts = host.prompt_logprobs, routed
-            output.sampling_masks = sampling_masks(sampling_states, out)
+            output.sampling_masks = masks
             return output
         for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
             state.token_ids.append(token_id)
         output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
         output.constraint_masses, output.routed_experts = masses, routed
-        output.sampling_masks = sampling_masks(sampling_states, out)
+        output.sampling_masks = masks
         return output
 
     def _prepare(

@@ -159,8 +159,6 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and model_family(config) != "phi3":
-        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4 only")
     head_dim = int(head_dim * partial)  # Phi-4-mini: the first 3/4 of each head rotate, HF's int()
     if head_dim % 2:
         raise ValueError(f"partial_rotary_factor={partial} leaves an odd rotary width {head_dim}")
@@ -253,6 +251,10 @@ def _refuse_unsupported(config: dict, family: str) -> None:
         raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (only silu)")
     if config.get("mlp_bias"):
         raise ValueError("mlp_bias=true (biases in the MLP) is not supported")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and family != "phi3":
+        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4 only")
     if family in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window"):
         raise ValueError(f"{family} with use_sliding_window=true (per-layer windows) is not supported")
     layer_types = set(config.get("layer_types") or ["full_attention"])

@@ -254,4 +254,4 @@ class LlamaModel(nn.Module):
         """hidden: [R, hidden] -> logits [R, vocab] float32 (Gemma 2: soft-capped, cap tanh(logit / cap))."""
         logits = self.ops.linear(self.lm_head, hidden).float()
         cap = None if self.args.gemma is None else self.args.gemma.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)  # in place: no [R, vocab] copies

@@ -44,6 +44,7 @@ class SamplingMetadata:
     grammar: GrammarMask | None = None  # structured outputs' masks; None: no row has a grammar
     forced: torch.Tensor | None = None  # [R] int64 trace replay's token, -1 where sampled; None: no row
     mask_rows: list[int] = field(default_factory=list)  # rows that return their sampling support
+    mask_greedy: list[bool] = field(default_factory=list)  # per mask row: greedy (its support: its token)
     device: torch.device = torch.device("cpu")  # where the rows' tensors live
 
 
@@ -90,6 +91,7 @@ def build_sampling_metadata(
         device=device,
         forced=_forced(states, device),
         mask_rows=[i for i, p in enumerate(params) if p.return_sampling_mask],
+        mask_greedy=[p.is_greedy for p in params if p.return_sampling_mask],
     )
 
 
@@ -101,7 +103,7 @@ def next_sampling_step(meta: SamplingMetadata, states: list[RequestState]) -> Sa
         meta,
         generators=[_generator(s, meta.device) for s in states],
         banned=_banned(states),
-        forced=_forced(states, meta.device),
+        forced=None if meta.forced is None else _forced(states, meta.device),  # the window's rows are fixed
     )
 
 

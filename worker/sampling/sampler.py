@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from worker.sampling.grammar_mask import allowed_mass, apply_grammar_mask
@@ -22,7 +23,7 @@ class SamplerOutput:
     sampled: torch.Tensor  # [R] int64
     logprobs: LogprobsTensors | None  # rows R' of the requests that asked; None: no row asked
     constraint_masses: torch.Tensor | None = None  # [G] float32 mass each grammar row allowed (raw softmax)
-    supports: list[torch.Tensor] | None = None  # per meta.mask_rows: the ids sampled from, ascending
+    supports: list[np.ndarray] | None = None  # per meta.mask_rows: the ids sampled from, ascending (host)
 
 
 class Sampler:
@@ -38,8 +39,8 @@ class Sampler:
         masses = None if meta.grammar is None else allowed_mass(logits, meta.grammar)
         rows = meta.logprob_rows
         if rows is None:
-            sampled = _force(self._sample(processed, meta), meta)
-            return SamplerOutput(sampled, None, masses, _supports(processed, sampled, meta))
+            drawn = self._sample(processed, meta)
+            return SamplerOutput(_force(drawn, meta), None, masses, _supports(processed, drawn, meta))
         scores = logits if meta.is_all_rows else logits[rows]
         if meta.is_processed is not None:
             chosen_scores = processed if meta.is_all_rows else processed[rows]
@@ -49,11 +50,11 @@ class Sampler:
             sampled = top.ids[:, 0]  # greedy and unprocessed: the top-1 is the argmax, no extra pass
         else:
             sampled = self._sample(processed, meta)
+        supports = _supports(processed, sampled, meta)  # what the sampler drew from, before any trace
         sampled = _force(sampled, meta)  # trace replay: the trace's token, its row the model's own
         token_ids, values, ranks = gather_logprobs(top, sampled[rows], meta.num_logprobs)
         if meta.is_logits is not None:  # the logits modes: the same tokens and ranks, their scores' values
             values = torch.where(meta.is_logits[:, None], scores.gather(-1, token_ids.long()), values)
-        supports = _supports(processed, sampled, meta)
         return SamplerOutput(sampled, LogprobsTensors(token_ids, values, ranks), masses, supports)
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -101,17 +102,18 @@ class Sampler:
         return torch.where(meta.is_greedy, greedy, sampled)
 
 
-def _supports(processed: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list | None:
-    """Each asking row's support: the tokens whose processed logit is finite (what the sampler drew
-    from), or the chosen token alone on a greedy row (argmax, no draw)."""
+def _supports(processed: torch.Tensor, drawn: torch.Tensor, meta: SamplingMetadata) -> list | None:
+    """Each asking row's support on the host, int32 ids ascending: the tokens whose processed logit is
+    finite (what the sampler drew from), or the drawn token alone on a greedy row (argmax, no draw).
+    One copy to the host for all asking rows."""
     if not meta.mask_rows:
         return None
-    supports = []
-    for row in meta.mask_rows:
-        is_greedy = meta.all_greedy or bool(meta.is_greedy[row])
-        ids = sampled[row : row + 1] if is_greedy else torch.isfinite(processed[row]).nonzero().squeeze(1)
-        supports.append(ids.to(torch.int32))
-    return supports
+    finite = torch.isfinite(processed[meta.mask_rows]).cpu().numpy()
+    chosen = drawn[meta.mask_rows].cpu().numpy()
+    return [
+        chosen[i : i + 1].astype(np.int32) if greedy else np.flatnonzero(finite[i]).astype(np.int32)
+        for i, greedy in enumerate(meta.mask_greedy)
+    ]
 
 
 def _force(sampled: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -16,5 +16,5 @@ def sampling_masks(states: list[RequestState], out: SamplerOutput | None) -> dic
     asking = [state for state in states if state.params.return_sampling_mask]  # meta.mask_rows' order
     masks: dict[str, list[np.ndarray]] = {}
     for state, ids in zip(asking, out.supports, strict=True):
-        masks.setdefault(state.req_id, []).append(ids.cpu().numpy())
+        masks.setdefault(state.req_id, []).append(ids)
     return masks
