@@ -66,8 +66,7 @@ def _coreserve_args(model: str | None, args: dict) -> dict:
     for name, default in _NO_OP_ARGS.items():
         if name in args and args.pop(name) != default:
             raise ValueError(f"{name}: only {default!r} is supported by coreserve's vLLM shim")
-    if not args.get("enable_lora"):
-        args.pop("max_lora_rank", None)  # LoRA's own setting, meaningless without it
+    args.pop("max_lora_rank", None)  # LoRA's own setting (enable_lora is refused above), meaningless here
     tokenizer = args.pop("tokenizer", None)
     if tokenizer not in (None, model):
         raise ValueError(

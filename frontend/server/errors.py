@@ -43,11 +43,22 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONBytesResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+async def engine_call(param: str | None, call) -> object:
+    """Awaits an AsyncLLM control coroutine; the engine's ValueError (a refused update, a bad level)
+    becomes a 400 naming `param`, and the engine goes on serving."""
+    try:
+        return await call
+    except ValueError as exc:
+        raise APIError(400, str(exc), param) from exc
+
+
 def bad_request_from_value_error(exc: ValueError, field_names: frozenset[str]) -> APIError:
     """The engine's and SamplingParams' messages start with the field they are about ("max_tokens must
     be ...", "SamplingParams.temperature=-1.0 is invalid ..."): that name is the param when it is a
     request field. A broken request rule (protocol/request_rules.py) names its field itself."""
     message = str(exc)
+    if message.startswith("weight_version:"):  # pinned to other weights: at arrival or mid-way alike
+        return APIError(409, message, "weight_version", "weight_version_mismatch")
     match = _LEADING_NAME.match(message)
     param = getattr(exc, "param", None)
     if param not in field_names:
@@ -111,10 +122,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestFailedError)
     async def _failed(request: Request, exc: RequestFailedError):
         """The core ended one request (its input, or weights it was pinned to that moved): its own 4xx."""
-        text = str(exc)
-        if text.startswith("weight_version:"):
-            return error_response(409, text, "weight_version", "weight_version_mismatch")
-        return error_response(400, text)
+        error = bad_request_from_value_error(exc, frozenset())
+        return error_response(error.status, error.message, error.param, error.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -24,9 +24,11 @@ from frontend.server.errors import APIError
 from frontend.server.generation import Generation, PromptInput
 from frontend.server.inputs import check_prompts, start_checked
 from frontend.server.json_response import JSONBytesResponse
+from frontend.server.logprob_json import token_text
 from frontend.server.schemas import Int64, StreamOptions, StrictBody
 from frontend.server.state import ServerState
 from frontend.server.transport import sse_response, until_disconnected
+from frontend.server.unsupported import same_json
 from protocol.sampling_params import SamplingParams
 
 INFERENCE_GENERATE_PATH = "/inference/v1/generate"
@@ -54,7 +56,7 @@ async def inference_generate(request: Request, body: TokensRequest) -> Response:
     server: ServerState = request.app.state.server
     server.check_model(body.model)
     for name, no_op in _NO_OP.items():
-        if getattr(body, name) != no_op:
+        if not same_json(getattr(body, name), no_op):
             raise APIError(400, f"{name}: not implemented by this server (only {no_op!r})", name)
     fields = dict(body.sampling_params)
     if body.cache_salt is not None:  # vLLM's top-level field; prime-rl puts it in sampling_params
@@ -73,15 +75,16 @@ async def inference_generate(request: Request, body: TokensRequest) -> Response:
 def _sampling_params(fields: dict, num_prompt: int, max_model_len: int) -> SamplingParams:
     fields = dict(fields)
     for name, no_ops in _NO_OP_SAMPLING.items():
-        if name in fields and fields.pop(name) not in no_ops:
+        value = fields.pop(name, no_ops[0])
+        if not any(same_json(value, no_op) for no_op in no_ops):
             raise APIError(400, f"sampling_params.{name}: only {no_ops!r} (no-op values here)", "sampling_params")
+    unknown = sorted(set(fields) - set(SamplingParams.__struct_fields__))
+    if unknown:
+        raise APIError(400, f"sampling_params.{unknown[0]} is not implemented by this server", "sampling_params")
     if fields.get("max_tokens") is None:  # vLLM's server: what the context leaves, not 16
         fields["max_tokens"] = max(1, max_model_len - num_prompt)
     try:
         return SamplingParams(**fields)
-    except TypeError as exc:  # a name SamplingParams has no field for
-        unknown = str(exc).split("'")[1] if "'" in str(exc) else str(exc)
-        raise APIError(400, f"sampling_params.{unknown} is not implemented by this server", "sampling_params") from exc
     except ValueError as exc:
         raise APIError(400, f"sampling_params: {exc}", "sampling_params") from exc
 
@@ -157,8 +160,13 @@ def _prompt_logprobs(positions: list | None) -> list | None:
     if positions is None:
         return None
     return [None if p is None else {str(t): {"logprob": max(e.logprob, _FLOOR), "rank": e.rank,
-                                             "decoded_token": e.decoded_token} for t, e in p.items()}
+                                             "decoded_token": _text(e.decoded_token)} for t, e in p.items()}
             for p in positions]
+
+
+def _text(decoded: str | None) -> str | None:
+    """As /v1/completions writes a token (a partial UTF-8 token as its bytes); None without text."""
+    return None if decoded is None else token_text(decoded)
 
 
 def _usage(generation: Generation, num_tokens: int) -> dict:

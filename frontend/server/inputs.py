@@ -173,3 +173,17 @@ async def start_checked(generation: Generation, body: SamplingFields) -> None:
         await generation.start()
     except ValueError as exc:
         raise bad_request_from_value_error(exc, frozenset(type(body).model_fields)) from exc
+
+
+async def collect_prompt_logprobs(generation: Generation, body: SamplingFields) -> list:
+    """Starts a scoring generation (a refusal: a 400 naming the field), gathers each prompt's prompt
+    logprobs (None where a prompt gave none) and closes it."""
+    positions: list = [None] * len(generation.prompts)
+    try:
+        await start_checked(generation, body)
+        async for index, out in generation.deltas():
+            if out.prompt_logprobs is not None:
+                positions[index] = out.prompt_logprobs
+    finally:
+        await generation.close()
+    return positions

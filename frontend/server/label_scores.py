@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from frontend.server.errors import APIError
 from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import check_prompts, start_checked, tokenize
+from frontend.server.inputs import check_prompts, collect_prompt_logprobs, tokenize
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.schemas import Int64, StrictBody
 from frontend.server.state import ServerState
@@ -170,17 +170,10 @@ async def _score(
 async def _collect(
     generation: Generation, body: StrictBody, labels: list[int], answer: Callable[[list[list[float]]], dict]
 ) -> Response:
-    rows: list[list[float] | None] = [None] * len(generation.prompts)
-    try:
-        await start_checked(generation, body)
-        async for index, out in generation.deltas():
-            if out.prompt_logprobs is not None:
-                last = out.prompt_logprobs[-1]  # the placeholder's row: the distribution after the prompt
-                rows[index] = [last[label].logprob for label in labels]
-    finally:
-        await generation.close()
-    assert all(row is not None for row in rows)
-    return JSONBytesResponse(answer(rows))  # type: ignore[arg-type]
+    positions = await collect_prompt_logprobs(generation, body)
+    # each prompt's last row, the placeholder's: the distribution after the prompt
+    rows = [[p[-1][label].logprob for label in labels] for p in positions]
+    return JSONBytesResponse(answer(rows))
 
 
 def _scores(logprobs: list[float], apply_softmax: bool) -> list[float]:

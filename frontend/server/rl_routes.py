@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.server.errors import APIError
+from frontend.server.errors import engine_call
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.schemas import NonNegativeInt64
 from frontend.server.sglang_control import SGLANG_PATHS
@@ -70,20 +70,11 @@ def rl_router() -> APIRouter:
     return router
 
 
-async def _engine_call(param: str | None, call) -> object:
-    """Awaits an AsyncLLM control coroutine; the engine's ValueError (a refused update, a bad level)
-    becomes a 400 naming `param`, and the engine goes on serving."""
-    try:
-        return await call
-    except ValueError as exc:
-        raise APIError(400, str(exc), param) from exc
-
-
 async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDiskRequest) -> Response:
     engine = request.app.state.server.engine
     mode = "abort" if body.abort_all_requests else body.mode
     target = None if body.weight_version is None else int(body.weight_version)
-    version = await _engine_call("model_path", engine.update_weights(body.model_path, mode, True, target))
+    version = await engine_call("model_path", engine.update_weights(body.model_path, mode, True, target))
     message = f"weights loaded from {body.model_path}; weight_version {version}"
     return JSONBytesResponse(
         {"success": True, "message": message, "weight_version": version, "num_paused_requests": 0}
@@ -92,13 +83,13 @@ async def update_weights_from_disk(request: Request, body: UpdateWeightsFromDisk
 
 async def update_weights(request: Request, body: UpdateWeightsRequest) -> Response:
     engine = request.app.state.server.engine
-    version = await _engine_call("weight_dir", engine.update_weights(body.weight_dir, "keep"))
+    version = await engine_call("weight_dir", engine.update_weights(body.weight_dir, "keep"))
     message = f"weights loaded from {body.weight_dir}; weight_version {version}"
     return JSONBytesResponse({"success": True, "message": message, "weight_version": version})
 
 
 async def reset_prefix_cache(request: Request) -> Response:
-    await _engine_call(None, request.app.state.server.engine.reset_prefix_cache())
+    await engine_call(None, request.app.state.server.engine.reset_prefix_cache())
     return Response(status_code=200)
 
 
@@ -107,25 +98,25 @@ async def pause(request: Request, mode: str = "abort", clear_cache: bool = False
     /resume (a bad mode is the engine's ValueError, a 400 naming `mode`); `clear_cache=true` also
     forgets the prefix cache once paused."""
     engine = request.app.state.server.engine
-    await _engine_call("mode", engine.pause_generation(mode))
+    await engine_call("mode", engine.pause_generation(mode))
     if clear_cache:
-        await _engine_call(None, engine.reset_prefix_cache())
+        await engine_call(None, engine.reset_prefix_cache())
     return Response(status_code=200)
 
 
 async def resume(request: Request) -> Response:
-    await _engine_call(None, request.app.state.server.engine.resume_generation())
+    await engine_call(None, request.app.state.server.engine.resume_generation())
     return Response(status_code=200)
 
 
 async def is_paused(request: Request) -> Response:
-    state = await _engine_call(None, request.app.state.server.engine.control_state())
+    state = await engine_call(None, request.app.state.server.engine.control_state())
     return JSONBytesResponse({"is_paused": state.is_paused})
 
 
 async def sleep(request: Request, level: int = 1) -> Response:
     """vLLM's `POST /sleep?level=1|2`: 1 frees the KV cache, 2 drops the weights too."""
-    await _engine_call("level", request.app.state.server.engine.sleep(level))
+    await engine_call("level", request.app.state.server.engine.sleep(level))
     return Response(status_code=200)
 
 
@@ -135,15 +126,15 @@ async def wake_up(
     """vLLM's `POST /wake_up?tags=weights&tags=kv_cache` (none: both). After level 2 the weights come
     back from `model_path` (a checkpoint), or from an /update_weights_from_disk holding every weight."""
     engine = request.app.state.server.engine
-    await _engine_call("tags", engine.wake_up(tags, model_path))
+    await engine_call("tags", engine.wake_up(tags, model_path))
     return Response(status_code=200)
 
 
 async def is_sleeping(request: Request) -> Response:
-    state = await _engine_call(None, request.app.state.server.engine.control_state())
+    state = await engine_call(None, request.app.state.server.engine.control_state())
     return JSONBytesResponse({"is_sleeping": state.sleep_level > 0, "level": state.sleep_level})
 
 
 async def get_weight_version(request: Request) -> Response:
-    state = await _engine_call(None, request.app.state.server.engine.control_state())
+    state = await engine_call(None, request.app.state.server.engine.control_state())
     return JSONBytesResponse({"weight_version": state.weight_version})

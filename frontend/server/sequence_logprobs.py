@@ -19,7 +19,7 @@ from starlette.responses import Response
 from frontend.outputs import PositionLogprobs
 from frontend.server.errors import APIError
 from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import check_logprobs, check_prompts, start_checked
+from frontend.server.inputs import check_logprobs, check_prompts, collect_prompt_logprobs
 from frontend.server.json_response import JSONBytesResponse
 from frontend.server.schemas import Int64, StrictBody
 from frontend.server.state import ServerState
@@ -74,14 +74,7 @@ def _check_lengths(body: SequenceLogprobsRequest) -> None:
 
 
 async def _respond(generation: Generation, body: SequenceLogprobsRequest) -> Response:
-    positions: list[list[PositionLogprobs | None] | None] = [None] * len(body.sequences)
-    try:
-        await start_checked(generation, body)
-        async for prompt_index, out in generation.deltas():
-            if out.prompt_logprobs is not None:
-                positions[prompt_index] = out.prompt_logprobs
-    finally:
-        await generation.close()
+    positions = await collect_prompt_logprobs(generation, body)
     answers = [
         _sequence_answer(rows or [], sequence, length, body.top_logprobs)
         for rows, sequence, length in zip(positions, body.sequences, body.prompt_lengths)

@@ -12,7 +12,7 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.server.errors import APIError
+from frontend.server.errors import engine_call
 from frontend.server.schemas import StrictBody
 
 SGLANG_PATHS = frozenset(
@@ -47,27 +47,20 @@ def register(router) -> None:
     router.post("/resume_memory_occupation")(resume_memory_occupation)
 
 
-async def _call(param: str | None, call) -> None:
-    try:
-        await call
-    except ValueError as exc:
-        raise APIError(400, str(exc), param) from exc
-
-
 async def pause_generation(request: Request, body: PauseGenerationRequest | None = None) -> Response:
     mode = _PAUSE_MODES[(body or PauseGenerationRequest()).mode]
-    await _call("mode", request.app.state.server.engine.pause_generation(mode))
+    await engine_call("mode", request.app.state.server.engine.pause_generation(mode))
     return Response(status_code=200)
 
 
 async def continue_generation(request: Request, body: ContinueGenerationRequest | None = None) -> Response:
-    await _call(None, request.app.state.server.engine.resume_generation())
+    await engine_call(None, request.app.state.server.engine.resume_generation())
     return Response(status_code=200)
 
 
 async def flush_cache(request: Request) -> Response:
     """The prefix cache forgotten (slime polls this until it answers 200)."""
-    await _call(None, request.app.state.server.engine.reset_prefix_cache())
+    await engine_call(None, request.app.state.server.engine.reset_prefix_cache())
     return Response("Cache flushed.", status_code=200)
 
 
@@ -77,12 +70,12 @@ async def release_memory_occupation(
     """Sleep level 1: the KV cache freed. SGLang offloads the weights to host memory and brings them
     back on resume; coreserve has no offload (on the CPU the weights are in host memory already), so
     they stay, and a resume finds them as they were. A `weights` tag frees nothing more."""
-    await _call("tags", request.app.state.server.engine.sleep(1))
+    await engine_call("tags", request.app.state.server.engine.sleep(1))
     return Response(status_code=200)
 
 
 async def resume_memory_occupation(request: Request, body: MemoryOccupationRequest | None = None) -> Response:
     """The tags' parts back (None: both): the KV cache is allocated again; the weights never left."""
     tags = (body or MemoryOccupationRequest()).tags
-    await _call("tags", request.app.state.server.engine.wake_up(tags, None))
+    await engine_call("tags", request.app.state.server.engine.wake_up(tags, None))
     return Response(status_code=200)

@@ -19,7 +19,6 @@ generated and finish_reason `abort`, as SGLang does.
 from __future__ import annotations
 
 import base64
-import itertools
 from typing import Annotated
 
 import numpy as np
@@ -142,7 +141,7 @@ async def _close(generation: Generation, server: ServerState) -> None:
 
 
 async def _chunks(generation: Generation, body: GenerateRequest):
-    answer = CompletionAnswer()
+    answer = CompletionAnswer(body.top_logprobs_num)
     async for _, out in generation.deltas():
         answer.add(out.outputs[0], out)
         yield answer.json(generation, 0, body.return_logprob, body.top_logprobs_num)
@@ -177,7 +176,7 @@ async def _respond(generation: Generation, body: GenerateRequest, is_one: bool) 
     """One object for one input and n = 1, else a list (input i's completion j at i * n + j)."""
     n = generation.params.n
     completions: list[list[CompletionAnswer]] = [
-        [CompletionAnswer() for _ in range(n)] for _ in generation.prompts
+        [CompletionAnswer(body.top_logprobs_num) for _ in range(n)] for _ in generation.prompts
     ]
     try:
         await start_checked(generation, body)
@@ -197,7 +196,8 @@ async def _respond(generation: Generation, body: GenerateRequest, is_one: bool) 
 class CompletionAnswer:
     """One completion's ids, logprobs and text as its deltas arrive."""
 
-    def __init__(self) -> None:
+    def __init__(self, top_k: int = 0) -> None:
+        self.top_k = top_k  # top_logprobs_num: the top-k rows are kept only when asked
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.tops: list[list] = []  # per token: the top-k [logprob, id, null] by rank
@@ -205,7 +205,8 @@ class CompletionAnswer:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.weight_version = 0
-        self.supports: list | None = None  # with top-p replay: each token's support ids
+        self.top_p_ids: list[int] | None = None  # with top-p replay: the supports' ids, flat (CSR)
+        self.top_p_offsets = [0]
         self.routed_experts = None  # [prompt + tokens - 1, layers, top_k], in the finished completion
 
     def add(self, completion: CompletionOutput, out: RequestOutput) -> None:
@@ -213,15 +214,19 @@ class CompletionAnswer:
         self.text += completion.text
         if completion.logprobs is not None:
             self.logprobs.extend(p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids))
-            self.tops.extend(
-                [[e.logprob, i, None] for i, e in sorted(p.items(), key=lambda item: item[1].rank)]
-                for p in completion.logprobs
-            )
+            if self.top_k:
+                self.tops.extend(
+                    [[e.logprob, i, None] for i, e in sorted(p.items(), key=lambda item: item[1].rank)]
+                    for p in completion.logprobs
+                )
         if completion.finish_reason is not None:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
-        if completion.sampling_mask is not None:
-            mask = completion.sampling_mask
-            self.supports = (self.supports or []) + [mask[i] for i in range(len(mask))]
+        if completion.sampling_mask is not None:  # already CSR: appended as it is
+            mask, base = completion.sampling_mask, self.top_p_offsets[-1]
+            if self.top_p_ids is None:
+                self.top_p_ids = []
+            self.top_p_ids.extend(mask.token_ids.tolist())
+            self.top_p_offsets.extend((mask.offsets[1:] + base).tolist())
         if completion.routed_experts is not None:
             self.routed_experts = completion.routed_experts
         self.weight_version = out.weight_version
@@ -249,10 +254,9 @@ class CompletionAnswer:
         if self.routed_experts is not None:  # SGLang's encoding, which slime decodes (utils/misc.py)
             data = np.ascontiguousarray(self.routed_experts, dtype="<i4").tobytes()
             answer["meta_info"]["routed_experts"] = base64.b64encode(data).decode("ascii")
-        if self.supports is not None:  # slime's top-p replay: CSR, token i's ids at offsets[i]:offsets[i + 1]
-            answer["meta_info"]["top_p_token_ids"] = [int(t) for row in self.supports for t in row]
-            offsets = itertools.accumulate(len(row) for row in self.supports)
-            answer["meta_info"]["top_p_token_offsets"] = [0, *offsets]
+        if self.top_p_ids is not None:  # slime's top-p replay: CSR, token i's ids at offsets[i]:offsets[i + 1]
+            answer["meta_info"]["top_p_token_ids"] = self.top_p_ids
+            answer["meta_info"]["top_p_token_offsets"] = self.top_p_offsets
         return answer
 
     def _logprob_fields(self, has_logprobs: bool, k: int) -> dict:

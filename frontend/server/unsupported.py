@@ -85,11 +85,11 @@ def refuse_unsupported(body: BaseModel) -> None:
     table = {**COMMON, **(CHAT_ONLY if isinstance(body, ChatUnsupportedFields) else COMPLETION_ONLY)}
     for name, (no_ops, why) in table.items():
         value = getattr(body, name)
-        if value is not None and not any(_same_json(value, no_op) for no_op in no_ops):
+        if value is not None and not any(same_json(value, no_op) for no_op in no_ops):
             raise APIError(400, f"{name} is not supported by this server: {why}", name)
 
 
-def _same_json(value: object, no_op: object) -> bool:
+def same_json(value: object, no_op: object) -> bool:
     """JSON equality: true is not 1, 1 is 1.0."""
     if isinstance(value, bool) or isinstance(no_op, bool):
         return type(value) is type(no_op) and value == no_op
