@@ -13,6 +13,7 @@ from gguf_families import write_family_gguf, write_family_twin
 
 from frontend import LLM, SamplingParams
 from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
+from worker.models.quantized import QuantLinear
 
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "phi3", "phi4-mini", "gemma2", "gemma3"]
 PROMPTS = [[(7 * i + 3 * j) % 20000 + 100 for j in range(n)] for i, n in enumerate((5, 23, 40, 61))]
@@ -31,8 +32,12 @@ def numbers(outputs) -> list:
     ]
 
 
-def run(path: str, **engine_args) -> list:
+def run(path: str, kept_in_blocks: list | None = None, **engine_args) -> list:
+    """The prompts' outputs; `kept_in_blocks` gets the names of the model's layers kept in GGUF blocks."""
     with LLM(path, multiprocess=False, max_num_batched_tokens=16, **engine_args) as llm:
+        if kept_in_blocks is not None:
+            model = llm.client.core.executor.model
+            kept_in_blocks.extend(n for n, m in model.named_modules() if isinstance(m, QuantLinear))
         prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
         return llm.generate(prompts, [PARAMS[i % 2] for i in range(len(PROMPTS))], use_tqdm=False)
 
@@ -66,4 +71,7 @@ def test_q8_0_weights_kept_in_blocks_give_their_dequantizations_bits(family, fam
     source = family_model(family)
     path = tmp_path / f"{family}-q8_0.gguf"
     write_family_gguf(source, family, path, weight_type="Q8_0")
-    assert numbers(run(str(path))) == numbers(run(str(path), dtype="float32"))  # auto: kept in blocks
+    kept: list[str] = []
+    assert numbers(run(str(path), kept)) == numbers(run(str(path), dtype="float32"))  # auto: kept in blocks
+    assert any(name.endswith("qkv_proj") for name in kept)
+    assert family != "qwen3_moe" or any(".experts." in name for name in kept)  # experts too

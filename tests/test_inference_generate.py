@@ -43,12 +43,13 @@ def test_a_rollout_equals_the_python_apis_bits(server, llm_inproc):
 
 def test_streamed_chunks_add_up_to_the_whole_answer(server):
     body = {"token_ids": PROMPT, "sampling_params": ROLLOUT, "stream": True, "stream_options": {"include_usage": True}}
-    token_ids, logprobs, usage = [], [], None
+    token_ids, logprobs, usage, num_chunks = [], [], None, 0
     with httpx.stream("POST", server + "/inference/v1/generate", json=body, timeout=60) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            num_chunks += bool(chunk["choices"])
             for choice in chunk["choices"]:
                 token_ids += choice["token_ids"]
                 logprobs += [c["logprob"] for c in choice["logprobs"]["content"]]
@@ -56,6 +57,7 @@ def test_streamed_chunks_add_up_to_the_whole_answer(server):
     whole = httpx.post(server + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": ROLLOUT},
                        timeout=60).json()["choices"][0]
     assert token_ids == whole["token_ids"] and logprobs == [c["logprob"] for c in whole["logprobs"]["content"]]
+    assert num_chunks > 1
     assert usage["completion_tokens"] == 12
 
 
@@ -64,7 +66,7 @@ def test_teacher_scoring_with_prompt_logprobs(server, llm_inproc):
     answer = httpx.post(server + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": fields},
                         timeout=60).json()
     expected = python_api(llm_inproc, fields).prompt_logprobs
-    assert answer["prompt_logprobs"][0] is None
+    assert len(answer["prompt_logprobs"]) == len(PROMPT) and answer["prompt_logprobs"][0] is None
     for position, entry in enumerate(answer["prompt_logprobs"][1:], start=1):
         assert entry[str(PROMPT[position])]["logprob"] == expected[position][PROMPT[position]].logprob
 

@@ -48,6 +48,7 @@ def test_an_update_under_keep_ends_a_request_pinned_to_the_old_weights(tiny_path
         deadline = time.monotonic() + 10
         while "num_requests_running 1.0" not in http.get("/metrics").text and time.monotonic() < deadline:
             time.sleep(0.02)
+        assert "num_requests_running 1.0" in http.get("/metrics").text  # ended mid-way, not refused at arrival
         update = http.post("/update_weights_from_disk", json={"model_path": checkpoint, "mode": "keep"})
         assert update.json()["weight_version"] == 1, update.text
         thread.join(timeout=60)

@@ -81,11 +81,16 @@ def test_two_replicas_answer_with_a_single_servers_bits(ray_app):
 
 
 def test_update_weights_moves_every_replica_or_none(ray_app, tmp_path):
-    from safetensors.numpy import save_file
+    from safetensors.numpy import load_file, save_file
 
-    same = str(Path(builtin_model_path("tiny")) / "model.safetensors")
-    reply = httpx.post(ray_app + "/update_weights", json={"model_path": same}, timeout=120)
+    before = answers(ray_app, requests(4))
+    weights = load_file(str(Path(builtin_model_path("tiny")) / "model.safetensors"))
+    changed = tmp_path / "changed.safetensors"  # the final norm scaled: other logprobs everywhere
+    save_file({"model.norm.weight": weights["model.norm.weight"] * 1.5}, str(changed))
+    reply = httpx.post(ray_app + "/update_weights", json={"model_path": str(changed)}, timeout=120)
     assert reply.status_code == 200, reply.text
+    after = answers(ray_app, requests(4))
+    assert all(a[1] != b[1] for a, b in zip(after, before))  # every request sees the new weights
     assert httpx.get(ray_app + "/get_weight_version").json() == {"weight_version": 1, "replicas": [1, 1]}
     bad = tmp_path / "bad.safetensors"
     save_file({"model.norm.weight": np.zeros(7, dtype=np.float32)}, str(bad))  # the wrong shape
@@ -93,4 +98,4 @@ def test_update_weights_moves_every_replica_or_none(ray_app, tmp_path):
     assert reply.status_code == 400 and "refused" in reply.json()["error"]["message"]
     assert httpx.get(ray_app + "/get_weight_version").json() == {"weight_version": 1, "replicas": [1, 1]}
     assert httpx.post(ray_app + "/reset_prefix_cache", timeout=60).json()["success"]
-    assert answers(ray_app, requests(2))  # still serving, on the kept weights
+    assert answers(ray_app, requests(4)) == after  # still serving, on the kept weights

@@ -116,6 +116,7 @@ def test_prime_rls_filesystem_broadcast(http, tiny_path, tmp_path):
     rollout = threading.Thread(target=lambda: replies.append(http.post("/v1/completions", json=long)))
     rollout.start()
     assert http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+    assert http.get("/is_paused").json() == {"is_paused": True}
     (weight_dir / "NCCL_READY").touch()
     reply = http.post("/update_weights", json={"weight_dir": folder})
     assert reply.status_code == 200 and reply.json()["weight_version"] == old_version + 1, reply.text
@@ -147,7 +148,11 @@ def test_slimes_weight_sync_and_memory_calls(http, tiny_path, tmp_path):
     assert http.post("/release_memory_occupation", json={}).status_code == 200
     assert http.get("/is_sleeping").json() == {"is_sleeping": True, "level": 1}  # the weights stay
     assert http.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
-    again = http.post("/update_weights_from_disk", json={"model_path": folder, "weight_version": "8"})
+    stale = http.post("/generate", json={"input_ids": [464, 3139], "weight_version": 3,
+                                         "sampling_params": {"max_new_tokens": 2}})
+    assert stale.status_code == 409 and stale.json()["error"]["code"] == "weight_version_mismatch"
+    second, model = checkpoint(tiny_path, tmp_path / "slime-2", seed=10)  # other weights: the update shows
+    again = http.post("/update_weights_from_disk", json={"model_path": second, "weight_version": "8"})
     assert again.status_code == 200, again.text
     assert http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     assert http.get("/is_sleeping").json()["is_sleeping"] is False and version(http) == 8

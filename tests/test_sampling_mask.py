@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from frontend import LLM, SamplingParams
 
@@ -32,6 +33,27 @@ def test_the_support_is_the_processed_distributions_finite_set(llm, truncation):
             finite = sorted(t for t, e in entries.items() if e.logprob != float("-inf"))
             assert mask[i].tolist() == finite and token in mask[i]
             assert list(mask[i]) == sorted(mask[i])
+
+
+def test_the_support_is_what_top_k_and_top_p_keep_of_the_raw_distribution(llm):
+    """Checked against the raw logprobs, apart from the processed tensor the mask is cut from: top-k
+    keeps the k most likely tokens; top-p the most likely tokens until their mass (at the temperature)
+    reaches p, and no fewer."""
+    base = dict(temperature=0.9, seed=1, max_tokens=6, ignore_eos=True, logprobs=-1,
+                logprobs_mode="raw_logprobs", return_sampling_mask=True)
+    for truncation in (dict(top_k=20), dict(top_p=0.8)):
+        for out in llm.generate(PROMPTS[:3], SamplingParams(**base, **truncation), use_tqdm=False):
+            completion = out.outputs[0]
+            for i, entries in enumerate(completion.logprobs):
+                ranked = sorted(entries, key=lambda t: -entries[t].logprob)
+                kept = completion.sampling_mask[i].tolist()
+                assert sorted(ranked[: len(kept)]) == kept  # the most likely tokens, no other
+                if "top_k" in truncation:
+                    assert len(kept) == 20
+                    continue
+                probs = torch.softmax(torch.tensor([entries[t].logprob for t in ranked], dtype=torch.float64) / 0.9, 0)
+                mass = probs[: len(kept)].sum().item()
+                assert mass >= 0.8 - 1e-4 and mass - probs[len(kept) - 1].item() < 0.8 + 1e-4
 
 
 def test_greedy_tokens_are_their_own_support_and_windows_agree(llm, tiny_path):

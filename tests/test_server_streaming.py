@@ -5,6 +5,7 @@ cache with --enable-prompt-tokens-details (null without it, as vLLM)."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from conftest import PROMPTS
@@ -124,3 +125,6 @@ def test_prompt_tokens_details_are_null_without_the_flag():
         for _ in range(2):  # the second reads the prefix cache
             reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
             assert reply.usage.prompt_tokens_details is None
+        hits = [line for line in httpx.get(f"{base}/metrics").text.splitlines()
+                if line.startswith("vllm:prefix_cache_hits_total")]
+        assert hits and float(hits[0].split()[-1]) > 0  # there were cached tokens to leave out
