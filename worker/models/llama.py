@@ -223,8 +223,10 @@ class LlamaModel(nn.Module):
         called after each layer (the engine counts it as progress)."""
         ops, gemma = self.ops, self.args.gemma
         x = ops.embed(self.embed_tokens, input_ids)
-        if gemma is not None:  # HF's normalizer: sqrt(hidden) in the weights' dtype
-            x = x * torch.tensor(gemma.embed_scale, dtype=self.embed_tokens.weight.dtype).to(x.dtype)
+        if gemma is not None:  # HF's normalizer: sqrt(hidden) rounded to the weights' dtype; a table
+            table = self.embed_tokens.weight  # kept in GGUF blocks is uint8 storage: its values are x's dtype
+            dtype = table.dtype if table.is_floating_point() else x.dtype
+            x = x * torch.tensor(gemma.embed_scale, dtype=dtype).to(x.dtype)
         rope = self.rotary.tables(positions, x.dtype)
         rope_local = self.rotary_local.tables(positions, x.dtype) if hasattr(self, "rotary_local") else rope
         for layer, cache in zip(self.layers, caches):
