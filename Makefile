@@ -1,8 +1,8 @@
 # Two entry points for a fresh machine: `make demo` and `make test` (both set up first).
 PY := .venv/bin/python
 
-.PHONY: demo test test-bf16 test-bf16-ci setup lint
-demo: setup
+.PHONY: demo test test-bf16 test-bf16-ci setup setup-runtime lint
+demo: setup-runtime
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
 
 test: setup
@@ -21,8 +21,14 @@ test-bf16-ci: setup
 lint: setup
 	$(PY) -m ruff check .
 
-setup: .venv/.installed
+# The demo needs the runtime alone; the tests add their extras, tokenizers and real model files.
+setup-runtime: .venv/.installed
+setup: .venv/.installed-test
 
 .venv/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
+	touch $@
+
+.venv/.installed-test: .venv/.installed scripts/real_models.py
+	bash scripts/setup.sh --test
 	touch $@

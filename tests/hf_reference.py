@@ -23,7 +23,7 @@ from pathlib import Path
 from protocol.builtin_model import default_cache_dir
 
 REFERENCE_DIR = default_cache_dir() / "hf-reference"
-RESULTS_VERSION = 1  # bump when what a result holds changes
+RESULTS_VERSION = 2  # bump when what a result holds changes (2: untied GGUF outputs kept)
 BATCH_TOKENS = 1024  # padded tokens per forward: bounds the activations to a few tens of MB
 
 
@@ -65,7 +65,7 @@ def gguf_reference_folder(path: str) -> str:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    folder = REFERENCE_DIR / f"{Path(path).stem}-{file_digest(path)[:16]}-tf{transformers.__version__}"
+    folder = REFERENCE_DIR / f"{Path(path).stem}-{file_digest(path)[:16]}-tf{transformers.__version__}-v2"
     if (folder / "model.safetensors").exists():
         return str(folder)
     model = AutoModelForCausalLM.from_pretrained(
@@ -76,7 +76,8 @@ def gguf_reference_folder(path: str) -> str:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config))
-    tensors = {n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied
+    tied = model.config.tie_word_embeddings  # an untied output (a real Qwen2.5 0.5B's Q8_0 output) is kept
+    tensors = {n: t.contiguous() for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     try:
         os.rename(tmp, folder)
