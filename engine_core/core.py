@@ -61,6 +61,7 @@ class EngineCore:
             num_scheduler_steps=config.num_scheduler_steps,
             grammars=Grammars(config.model, self.vocab_size, self.eos_token_ids),
             speculative=config.speculative_config,
+            long_rope_switch=args.long_rope_switch,
         )
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
         self.limits = RequestLimits.of(self.facts())

@@ -49,17 +49,18 @@ class KVCacheManager:
         max_tokens: int,
         flavour: Flavour | None = None,
         salt: str | None = None,
+        is_long_rope: bool = False,
     ) -> int:
         """Gives a request that holds no blocks the indexed blocks of its longest cached prefix of full
-        blocks within `max_tokens`, under its cache `salt`; returns how many tokens they hold (0 without
-        prefix caching). With a prompt-logprob `flavour`, only blocks that keep that flavour's rows for
-        this prompt count."""
+        blocks within `max_tokens`, under its cache `salt` and its LongRoPE factors (PrefixIndex.root_of);
+        returns how many tokens they hold (0 without prefix caching). With a prompt-logprob `flavour`,
+        only blocks that keep that flavour's rows for this prompt count."""
         assert not self._req_blocks.get(req_id), "a request takes its cached prefix before any block"
         if self.index is None:
             return 0
         size, blocks, chain = self.block_size, [], []
         for start in range(0, max_tokens - size + 1, size):
-            parent = chain[-1] if chain else self.index.root_of(salt)
+            parent = chain[-1] if chain else self.index.root_of(salt, is_long_rope)
             block = self.index.lookup(parent, tuple(token_ids[start : start + size]))
             if block is None:
                 break
@@ -76,11 +77,17 @@ class KVCacheManager:
         return len(blocks) * size
 
     def cache_full_blocks(
-        self, req_id: str, prompt_ids: list[int], output_ids: list[int], num_computed: int, salt: str | None = None
+        self,
+        req_id: str,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        num_computed: int,
+        salt: str | None = None,
+        is_long_rope: bool = False,
     ) -> list[tuple[int, int]]:
         """Indexes the request's full blocks whose KV is written (positions below `num_computed`), under
-        its cache `salt`; returns the newly indexed ones as (block number in the request, the block
-        holding the content)."""
+        its cache `salt` and its LongRoPE factors; returns the newly indexed ones as (block number in the
+        request, the block holding the content)."""
         if self.index is None or req_id in self._unindexed:
             return []
         chain, blocks, size = (
@@ -91,7 +98,7 @@ class KVCacheManager:
         indexed = []
         for i in range(len(chain), min(num_computed // size, len(blocks))):
             tokens = _token_slice(prompt_ids, output_ids, i * size, (i + 1) * size)
-            parent = chain[-1] if chain else self.index.root_of(salt)
+            parent = chain[-1] if chain else self.index.root_of(salt, is_long_rope)
             chain.append(self.index.insert(parent, tokens, blocks[i]))
             indexed.append((i, self.index.lookup(parent, tokens)))
         return indexed

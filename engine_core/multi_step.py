@@ -13,10 +13,11 @@ def extend_to_window(
     reqs: list[Request],
     kv_cache: KVCacheManager,
     num_scheduler_steps: int,
-    max_model_len: int,
+    max_lens: list[int],
 ) -> None:
     """Turns a one-step decode batch (`reqs`, in `output.cached_reqs`' order) into a window where it
-    can. Tokens past a stop are dropped later."""
+    can. `max_lens`: per request, the most tokens it may hold after the window (max_model_len, or
+    LongRoPE's switch + 1 on the short factors). Tokens past a stop are dropped later."""
     if not reqs or any(n != 1 for n in output.num_scheduled_tokens.values()):
         return
     if any(r.grammar is not None for r in reqs):
@@ -26,7 +27,7 @@ def extend_to_window(
     num_steps = min(
         num_scheduler_steps,
         max(_tokens_left(r, num_scheduler_steps) for r in reqs),  # no longer than the batch needs
-        min(max_model_len - r.num_tokens for r in reqs),  # tokens the model's length allows
+        min(max_len - r.num_tokens for r, max_len in zip(reqs, max_lens)),  # tokens the lengths allow
     )
     # Every request's blocks or none: a window that does not fit is halved, down to a single step,
     # so that it never holds blocks for later steps while another request goes short.

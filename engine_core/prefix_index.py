@@ -2,11 +2,12 @@
 
 A full block is keyed by (the content id of the block before it, the block's token ids): a chain, so a
 key names the whole prefix up to and including that block. A salted request's chain starts from its
-salt's own root (vLLM's cache_salt), so it meets only chains of the same salt. Content ids are never reused (an evicted
-block's successor chain can never be matched again), and dict keys compare the token tuples exactly:
-no hash collision can ever hand out the wrong KV. Everything else that changes the KV (model, dtype)
-is fixed for one engine, so it is not part of the key. Blocks no request holds stay indexed and are
-evicted least recently freed first, only when a fresh block is needed.
+salt's own root (vLLM's cache_salt), so it meets only chains of the same salt; a request on LongRoPE's
+long factors (its keys rotated unlike the short factors' of the same tokens) from a root of its own.
+Content ids are never reused (an evicted block's successor chain can never be matched again), and dict
+keys compare the token tuples exactly: no hash collision can ever hand out the wrong KV. Everything else
+that changes the KV (model, dtype) is fixed for one engine, so it is not part of the key. Blocks no
+request holds stay indexed and are evicted least recently freed first, only when a fresh block is needed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections import OrderedDict
 
 ROOT = 0  # the content id "before" a prompt's first block
 
-BlockKey = tuple[int | str, tuple[int, ...]]  # (the parent's content id, or a first block's root; tokens)
+Root = int | str | tuple[str, int | str]  # the parent of a prompt's first block (root_of)
+BlockKey = tuple[int | Root, tuple[int, ...]]  # (the parent's content id, or a first block's root; tokens)
 
 
 class PrefixIndex:
@@ -40,15 +42,17 @@ class PrefixIndex:
         return self._entry_of[block][1]
 
     @staticmethod
-    def root_of(salt: str | None) -> int | str:
+    def root_of(salt: str | None, is_long_rope: bool = False) -> Root:
         """The parent of a prompt's first block: ROOT unsalted, else the salt itself (a string, never a
-        content id), so salted chains meet no other chain and nothing is kept per salt."""
-        return ROOT if salt is None else salt
+        content id), so salted chains meet no other chain and nothing is kept per salt. On LongRoPE's
+        long factors: that root in a tuple, which equals no salt and no id."""
+        root = ROOT if salt is None else salt
+        return ("long_rope", root) if is_long_rope else root
 
-    def lookup(self, parent: int | str, token_ids: tuple[int, ...]) -> int | None:
+    def lookup(self, parent: int | Root, token_ids: tuple[int, ...]) -> int | None:
         return self._block_of.get((parent, token_ids))
 
-    def insert(self, parent: int | str, token_ids: tuple[int, ...], block: int) -> int:
+    def insert(self, parent: int | Root, token_ids: tuple[int, ...], block: int) -> int:
         """Indexes a block whose KV is written; returns the content id of the block that holds it (an
         equal block indexed before keeps its place, and this one stays private)."""
         key = (parent, token_ids)

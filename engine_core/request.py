@@ -44,6 +44,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens read from the prefix cache at admission
+        # LongRoPE: its KV rotated with the long factors, every position (the scheduler's choice, by its
+        # length: engine_core/scheduler.py); False: the short ones, or no LongRoPE
+        self.is_long_rope = False
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.prompt_logprob_parts: list[LogprobsArrays] = []  # chunks until the first sampled token

@@ -1,6 +1,12 @@
 """The scheduler: continuous batching under a token budget, chunked prefill, preemption by recompute
 (engine-core process). No prefill or decode phase: each request's computed-token count catches up with
 its token count, a budget's worth at a time.
+
+LongRoPE (Phi-3): a request rotates every position with the long factors when it holds more tokens than
+the switch, else with the short ones, chosen per request at admission (a batch never changes it). One
+on the short factors that outgrows the switch is computed again from its start with the long ones, as
+HF's Phi-3 generate drops its cache there; its steps stop at the crossing (no window or proposal runs
+past it), and prefix-cache chains keep the two rotations apart.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ class Scheduler:
         num_scheduler_steps: int = 1,
         grammars: Grammars | None = None,
         speculative: SpeculativeConfig | None = None,
+        long_rope_switch: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.long_rope_switch = long_rope_switch  # LongRoPE's (worker/models/rope.py); None: no LongRoPE
         self.grammars = grammars  # structured outputs; None: every request is unconstrained
         self.compiling: list[Request] = []  # waiting for their grammar; the others are scheduled meanwhile
         self.failed: list[tuple[Request, str]] = []  # grammars that did not compile, with why: reported next
@@ -101,29 +109,32 @@ class Scheduler:
             self._take_compiled()
         output = SchedulerOutput([], [], {}, self.finished_req_ids)
         self.finished_req_ids = set()
-        num_dropped_before = len(output.finished_req_ids)
+        num_preemptions_before = self.num_preemptions
         if self.speculation is not None:
             self.speculation.begin_step(len(self.running))
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
+            is_restarted = self._restart_past_switch(req, output)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             num_spec, new_blocks = 0, None
             if self.speculation is not None:
-                num_spec, new_blocks = self.speculation.allocate(req, num_new, budget, self.kv_cache, self.max_model_len)
+                max_len = self._max_len(req)
+                num_spec, new_blocks = self.speculation.allocate(req, num_new, budget, self.kv_cache, max_len)
             if not num_spec:
                 new_blocks = self._allocate_or_preempt(req, num_new, output)
             if new_blocks is None:
                 break
-            output.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+            if is_restarted:  # the worker takes it anew (its old state dropped first)
+                output.new_reqs.append(self._new_request_data(req, self.kv_cache.blocks_of(req.req_id)))
+            else:
+                output.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
             self._commit(req, num_new, output)
             if num_spec:
                 output.spec_tokens[req.req_id] = num_spec
             budget -= num_new + num_spec
             index += 1
-        is_preempted = (
-            len(output.finished_req_ids) > num_dropped_before
-        )  # no admissions while memory is short
+        is_preempted = self.num_preemptions > num_preemptions_before
         can_admit = self.can_admit and not is_preempted  # no admissions while memory is short, or held
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and can_admit:
             num_new = self._admit(self.waiting[0], budget, output)
@@ -132,7 +143,8 @@ class Scheduler:
             budget -= num_new
         if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs and not output.spec_tokens:
             reqs = [self.requests[data.req_id] for data in output.cached_reqs]
-            extend_to_window(output, reqs, self.kv_cache, self.num_scheduler_steps, self.max_model_len)
+            max_lens = [self._max_len(req) for req in reqs]
+            extend_to_window(output, reqs, self.kv_cache, self.num_scheduler_steps, max_lens)
         if self.num_with_grammar:
             reqs = [self.requests[r] for r in output.num_scheduled_tokens]
             if output.spec_tokens:  # a grammar request's proposals are made here, to be walked by its matcher
@@ -165,6 +177,7 @@ class Scheduler:
         can_read_cache = self.kv_cache.index is not None and req.can_read_prefix_cache
         if can_read_cache and self._is_prefix_being_computed(req):
             return None
+        req.is_long_rope = self._is_past_switch(req)
         if can_read_cache:
             self._read_cached_prefix(req)
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -187,7 +200,7 @@ class Scheduler:
         flavour = None if req.has_sent_prompt_logprobs else flavour_of(req.params)
         tokens = req.all_token_ids
         req.num_computed_tokens = kv.take_cached_prefix(
-            req.req_id, tokens, req.num_tokens - 1, flavour, req.params.cache_salt
+            req.req_id, tokens, req.num_tokens - 1, flavour, req.params.cache_salt, req.is_long_rope
         )
         if req.num_output_tokens == 0:
             req.num_cached_tokens = req.num_computed_tokens
@@ -201,16 +214,41 @@ class Scheduler:
         size = self.kv_cache.block_size
         if req.num_prompt_tokens <= size:
             return False
-        first, salt = req.prompt_token_ids[:size], req.params.cache_salt
-        if self.kv_cache.index.lookup(self.kv_cache.index.root_of(salt), tuple(first)) is not None:
+        first, salt, is_long = req.prompt_token_ids[:size], req.params.cache_salt, self._is_past_switch(req)
+        if self.kv_cache.index.lookup(self.kv_cache.index.root_of(salt, is_long), tuple(first)) is not None:
             return False
         return any(
             r.prompt_token_ids[:size] == first
             and r.params.cache_salt == salt
+            and r.is_long_rope == is_long
             and self.kv_cache.num_indexed_tokens(r.req_id)
             < (min(r.num_prompt_tokens, req.num_prompt_tokens) - 1) // size * size
             for r in self.running
         )
+
+    def _is_past_switch(self, req: Request) -> bool:
+        """Whether `req` holds more tokens than LongRoPE's switch (its forwards take the long factors)."""
+        return self.long_rope_switch is not None and req.num_tokens > self.long_rope_switch
+
+    def _max_len(self, req: Request) -> int:
+        """The most tokens `req` may hold after a step: max_model_len, or on LongRoPE's short factors one
+        past the switch (a token sampled there is the short factors' last; then it is computed again)."""
+        if req.is_long_rope or self.long_rope_switch is None:
+            return self.max_model_len
+        return min(self.max_model_len, self.long_rope_switch + 1)
+
+    def _restart_past_switch(self, req: Request, output: SchedulerOutput) -> bool:
+        """A running request on LongRoPE's short factors that outgrew the switch starts again on the long
+        ones, from its first token (HF's Phi-3 generate recomputes its cache there): its blocks freed,
+        its long prefix read from the cache. Returns whether it restarted."""
+        if req.is_long_rope or not self._is_past_switch(req):
+            return False
+        self.kv_cache.free(req.req_id)
+        req.num_computed_tokens, req.is_long_rope = 0, True
+        output.finished_req_ids.add(req.req_id)
+        if self.kv_cache.index is not None and req.can_read_prefix_cache:
+            self._read_cached_prefix(req)
+        return True
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
         output.num_scheduled_tokens[req.req_id] = num_new
@@ -247,6 +285,7 @@ class Scheduler:
             logprobs_k=params.logprobs,
             logprobs_mode=req.logprobs_mode,
             eos_token_ids=req.eos_token_ids,
+            is_long_rope=req.is_long_rope,
         )
 
     def update_from_output(
@@ -304,7 +343,8 @@ class Scheduler:
             req.add_routed_experts(runner_output.routed_experts[req.req_id])
         num_written = min(req.num_computed_tokens, req.num_tokens)
         indexed = self.kv_cache.cache_full_blocks(
-            req.req_id, req.prompt_token_ids, req.output_token_ids, num_written, req.params.cache_salt
+            req.req_id, req.prompt_token_ids, req.output_token_ids, num_written, req.params.cache_salt,
+            req.is_long_rope,
         )
         flavour = flavour_of(req.params)
         if indexed and flavour is not None and not req.has_sent_prompt_logprobs:

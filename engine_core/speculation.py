@@ -44,14 +44,15 @@ class SpeculationPolicy:
         self.room = 0 if limit is not None and num_running >= limit else max(0, STEP_ROWS - num_running)
 
     def allocate(
-        self, req: Request, num_new: int, budget: int, kv_cache: KVCacheManager, max_model_len: int
+        self, req: Request, num_new: int, budget: int, kv_cache: KVCacheManager, max_len: int
     ) -> tuple[int, list[int] | None]:
         """(proposals, new blocks) for a running request scheduled `num_new` tokens, its blocks grown for
         them; (0, None) where it does not speculate this step (not decoding, no room, or too few free
-        blocks: no request is preempted for proposals)."""
+        blocks: no request is preempted for proposals). `max_len`: the most tokens `req` may hold after
+        the step (max_model_len, or LongRoPE's switch + 1 on the short factors)."""
         if num_new != 1 or req.num_output_tokens == 0:
             return 0, None
-        num_spec = self.num_tokens(req, budget, max_model_len)
+        num_spec = self.num_tokens(req, budget, max_len)
         if not num_spec:
             return 0, None
         new_blocks = kv_cache.allocate(req.req_id, req.num_computed_tokens + 1 + num_spec)
@@ -60,7 +61,7 @@ class SpeculationPolicy:
             return 0, None
         return num_spec, new_blocks
 
-    def num_tokens(self, req: Request, budget: int, max_model_len: int) -> int:
+    def num_tokens(self, req: Request, budget: int, max_len: int) -> int:
         """Proposals `req` may have after its one scheduled decode token this step (0: none)."""
         config = self.config
         if req.params.disable_spec_decode:
@@ -73,7 +74,7 @@ class SpeculationPolicy:
         k = min(req.spec_k or config.num_speculative_tokens, self.room)
         if req.max_tokens is not None:
             k = min(k, req.max_tokens - req.num_output_tokens - 1)  # the last token is the model's own
-        k = max(0, min(k, budget - 1, max_model_len - req.num_tokens - 1))
+        k = max(0, min(k, budget - 1, max_len - req.num_tokens - 1))
         self.room -= k
         return k
 

@@ -25,6 +25,9 @@ class NewRequestData:
     logprobs_k: int | None  # k to compute per sampled token; -1: whole vocabulary
     logprobs_mode: str  # "raw" or "processed", the engine default resolved
     eos_token_ids: list[int]  # masked while fewer than min_tokens were generated; empty with ignore_eos
+    # LongRoPE: every position rotates with the long factors (the request held more tokens than the
+    # switch when it was admitted); False: the short ones (engine_core/scheduler.py)
+    is_long_rope: bool = False
 
 
 @dataclass

@@ -63,6 +63,8 @@ CASES = [
     ("qwen2", True, CHUNKED),
     ("qwen3", False, CHUNKED),
     ("phi3", True, CHUNKED),
+    ("phi3.5", False, CHUNKED),  # LongRoPE's long factors for every position, chunked and preempted
+    ("phi4-mini", True, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # and partial rotary
     ("qwen3_moe", False, CHUNKED),  # mixtures of experts: routed per token, chunked and preempted
     ("mixtral", True, CHUNKED),
     ("olmoe", False, CHUNKED),
@@ -183,41 +185,85 @@ def test_phi3_under_tensor_parallelism_is_refused_by_name(family_model):
         LLM(family_model("phi3"), tensor_parallel_size=2)
 
 
-def hf_logprobs_decoded(model, token_ids: list[int]):
-    """[len(token_ids), vocab] float64 log_softmax of HF's logits, one token at a time with its KV cache:
-    LongRoPE's frequencies chosen per step by the positions so far (HF's generation), not once for the
-    whole sequence as a single forward would."""
+def hf_generate_logprobs(model, prompt_ids: list[int], completion_ids: list[int]):
+    """[len(completion_ids), vocab] float64 log_softmax of the raw logits of HF's `generate` with its
+    cache, made to pick `completion_ids` (teacher-forced through a logits processor). HF's Phi-3 picks
+    LongRoPE's factors per forward from its positions, and drops its cache where a sequence first
+    outgrows the switch, computing it again with the long factors."""
     import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
 
-    rows, past = [], None
-    with torch.no_grad():
-        for token in token_ids:
-            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            rows.append(out.logits[0, -1])
-    return torch.log_softmax(torch.stack(rows).double(), dim=-1)
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, -float("inf"))
+            forced[:, completion_ids[input_ids.shape[1] - len(prompt_ids)]] = 0.0
+            return forced
+
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=len(completion_ids), do_sample=False, pad_token_id=0,
+        logits_processor=LogitsProcessorList([Force()]), output_logits=True, return_dict_in_generate=True,
+    )
+    assert out.sequences[0, len(prompt_ids):].tolist() == completion_ids
+    return torch.log_softmax(torch.stack(out.logits)[:, 0].double(), dim=-1)
 
 
-@pytest.mark.parametrize("family, can_use_cpu_kernels", [("phi3.5", True), ("phi4-mini", True), ("phi4-mini", False)])
-def test_phi3_longrope_across_the_switch_matches_hf_decoding_with_its_cache(family, can_use_cpu_kernels, family_model):
-    """Phi-3.5's LongRoPE, original_max_position_embeddings scaled down to 32: prompts of 40-70 tokens
-    cross it. Below it the short factors, from it the long ones, per position (as HF's decoding with a
-    KV cache; HF's single forward over a sequence past 32 would rotate every position with the long).
-    Phi-4-mini's partial rotary: the first 12 of each 16-wide head rotate, on the C kernels and on torch's."""
+def _assert_sample_logprobs(completion, reference, tolerance: float) -> None:
+    """Each generated token HF's argmax within the tolerance, and every listed logprob HF's."""
+    for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = reference[step]
+        assert row[token_id] >= row.max() - tolerance, step
+        for entry_id, logprob in entries.items():
+            assert abs(logprob.logprob - row[entry_id].item()) < tolerance, (step, entry_id)
+
+
+LONGROPE_PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+
+
+@pytest.mark.parametrize(
+    "family, can_use_cpu_kernels", [("phi3.5", True), ("phi3.5", False), ("phi4-mini", True), ("phi4-mini", False)]
+)
+def test_phi3_longrope_factors_are_chosen_per_request_as_hf(family, can_use_cpu_kernels, family_model):
+    """LongRoPE, original_max_position_embeddings scaled down to 32, as HF's Phi-3 computes it: prompts
+    of 57-67 tokens rotate every position with the long factors (HF's forward over them, and its
+    generate); a 20-token prompt takes the short ones, and where its 24 tokens cross 32 it is computed
+    again from its start with the long ones (HF's generate drops its cache there). Each alone, then all
+    in one batch, in 16-token chunks, the short prompt the start of a long one (the prefix cache must
+    keep the two rotations apart); on the C kernels a request's bits do not depend on the batch.
+    Phi-4-mini's partial rotary: the first 12 of each 16-wide head rotate."""
     path = family_model(family)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
     with LLM(path, multiprocess=False, max_num_batched_tokens=16, can_use_cpu_kernels=can_use_cpu_kernels) as llm:
-        outputs = llm.generate(FAMILY_PROMPTS[:3], params, use_tqdm=False)
+        long_prompts = [out.prompt_token_ids for out in llm.generate(FAMILY_PROMPTS[:3], LONGROPE_PARAMS, use_tqdm=False)]
+        prompts = [{"prompt_token_ids": long_prompts[0][:20]}] + [{"prompt_token_ids": p} for p in long_prompts]
+        alone = [llm.generate([prompt], LONGROPE_PARAMS, use_tqdm=False)[0] for prompt in prompts]
+        batched = llm.generate(prompts, LONGROPE_PARAMS, use_tqdm=False)
     hf = load_hf(path)
     tolerance = HF_TOLERANCE if can_use_cpu_kernels else HF_TOLERANCE_TORCH_PATH
-    for output in outputs:
-        completion = output.outputs[0]
-        reference = hf_logprobs_decoded(hf, output.prompt_token_ids + completion.token_ids)
-        start = len(output.prompt_token_ids) - 1
-        assert start > 32
-        for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            row = reference[start + step]
-            assert row[token_id] >= row.max() - tolerance
-            for entry_id, logprob in entries.items():
-                assert abs(logprob.logprob - row[entry_id].item()) < tolerance
-        _assert_prompt_logprobs(output, reference, tolerance)
+    assert [len(output.prompt_token_ids) > 32 for output in alone] == [False, True, True, True]
+    for output in alone + batched:
+        prompt, completion = output.prompt_token_ids, output.outputs[0]
+        _assert_prompt_logprobs(output, hf_logprobs(hf, prompt), tolerance)
+        _assert_sample_logprobs(completion, hf_generate_logprobs(hf, prompt, completion.token_ids), tolerance)
+    if can_use_cpu_kernels:  # batch invariant: the same bits (the torch path: within the tolerance)
+        for one, many in zip(alone, batched):
+            assert sampled_rows(one) == sampled_rows(many) and one.prompt_logprobs == many.prompt_logprobs
+
+
+@pytest.mark.parametrize("method", ["multi-step", "draft_model"])
+def test_phi3_longrope_crossing_in_windows_and_proposals_matches_hf_generate(method, family_model):
+    """A 20-token prompt's generation crosses LongRoPE's switch (32) where a 5-step window or a round of
+    4 proposals (the model drafting for itself: every one kept) would run past it: the window and the
+    proposals stop at the crossing, and the tokens after it come from the sequence computed again with
+    the long factors, as HF's generate."""
+    path = family_model("phi3.5")
+    engine_args = (
+        dict(num_scheduler_steps=5)
+        if method == "multi-step"
+        else dict(speculative_config={"model": path, "num_speculative_tokens": 4})
+    )
+    with LLM(path, multiprocess=False, **engine_args) as llm:
+        output = llm.generate([{"prompt_token_ids": list(range(100, 120))}], LONGROPE_PARAMS, use_tqdm=False)[0]
+        if method == "draft_model":
+            assert llm.get_engine_stats().spec_num_accepted_tokens >= 12
+    completion = output.outputs[0]
+    reference = hf_generate_logprobs(load_hf(path), output.prompt_token_ids, completion.token_ids)
+    _assert_sample_logprobs(completion, reference, HF_TOLERANCE)

@@ -238,6 +238,21 @@ def test_salted_chains_meet_only_their_own_salt():
     assert kv.take_cached_prefix("f", tokens, 9) == 8 and kv.blocks_of("f") != kv.blocks_of("b")
 
 
+def test_long_rope_chains_meet_only_chains_of_the_same_long_rope_factors():
+    """LongRoPE's long factors rotate the same tokens' keys otherwise: such a request's chain starts from
+    a root of its own (its salt's too), so neither rotation reads the other's blocks."""
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    tokens = list(range(10))
+    kv.allocate("short", 10)
+    kv.cache_full_blocks("short", tokens, [], 10)
+    assert kv.take_cached_prefix("a", tokens, 9, is_long_rope=True) == 0
+    kv.allocate("long", 10)
+    kv.cache_full_blocks("long", tokens, [], 10, salt="tenant", is_long_rope=True)
+    assert kv.take_cached_prefix("b", tokens, 9, salt="tenant") == 0
+    assert kv.take_cached_prefix("c", tokens, 9, salt="tenant", is_long_rope=True) == 8
+    assert kv.take_cached_prefix("d", tokens, 9) == 8 and kv.blocks_of("d") != kv.blocks_of("c")
+
+
 def test_a_prompts_cache_salt_keeps_its_prefix_to_requests_of_that_salt(tiny_path):
     prompt = (SYSTEM * 2)[:600]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)

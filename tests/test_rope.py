@@ -1,5 +1,6 @@
 """RoPE variants (worker/models/rope.py) against Hugging Face's rotary embedding on the same config:
-the cos/sin tables of every position, bit for bit, for default, linear, dynamic, llama3 and yarn."""
+the cos/sin tables of every position, bit for bit, for default, linear, dynamic, llama3, yarn and
+longrope (both of its sets of rows)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from worker.models.config import LlamaArgs
-from worker.models.rope import cos_sin_tables
+from worker.models.rope import cos_sin_tables, long_rows_start
 
 MAX_POSITIONS = 512
 VARIANTS = {
@@ -60,3 +61,32 @@ def test_cos_sin_tables_equal_hf(variant):
             LlamaArgs.from_hf_config({**config, "rope_parameters": VARIANTS["default"]}).rope, 64
         )
         assert variant == "dynamic" or not torch.allclose(default, cos[:64])  # the scaling does something
+
+
+def test_longrope_tables_hold_hfs_short_rows_then_its_long_rows():
+    """Phi-3's LongRoPE, switch at 64: the rows below long_rows_start are HF's for a sequence of up to
+    64 tokens (short factors), the rows from it HF's for a longer one (long factors), bit for bit."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    switch, num_factors = 64, 32  # head_dim 64
+    rope = dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        short_factor=[1.0 + 0.05 * i for i in range(num_factors)],
+        long_factor=[1.5 + 0.75 * i for i in range(num_factors)],
+    )
+    fields = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=MAX_POSITIONS)
+    hf_rope = Phi3RotaryEmbedding(Phi3Config(**fields, original_max_position_embeddings=switch, rope_parameters=rope))
+    x = torch.zeros(1, dtype=torch.float32)
+    hf_short = hf_rope(x, torch.arange(switch)[None, :])  # seq_len 64: the short factors
+    hf_long = hf_rope(x, torch.arange(MAX_POSITIONS)[None, :])  # seq_len 512 > 64: the long ones
+    config = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 1, **fields, "original_max_position_embeddings": switch, "rope_parameters": rope}
+    spec = LlamaArgs.from_hf_config(config).rope
+    cos, sin = cos_sin_tables(spec, MAX_POSITIONS)
+    start = long_rows_start(spec, MAX_POSITIONS)
+    assert start == switch and cos.shape[0] == switch + MAX_POSITIONS
+    for ours, theirs in ((cos[:start], hf_short[0]), (sin[:start], hf_short[1]), (cos[start:], hf_long[0]),
+                         (sin[start:], hf_long[1])):
+        torch.testing.assert_close(ours, theirs[0], rtol=0, atol=0)

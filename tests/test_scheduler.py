@@ -7,6 +7,7 @@ import numpy as np
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
+from protocol.config import SpeculativeConfig
 from protocol.messages import FinishReason
 from protocol.sampling_params import SamplingParams
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
@@ -208,3 +209,43 @@ def test_an_aborted_waiting_request_is_skipped_and_counted_out():
     assert len(scheduler.waiting) == 2
     assert list(scheduler.schedule().num_scheduled_tokens) == ["b", "d"]
     assert not scheduler.waiting
+
+
+def test_long_rope_is_chosen_per_request_and_one_outgrowing_the_switch_starts_again_on_the_long_factors():
+    """LongRoPE's switch at 8 tokens: a 10-token prompt takes the long factors from its admission, a
+    6-token one the short until it holds 9 tokens; then it is computed again from its first token on
+    the long ones (the worker drops its state and takes it anew), not counted as a preemption."""
+    scheduler = Scheduler(KVCacheManager(16, 4), 8, 32, max_model_len=64, long_rope_switch=8)
+    scheduler.add_request(make_request("long", 10, max_tokens=8))
+    scheduler.add_request(make_request("short", 6, max_tokens=8))
+    out = scheduler.schedule()
+    assert {data.req_id: data.is_long_rope for data in out.new_reqs} == {"long": True, "short": False}
+    for _ in range(3):  # the short request holds 7, 8, then 9 tokens (the last sampled from 8)
+        scheduler.update_from_output(out, runner_output(out, scheduler))
+        out = scheduler.schedule()
+        if out.new_reqs:
+            break
+    assert [(d.req_id, d.is_long_rope, d.num_computed_tokens, len(d.token_ids)) for d in out.new_reqs] == [
+        ("short", True, 0, 9)
+    ]
+    assert "short" in out.finished_req_ids and out.num_scheduled_tokens == {"long": 1, "short": 9}
+    assert [d.req_id for d in out.cached_reqs] == ["long"] and scheduler.num_preemptions == 0
+
+
+def test_a_window_stops_where_a_request_on_the_short_long_rope_factors_reaches_the_switch():
+    """Windows of 8 steps, LongRoPE's switch at 8: a 5-token request's window stops at 9 tokens (the
+    last sampled from 8), it is computed again on the long factors, then its windows run on."""
+    scheduler = Scheduler(
+        KVCacheManager(16, 4), 8, 64, max_model_len=64, num_scheduler_steps=8, long_rope_switch=8
+    )
+    scheduler.add_request(make_request("a", 4, max_tokens=12, ignore_eos=True))
+    assert run_to_the_end(scheduler) == [1, 4, 1, 6]
+
+
+def test_proposals_stop_where_a_request_on_the_short_long_rope_factors_reaches_the_switch():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    scheduler = Scheduler(KVCacheManager(16, 4), 8, 64, max_model_len=64, speculative=config, long_rope_switch=8)
+    scheduler.add_request(make_request("a", 6, max_tokens=12, ignore_eos=True))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner_output(out, scheduler))
+    assert scheduler.schedule().spec_tokens == {"a": 1}  # 7 tokens: its proposal's row is the 8th's

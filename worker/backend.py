@@ -93,7 +93,7 @@ class TorchBackend:
     def forward(
         self, model: LlamaModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return model(inputs.input_ids, inputs.positions, caches, inputs.attn, on_progress), None
+        return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress), None
 
 
 def choose_backend(spec: RunnerSpec, device: torch.device, is_sharded: bool) -> Backend:

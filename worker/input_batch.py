@@ -29,6 +29,7 @@ class RequestState:
     is_processed: bool
     eos_token_ids: list[int]
     is_logits: bool = False  # logprobs_mode "raw_logits" or "processed_logits": the values are logits
+    is_long_rope: bool = False  # LongRoPE: every position rotates with the long factors (NewRequestData's)
     spec_seed: int | None = None  # speculative decoding: an unseeded sampled request's seed (the runner's)
     _table: np.ndarray | None = field(default=None, repr=False, compare=False)  # block_ids, cached
 
@@ -57,6 +58,7 @@ class RequestState:
             data.logprobs_mode.startswith("processed"),  # "processed" (the old name) or "processed_*"
             data.eos_token_ids,
             is_logits=data.logprobs_mode.endswith("_logits"),
+            is_long_rope=data.is_long_rope,
         )
 
     @property
@@ -77,6 +79,9 @@ class PromptLogprobsJob:
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
+    # [T] int64 each token's row of the RoPE tables: its position, plus long_rows_start for a request on
+    # LongRoPE's long factors; `positions` itself where no token is
+    rope_rows: torch.Tensor
     attn: AttentionMetadata
     sample_rows: torch.Tensor | None  # [R] int64 hidden rows whose logits are sampled; None: every row
     sampled_req_ids: list[str]  # [R]
@@ -89,20 +94,25 @@ def build_step_inputs(
     block_size: int,
     device: torch.device,
     verified: frozenset[str] = frozenset(),
+    long_rows_start: int = 0,
 ) -> StepInputs:
     """Flattens the scheduled tokens of `states` (in batch order) into one varlen batch.
     Single-token rows with context (decode) are attended together, the rest (prefill chunks) one
     request at a time. A request in `verified` (speculative decoding: its last token and the proposals
     after it) has every token a decode row of its own, each sampled: the numbers of decoding them one
-    by one, through the same kernels (the step's KV is written before any row attends)."""
+    by one, through the same kernels (the step's KV is written before any row attends).
+    `long_rows_start`: the model's Rotary.long_rows_start (0: one set of RoPE rows)."""
     ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []
     decode_rows, decode_tables, decode_lens = [], [], []
+    long_rows = []  # rows of the tokens of requests on LongRoPE's long factors
     row = 0
     for state, num in zip(states, num_tokens):
         start = state.num_computed_tokens
         end = start + num
         ids.extend(state.token_ids[start:end])
         positions.extend(range(start, end))
+        if state.is_long_rope and long_rows_start:
+            long_rows.extend(range(row, row + num))
         if state.req_id in verified:
             _add_verified_rows(state, start, end, row, block_size, slots, decode_rows, decode_tables, decode_lens)
             sample_rows.extend(range(row, row + num))
@@ -144,9 +154,11 @@ def build_step_inputs(
             _stack_tables(decode_tables),
             np.asarray(decode_lens, dtype=np.int32),
         )
+    position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
     return StepInputs(
         torch.tensor(ids, dtype=torch.int64, device=device),
-        torch.tensor(positions, dtype=torch.int64, device=device),
+        position_tensor,
+        _rope_rows(position_tensor, long_rows, long_rows_start),
         AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), seqs, decode),
         # every row in order (decode): no tensor to build, no hidden states to gather
         None
@@ -185,10 +197,20 @@ def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:
     assert attn.decode is not None and len(attn.decode.rows) == len(inputs.positions) and not attn.seqs
     assert attn.plan is not None  # the backend's prepare() ran on the window's first step
     positions = inputs.positions + 1
+    rope_rows = positions if inputs.rope_rows is inputs.positions else inputs.rope_rows + 1
     decode = attn.decode.next_step()
     plan = attn.plan.next_step(decode)
     next_attn = AttentionMetadata(plan.next_slots(positions), [], decode, plan)
-    return StepInputs(input_ids, positions, next_attn, inputs.sample_rows, inputs.sampled_req_ids)
+    return StepInputs(input_ids, positions, rope_rows, next_attn, inputs.sample_rows, inputs.sampled_req_ids)
+
+
+def _rope_rows(positions: torch.Tensor, long_rows: list[int], long_rows_start: int) -> torch.Tensor:
+    """[T] each token's row of the RoPE tables: its position, moved past the short rows at `long_rows`."""
+    if not long_rows:
+        return positions
+    rope_rows = positions.clone()
+    rope_rows[torch.tensor(long_rows, device=positions.device)] += long_rows_start
+    return rope_rows
 
 
 def _stack_tables(tables: list[np.ndarray]) -> np.ndarray:

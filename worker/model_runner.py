@@ -168,7 +168,8 @@ class ModelRunner:
     ) -> StepInputs:
         """The step's flattened inputs, with the backend's attention plan made before the forward."""
         verified = frozenset() if verification is None else verification.req_ids
-        inputs = build_step_inputs(states, num_tokens, self.block_size, self.device, verified)
+        long_rows_start = self.model.rotary.long_rows_start
+        inputs = build_step_inputs(states, num_tokens, self.block_size, self.device, verified, long_rows_start)
         self.backend.prepare(inputs.attn)
         return inputs
 

@@ -90,7 +90,7 @@ class CpuBackend:
         wants_logits = inputs.sample_rows is None  # every row samples (a decode-only step)
         step = self.fused.step(inputs, wants_logits) if self.fused is not None else None
         if step is None:
-            return model(inputs.input_ids, inputs.positions, caches, inputs.attn, on_progress), None
+            return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress), None
         hidden = self.fused.run(step)
         if on_progress is not None:
             on_progress()

@@ -88,15 +88,15 @@ class FusedForward:
             return None
         assert isinstance(meta.plan, CpuAttentionPlan) and meta.plan.decode is not None  # CpuBackend.prepare
         # a multi-step window feeds back its sampled tokens, which may be a column of the top-k ids
-        input_ids, positions, slots = (
+        input_ids, rope_rows, slots = (
             t if t.is_contiguous() else t.contiguous()
-            for t in (inputs.input_ids, inputs.positions, meta.slot_mapping)
+            for t in (inputs.input_ids, inputs.rope_rows, meta.slot_mapping)
         )
-        assert input_ids.dtype == positions.dtype == slots.dtype == torch.int64
+        assert input_ids.dtype == rope_rows.dtype == slots.dtype == torch.int64
         rows_ptr, tables_ptr, lens_ptr = meta.plan.decode.pointers
         desc = StepDesc(
             input_ids=input_ids.data_ptr(),
-            positions=positions.data_ptr(),
+            positions=rope_rows.data_ptr(),  # read only as rows of the RoPE tables
             slots=slots.data_ptr(),
             rows=rows_ptr,
             block_tables=tables_ptr,
@@ -110,7 +110,7 @@ class FusedForward:
         logits = torch.empty(num_tokens, self.vocab) if with_logits and self.vocab else None
         if logits is not None:
             desc.logits = logits.data_ptr()
-        return FusedStep(desc, (input_ids, positions, slots, meta.plan), logits)
+        return FusedStep(desc, (input_ids, rope_rows, slots, meta.plan), logits)
 
     def run(self, step: FusedStep) -> torch.Tensor:
         """The final-normed hidden states [T, hidden] float32 of the step's tokens (and step.logits

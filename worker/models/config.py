@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec
+from worker.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec, long_rope_switch
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -104,6 +104,12 @@ class LlamaArgs:
             self.moe is None and self.gemma is None and not self.qk_norm_whole and self.clip_qkv is None
             and self.rope.head_dim == self.head_dim  # every feature of a head rotates
         )
+
+    @property
+    def long_rope_switch(self) -> int | None:
+        """LongRoPE's switch in tokens (worker/models/rope.py), for the scheduler's choice of factors per
+        request; None without LongRoPE."""
+        return long_rope_switch(self.rope)
 
     @property
     def moe_layers(self) -> list[int]:

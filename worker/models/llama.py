@@ -24,7 +24,7 @@ from worker.attention import AttentionMetadata
 from worker.models.config import LlamaArgs
 from worker.models.moe import SparseMoe
 from worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
-from worker.models.rope import RopeSpec, cos_sin_tables
+from worker.models.rope import RopeSpec, cos_sin_tables, long_rows_start
 
 __all__ = ["LlamaArgs", "LlamaModel"]
 
@@ -69,8 +69,8 @@ class LayerWeights(NamedTuple):
 class ModelWeights(NamedTuple):
     embed: torch.Tensor  # [vocab, hidden]
     final_norm: torch.Tensor  # [hidden]
-    cos: torch.Tensor  # [max_positions, D / 2] float32, the half HF's [max_positions, D] repeats
-    sin: torch.Tensor  # [max_positions, D / 2] float32
+    cos: torch.Tensor  # [rows, D / 2] float32, the half HF's [rows, D] repeats (Rotary's rows)
+    sin: torch.Tensor  # [rows, D / 2] float32
     layers: list[LayerWeights]
     lm_head: torch.Tensor | None = None  # [vocab, hidden]: floats or GGUF blocks (the embedding's where tied)
     lm_head_bias: torch.Tensor | None = None
@@ -78,26 +78,28 @@ class ModelWeights(NamedTuple):
 
 class Rotary(nn.Module):
     """HF's cos and sin tables [max_positions, D] repeat their first half ([freqs, freqs]), so only that
-    half is kept: 1 MiB each, not 2, for 8192 positions of D 64 (issue 25's memory at load)."""
+    half is kept: 1 MiB each, not 2, for 8192 positions of D 64 (issue 25's memory at load). LongRoPE's
+    have a row per position of its long factors after the short ones' (from `long_rows_start`)."""
 
     def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
+        self.long_rows_start = long_rows_start(spec, spec.max_position_embeddings)
         # On the CPU even within a meta-device model (the loader's): meta arithmetic first imports
         # torch._dynamo (seconds); the loader keeps these tables and moves them to the model's device.
         with torch.device("cpu"):
-            cos, sin = cos_sin_tables(spec, spec.max_position_embeddings)  # [max_positions, head_dim]
+            cos, sin = cos_sin_tables(spec, spec.max_position_embeddings)  # [rows, head_dim]
             half = cos.shape[-1] // 2
             # The full width is computed as HF computes it; its halves are the same values.
             if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
                 raise RuntimeError("RoPE tables whose halves differ: half-width tables would change the bits")
             cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
-        self.register_buffer("cos", cos, persistent=False)  # [max_positions, D / 2]
+        self.register_buffer("cos", cos, persistent=False)  # [rows, D / 2]
         self.register_buffer("sin", sin, persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [T, 1, D] of this step's positions, looked up once for all layers:
-        [cos, cos] and rotate_half's minus folded in, [-sin, sin]."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def tables(self, rope_rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [T, 1, D] of this step's rows (StepInputs.rope_rows), looked up once
+        for all layers: [cos, cos] and rotate_half's minus folded in, [-sin, sin]."""
+        cos, sin = self.cos[rope_rows].unsqueeze(1), self.sin[rope_rows].unsqueeze(1)
         cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         if cos.dtype == dtype:
             return cos, signed_sin
@@ -200,6 +202,8 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(args.rope)
         if args.gemma is not None and args.gemma.rope_local is not None:  # Gemma 3's sliding layers'
             self.rotary_local = Rotary(args.gemma.rope_local)
+            if self.rotary.long_rows_start or self.rotary_local.long_rows_start:  # both read at one row
+                raise ValueError("RoPE 'longrope' in a model with a RoPE per kind of layer is not supported")
         # Given its (uninitialised) table: every weight is read from the checkpoint, and the default
         # init's normal_ on a meta-device model first imports torch._dynamo (seconds).
         table = torch.empty(args.vocab_size, args.hidden_size)
@@ -214,21 +218,22 @@ class LlamaModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        rope_rows: torch.Tensor,
         caches: list[torch.Tensor],
         meta: AttentionMetadata,
         on_layer: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]. `on_layer`:
-        called after each layer (the engine counts it as progress)."""
+        """input_ids, rope_rows (each token's row of the RoPE tables: StepInputs'): [T]. Returns the
+        final-normed hidden states [T, hidden]. `on_layer`: called after each layer (the engine counts
+        it as progress)."""
         ops, gemma = self.ops, self.args.gemma
         x = ops.embed(self.embed_tokens, input_ids)
         if gemma is not None:  # HF's normalizer: sqrt(hidden) rounded to the weights' dtype; a table
             table = self.embed_tokens.weight  # kept in GGUF blocks is uint8 storage: its values are x's dtype
             dtype = table.dtype if table.is_floating_point() else x.dtype
             x = x * torch.tensor(gemma.embed_scale, dtype=dtype).to(x.dtype)
-        rope = self.rotary.tables(positions, x.dtype)
-        rope_local = self.rotary_local.tables(positions, x.dtype) if hasattr(self, "rotary_local") else rope
+        rope = self.rotary.tables(rope_rows, x.dtype)
+        rope_local = self.rotary_local.tables(rope_rows, x.dtype) if hasattr(self, "rotary_local") else rope
         for layer, cache in zip(self.layers, caches):
             x = layer(x, rope_local if layer.is_local else rope, cache, meta, ops)
             if on_layer is not None:

@@ -5,7 +5,9 @@ process).
 Each function repeats HF's float32 arithmetic step for step (transformers' `modeling_rope_utils`), so
 the cos/sin tables are the same bits as HF's. `dynamic` (NTK) is HF's static case: HF recomputes the
 frequencies only for sequences longer than `max_position_embeddings`, which this engine never runs
-(max_model_len is capped there), so below it the frequencies are the default ones.
+(max_model_len is capped there), so below it the frequencies are the default ones. `longrope`'s
+tables hold both of its sets of rows; which one a request's tokens read is the scheduler's choice, by
+the request's length (engine_core/scheduler.py).
 """
 
 from __future__ import annotations
@@ -43,19 +45,38 @@ def rope_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     return inv_freq, 1.0  # default, and dynamic up to max_position_embeddings
 
 
+def long_rope_switch(spec: RopeSpec) -> int | None:
+    """LongRoPE's switch: a sequence longer than this many tokens rotates every position with the long
+    factors, one up to it with the short ones (HF's `seq_len > original_max_position_embeddings`);
+    None for every other RoPE type."""
+    return spec.params["original_max_position_embeddings"] if spec.rope_type == "longrope" else None
+
+
+def long_rows_start(spec: RopeSpec, num_positions: int) -> int:
+    """The row of position 0 in the long factors' part of cos_sin_tables' tables (0: one part)."""
+    switch = long_rope_switch(spec)
+    return 0 if switch is None else min(switch, num_positions)
+
+
 def cos_sin_tables(spec: RopeSpec, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [num_positions, head_dim] float32, scaled as HF scales them. LongRoPE: positions
-    below original_max_position_embeddings take the short factors, the rest the long ones (per
-    position, whatever the batch: HF's decoding with a KV cache, where the keys of a sequence that
-    crossed keep the rotation they were computed with; docs/models.md)."""
+    """cos and sin [rows, head_dim] float32, scaled as HF scales them: a row per position. LongRoPE has
+    two parts, the short factors' rows of the positions below the switch, then the long factors' rows
+    of every position, from long_rows_start: a sequence takes one part for all its positions, as HF
+    chooses one set of frequencies for a whole forward (docs/models.md)."""
     inv_freq, scaling = rope_frequencies(spec)
-    freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     if spec.rope_type == "longrope":
         long_inv_freq, _ = _longrope(spec, "long_factor")
-        is_long = torch.arange(num_positions)[:, None] >= spec.params["original_max_position_embeddings"]
-        freqs = torch.where(is_long, torch.arange(num_positions, dtype=torch.float32)[:, None] * long_inv_freq, freqs)
+        short = _angles(inv_freq, long_rows_start(spec, num_positions))
+        freqs = torch.cat((short, _angles(long_inv_freq, num_positions)))
+    else:
+        freqs = _angles(inv_freq, num_positions)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _angles(inv_freq: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """[num_positions, head_dim / 2] float32 position * inv_freq, HF's product."""
+    return torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
 
 
 def _longrope(spec: RopeSpec, factors: str) -> tuple[torch.Tensor, float]:

@@ -82,7 +82,10 @@ class DraftModelProposer:
             short = frozenset(
                 views[i].req_id for i in active if 1 < num_tokens[i] <= CATCH_UP_ROWS and views[i].num_computed_tokens
             )
-            inputs = build_step_inputs(batch, [num_tokens[i] for i in active], self.block_size, runner.device, short)
+            inputs = build_step_inputs(
+                batch, [num_tokens[i] for i in active], self.block_size, runner.device, short,
+                runner.model.rotary.long_rows_start,
+            )
             runner.backend.prepare(inputs.attn)
             hidden, fused_logits = runner.backend.forward(runner.model, inputs, runner.kv_caches, None)
             logits = runner._logits(inputs, hidden, fused_logits)

@@ -45,7 +45,7 @@ struct model_desc {
 
 /* This step's rows: T decode tokens, one per request. */
 struct step_desc {
-    const int64_t *input_ids, *positions, *slots;  /* [T] */
+    const int64_t *input_ids, *positions, *slots;  /* [T]; positions: rows of cos, sin (StepInputs.rope_rows) */
     const int64_t *rows;                           /* [T] rows of the flattened batch */
     const int32_t *block_tables;                   /* [T, max_blocks] */
     int64_t max_blocks;
