@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
     imported = time.perf_counter()
     progress = ProgressClock()
-    core = EngineCore(config, on_progress=progress.mark)
+    core = EngineCore(config, on_progress=progress.mark, owns_process=True)
     built = time.perf_counter()
     # The handlers come before the sockets are bound: a SIGTERM that arrives once the socket files exist
     # (a supervisor that saw them) stops the server cleanly instead of killing the process.

@@ -32,10 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, on_progress: Callable[[], None] | None = None) -> None:
-        """`on_progress`: called as the model moves within a step (each layer, each window step)."""
+    def __init__(self, config: EngineConfig, on_progress: Callable[[], None] | None = None,
+                 owns_process: bool = False) -> None:
+        """`on_progress`: called as the model moves within a step (each layer, each window step);
+        `owns_process`: the core runs in its own process (python -m engine_core), so it may set the
+        process's torch threads; in a user's process it leaves every global setting as it found it."""
         self.config = config
-        self.executor: Executor = make_executor(runner_spec(config), on_progress)
+        self.executor: Executor = make_executor(runner_spec(config, owns_process), on_progress)
         try:
             self._start(config)
         except BaseException:
@@ -205,8 +208,9 @@ def _speculative_stats(scheduler) -> dict:
     )
 
 
-def runner_spec(config: EngineConfig) -> RunnerSpec:
+def runner_spec(config: EngineConfig, owns_process: bool = False) -> RunnerSpec:
     return RunnerSpec(
+        owns_process=owns_process,
         model=config.model,
         dtype=config.dtype,
         device=config.device,

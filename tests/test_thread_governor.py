@@ -70,3 +70,50 @@ def test_this_hosts_proc_figures_are_read():
     assert sample is not None
     now, waited_s, idle_s = sample
     assert waited_s >= 0 and idle_s > 0 and now > 0
+
+
+def test_a_guest_step_takes_fewer_threads_and_gives_the_hosts_count_back(tmp_path):
+    """In a user's process the governor sets torch's count for one step alone: one thread while the
+    host is shared, the user's count again when the step ends; the user's count is the most it takes."""
+    host, before = FakeHost(tmp_path), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        governor = ThreadGovernor(2, period_s=0.25, clock=lambda: host.now, proc=str(tmp_path), guest=True)
+        host.advance(0.5, waited_s=0.25, idle_cores=0.0)  # shared
+        with governor.step() as threads:
+            assert threads == 1 and torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)  # the user asks for one: a step never takes more
+        host.advance(0.5, waited_s=0.0, idle_cores=1.0)
+        host.advance(0.5, waited_s=0.0, idle_cores=1.0)
+        with governor.step() as threads:
+            assert threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_in_process_engine_never_changes_its_hosts_threads(tiny_path):
+    """LLM(multiprocess=False) runs in the user's process: on a busy host (two processes spinning on the
+    cores) its steps take one thread, but torch's count between them is the user's, as it was before."""
+    import subprocess
+    import sys
+
+    from frontend import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    spin = "import time\nend = time.time() + 20\nwhile time.time() < end: pass"
+    burners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        with LLM(tiny_path, multiprocess=False) as llm:
+            governor = llm.engine.client.core.executor.backend.threads
+            params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+            for _ in range(3):  # steps for longer than the governor's period, on a host it sees as shared
+                llm.generate(["one two three"] * 4, params, use_tqdm=False)
+                assert torch.get_num_threads() == 2
+            assert governor.changes >= 1  # it saw the host shared: its steps took one thread
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+        torch.set_num_threads(before)

@@ -15,6 +15,7 @@ each tensor-parallel rank). The runner asks it, and nothing else decides it agai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -49,7 +50,9 @@ class Backend(Protocol):
     ) -> list[torch.Tensor]: ...  # one zeroed [2, Hkv, slots, D] cache a layer
     def prepare(self, attn: AttentionMetadata) -> None: ...  # sets attn.plan, before the forward
     def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None: ...  # fast path over these
+    def step_threads(self) -> contextlib.AbstractContextManager: ...  # the `with` block of one step
     def release(self) -> None: ...  # the KV cache is gone (sleep): drop what reads it
+    def close(self) -> None: ...  # the engine is done: stop what runs beside its steps
     def renew_weight_memory(self, model: LlamaModel) -> None: ...  # the weights got fresh memory
     def forward(
         self, model: LlamaModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
@@ -84,8 +87,15 @@ class TorchBackend:
     def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None:
         """No fast path: nothing reads the caches' addresses."""
 
+    def step_threads(self) -> contextlib.AbstractContextManager:
+        """torch's threads as they are."""
+        return contextlib.nullcontext()
+
     def release(self) -> None:
         """Nothing holds the caches."""
+
+    def close(self) -> None:
+        """Nothing runs beside the steps."""
 
     def renew_weight_memory(self, model: LlamaModel) -> None:
         """Nothing holds the weights' addresses."""
@@ -110,4 +120,5 @@ def choose_backend(spec: RunnerSpec, device: torch.device, is_sharded: bool) -> 
     logger.info("startup: CPU kernels %.3f s", time.perf_counter() - begun)
     if kernels is None:
         return TorchBackend(device)
-    return CpuBackend(kernels, spec.batch_invariant, spec.block_size, can_fuse=not is_sharded)
+    return CpuBackend(kernels, spec.batch_invariant, spec.block_size, can_fuse=not is_sharded,
+                      governs_threads=spec.owns_process)

@@ -19,3 +19,6 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
     num_threads: int | None = None  # torch threads in each rank process; None: shared out among them
     speculative: SpeculativeConfig | None = None  # the proposer the runner builds; None: no speculation
+    # The runner has its process to itself (a spawned core, a daemon, a rank): the thread governor may set
+    # the process's torch threads. False in a user's process (LLM(multiprocess=False)): never touched.
+    owns_process: bool = False

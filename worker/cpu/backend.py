@@ -8,6 +8,8 @@ The Backend protocol is worker/backend.py's.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -31,11 +33,14 @@ from worker.models.llama import LlamaModel
 
 
 class CpuBackend:
-    """`can_fuse`: the fused decode forward may run (not under tensor parallelism)."""
+    """`can_fuse`: the fused decode forward may run (not under tensor parallelism); `governs_threads`: the
+    process is the engine's own, whose torch threads follow the host (thread_governor.py); in a user's
+    process a step takes at most the threads the user set, and the user's count is theirs between steps."""
 
     name = "cpu"
 
-    def __init__(self, kernels: CpuKernels, is_batch_invariant: bool, block_size: int, can_fuse: bool) -> None:
+    def __init__(self, kernels: CpuKernels, is_batch_invariant: bool, block_size: int, can_fuse: bool,
+                 governs_threads: bool = False) -> None:
         self.kernels = kernels
         self.is_batch_invariant = is_batch_invariant
         self.block_size = block_size
@@ -43,7 +48,9 @@ class CpuBackend:
         self.sampling = CpuSamplingOps(kernels)
         self.fused: FusedForward | None = None  # over the KV caches bound last; None: none bound
         self.huge_page_memory: torch.Tensor | None = None  # the linear weights' mapping, until collapsed
-        self.threads = ThreadGovernor(torch.get_num_threads())
+        self.closed = threading.Event()  # the engine is done: the huge-page collapse stops
+        self.collapse: threading.Thread | None = None
+        self.threads = ThreadGovernor(torch.get_num_threads(), guest=not governs_threads)
 
     def place(self, model: LlamaModel) -> None:
         """The linear weights' place, before they are read, so that they are written once, there."""
@@ -53,7 +60,8 @@ class CpuBackend:
         """Written: the mapping goes into huge pages in the background, off the first token's path
         (it waits while `is_busy`); the model runs on CpuOps."""
         if self.huge_page_memory is not None:
-            collapse_in_background(self.huge_page_memory, busy=is_busy, delay_s=COLLAPSE_DELAY_S)
+            self.collapse = collapse_in_background(self.huge_page_memory, busy=is_busy,
+                                                   delay_s=COLLAPSE_DELAY_S, stop=self.closed)
             self.huge_page_memory = None
         apply_cpu_backend(model, self.kernels, self.is_batch_invariant)
 
@@ -64,7 +72,6 @@ class CpuBackend:
         return zeroed_kv_caches(num_layers, shape, dtype, torch.device("cpu"))
 
     def prepare(self, attn: AttentionMetadata) -> None:
-        self.threads.before_step()  # fewer threads while another busy process shares the cores
         attn.plan = cpu_attention_plan(attn, self.is_batch_invariant, self.block_size)
 
     def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None:
@@ -72,8 +79,19 @@ class CpuBackend:
         if self.can_fuse and caches:
             self.fused = FusedForward(self.kernels, model.weights(), caches, model.args)
 
+    def step_threads(self) -> contextlib.AbstractContextManager:
+        """The threads of the step run in this block: fewer while another busy process shares the cores."""
+        return self.threads.step()
+
     def release(self) -> None:
         self.fused = None
+
+    def close(self) -> None:
+        """Stops the collapse and waits for it (at most one 2 MiB page's madvise): its thread holds the
+        weights' mapping and the runner, which are freed once it is gone."""
+        self.closed.set()
+        if self.collapse is not None:
+            self.collapse.join()
 
     def renew_weight_memory(self, model: LlamaModel) -> None:
         move_linear_weights_to_huge_pages(model)  # fresh memory: rewritten next

@@ -15,17 +15,21 @@ So the count follows the host, measured every `period_s` from the kernel's own a
   each further core idle, twice in a row: back to all of them.
 An engine alone never meets the first (its threads have the cores), so it keeps its speed; where
 /proc is not there (not Linux), or with CORESERVE_FIXED_THREADS=1 in the environment, the count never
-changes. Every kernel gives the same bits at any thread
+changes. In a process that is not the engine's own (`guest`: LLM(multiprocess=False) runs in the user's
+process, whose torch settings an engine must not change) the user's thread count is the most a step
+takes, a step that takes fewer sets them for itself alone (`step()`), and the user's count is back
+when the step ends. Every kernel gives the same bits at any thread
 count (tests/test_quant_kernels.py, test_cpu_kernels.py), so the numbers do not follow the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -38,8 +42,11 @@ logger = logging.getLogger(__name__)
 class ThreadGovernor:
     def __init__(self, max_threads: int, period_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic, set_threads: Callable[[int], None] = torch.set_num_threads,
-                 proc: str = "/proc") -> None:
+                 proc: str = "/proc", guest: bool = False) -> None:
         self.max_threads, self.period_s, self.clock, self.set_threads = max_threads, period_s, clock, set_threads
+        self.guest = guest
+        if guest:  # the count is set around each step (`step`), never left changed
+            self.set_threads = lambda threads: None
         self.proc = proc
         self._step_thread = os.getpid()  # the thread that steps (its schedstat is read); set at its first step
         self._cpus = {f"cpu{n}" for n in _allowed_cpus()}  # the CPUs this process may run on
@@ -48,6 +55,26 @@ class ThreadGovernor:
         self._free_looks = 0  # looks in a row that found the cores free (two take the threads back)
         self._fixed = os.environ.get("CORESERVE_FIXED_THREADS", "0") not in ("", "0")
         self._last = None if self._fixed else self.sample()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[int]:
+        """The `with` block of one step, given its thread count. In the engine's own process the count
+        is set when it changes and stays set; as a guest the host's current count is the most, a step
+        that takes fewer sets torch's count for itself, and the host's is restored when it ends."""
+        if not self.guest:
+            yield self.before_step()
+            return
+        host = torch.get_num_threads()
+        self.max_threads, self.threads = host, min(self.threads, host)
+        threads = self.before_step()
+        if threads == host:
+            yield threads
+            return
+        torch.set_num_threads(threads)
+        try:
+            yield threads
+        finally:
+            torch.set_num_threads(host)
 
     def before_step(self) -> int:
         """The threads this step takes (after a fresh look at the host where `period_s` has passed)."""

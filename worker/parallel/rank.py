@@ -72,7 +72,8 @@ def _start(spec: WorkerSpec, sock: zmq.Socket):
     torch.set_num_threads(spec.num_threads)
     group = TensorParallelGroup(spec.rank, spec.size, spec.store_path, spec.runner.device)
     on_progress = _progress_sender(sock) if spec.rank == 0 else None
-    runner = ModelRunner(spec.runner, on_progress=on_progress, group=group)
+    own = msgspec.structs.replace(spec.runner, owns_process=True)  # a rank's process is its own
+    runner = ModelRunner(own, on_progress=on_progress, group=group)
     sock.send(msgspec.msgpack.encode(Ready(runner.bytes_per_block())))
     return runner
 
