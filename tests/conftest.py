@@ -81,6 +81,30 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.skip(reason=f"fp32_exact: {reason}"))
 
 
+PEAK_RSS_LIMIT_MIB = 4096  # issue 49: a host with a memory limit runs the suite; engines give memory back
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Past PEAK_RSS_LIMIT_MIB the run fails: something keeps closed engines' memory."""
+    limit = int(os.environ.get("CORESERVE_PEAK_RSS_LIMIT_MIB", PEAK_RSS_LIMIT_MIB))
+    if _peak_rss_mib() > limit and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The pytest process's peak resident memory over the suite (spawned cores and the conformance
+    script's processes are their own)."""
+    limit = int(os.environ.get("CORESERVE_PEAK_RSS_LIMIT_MIB", PEAK_RSS_LIMIT_MIB))
+    over = " FAILED: past the limit" if _peak_rss_mib() > limit else ""
+    terminalreporter.write_line(f"pytest process peak RSS: {_peak_rss_mib():.0f} MiB (limit {limit}){over}")
+
+
 def in_test_dtype(path: str) -> str:
     """`path` itself in fp32 mode; in bf16 mode its bf16 copy, made once next to it (the same
     tokenizer and config, the weights rounded to bf16, config.json naming bfloat16)."""

@@ -70,22 +70,27 @@ def place_linear_weights(model: nn.Module, keep_values: bool = True) -> torch.Te
 
 
 def collapse_in_background(
-    memory: torch.Tensor, busy: Callable[[], bool] | None = None, delay_s: float = 0.0
+    memory: torch.Tensor, busy: Callable[[], bool] | None = None, delay_s: float = 0.0,
+    stop: threading.Event | None = None,
 ) -> threading.Thread:
     """Advises `memory` (from `huge_page_bytes`) MADV_HUGEPAGE and collapses it into huge pages, one at a
     time, in a daemon thread at the lowest priority; the values and addresses stay. While `busy()` (the
     runner stepped lately) it waits, up to _MAX_DEFER_S in all: a collapse beside a step made the first
     token 0.3-0.7 s late instead of 0.08. `delay_s`: first wait this long, so an engine that lives a
-    few seconds (a script, a test) does not pay the compaction at all. The thread holds the memory
-    until it is done (a model dropped meanwhile frees it then)."""
-    args = (memory, busy, delay_s)
+    few seconds (a script, a test) does not pay the compaction at all. The thread holds the memory (and
+    `busy`'s owner) until it is done or `stop` is set: a closed engine sets it, so an in-process engine
+    gives its memory back when it closes, not seconds later."""
+    args = (memory, busy, delay_s, stop or threading.Event())
     thread = threading.Thread(target=_collapse, args=args, name="huge-page-collapse", daemon=True)
     thread.start()
     return thread
 
 
-def _collapse(memory: torch.Tensor, busy: Callable[[], bool] | None, delay_s: float) -> None:
-    time.sleep(delay_s)
+def _collapse(
+    memory: torch.Tensor, busy: Callable[[], bool] | None, delay_s: float, stop: threading.Event
+) -> None:
+    if stop.wait(delay_s):
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only, on Linux
     except (AttributeError, OSError):
@@ -99,7 +104,9 @@ def _collapse(memory: torch.Tensor, busy: Callable[[], bool] | None, delay_s: fl
     deferred_until = time.monotonic() + _MAX_DEFER_S
     for offset in range(0, size, _COLLAPSE_CHUNK):  # ctypes lets go of the GIL for each call
         while busy is not None and busy() and time.monotonic() < deferred_until:
-            time.sleep(0.05)
+            stop.wait(0.05)
+        if stop.is_set():
+            return
         if madvise(start + offset, min(_COLLAPSE_CHUNK, size - offset), _MADV_COLLAPSE) != 0:
             logger.info("huge pages left to khugepaged (MADV_COLLAPSE: errno %d)", ctypes.get_errno())
             return
