@@ -83,7 +83,9 @@ class ModelRunner:
         return time.monotonic() - self.last_step_at < 0.25
 
     def close(self) -> None:
-        """Nothing to stop: the model lives in this process."""
+        """The model lives in this process: only what runs beside the steps stops (the huge-page
+        collapse, which would hold the weights seconds after an in-process engine closed)."""
+        self.backend.close()
 
     @property
     def model_args(self):  # LlamaArgs (this rank's share of the heads under tensor parallelism)
@@ -118,6 +120,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, on the threads the backend gives it (fewer while the host is shared)."""
+        with self.backend.step_threads():
+            return self._step(scheduler_output)
+
+    def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The forward of every scheduled token, then the sampled rows and the prompt logprob rows of the
+        requests that ask (a multi-step window runs its steps in `_execute_window`)."""
         self._apply_diffs(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], np.zeros((0, 1), dtype=np.int32))
@@ -137,31 +146,45 @@ class ModelRunner:
             sampling_states = verification.row_states(states, inputs.sampled_req_ids)
         else:
             sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
-        tensors, masses, out = StepTensors(), {}, None
-        if sampling_states:
-            logits = self._logits(inputs, hidden, fused_logits)
-            out = self._sample(scheduler_output, inputs, sampling_states, logits)
-            if verification is None:
-                tensors.add_step(out.sampled, out.logprobs)
-            masses = _constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
-        if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
-            tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
-        host = tensors.to_host()
+        out, masses, host = self._sample_rows(scheduler_output, inputs, sampling_states, hidden, fused_logits,
+                                              keep_rows=verification is None)
         masks = sampling_masks(sampling_states, out)
+        output = self._step_output(verification, inputs, sampling_states, out, masses, host)
+        output.routed_experts, output.sampling_masks = routed, masks
+        return output
+
+    def _step_output(self, verification: Verification | None, inputs: StepInputs, sampling_states: list,
+                     out, masses: dict, host) -> ModelRunnerOutput:
+        """The step's output: the speculator's where it verified proposals (the tokens it accepted), else
+        each sampled row's token appended to its request and the rows as they came to the host."""
         if verification is not None:
             sampled = [self.states[req_id] for req_id in dict.fromkeys(inputs.sampled_req_ids)]
             output = self.speculator.verified(
                 verification, sampled, inputs.sampled_req_ids, out, _logprob_req_ids(sampled), masses
             )
-            output.prompt_logprobs, output.routed_experts = host.prompt_logprobs, routed
-            output.sampling_masks = masks
+            output.prompt_logprobs = host.prompt_logprobs
             return output
         for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
             state.token_ids.append(token_id)
         output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
-        output.constraint_masses, output.routed_experts = masses, routed
-        output.sampling_masks = masks
+        output.constraint_masses = masses
         return output
+
+    def _sample_rows(self, scheduler_output: SchedulerOutput, inputs: StepInputs, sampling_states: list,
+                     hidden: torch.Tensor, fused_logits: torch.Tensor | None, keep_rows: bool):
+        """Samples the rows that sample and computes the prompt logprob rows, brought to the host in one
+        copy; `keep_rows` False: the sampled rows are a verification's, which the speculator keeps.
+        Returns (the sampler's output or None, constraint masses, the host tensors)."""
+        tensors, masses, out = StepTensors(), {}, None
+        if sampling_states:
+            logits = self._logits(inputs, hidden, fused_logits)
+            out = self._sample(scheduler_output, inputs, sampling_states, logits)
+            if keep_rows:
+                tensors.add_step(out.sampled, out.logprobs)
+            masses = _constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
+        if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
+            tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
+        return out, masses, tensors.to_host()
 
     def _prepare(
         self, states: list[RequestState], num_tokens: list[int], verification: Verification | None = None
