@@ -7,10 +7,10 @@ each step: it applies when every token of the step is a decode row (one token wi
 and there are at most `FUSED_MAX_ROWS` of them; elsewhere the model runs op by op. The model is
 read through `LlamaModel.weights()`, its one description of its tensors; the C reads it as
 `struct model_desc` (bindings.py). Weights kept in GGUF blocks take the quantized products
-(csrc/gemv_quant.c), the embedding rows dequantized in C: the numbers of the op-by-op path still. Both paths give the same numbers (Qwen3's per-head q/k norms: to
-float rounding, C's RMSNorm against torch's). Token ids and positions are trusted as the scheduler
-bounds them (the C reads them). Layers split over ranks (tensor parallelism) never come here: the
-sums over ranks sit between a layer's halves.
+(csrc/gemv_quant.c), the embedding rows dequantized in C: the numbers of the op-by-op path still.
+Both paths give the same numbers, bit for bit (Qwen3's per-head q/k norms too: the same C norm each
+head). Token ids and positions are trusted as the scheduler bounds them (the C reads them). Layers
+split over ranks (tensor parallelism) never come here: the sums over ranks sit between a layer's halves.
 """
 
 from __future__ import annotations

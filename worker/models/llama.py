@@ -143,7 +143,7 @@ class DecoderLayer(nn.Module):
         num_tokens, a = x.shape[0], self.args
         qkv = ops.linear(self.qkv_proj, ops.rms_norm(self.input_layernorm, x))
         if a.has_qk_norm or a.qk_norm_whole:
-            qkv = self._norm_qk(qkv)
+            qkv = self._norm_qk(qkv, ops)
         if a.clip_qkv is not None:
             qkv = qkv.clamp(-a.clip_qkv, a.clip_qkv)
         q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
@@ -183,16 +183,18 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj.weight if dense else None, self.down_proj.weight if dense else None,
         )
 
-    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3: RMSNorm over each head of q and k (OLMoE: over all of q and all of k), before RoPE;
-        qkv [T, (Hq + 2 Hkv) D] stays whole. torch's norm on every backend (few elements a token)."""
+    def _norm_qk(self, qkv: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        """Qwen3: RMSNorm over each head of q and k (OLMoE: over all of q and all of k, torch's), before
+        RoPE; qkv [T, (Hq + 2 Hkv) D] stays whole. The per-head norms are the ops', a row [T H, D] a head:
+        the fused decode forward norms each head with the same C, so a token's bits do not depend on
+        which path its step took (batch invariance)."""
         num_tokens, a = qkv.shape[0], self.args
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if a.qk_norm_whole:
             return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
-        q = self.q_norm(q.reshape(num_tokens, a.num_heads, a.head_dim)).flatten(1)
-        k = self.k_norm(k.reshape(num_tokens, a.num_kv_heads, a.head_dim)).flatten(1)
-        return torch.cat((q, k, v), dim=-1)
+        q = ops.rms_norm(self.q_norm, q.reshape(num_tokens * a.num_heads, a.head_dim).contiguous())
+        k = ops.rms_norm(self.k_norm, k.reshape(num_tokens * a.num_kv_heads, a.head_dim).contiguous())
+        return torch.cat((q.view(num_tokens, -1), k.view(num_tokens, -1), v), dim=-1)
 
 
 class LlamaModel(nn.Module):

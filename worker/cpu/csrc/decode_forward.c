@@ -8,8 +8,8 @@
  * Here the threads stay in one region for the whole forward and meet at a barrier between dependent
  * steps; each thread computes the norms before the products itself (a row's few thousand operations
  * against a barrier each), and SiLU is split within a row. Every step is the same per-token or per-thread function the separate kernels run
- * (kernel_parts.h), so the numbers are those of the op-by-op path bit for bit, except Qwen3's
- * per-head q/k norms (C's RMSNorm here, torch's there: equal to float rounding).
+ * (kernel_parts.h), so the numbers are those of the op-by-op path bit for bit (Qwen3's per-head q/k
+ * norms too: the op-by-op path norms each head with rms_norm_token as well).
  *
  * A layer: h = x + o(attention(rope(qkv(norm(x))))); out = h + down(silu(gate(norm(h))) * up(...)).
  */
