@@ -12,6 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from gguf_fuzz_files import peaked_init  # noqa: E402  (the family models' init, the fuzzer's too)
 from real_tokenizers import real_tokenizer_path  # noqa: E402  (tests/: the family tests' tokenizers)
 
 from protocol.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
@@ -457,24 +458,11 @@ def write_family_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_peaked_init(name, param))
+            param.copy_(peaked_init(name, param))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.to(getattr(torch, dtype)).save_pretrained(str(folder), **kwargs)
     tokenizer.save_pretrained(str(folder))
     return str(folder)
-
-
-def _peaked_init(name: str, param):
-    import torch
-
-    if name.endswith("norm.weight"):
-        return 1.0 + 0.1 * torch.randn_like(param)
-    if name.endswith("bias"):
-        return 0.1 * torch.randn_like(param)
-    if "embed_tokens" in name:
-        return torch.randn_like(param)
-    scale = 5.0 if "lm_head" in name else 0.5 if ("o_proj" in name or "down_proj" in name) else 1.0
-    return scale * param.shape[-1] ** -0.5 * torch.randn_like(param)  # [..., out, in]: HF's 3-D experts too
 
 
 @pytest.fixture(scope="session")

@@ -67,12 +67,13 @@ def _write_source(case: FuzzCase, folder: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_peaked_init(name, param))
+            param.copy_(peaked_init(name, param))
     model.save_pretrained(str(folder))
 
 
-def _peaked_init(name: str, param):
-    """conftest.py's init for the family models (a script cannot import conftest)."""
+def peaked_init(name: str, param):
+    """The family models' init (conftest.py's and the fuzzer's): norms near 1, logits spread enough that
+    greedy choices are not near ties."""
     import torch
 
     if name.endswith("norm.weight"):
