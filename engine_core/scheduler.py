@@ -2,11 +2,7 @@
 (engine-core process). No prefill or decode phase: each request's computed-token count catches up with
 its token count, a budget's worth at a time.
 
-LongRoPE (Phi-3): a request rotates every position with the long factors when it holds more tokens than
-the switch, else with the short ones, chosen per request at admission (a batch never changes it). One
-on the short factors that outgrows the switch is computed again from its start with the long ones, as
-HF's Phi-3 generate drops its cache there; its steps stop at the crossing (no window or proposal runs
-past it), and prefix-cache chains keep the two rotations apart.
+LongRoPE (Phi-3): the factors are chosen per request, at admission (engine_core/long_rope.py).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ from collections import defaultdict
 
 from engine_core.grammars import Grammars, wait_for_any
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.long_rope import LongRopeRule
 from engine_core.multi_step import extend_to_window
 from engine_core.outputs import add_token_extras, make_output
 from engine_core.prompt_rows import flavour_of
@@ -40,7 +37,7 @@ class Scheduler:
         long_rope_switch: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
-        self.long_rope_switch = long_rope_switch  # LongRoPE's (worker/models/rope.py); None: no LongRoPE
+        self.long_rope = LongRopeRule(long_rope_switch, max_model_len)  # switch None: no LongRoPE
         self.grammars = grammars  # structured outputs; None: every request is unconstrained
         self.compiling: list[Request] = []  # waiting for their grammar; the others are scheduled meanwhile
         self.failed: list[tuple[Request, str]] = []  # grammars that did not compile, with why: reported next
@@ -115,11 +112,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            is_restarted = self._restart_past_switch(req, output)
+            is_restarted = self.long_rope.restart(req, self.kv_cache, output)
+            if is_restarted and self.kv_cache.index is not None and req.can_read_prefix_cache:
+                self._read_cached_prefix(req)  # its long prefix, where another request computed it
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             num_spec, new_blocks = 0, None
             if self.speculation is not None:
-                max_len = self._max_len(req)
+                max_len = self.long_rope.max_len(req)
                 num_spec, new_blocks = self.speculation.allocate(req, num_new, budget, self.kv_cache, max_len)
             if not num_spec:
                 new_blocks = self._allocate_or_preempt(req, num_new, output)
@@ -143,7 +142,7 @@ class Scheduler:
             budget -= num_new
         if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs and not output.spec_tokens:
             reqs = [self.requests[data.req_id] for data in output.cached_reqs]
-            max_lens = [self._max_len(req) for req in reqs]
+            max_lens = [self.long_rope.max_len(req) for req in reqs]
             extend_to_window(output, reqs, self.kv_cache, self.num_scheduler_steps, max_lens)
         if self.num_with_grammar:
             reqs = [self.requests[r] for r in output.num_scheduled_tokens]
@@ -177,7 +176,7 @@ class Scheduler:
         can_read_cache = self.kv_cache.index is not None and req.can_read_prefix_cache
         if can_read_cache and self._is_prefix_being_computed(req):
             return None
-        req.is_long_rope = self._is_past_switch(req)
+        req.is_long_rope = self.long_rope.is_past_switch(req)
         if can_read_cache:
             self._read_cached_prefix(req)
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -214,7 +213,7 @@ class Scheduler:
         size = self.kv_cache.block_size
         if req.num_prompt_tokens <= size:
             return False
-        first, salt, is_long = req.prompt_token_ids[:size], req.params.cache_salt, self._is_past_switch(req)
+        first, salt, is_long = req.prompt_token_ids[:size], req.params.cache_salt, self.long_rope.is_past_switch(req)
         if self.kv_cache.index.lookup(self.kv_cache.index.root_of(salt, is_long), tuple(first)) is not None:
             return False
         return any(
@@ -225,30 +224,6 @@ class Scheduler:
             < (min(r.num_prompt_tokens, req.num_prompt_tokens) - 1) // size * size
             for r in self.running
         )
-
-    def _is_past_switch(self, req: Request) -> bool:
-        """Whether `req` holds more tokens than LongRoPE's switch (its forwards take the long factors)."""
-        return self.long_rope_switch is not None and req.num_tokens > self.long_rope_switch
-
-    def _max_len(self, req: Request) -> int:
-        """The most tokens `req` may hold after a step: max_model_len, or on LongRoPE's short factors one
-        past the switch (a token sampled there is the short factors' last; then it is computed again)."""
-        if req.is_long_rope or self.long_rope_switch is None:
-            return self.max_model_len
-        return min(self.max_model_len, self.long_rope_switch + 1)
-
-    def _restart_past_switch(self, req: Request, output: SchedulerOutput) -> bool:
-        """A running request on LongRoPE's short factors that outgrew the switch starts again on the long
-        ones, from its first token (HF's Phi-3 generate recomputes its cache there): its blocks freed,
-        its long prefix read from the cache. Returns whether it restarted."""
-        if req.is_long_rope or not self._is_past_switch(req):
-            return False
-        self.kv_cache.free(req.req_id)
-        req.num_computed_tokens, req.is_long_rope = 0, True
-        output.finished_req_ids.add(req.req_id)
-        if self.kv_cache.index is not None and req.can_read_prefix_cache:
-            self._read_cached_prefix(req)
-        return True
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
         output.num_scheduled_tokens[req.req_id] = num_new

@@ -32,7 +32,7 @@ from worker.sampling.sampler import Sampler, SamplerOutput, advance_penalties
 from worker.sampling.supports import sampling_masks
 from worker.speculative.speculator import Speculator
 from worker.speculative.verification import Verification
-from worker.step_tensors import LogprobsTensors, StepTensors
+from worker.step_tensors import LogprobsTensors, StepTensors, constraint_masses, logprob_req_ids
 
 logger = logging.getLogger(__name__)
 
@@ -160,13 +160,13 @@ class ModelRunner:
         if verification is not None:
             sampled = [self.states[req_id] for req_id in dict.fromkeys(inputs.sampled_req_ids)]
             output = self.speculator.verified(
-                verification, sampled, inputs.sampled_req_ids, out, _logprob_req_ids(sampled), masses
+                verification, sampled, inputs.sampled_req_ids, out, logprob_req_ids(sampled), masses
             )
             output.prompt_logprobs = host.prompt_logprobs
             return output
         for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
             state.token_ids.append(token_id)
-        output = host.runner_output([s.req_id for s in sampling_states], _logprob_req_ids(sampling_states))
+        output = host.runner_output([s.req_id for s in sampling_states], logprob_req_ids(sampling_states))
         output.constraint_masses = masses
         return output
 
@@ -181,7 +181,7 @@ class ModelRunner:
             out = self._sample(scheduler_output, inputs, sampling_states, logits)
             if keep_rows:
                 tensors.add_step(out.sampled, out.logprobs)
-            masses = _constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
+            masses = constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
         if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
             tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
         return out, masses, tensors.to_host()
@@ -269,7 +269,7 @@ class ModelRunner:
         host = tensors.to_host()  # sampled_token_ids [num_reqs, num_steps]
         for state, tokens in zip(states, host.sampled_token_ids.tolist()):
             state.token_ids[-num_steps:] = tokens
-        output = host.runner_output([s.req_id for s in states], _logprob_req_ids(states))
+        output = host.runner_output([s.req_id for s in states], logprob_req_ids(states))
         output.routed_experts, output.sampling_masks = routed, masks
         return output
 
@@ -339,19 +339,3 @@ class ModelRunner:
         if kv_cache and not self.kv_caches and self.num_kv_blocks:
             self.allocate_kv_cache(self.num_kv_blocks)  # zeroed; the backend binds to it again
 
-
-def _constraint_masses(grammar_req_ids: list[str], out: SamplerOutput, states: dict) -> dict[str, list[float]]:
-    """The grammar rows' allowed mass, per row of each request that asked for logprobs (a verified one
-    has a row a position); a second small copy, only on steps with such a row."""
-    wanted = [row for row, r in enumerate(grammar_req_ids) if states[r].logprobs_k is not None]
-    if not wanted or out.constraint_masses is None:
-        return {}
-    values = out.constraint_masses.cpu().tolist()
-    masses: dict[str, list[float]] = {}
-    for row in wanted:
-        masses.setdefault(grammar_req_ids[row], []).append(values[row])
-    return masses
-
-
-def _logprob_req_ids(states: list[RequestState]) -> list[str]:
-    return [s.req_id for s in states if s.logprobs_k is not None]

@@ -99,3 +99,21 @@ def copy_to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
         out.append(chunk.view(np.float32) if tensor.dtype == torch.float32 else chunk)
         offset += size
     return out
+
+
+def constraint_masses(grammar_req_ids: list[str], out, states: dict) -> dict[str, list[float]]:
+    """The grammar rows' allowed mass, per row of each request that asked for logprobs (a verified one
+    has a row a position); a second small copy, only on steps with such a row."""
+    wanted = [row for row, r in enumerate(grammar_req_ids) if states[r].logprobs_k is not None]
+    if not wanted or out.constraint_masses is None:
+        return {}
+    values = out.constraint_masses.cpu().tolist()
+    masses: dict[str, list[float]] = {}
+    for row in wanted:
+        masses.setdefault(grammar_req_ids[row], []).append(values[row])
+    return masses
+
+
+def logprob_req_ids(states: list) -> list[str]:
+    """The ids of the requests (RequestState) that asked for sample logprobs, in order."""
+    return [s.req_id for s in states if s.logprobs_k is not None]
