@@ -7,6 +7,9 @@ RequestOutput deltas; a pipe wakes the engine thread when a command arrives.
 Every submission gets its own key (the user's request id plus a serial number): outputs are routed by
 that key, so a request id reused after a cancel never receives the old request's last output. An error
 in one request's command or output fails that request alone; only a dead core fails them all.
+
+Its control verbs (RL: update_weights, sleep, ...) are `AsyncLLMControlVerbs`' (frontend/control_verbs.py),
+each a `_call` of the FrontendEngine's verb.
 """
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from frontend.control_verbs import AsyncLLMControlVerbs
 from frontend.engine.engine import FrontendEngine, PreparedRequest
 from frontend.engine.input_processor import PromptType
 from frontend.engine.token_text import TokenTable
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.outputs import RequestOutput
 from frontend.request_stream import RequestStream
-from protocol.messages import ControlReply, EngineStats, HandshakeReply
+from protocol.messages import EngineStats, HandshakeReply
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,7 +71,7 @@ class _Stream:
     outputs: asyncio.Queue  # RequestOutput deltas, or the exception that ends the stream
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncLLMControlVerbs):
     """`async for out in engine.generate(prompt, params, request_id)` yields each step's new tokens, text
     and logprobs; leaving the loop early (break, cancel) aborts the request and frees its KV blocks."""
 
@@ -156,45 +160,6 @@ class AsyncLLM:
     async def get_engine_stats(self) -> EngineStats:
         """The core's state (engine-wide), taken between two steps after everything sent before."""
         return await self._call(FrontendEngine.get_stats)
-
-    # RL control: FrontendEngine's verbs (whose docstrings say more), each run on the engine thread.
-
-    async def update_weights(
-        self,
-        weights: str | os.PathLike | Iterable,
-        mode: str = "wait",
-        keep_buffer: bool = True,
-        weight_version: int | None = None,
-    ) -> int:
-        """New weights in place ((HF name, tensor) pairs or a checkpoint path); returns the new weight_version
-        (`weight_version`: the one to take; None: one more)."""
-        return await self._call(lambda engine: engine.update_weights(weights, mode, keep_buffer, weight_version))
-
-    async def pause_generation(self, mode: str = "abort") -> None:
-        """Nothing new is scheduled until resume_generation; mode "abort", "wait" or "keep"."""
-        await self._call(lambda engine: engine.pause_generation(mode))
-
-    async def resume_generation(self) -> None:
-        """Scheduling goes on after pause_generation."""
-        await self._call(FrontendEngine.resume_generation)
-
-    async def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix (after new weights, the old KV is stale)."""
-        await self._call(FrontendEngine.reset_prefix_cache)
-
-    async def sleep(self, level: int = 1) -> None:
-        """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
-        await self._call(lambda engine: engine.sleep(level))
-
-    async def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
-        """`tags`: "weights", "kv_cache" (None: both); `path`: the checkpoint after sleep level 2."""
-        await self._call(lambda engine: engine.wake_up(tags, path))
-
-    async def control_state(self) -> ControlReply:
-        return await self._call(FrontendEngine.control_state)
-
-    async def is_sleeping(self) -> bool:
-        return (await self.control_state()).sleep_level > 0
 
     async def _call(self, method: Callable[[FrontendEngine], T]) -> T:
         """`method(engine)` run on the engine thread, between two output pumps."""

@@ -1,26 +1,27 @@
-"""LLM: the offline, synchronous API with vLLM's names (frontend process)."""
+"""LLM: the offline, synchronous API with vLLM's names (frontend process). Its control verbs (RL:
+update_weights, sleep, ...) are `LLMControlVerbs`' (frontend/control_verbs.py)."""
 
 from __future__ import annotations
 
 import itertools
-import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from frontend.clients.client_protocol import CoreClient
+from frontend.control_verbs import LLMControlVerbs
 from frontend.engine.chat_template import render_chat
 from frontend.engine.engine import FrontendEngine
 from frontend.engine.input_processor import InputProcessor, PromptType
 from frontend.engine.output_processor import OutputProcessor
-from frontend.engine.request_ids import request_id_of
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.outputs import RequestOutput
+from frontend.request_ids import request_id_of
 from protocol.messages import EngineStats
 from protocol.sampling_params import SamplingParams
 
 OUTPUT_POLL_S = 0.05
 
 
-class LLM:
+class LLM(LLMControlVerbs):
     """`LLM(model=None, **engine_args)`: None is the built-in tiny model; `core_address` attaches to a
     running `python -m engine_core` daemon instead of spawning a core (a list: several daemons of the
     same model, requests spread over them); `multiprocess=False` runs the core in this process."""
@@ -133,45 +134,6 @@ class LLM:
         this LLM sent before (so after the aborts of its finished requests), between two steps. At
         idle every block is free. Like generate, not to be called from two threads at once."""
         return self.engine.get_stats()
-
-    # RL control, vLLM's names: FrontendEngine's verbs, whose docstrings say more.
-
-    def update_weights(
-        self,
-        weights: str | os.PathLike | Iterable,
-        mode: str = "wait",
-        keep_buffer: bool = True,
-        weight_version: int | None = None,
-    ) -> int:
-        """New weights in place ((HF name, tensor) pairs or a checkpoint path); returns the new weight_version
-        (`weight_version`: the one to take; None: one more)."""
-        return self.engine.update_weights(weights, mode, keep_buffer, weight_version)
-
-    def pause_generation(self, mode: str = "abort") -> None:
-        """Nothing new is scheduled until resume_generation; mode "abort", "wait" or "keep"."""
-        self.engine.pause_generation(mode)
-
-    def resume_generation(self) -> None:
-        """Scheduling goes on after pause_generation."""
-        self.engine.resume_generation()
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix (after new weights, the old KV is stale)."""
-        self.engine.reset_prefix_cache()
-
-    def sleep(self, level: int = 1) -> None:
-        """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
-        self.engine.sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
-        """`tags`: "weights", "kv_cache" (None: both); `path`: the checkpoint after sleep level 2."""
-        self.engine.wake_up(tags, path)
-
-    def is_sleeping(self) -> bool:
-        return self.engine.control_state().sleep_level > 0
-
-    def get_weight_version(self) -> int:
-        return self.engine.control_state().weight_version
 
     def shutdown(self) -> None:
         self.engine.shutdown()

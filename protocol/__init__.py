@@ -3,7 +3,8 @@
 from protocol.sampling_params import LogprobsMode, SamplingParams
 
 # 2: GetStats / EngineStats; 3: requests encoded one by one, handshake enforced;
-# 4: prefix cache stats and num_cached_tokens
-PROTOCOL_VERSION = 5
+# 4: prefix cache stats and num_cached_tokens; 6: one ControlCall for every control verb but the update
+# and the state query (was one message each)
+PROTOCOL_VERSION = 6
 
 __all__ = ["PROTOCOL_VERSION", "LogprobsMode", "SamplingParams"]

@@ -6,7 +6,7 @@ Every message is a closed, tagged msgspec struct; a frame that decodes to anythi
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -72,7 +72,19 @@ class Goodbye(msgspec.Struct, tag="bye", array_like=True):
 
 # Control for RL (docs/rl.md): each is answered by one ControlReply with its nonce, after everything the
 # client sent before it, once the command is done (an update in "wait" mode waits for running requests).
+# ControlCall names any verb of the core's table (engine_core/rl_control.py's VERBS); the update and the
+# state query have messages of their own, being the two a client of several cores looks into
+# (frontend/clients/multi_core_control.py: an update checked on every core first, versions compared).
 PauseMode = Literal["abort", "wait", "keep"]
+
+
+class ControlCall(msgspec.Struct, tag="call", array_like=True):
+    """`verb(**kwargs)` in the core, e.g. ("sleep", {"level": 1}); the core refuses a verb it does not
+    know or arguments that do not fit the verb's (docs/protocol.md lists them)."""
+
+    nonce: int
+    verb: str
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)  # msgpack values only
 
 
 class UpdateWeights(msgspec.Struct, tag="update", array_like=True):
@@ -86,40 +98,13 @@ class UpdateWeights(msgspec.Struct, tag="update", array_like=True):
     weight_version: int | None = None  # the version the new weights take (a trainer's step); None: + 1
 
 
-class PauseGeneration(msgspec.Struct, tag="pause", array_like=True):
-    nonce: int
-    mode: PauseMode = "abort"
-
-
-class ResumeGeneration(msgspec.Struct, tag="resume", array_like=True):
-    nonce: int
-
-
-class ResetPrefixCache(msgspec.Struct, tag="resetcache", array_like=True):
-    nonce: int
-
-
-class Sleep(msgspec.Struct, tag="sleep", array_like=True):
-    nonce: int
-    level: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1  # 1: free the KV cache; 2: the weights too
-
-
-class WakeUp(msgspec.Struct, tag="wake", array_like=True):
-    nonce: int
-    tags: list[Literal["weights", "kv_cache"]] | None = None  # None: both
-    path: str | None = None  # after sleep level 2: the checkpoint the weights come back from
-
-
 class GetControlState(msgspec.Struct, tag="getstate", array_like=True):
     nonce: int
 
 
-ControlCommand = (
-    UpdateWeights | PauseGeneration | ResumeGeneration | ResetPrefixCache | Sleep | WakeUp | GetControlState
-)
+ControlCommand = UpdateWeights | GetControlState | ControlCall
 ClientMessage = (
-    Hello | AddRequests | AbortRequests | Heartbeat | GetStats | Goodbye
-    | UpdateWeights | PauseGeneration | ResumeGeneration | ResetPrefixCache | Sleep | WakeUp | GetControlState
+    Hello | AddRequests | AbortRequests | Heartbeat | GetStats | Goodbye | UpdateWeights | GetControlState | ControlCall
 )
 
 
@@ -179,7 +164,7 @@ class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
     eos_token_ids: list[int]
     num_kv_blocks: int
     block_size: int
-    has_rl_control: bool = False  # the core takes UpdateWeights, Sleep... (an older core omits it)
+    has_rl_control: bool = False  # the core takes the control commands (an older core omits it)
     num_moe_layers: int = 0  # a mixture of experts' routed layers (return_routed_experts); 0: dense
 
 
@@ -217,6 +202,7 @@ class ControlReply(msgspec.Struct, tag="done", array_like=True):
     is_paused: bool
     sleep_level: int  # 0 awake; 1 KV cache freed; 2 the weights too
     timings: dict[str, float] | None = None  # an update's phases in the core, seconds (docs/rl.md)
+    result: Any = None  # what the verb returned, for a verb that returns something (msgpack values)
 
 
 class EngineError(msgspec.Struct, tag="fatal", array_like=True):

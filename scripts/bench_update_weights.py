@@ -67,11 +67,11 @@ def main() -> None:
         for _ in range(args.first):  # as an RL loop does: its first syncs right after the engine starts
             llm.update_weights(state)
             for phase in PHASES:
-                first[phase].append(llm.engine.control.last_timings.get(phase, 0.0))
+                first[phase].append(llm.engine.last_update_timings.get(phase, 0.0))
         time.sleep(args.settle)  # a long-running RL engine's steady state, not its first seconds
         for _ in range(args.repeats):
             llm.update_weights(state)
-            timings = llm.engine.control.last_timings
+            timings = llm.engine.last_update_timings
             for phase in PHASES:
                 rounds[phase].append(timings.get(phase, 0.0))
     num_bytes = sum(t.numel() * t.element_size() for _, t in state)

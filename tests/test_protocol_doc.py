@@ -64,7 +64,7 @@ class DocClient:
 
     def handshake(self, model_dir: str) -> list:
         for _ in range(40):
-            self.send(["hello", 5, fingerprint(model_dir)])  # the document's protocol version
+            self.send(["hello", 6, fingerprint(model_dir)])  # the document's protocol version
             reply = self.receive(0.5)
             if reply is not None and reply[0] == "ready":
                 return reply

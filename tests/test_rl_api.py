@@ -1,4 +1,4 @@
-"""The RL control through the Python API (frontend/engine/rl_control.py) across the real process boundary, on the
+"""The RL control through the Python API (frontend/engine/engine.py, frontend/control_verbs.py) across the real process boundary, on the
 built-in model: LLM with a spawned core and with TP=2 ranks, AsyncLLM with its streamed deltas."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import HF_TOLERANCE, load_hf
 from rl_checks import hf_scored, perturb
+from safetensors.torch import save_file
 
 from frontend import LLM, AsyncLLM
 from protocol.sampling_params import SamplingParams
@@ -39,8 +40,13 @@ def test_update_weights_from_named_parameters_across_the_process_boundary(llm, t
     assert llm.generate([PROMPT], GREEDY)[0].weight_version == version
 
 
-def test_a_mismatched_update_through_the_api_is_a_value_error_and_changes_nothing(llm, tiny_path):
+def test_a_mismatched_update_through_the_api_is_a_value_error_and_changes_nothing(llm, tiny_path, tmp_path):
     before, version = scored(llm), llm.get_weight_version()
+    bad = tmp_path / "bad.safetensors"
+    save_file({"model.norm.weight": torch.ones(7)}, str(bad))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        llm.check_weights(bad)  # the check alone (what several engines run before any updates)
+    llm.check_weights(f"{tiny_path}/model.safetensors")
     hf = load_hf(tiny_path)
     perturb(hf, seed=6)
     weights = list(hf.named_parameters()) + [("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))]
@@ -72,6 +78,10 @@ def test_async_llm_updates_and_every_streamed_delta_carries_the_version(tiny_pat
 
     async def main() -> list[int]:
         with AsyncLLM(tiny_path, num_kv_blocks=64) as engine:
+            await engine.check_weights(f"{tiny_path}/model.safetensors")  # a check only: no new version
+            with pytest.raises(ValueError, match="does not exist"):
+                await engine.check_weights(f"{tiny_path}/absent.safetensors")
+            assert (await engine.control_state()).weight_version == 0
             version = await engine.update_weights(hf.named_parameters())
             await engine.pause_generation("keep")
             await engine.resume_generation()

@@ -39,7 +39,7 @@ def test_an_update_through_a_daemon_serves_the_new_weights_and_advances_the_vers
     token_ids = attached.get_tokenizer().encode(PROMPT)
     assert torch.allclose(scored(attached), hf_scored(model, token_ids), atol=HF_TOLERANCE)
     assert attached.generate([PROMPT], GREEDY, use_tqdm=False)[0].weight_version == 1
-    timings = attached.engine.control.last_timings
+    timings = attached.engine.last_update_timings
     assert {"write", "wire", "load", "derive", "reset_prefix_cache", "total"} <= timings.keys()
     assert all(value >= 0 for value in timings.values())
 
@@ -73,8 +73,7 @@ def test_pause_resume_sleep_wake_and_reset_through_a_daemon(attached):
 def test_a_file_the_daemons_machine_lacks_is_refused_naming_the_host_rule(attached):
     """What a daemon on another host answers when sent the frontend's /dev/shm file: it is not there."""
     version = attached.get_weight_version()
-    control = attached.engine.control
     missing = "/dev/shm/coreserve-weights-not-here/model.safetensors"
     with pytest.raises(ValueError, match="daemon on another host cannot read them"):
-        control._run(UpdateWeights(next(control._nonces), missing))
+        attached.engine._control(UpdateWeights(next(attached.engine._nonces), missing))
     assert attached.get_weight_version() == version

@@ -1,6 +1,7 @@
 """update_weights behind one frontend with several daemons (frontend/clients/multi_core_control.py): every core
 takes the update and the versions stay in step; an update one core refuses is refused by all (each
-checks before any copies), and versions that came apart are an error naming them."""
+checks before any copies), and versions that came apart are an error naming them. The policy itself
+(`update_all_or_none`, Ray Serve's too) on stand-in engines first."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from conftest import HF_TOLERANCE, running_daemon
 from rl_checks import hf_scored, perturbed_hf
 
 from frontend import LLM
+from frontend.clients.multi_core_control import update_all_or_none
 from protocol.builtin_model import PRESETS, ensure_model
 from protocol.messages import GetControlState
 from protocol.sampling_params import SamplingParams
@@ -32,6 +34,41 @@ def core_versions(llm: LLM) -> list[int]:
 def scores(llm: LLM) -> list[torch.Tensor]:
     outs = llm.generate(PROMPTS, SCORE, use_tqdm=False)  # one prompt per core (the fewest in flight)
     return [torch.tensor([next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]]) for o in outs]
+
+
+class StandIn:
+    """An engine whose update is all or none by itself: `refuses` at the check, `fails` after it."""
+
+    def __init__(self, refuses: str | None = None, fails: str | None = None) -> None:
+        self.refuses, self.fails, self.version, self.applies = refuses, fails, 0, 0
+
+    def check(self) -> str | None:
+        return self.refuses
+
+    def apply(self) -> str | None:
+        self.applies += 1
+        if self.fails is None:
+            self.version += 1
+        return self.fails
+
+
+def run_policy(engines: list[StandIn]):
+    return update_all_or_none(lambda: [e.check() for e in engines], lambda: [e.apply() for e in engines],
+                              lambda reply: reply)
+
+
+def test_the_policy_applies_only_when_every_engine_accepts():
+    engines = [StandIn(), StandIn(refuses="model.norm.weight has shape (7,)"), StandIn()]
+    outcome = run_policy(engines)
+    assert not outcome.applied and outcome.refused == [1] and not outcome.is_split
+    assert outcome.replies[1] == "model.norm.weight has shape (7,)"
+    assert [(e.version, e.applies) for e in engines] == [(0, 0)] * 3  # no engine was even asked to apply
+    engines = [StandIn(), StandIn()]
+    outcome = run_policy(engines)
+    assert outcome.applied and outcome.refused == [] and [e.version for e in engines] == [1, 1]
+    engines = [StandIn(), StandIn(fails="the file is gone")]  # a failure of its own, after every check
+    outcome = run_policy(engines)
+    assert outcome.is_split and outcome.refused == [1] and [e.version for e in engines] == [1, 0]
 
 
 @pytest.fixture(scope="module")

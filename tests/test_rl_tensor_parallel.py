@@ -57,7 +57,7 @@ def test_after_an_update_tp2_scores_as_tp1_with_the_same_new_weights(two_engines
     before, _ = logprob_values(two)
     weights = perturbed(tiny_path, seed=21)
     assert one.update_weights(weights) == two.update_weights(weights) == 1
-    timings = two.engine.control.last_timings
+    timings = two.engine.last_update_timings
     assert {"write", "check", "load", "derive", "reset_prefix_cache", "wire"} <= timings.keys()
     (tp1, tp1_tokens), (tp2, tp2_tokens) = logprob_values(one), logprob_values(two)
     assert tp2_tokens == tp1_tokens

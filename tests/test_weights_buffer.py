@@ -53,7 +53,7 @@ def test_updates_reuse_one_file_and_shutdown_frees_it(tiny_path):
         assert llm.update_weights([(n, t * 0.5) for n, t in state]) == 1
         halved = llm.generate(["a b c"], params, use_tqdm=False)[0].outputs[0]
         assert halved.logprobs[0][halved.token_ids[0]].logprob != before.logprobs[0][before.token_ids[0]].logprob
-        path = llm.engine.control.buffer.folder
+        path = llm.engine.weights_buffer.folder
         inode = os.stat(os.path.join(path, "model.safetensors")).st_ino
         assert llm.update_weights(state) == 2  # the original weights again, through the same file
         assert os.stat(os.path.join(path, "model.safetensors")).st_ino == inode
@@ -63,9 +63,9 @@ def test_updates_reuse_one_file_and_shutdown_frees_it(tiny_path):
             lp[t].logprob for lp, t in zip(before.logprobs, before.token_ids)
         ]
         assert llm.update_weights(state, keep_buffer=False) == 3
-        assert llm.engine.control.buffer.folder is None
+        assert llm.engine.weights_buffer.folder is None
         llm.update_weights(state)
-        path = llm.engine.control.buffer.folder
+        path = llm.engine.weights_buffer.folder
         assert os.path.isdir(path)
     deadline = time.monotonic() + 10
     while os.path.exists(path) and time.monotonic() < deadline:

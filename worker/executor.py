@@ -11,7 +11,7 @@ from typing import Protocol
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.models.config import LlamaArgs
-from worker.runner_spec import RunnerSpec
+from worker.step.runner_spec import RunnerSpec
 
 __all__ = ["Executor", "RunnerSpec", "make_executor"]
 
@@ -25,12 +25,11 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
     def close(self) -> None: ...  # stops rank processes, if any; safe to call twice
 
-    # Control, between steps (docs/rl.md). A ValueError refuses the verb and leaves the model serving
-    # as it was; under tensor parallelism every rank passes the checks before any rank changes.
-    def check_weights(self, path: str) -> None: ...  # update_weights' checks alone, nothing copied
-    def update_weights(self, path: str) -> dict[str, float]: ...  # new weights in place; the phases, s
-    def sleep(self, level: int) -> None: ...  # 1: the KV cache freed; 2: the weights dropped too
-    def wake_up(self, kv_cache: bool, path: str | None) -> None: ...  # path: where dropped weights come from
+    # Control, between steps (docs/rl.md): the runner's verb `verb` (worker/runner_control.py's
+    # RUNNER_VERBS) run on every rank with `kwargs`, vLLM's collective_rpc; each rank's result, in rank
+    # order. A ValueError from every rank refuses the verb, the model serving as it was; a verb that
+    # some ranks refused and others did stops the engine (the ranks would serve apart).
+    def collective_rpc(self, verb: str, kwargs: dict) -> list: ...
 
 
 def make_executor(spec: RunnerSpec, on_progress: Callable[[], None] | None = None) -> Executor:

@@ -45,8 +45,9 @@ class CoreClient(Protocol):
         """The core's state after everything this client sent before, taken between two steps."""
 
     def control(self, command: ControlCommand) -> ControlReply:
-        """Runs an RL control command (docs/rl.md) in the core(s) and waits for its reply; outputs that
-        arrive meanwhile go to the next get_outputs."""
+        """Runs an RL control command (docs/rl.md: UpdateWeights, GetControlState or a ControlCall of
+        any verb) in the core(s) and waits for its reply; outputs that arrive meanwhile go to the next
+        get_outputs."""
 
     def shutdown(self) -> None:
         """Says goodbye, stops a spawned or in-process core and releases sockets; idempotent."""

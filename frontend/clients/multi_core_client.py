@@ -15,8 +15,8 @@ import msgspec
 
 from frontend.clients.core_client import POLL_MS, MPClient, wait_for_outputs
 from frontend.clients.multi_core_control import control_every_core
-from frontend.engine.request_ids import parent_of
 from frontend.errors import EngineDeadError
+from frontend.request_ids import parent_of
 from protocol.messages import (
     ControlCommand,
     ControlReply,
@@ -41,7 +41,7 @@ class MultiCoreClient:
         self.facts = _common_facts(cores)
 
     def send(self, requests: list[EngineCoreRequest]) -> None:
-        """Groups the n completions of a prompt (frontend/engine/request_ids.py) and gives each group to the
+        """Groups the n completions of a prompt (frontend/request_ids.py) and gives each group to the
         core with the fewest requests in flight."""
         if not self.live:
             raise EngineDeadError("every engine core is gone")

@@ -5,15 +5,18 @@ processor, send the core requests in one frame), the output pump (take the core'
 them, abort what a stop string or a failure ended), aborts and the core's stats. It is not
 thread-safe: `LLM` calls it from the user's thread, `AsyncLLM` from its engine thread only.
 
-A new engine-wide operation (a control call to the core) is a method here that calls the
-`CoreClient` (or the RL control, `rl_control.py`); `LLM` wraps it in one line, and `AsyncLLM` in one
-line that runs it on its engine thread (`EngineCall`).
+The control verbs (RL, docs/rl.md: new weights, pause and resume, prefix-cache reset, sleep and wake)
+are methods here: each checks its arguments (a ValueError before anything leaves) and runs one verb of
+the core's table (engine_core/rl_control.py's VERBS) through `call`; a refusal is a ValueError with the
+core's reason. `LLM` and `AsyncLLM` offer them in one line each (frontend/control_verbs.py). Tensors
+cross to the core as one safetensors file in shared memory, named on the wire (weights_buffer.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,12 +26,21 @@ from frontend.clients.client_protocol import CoreClient
 from frontend.engine.engine_parts import EngineParts, build_engine_parts
 from frontend.engine.input_processor import InputProcessor, PromptType, cache_salt_of
 from frontend.engine.output_processor import OutputProcessor, ProcessedOutputs
-from frontend.engine.request_ids import submission_id
-from frontend.engine.rl_control import RLControl
 from frontend.engine.token_text import TokenTable
+from frontend.engine.weights_buffer import WeightsBuffer
 from frontend.outputs import RequestOutput
+from frontend.request_ids import submission_id
 from protocol.config import EngineConfig
-from protocol.messages import ControlReply, EngineCoreRequest, EngineStats, HandshakeReply
+from protocol.messages import (
+    ControlCall,
+    ControlCommand,
+    ControlReply,
+    EngineCoreRequest,
+    EngineStats,
+    GetControlState,
+    HandshakeReply,
+    UpdateWeights,
+)
 from protocol.model_facts import generation_defaults
 from protocol.sampling_params import SamplingParams
 
@@ -36,7 +48,7 @@ from protocol.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class PreparedRequest:
     """A request tokenized and checked, ready to register; `request_id` is its submission id
-    (frontend/engine/request_ids.py), which keys its outputs and its core requests."""
+    (frontend/request_ids.py), which keys its outputs and its core requests."""
 
     request_id: str
     prompt: str | None  # the text given, None for token ids
@@ -54,8 +66,10 @@ class FrontendEngine:
         self.client: CoreClient = parts.client
         self.inputs: InputProcessor = parts.inputs
         self.outputs: OutputProcessor = parts.outputs
-        self.control = RLControl(self.client)  # its last_timings: the last update's phases (docs/rl.md)
         self._serials = itertools.count()  # submission ids: unique however often a request id is reused
+        self._nonces = itertools.count(1)  # control commands'
+        self.weights_buffer = WeightsBuffer()  # update_weights' tensors, kept between updates
+        self.last_update_timings: dict[str, float] = {}  # update_weights' phases, seconds (docs/rl.md)
 
     @classmethod
     def build(
@@ -162,6 +176,11 @@ class FrontendEngine:
 
     # ---- control (RL; docs/rl.md) ------------------------------------------------------------------
 
+    def call(self, verb: str, **kwargs) -> ControlReply:
+        """Runs `verb(**kwargs)` of the core's table (engine_core/rl_control.py's VERBS) in every core
+        and returns the reply (the core's state after it); a refusal is a ValueError with the reason."""
+        return self._control(ControlCall(next(self._nonces), verb, kwargs))
+
     def update_weights(
         self,
         weights: str | os.PathLike | Iterable,
@@ -169,37 +188,107 @@ class FrontendEngine:
         keep_buffer: bool = True,
         weight_version: int | None = None,
     ) -> int:
-        """New weights in place: (HF name, tensor) pairs or a checkpoint path. `mode` says what running
-        requests do first: "wait" (finish on the old weights), "abort", or "keep" (go on with the new).
+        """New weights in place: (HF name, tensor) pairs (a trainer's `named_parameters()`, whole or in
+        part) or a checkpoint (a safetensors file or folder). `mode` says what running requests do
+        first: "wait" (finish on the old weights), "abort", or "keep" (go on with the new).
         `keep_buffer`: the tensors' shared-memory file stays for the next update (rewritten in place;
         it holds the update's size until shutdown) or is freed now.
         Returns the new weight_version (`weight_version`: the one to take, e.g. a trainer's step; None:
-        one more); a name or shape mismatch is a ValueError, old weights kept."""
-        return self.control.update_weights(weights, mode, keep_buffer, weight_version)
+        one more); a name or shape mismatch is a ValueError, old weights kept. `last_update_timings`:
+        its phases."""
+        _check_mode(mode)
+        if weight_version is not None and (
+            not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version < 0
+        ):
+            raise ValueError(f"weight_version must be a non-negative integer, got {weight_version!r}")
+        begun = time.perf_counter()
+        is_path = isinstance(weights, (str, os.PathLike))
+        if is_path:
+            path = os.fspath(weights)
+            if not os.path.exists(path) and not _has_remote_core(self.client):  # a remote one's own path
+                raise ValueError(f"update_weights: {path} does not exist")
+        written = replied = begun
+        try:
+            if not is_path:
+                path = self.weights_buffer.write(weights)
+            written = time.perf_counter()
+            reply = self._control(UpdateWeights(next(self._nonces), path, mode, weight_version=weight_version))
+            replied = time.perf_counter()
+        finally:
+            if not keep_buffer:
+                self.weights_buffer.release()
+        core = dict(reply.timings or {})  # the core's phases; "core": its whole part
+        wire = max(0.0, replied - written - core.get("core", 0.0))  # the messages and the waits between
+        self.last_update_timings = {
+            "write": written - begun,
+            "round trip": replied - written,
+            "wire": wire,
+            **core,
+            "total": time.perf_counter() - begun,
+        }
+        return reply.weight_version
+
+    def check_weights(self, path: str | os.PathLike) -> None:
+        """update_weights' checks of a checkpoint (names, shapes) in every core, nothing copied and no
+        wait for running requests: a ValueError as update_weights' where it would be refused."""
+        path = os.fspath(path)
+        if not os.path.exists(path) and not _has_remote_core(self.client):
+            raise ValueError(f"update_weights: {path} does not exist")
+        self._control(UpdateWeights(next(self._nonces), path, check_only=True))
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Nothing new is scheduled until resume_generation; "abort" ends requests in flight, "wait"
         returns once they finished, "keep" freezes them where they are."""
-        self.control.pause_generation(mode)
+        _check_mode(mode)
+        self.call("pause_generation", mode=mode)
 
     def resume_generation(self) -> None:
-        self.control.resume_generation()
+        """Scheduling goes on after pause_generation."""
+        self.call("resume_generation")
 
     def reset_prefix_cache(self) -> None:
-        self.control.reset_prefix_cache()
+        """Forgets every cached prefix (after new weights, the old KV is stale)."""
+        self.call("reset_prefix_cache")
 
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
-        self.control.sleep(level)
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (the weights too), got {level!r}")
+        self.call("sleep", level=level)
 
     def wake_up(self, tags: list[str] | None = None, path: str | os.PathLike | None = None) -> None:
         """`tags`: "weights", "kv_cache" (None: both); `path`: the checkpoint after sleep level 2."""
-        self.control.wake_up(tags, path)
+        if tags is not None and (not tags or any(t not in WAKE_TAGS for t in tags)):
+            raise ValueError(f"wake_up tags must be among {list(WAKE_TAGS)}, got {tags!r}")
+        self.call("wake_up", tags=tags, path=None if path is None else os.fspath(path))
 
     def control_state(self) -> ControlReply:
         """weight_version, is_paused and sleep_level (0 awake, 1 KV cache freed, 2 the weights too)."""
-        return self.control.state()
+        return self._control(GetControlState(next(self._nonces)))
+
+    def _control(self, command: ControlCommand) -> ControlReply:
+        reply = self.client.control(command)
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        return reply
 
     def shutdown(self) -> None:
         self.client.shutdown()
-        self.control.buffer.release()  # the shared-memory weights file, where an update wrote one
+        self.weights_buffer.release()  # the shared-memory weights file, where an update wrote one
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+
+
+def _has_remote_core(client: CoreClient) -> bool:
+    """Whether a core is a daemon at a tcp address off this machine's loopback."""
+    from protocol.addresses import is_loopback
+
+    cores = getattr(client, "cores", [client])
+    return any(getattr(c, "address", None) and not is_loopback(c.address) for c in cores)

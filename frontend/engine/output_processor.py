@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from frontend.engine.logprob_rows import add_chosen, to_position_dicts
-from frontend.engine.request_ids import child_params
 from frontend.engine.token_extras import apply_extras, routed_experts
 from frontend.engine.token_text import IncrementalDetokenizer, TokenIdsOnly, TokenTable
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput, SamplingMask
+from frontend.request_ids import child_params
 from protocol.messages import EngineCoreOutput, FinishReason
 from protocol.sampling_params import SamplingParams
 

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,25 +24,23 @@ import zmq
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.models.config import LlamaArgs
 from worker.models.loader import read_config
+from worker.models.sharding import shard_args
 from worker.parallel.messages import (
     AllocateKvCache,
-    CheckWeights,
     Done,
     Execute,
     Failed,
-    LoadWeights,
     Progress,
+    RankCall,
     Ready,
     Refused,
     Shutdown,
-    SleepRank,
     ToCore,
-    WakeRank,
     WorkerSpec,
     from_wire,
 )
-from worker.parallel.sharding import shard_args
-from worker.runner_spec import RunnerSpec
+from worker.runner_control import RUNNER_VERBS
+from worker.step.runner_spec import RunnerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -104,39 +101,22 @@ class TensorParallelExecutor:
         assert first is not None
         return from_wire(first)
 
-    def check_weights(self, path: str) -> None:
-        """Every rank checks its part, nothing copied; the first refusal is a ValueError."""
-        self._control(CheckWeights(path))
-
-    def update_weights(self, path: str) -> dict[str, float]:
-        """Every rank checks, then (all passed) every rank copies its part: a refusal on any rank
-        leaves every rank on the old weights. A rank that fails while copying stops the engine
-        (WorkerFailed), so no mix of weights ever serves. Returns the check, and the slowest rank's
-        load and derive, seconds."""
-        begun = time.perf_counter()
-        self._control(CheckWeights(path))
-        checked = time.perf_counter()
-        try:
-            replies = self._control(LoadWeights(path))
-        except ValueError as exc:  # after every check passed (the file changed?): the ranks now differ
-            raise WorkerFailed(f"a rank refused an update that every rank's checks passed: {exc}") from exc
-        phases = [r.timings or {} for r in replies]
-        slowest = {key: max(p.get(key, 0.0) for p in phases) for key in ("load", "derive")}
-        return {"check": checked - begun, **slowest}
-
-    def sleep(self, level: int) -> None:
-        self._control(SleepRank(level))
-
-    def wake_up(self, kv_cache: bool, path: str | None) -> None:
-        self._control(WakeRank(kv_cache, path))
-
-    def _control(self, message: msgspec.Struct) -> list:
-        self._send_all(message)
+    def collective_rpc(self, verb: str, kwargs: dict) -> list:
+        """The runner's `verb` on every rank (one RankCall); each rank's result, in rank order. Refused
+        by every rank: a ValueError, every rank as it was. Refused by some while the others did it (an
+        update whose checks every rank passed, then the file changed): the ranks now differ, so the
+        engine stops (WorkerFailed) and no mix of weights ever serves."""
+        assert verb in RUNNER_VERBS, verb  # the ranks take no other name either
+        self._send_all(RankCall(verb, kwargs))
         replies = self._gather((Done, Refused))
         refused = [r.reason for r in replies if isinstance(r, Refused)]
+        if refused and len(refused) < self.size and RUNNER_VERBS[verb].changes_state:
+            raise WorkerFailed(
+                f"{verb}: {len(refused)} of {self.size} ranks refused it and the others did it: {refused[0]}"
+            )
         if refused:
             raise ValueError(refused[0])
-        return replies
+        return [r.result for r in replies]
 
     def close(self) -> None:
         """Stops the workers (politely, then by force) and removes their folder; safe to call twice."""

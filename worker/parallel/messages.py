@@ -3,20 +3,22 @@ PAIR socket per worker on `ipc://` (engine-core process and worker processes). N
 decodes a closed, typed union.
 
 Core -> worker: AllocateKvCache, Execute (the SchedulerOutput, as the scheduler made it), Shutdown;
-for RL, CheckWeights, LoadWeights, SleepRank and WakeRank (each rank's ModelRunner's control verbs).
-Worker -> core: Ready (after loading), Done (rank 0's carries the runner output), Progress (a long
-step still moves), Refused (a control command's ValueError; the rank goes on), Failed (the reason,
-before the worker exits).
+for RL, RankCall (one of the runner's control verbs by name, worker/runner_control.py's RUNNER_VERBS).
+Worker -> core: Ready (after loading), Done (rank 0's carries the runner output; after a RankCall, the
+verb's result), Progress (a long step still moves), Refused (a control verb's ValueError; the rank goes
+on), Failed (the reason, before the worker exits).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from protocol.arrays import LogprobsArrays, RoutedExperts, SamplingMaskArrays
 from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
-from worker.runner_spec import RunnerSpec
+from worker.step.runner_spec import RunnerSpec
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,21 +44,11 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-class CheckWeights(msgspec.Struct, tag=True):
-    path: str  # LoadWeights' checks alone: every rank passes them before any rank copies
+class RankCall(msgspec.Struct, tag=True):
+    """`runner.<verb>(**kwargs)` on each rank, for a verb of RUNNER_VERBS alone (vLLM's collective_rpc)."""
 
-
-class LoadWeights(msgspec.Struct, tag=True):
-    path: str  # a safetensors file or folder; each rank keeps its part of the split tensors
-
-
-class SleepRank(msgspec.Struct, tag=True):
-    level: int
-
-
-class WakeRank(msgspec.Struct, tag=True):
-    kv_cache: bool
-    path: str | None = None
+    verb: str
+    kwargs: dict[str, Any]  # msgpack values: the verb's keyword arguments
 
 
 class Refused(msgspec.Struct, tag=True):
@@ -82,7 +74,7 @@ class Ready(msgspec.Struct, tag=True):
 
 class Done(msgspec.Struct, tag=True):
     output: WireRunnerOutput | None = None  # rank 0's, after Execute
-    timings: dict[str, float] | None = None  # after LoadWeights: this rank's phases, seconds
+    result: Any = None  # after a RankCall: what the verb returned (update_weights: its phases, s)
 
 
 class Progress(msgspec.Struct, tag=True):
@@ -93,7 +85,7 @@ class Failed(msgspec.Struct, tag=True):
     reason: str
 
 
-ToWorker = AllocateKvCache | Execute | Shutdown | CheckWeights | LoadWeights | SleepRank | WakeRank
+ToWorker = AllocateKvCache | Execute | Shutdown | RankCall
 ToCore = Ready | Done | Progress | Refused | Failed
 
 

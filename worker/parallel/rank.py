@@ -19,21 +19,19 @@ import zmq
 
 from worker.parallel.messages import (
     AllocateKvCache,
-    CheckWeights,
     Done,
     Execute,
     Failed,
-    LoadWeights,
     Progress,
+    RankCall,
     Ready,
     Refused,
     Shutdown,
-    SleepRank,
     ToWorker,
-    WakeRank,
     WorkerSpec,
     to_wire,
 )
+from worker.runner_control import call_verb
 
 logger = logging.getLogger(__name__)
 
@@ -96,25 +94,17 @@ def _serve(runner, sock: zmq.Socket, parent: int) -> None:
         elif isinstance(message, Execute):
             output = runner.execute(message.scheduler_output)
             sock.send(encoder.encode(Done(to_wire(output) if is_first else None)))
-        elif isinstance(message, CheckWeights | LoadWeights | SleepRank | WakeRank):
-            sock.send(encoder.encode(_control(runner, message)))
+        elif isinstance(message, RankCall):
+            sock.send(encoder.encode(_call(runner, message)))
 
 
-def _control(runner, message: CheckWeights | LoadWeights | SleepRank | WakeRank) -> Done | Refused:
-    """The runner's own control verb. A ValueError (a bad update) is this command's refusal; the rank
-    keeps its old weights and serves."""
+def _call(runner, call: RankCall) -> Done | Refused:
+    """The runner's control verb, through RUNNER_VERBS alone (another name is a bug: the rank fails).
+    A ValueError (a bad update) is this call's refusal; the rank keeps its old weights and serves."""
     try:
-        if isinstance(message, CheckWeights):
-            runner.check_weights(message.path)
-        elif isinstance(message, LoadWeights):
-            return Done(timings=runner.update_weights(message.path))
-        elif isinstance(message, SleepRank):
-            runner.sleep(message.level)
-        else:
-            runner.wake_up(message.kv_cache, message.path)
+        return Done(result=call_verb(runner, call.verb, call.kwargs))
     except ValueError as exc:
         return Refused(str(exc))
-    return Done()
 
 
 def _progress_sender(sock: zmq.Socket):
