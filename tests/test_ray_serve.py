@@ -1,18 +1,22 @@
-"""coreserve on Ray Serve (frontend/server/ray_serve.py): a local Ray cluster (`ray start --head` on
+"""coreserve on Ray Serve (frontend/server/deploy/ray_serve.py): a local Ray cluster (`ray start --head` on
 127.0.0.1 inside the test, stopped at the end) deploying two replicas of the built-in tiny model behind
 Ray Serve's prefix-affinity router. The official openai client gets answers equal, bit for bit, to one
 `coreserve serve` alone; `/update_weights` moves every replica's weight_version together, and a
-checkpoint that does not fit leaves every replica on the old weights.
+checkpoint that does not fit leaves every replica on the old weights. The ingress's update (the
+several-daemon frontend's policy, `update_all_or_none`) on stand-in replicas, one refusing, needs no cluster.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -31,7 +35,7 @@ def ray_app():
     import ray
     from ray import serve
 
-    from frontend.server.ray_serve import build_ray_app
+    from frontend.server.deploy.ray_serve import build_ray_app
 
     port, http_port = free_port(), free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -99,3 +103,42 @@ def test_update_weights_moves_every_replica_or_none(ray_app, tmp_path):
     assert httpx.get(ray_app + "/get_weight_version").json() == {"weight_version": 1, "replicas": [1, 1]}
     assert httpx.post(ray_app + "/reset_prefix_cache", timeout=60).json()["success"]
     assert answers(ray_app, requests(4)) == after  # still serving, on the kept weights
+
+
+class StandInReplicas:
+    """Replicas as the ingress's `_broadcast` reaches them: `check_weights` and `try_update_weights`."""
+
+    def __init__(self, refuses: dict[int, str], fails: dict[int, str] | None = None) -> None:
+        self.versions, self.refuses, self.fails, self.calls = [0, 0, 0], refuses, fails or {}, []
+
+    def broadcast(self, method: str, path: str) -> list[dict]:
+        self.calls.append(method)
+        if method == "check_weights":
+            return [{"error": self.refuses[i]} if i in self.refuses else {} for i in range(3)]
+        for i in range(3):
+            self.versions[i] += i not in self.fails
+        return [{"error": self.fails[i]} if i in self.fails else {"weight_version": v}
+                for i, v in enumerate(self.versions)]
+
+
+def ingress_update(replicas: StandInReplicas, path: str) -> tuple[int, dict]:
+    from frontend.server.deploy.ray_serve import CoreserveIngress
+
+    ingress = SimpleNamespace(_broadcast=replicas.broadcast, checkpoint="the model")
+    response = asyncio.run(CoreserveIngress.func_or_class._update_all(ingress, path))
+    return response.status_code, json.loads(response.body)
+
+
+def test_a_refusal_on_one_replica_changes_no_replica():
+    replicas = StandInReplicas({1: "model.norm.weight has shape (7,)"})
+    status, body = ingress_update(replicas, "bad.safetensors")
+    assert status == 400 and replicas.versions == [0, 0, 0] and replicas.calls == ["check_weights"]
+    assert body["error"]["message"] == ("update_weights: replica 1 refused bad.safetensors (model.norm.weight "
+                                        "has shape (7,)); every replica holds the model")
+    replicas = StandInReplicas({})
+    assert ingress_update(replicas, "good.safetensors") == (200, {"success": True, "weight_version": 1, "replicas": 3})
+    assert replicas.versions == [1, 1, 1] and replicas.calls == ["check_weights", "try_update_weights"]
+    replicas = StandInReplicas({}, fails={2: "the disk is gone"})  # after every check passed: said, not undone
+    status, body = ingress_update(replicas, "good.safetensors")
+    assert status == 400 and replicas.versions == [1, 1, 0]
+    assert "replicas [0, 1] took good.safetensors and [2] refused it (the disk is gone)" in body["error"]["message"]

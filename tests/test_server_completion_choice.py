@@ -1,4 +1,4 @@
-"""CompletionChoice (frontend/server/completions.py) without a server: echo waits for the prompt's
+"""CompletionChoice (frontend/server/openai/completions.py) without a server: echo waits for the prompt's
 logprobs (n > 1: another completion may bring them), max_tokens 0 drops the scoring token."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 from frontend.engine.token_text import TokenTable
 from frontend.outputs import CompletionOutput, Logprob
-from frontend.server.completions import CompletionChoice
-from frontend.server.generation import PromptInput
-from frontend.server.schemas import CompletionRequest
+from frontend.server.common.generation import PromptInput
+from frontend.server.openai.completions import CompletionChoice
+from frontend.server.openai.schemas import CompletionRequest
 
 
 def make_choice(tokenizer, **fields) -> tuple[CompletionChoice, list[int]]:

@@ -17,24 +17,23 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend.engine.chat_template import render_chat
 from frontend.errors import EngineDeadError
-from frontend.server.chat import create_chat_completion
-from frontend.server.completions import create_completion
-from frontend.server.errors import APIError, error_response, install_error_handlers
-from frontend.server.inference_generate import INFERENCE_GENERATE_PATH, inference_generate
-from frontend.server.json_response import JSONBytesResponse
-from frontend.server.label_scores import (
+from frontend.server.common.errors import APIError, error_response, install_error_handlers
+from frontend.server.common.limits import BodyLimitMiddleware
+from frontend.server.common.logprob_json import JSONBytesResponse, token_text
+from frontend.server.openai.chat import create_chat_completion
+from frontend.server.openai.completions import create_completion
+from frontend.server.openai.schemas import DetokenizeRequest, TokenizeRequest
+from frontend.server.rl.control import RL_PATHS, rl_router
+from frontend.server.rl.inference_generate import INFERENCE_GENERATE_PATH, inference_generate
+from frontend.server.rl.token_generate import GENERATE_PATH, abort_request, generate
+from frontend.server.scoring.label_scores import (
     SGLANG_SCORE_PATH,
     VLLM_SCORE_PATH,
     sglang_score,
     vllm_generative_scoring,
 )
-from frontend.server.limits import BodyLimitMiddleware
-from frontend.server.logprob_json import token_text
-from frontend.server.rl_routes import RL_PATHS, rl_router
-from frontend.server.schemas import DetokenizeRequest, TokenizeRequest
-from frontend.server.sequence_logprobs import SEQUENCE_LOGPROBS_PATH, get_sequence_logprobs
+from frontend.server.scoring.sequence_logprobs import SEQUENCE_LOGPROBS_PATH, get_sequence_logprobs
 from frontend.server.state import ServerState
-from frontend.server.token_generate import GENERATE_PATH, abort_request, generate
 
 try:
     _VERSION = version("coreserve")
@@ -72,13 +71,13 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.get("/tokenizer_info")(tokenizer_info)
     app.get("/v1/loads")(loads)  # SGLang's; slime polls it until a server is idle
     app.post(INFERENCE_GENERATE_PATH)(inference_generate)  # vLLM's tokens in, tokens out (prime-rl)
-    app.post(SGLANG_SCORE_PATH)(sglang_score)  # label scoring for graders (label_scores.py)
+    app.post(SGLANG_SCORE_PATH)(sglang_score)  # label scoring for graders (scoring/label_scores.py)
     app.post(VLLM_SCORE_PATH)(vllm_generative_scoring)
     if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
         app.include_router(rl_router())
-        app.post(GENERATE_PATH)(generate)  # token ids in and out (token_generate.py)
+        app.post(GENERATE_PATH)(generate)  # token ids in and out (rl/token_generate.py)
         app.post("/abort_request")(abort_request)  # SGLang's, for /generate requests
-        app.post(SEQUENCE_LOGPROBS_PATH + "/")(get_sequence_logprobs)  # TRL's scoring (sequence_logprobs.py)
+        app.post(SEQUENCE_LOGPROBS_PATH + "/")(get_sequence_logprobs)  # TRL's scoring (scoring/sequence_logprobs.py)
         app.post(SEQUENCE_LOGPROBS_PATH)(get_sequence_logprobs)
     return app
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from frontend.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES
 from protocol.config import ENGINE_ARG_HELP
 
 DEFAULT_MODEL = "builtin:smollm2"  # a real model (SmolLM2-135M-Instruct, Q4_1 GGUF), not random weights

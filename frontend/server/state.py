@@ -8,10 +8,9 @@ import time
 from dataclasses import dataclass, field
 
 from frontend.engine.token_text import TokenTable
-from frontend.server.admission import Admission
-from frontend.server.errors import APIError
-from frontend.server.limits import DEFAULT_MAX_REQUEST_BYTES, PromptBound
-from frontend.server.metrics import ServerMetrics
+from frontend.server.common.errors import APIError
+from frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES, Admission, PromptBound
+from frontend.server.common.metrics import ServerMetrics
 
 
 @dataclass
@@ -25,9 +24,9 @@ class ServerState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     started_at: int = field(default_factory=lambda: int(time.time()))
     prompt_bound: PromptBound | None = None
-    enable_rl_endpoints: bool = False  # /update_weights_from_disk, /pause, /sleep, ... (rl_routes.py)
+    enable_rl_endpoints: bool = False  # /update_weights_from_disk, /pause, /sleep, ... (rl/control.py)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details filled (else null, as vLLM)
-    max_queued_requests: int | None = None  # past max_num_seqs + this many sequences: 503 (admission.py)
+    max_queued_requests: int | None = None  # past max_num_seqs + this many sequences: 503 (common/limits.py)
     admission: Admission | None = None
     _serials: itertools.count = field(default_factory=itertools.count)
     live: dict = field(default_factory=dict)  # SGLang /generate requests running, by rid (/abort_request)

@@ -17,14 +17,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.outputs import PositionLogprobs
-from frontend.server.errors import APIError
-from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import check_logprobs, check_prompts, collect_prompt_logprobs
-from frontend.server.json_response import JSONBytesResponse
-from frontend.server.schemas import Int64, StrictBody
+from frontend.server.common.errors import APIError
+from frontend.server.common.fields import Int64, StrictBody
+from frontend.server.common.generation import Generation, PromptInput
+from frontend.server.common.inputs import check_logprobs, check_prompts, collect_prompt_logprobs
+from frontend.server.common.logprob_json import JSONBytesResponse
+from frontend.server.common.sampling import build_sampling_params, field_refusal
+from frontend.server.common.transport import until_disconnected
 from frontend.server.state import ServerState
-from frontend.server.transport import until_disconnected
-from protocol.sampling_params import SamplingParams
 
 SEQUENCE_LOGPROBS_PATH = "/get_sequence_logprobs"
 
@@ -46,12 +46,8 @@ async def get_sequence_logprobs(request: Request, body: SequenceLogprobsRequest)
     prompts = [PromptInput(None, list(ids)) for ids in body.sequences]
     check_prompts(prompts, server.facts, 1, "sequences")
     check_logprobs("top_logprobs", body.top_logprobs, server.facts)
-    try:
-        params = SamplingParams(
-            max_tokens=1, prompt_logprobs=body.top_logprobs, prompt_logprobs_temperature=body.temperature
-        )
-    except ValueError as exc:
-        raise APIError(400, str(exc), "temperature") from exc
+    fields = {"max_tokens": 1, "prompt_logprobs": body.top_logprobs, "prompt_logprobs_temperature": body.temperature}
+    params = build_sampling_params(fields, field_refusal("temperature"))
     generation = Generation(server.engine, server.new_request_id("score"), prompts, params, server.metrics, server.admission)
     return await until_disconnected(request, _respond(generation, body))
 

@@ -1,6 +1,6 @@
 """coreserve as a Ray Serve application (the optional extra `ray`; frontend process, inside Ray actors).
 
-    from frontend.server.ray_serve import build_ray_app
+    from frontend.server.deploy.ray_serve import build_ray_app
     serve.run(build_ray_app("path/to/model", num_replicas=2, engine_args={"num_threads": 1}))
 
 Two deployments. `CoreserveReplica`: one coreserve engine a replica (its own engine-core process),
@@ -16,13 +16,12 @@ Why not Ray Serve LLM's `LLMConfig(server_cls=...)`: its OpenAI models import vL
 protocol classes, so `ray.serve.llm` does not import without one of those engines installed; this
 application needs `ray[serve]` alone. Its routing is Ray Serve's own (no coreserve router).
 
-**One weight version across replicas.** `/update_weights` (`{"model_path"}`, SGLang's name) asks every
-replica at once. Each replica's update is all or none (a checkpoint that does not fit the model, by
-name or shape, is refused with its weights untouched), and the replicas are copies of one model, so a
-checkpoint that does not fit is refused by all of them and every replica keeps the old weights. Should
-some replicas fail for a reason of their own (a disk) while others took the update, those load the
-previous checkpoint back and the call fails naming the replica; their weight_version then moves on by
-two, so the versions tell such a recovery apart.
+**One weight version across replicas.** `/update_weights` (`{"model_path"}`, SGLang's name) runs the
+several-daemon frontend's policy (`update_all_or_none`, frontend/clients/multi_core_control.py): every
+replica checks the checkpoint at once (names and shapes, nothing copied), and only when every replica
+accepts does every replica take it; a refusal anywhere changes no replica and fails naming it. Should
+a replica fail after every check passed (its disk, say) while others took the update, the call fails
+naming which took it: the replicas serve different weights until the next update.
 
 Streaming (`stream: true`) is refused by name here (the replica call returns whole responses); serve
 streams from `coreserve serve` behind a router instead (docs/serving.md). Ray's actor calls carry
@@ -42,7 +41,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from frontend.server.errors import error_response
+from frontend.clients.multi_core_control import update_all_or_none
+from frontend.server.common.errors import error_response
 
 PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
 
@@ -93,6 +93,14 @@ class CoreserveReplica:
     async def weight_version(self) -> int:
         return (await self.engine.control_state()).weight_version
 
+    async def check_weights(self, path: str) -> dict:
+        """{} or {"error": why this replica would refuse `path`}; nothing copied."""
+        try:
+            await self.engine.check_weights(path)
+            return {}
+        except (ValueError, OSError) as exc:
+            return {"error": str(exc)}
+
     async def try_update_weights(self, path: str) -> dict:
         """{"weight_version": the new one} or {"error": why this replica refused (its weights kept)}."""
         try:
@@ -100,13 +108,21 @@ class CoreserveReplica:
         except (ValueError, OSError) as exc:
             return {"error": str(exc)}
 
-    async def restore(self, path: str, version: int) -> None:
-        """Loads `path` back where the update to `version` was taken."""
-        if await self.weight_version() == version:
-            await self.engine.update_weights(path)
+    # The control verbs, one plain method each, named as the ingress's routes (CONTROL_ROUTES)
+    async def pause(self, kwargs: dict) -> None:
+        await self.engine.pause_generation(**kwargs)
 
-    async def control(self, verb: str, kwargs: dict) -> None:
-        await getattr(self.engine, verb)(**kwargs)
+    async def resume(self, kwargs: dict) -> None:
+        await self.engine.resume_generation(**kwargs)
+
+    async def sleep(self, kwargs: dict) -> None:
+        await self.engine.sleep(**kwargs)
+
+    async def wake_up(self, kwargs: dict) -> None:
+        await self.engine.wake_up(**kwargs)
+
+    async def reset_prefix_cache(self, kwargs: dict) -> None:
+        await self.engine.reset_prefix_cache(**kwargs)
 
     def check_health(self) -> None:
         if self.engine.is_dead:
@@ -114,8 +130,8 @@ class CoreserveReplica:
 
 
 app = FastAPI(title="coreserve on Ray Serve", docs_url=None, redoc_url=None)
-_VERBS = {"pause": "pause_generation", "resume": "resume_generation", "sleep": "sleep", "wake_up": "wake_up",
-          "reset_prefix_cache": "reset_prefix_cache"}
+# Routes fanned out to every replica, each to the replica's method of the same name
+CONTROL_ROUTES = frozenset(("pause", "resume", "sleep", "wake_up", "reset_prefix_cache"))
 
 
 @serve.deployment
@@ -158,10 +174,10 @@ class CoreserveIngress:
 
     @app.post("/{verb}")
     async def control(self, verb: str, request: Request) -> JSONResponse:
-        if verb not in _VERBS:
+        if verb not in CONTROL_ROUTES:
             return error_response(404, f"/{verb} is not a route of this application")
         kwargs = await request.json() if int(request.headers.get("content-length") or 0) else {}
-        done = await self._each("control", _VERBS[verb], kwargs)
+        done = await self._each(verb, kwargs)
         return JSONResponse({"success": True, "replicas": len(done)})
 
     async def _route(self, path: str, body: dict) -> JSONResponse:
@@ -177,24 +193,35 @@ class CoreserveIngress:
 
     async def _each(self, method: str, *args) -> list:
         """The method on every replica, in replica order."""
+        return await asyncio.to_thread(self._broadcast, method, *args)
+
+    def _broadcast(self, method: str, *args) -> list:
+        """`_each` in the caller's thread (blocks until every replica answered)."""
         from ray.llm._internal.serve.utils.broadcast import broadcast
 
-        return await asyncio.to_thread(broadcast, self.replicas, method, list(args))
+        return broadcast(self.replicas, method, list(args))
 
     async def _update_all(self, path: str) -> JSONResponse:
-        results = await self._each("try_update_weights", path)
-        failed = {index: result["error"] for index, result in enumerate(results) if "error" in result}
-        if not failed:
+        outcome = await asyncio.to_thread(
+            update_all_or_none,
+            lambda: self._broadcast("check_weights", path),
+            lambda: self._broadcast("try_update_weights", path),
+            lambda result: result.get("error"),
+        )
+        results, refused = outcome.replies, outcome.refused
+        if not refused:
             versions = sorted({result["weight_version"] for result in results})
             self.checkpoint = path
             return JSONResponse({"success": True, "weight_version": versions[0] if len(versions) == 1 else None,
                                  "replicas": len(results)})
-        took = [result["weight_version"] for result in results if "error" not in result]
-        if took:  # a replica's own failure while the others took it: those load the previous weights
-            await self._each("restore", self.checkpoint, took[0])
-        index, reason = next(iter(failed.items()))
+        index, reason = refused[0], results[refused[0]]["error"]
+        if outcome.is_split:
+            took = [i for i in range(len(results)) if i not in refused]
+            return error_response(400, f"update_weights passed every replica's checks, then replicas {took} took "
+                                  f"{path} and {refused} refused it ({reason}): they now serve different weights; "
+                                  "update again", "model_path")
         return error_response(400, f"update_weights: replica {index} refused {path} ({reason}); every replica holds "
-                           f"{self.checkpoint} ({len(took)} loaded it back)", "model_path")
+                           f"{self.checkpoint}", "model_path")
 
 
 def build_ray_app(

@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.errors import EngineDeadError
-from frontend.server.errors import error_body
-from frontend.server.json_response import to_json
+from frontend.server.common.errors import error_body
+from frontend.server.common.logprob_json import to_json
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.engine.structured_outputs import check_structured_outputs
-from frontend.server.errors import APIError
+from frontend.server.common.errors import APIError
 from protocol.structured_outputs import StructuredOutputsParams
 
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)

@@ -13,29 +13,23 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.outputs import CompletionOutput
-from frontend.server.chat_prompt import chat_prompt, echo_text
-from frontend.server.errors import APIError
-from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import (
-    check_logprobs,
-    check_prompts,
-    check_request,
-    sampling_params,
-    start_checked,
-)
-from frontend.server.json_response import JSONBytesResponse
-from frontend.server.logprob_json import chat_content, vllm_prompt_logprobs
-from frontend.server.prompt_scoring import prompt_scoring_k, with_prompt_scoring
-from frontend.server.schemas import ChatCompletionRequest
+from frontend.server.common.accumulate import WholeChoices
+from frontend.server.common.errors import APIError
+from frontend.server.common.generation import Generation, PromptInput
+from frontend.server.common.inputs import check_logprobs, check_prompts, start_checked
+from frontend.server.common.logprob_json import JSONBytesResponse, chat_content, vllm_prompt_logprobs
+from frontend.server.common.transport import sse_response, until_disconnected
+from frontend.server.openai.chat_prompt import chat_prompt, echo_text
+from frontend.server.openai.inputs import check_body_fields, prompt_scoring_k, sampling_params
+from frontend.server.openai.schemas import ChatCompletionRequest
+from frontend.server.openai.structured_fields import parse_grammar_off_the_loop
 from frontend.server.state import ServerState
-from frontend.server.structured_fields import parse_grammar_off_the_loop
-from frontend.server.transport import sse_response, until_disconnected
 
 
 async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
     server: ServerState = request.app.state.server
     server.check_model(body.model)
-    check_request(body)
+    check_body_fields(body)
     await parse_grammar_off_the_loop(body)
     prompt = await chat_prompt(server, body)
     generation = Generation(
@@ -63,8 +57,7 @@ def _params(server: ServerState, body: ChatCompletionRequest, prompt: PromptInpu
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     check_logprobs("top_logprobs", logprobs, server.facts)
     check_logprobs("prompt_logprobs", body.prompt_logprobs, server.facts)
-    params = sampling_params(body, max_tokens, logprobs, prompt_scoring_k(body), server.facts.vocab_size)
-    return with_prompt_scoring(params, body)
+    return sampling_params(body, max_tokens, logprobs, prompt_scoring_k(body), server.facts.vocab_size)
 
 
 class ChatResponse:
@@ -77,22 +70,14 @@ class ChatResponse:
         self.echo = echo_text(body)
 
     async def whole(self) -> Response:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": self.echo},
-                "logprobs": None,
-                "finish_reason": None,
-                **({"token_ids": []} if self.body.return_token_ids else {}),
-            }
-            for i in range(self.body.n)
-        ]
+        merged = WholeChoices()
         try:
             await start_checked(self.generation, self.body)
             async for piece in self._pieces():
-                _merge(choices[piece["index"]], piece)
+                merged.add(piece)
         finally:
             await self.generation.close()
+        choices = [self._message(i, merged.get(i) or {}) for i in range(self.body.n)]
         body = self._envelope("chat.completion", choices)
         body["usage"] = self._usage()
         body["prompt_logprobs"] = None  # vLLM's field, null when not asked for
@@ -103,6 +88,23 @@ class ChatResponse:
         if self.body.return_token_ids:
             body["prompt_token_ids"] = list(self.generation.prompts[0].token_ids)
         return JSONBytesResponse(body)
+
+    def _message(self, index: int, merged: dict) -> dict:
+        """A whole answer's choice from its merged pieces: the content after the echo, as a message."""
+        choice = {
+            "index": index,
+            "message": {"role": "assistant", "content": self.echo + merged.get("text", "")},
+            "logprobs": merged.get("logprobs"),
+            "finish_reason": merged.get("finish_reason"),
+        }
+        if self.body.return_token_ids:
+            choice["token_ids"] = merged.get("token_ids", [])
+        if merged.get("finish_reason") is not None:
+            choice["stop_reason"] = merged["stop_reason"]
+        for key in ("routed_experts", "sampling_mask"):
+            if key in merged:
+                choice[key] = merged[key]
+        return choice
 
     async def chunks(self):
         for i in range(self.body.n):
@@ -187,18 +189,3 @@ def _piece(completion: CompletionOutput, k: int, as_token_ids: bool) -> dict:
         piece["sampling_mask"] = [mask[i].tolist() for i in range(len(mask))]
     return piece
 
-
-def _merge(choice: dict, piece: dict) -> None:
-    choice["message"]["content"] += piece["text"]
-    if "token_ids" in choice:
-        choice["token_ids"].extend(piece["token_ids"])
-    if piece["logprobs"] is not None:
-        if choice["logprobs"] is None:
-            choice["logprobs"] = {"content": []}
-        choice["logprobs"]["content"].extend(piece["logprobs"]["content"])
-    if piece["finish_reason"] is not None:
-        choice["finish_reason"], choice["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
-    if "routed_experts" in piece:
-        choice["routed_experts"] = piece["routed_experts"]
-    if "sampling_mask" in piece:
-        choice.setdefault("sampling_mask", []).extend(piece["sampling_mask"])

@@ -20,14 +20,15 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.server.errors import APIError
-from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import check_prompts, collect_prompt_logprobs, tokenize
-from frontend.server.json_response import JSONBytesResponse
-from frontend.server.schemas import Int64, StrictBody
+from frontend.server.common.errors import APIError
+from frontend.server.common.fields import Int64, StrictBody
+from frontend.server.common.generation import Generation, PromptInput
+from frontend.server.common.inputs import check_prompts, collect_prompt_logprobs, tokenize
+from frontend.server.common.logprob_json import JSONBytesResponse
+from frontend.server.common.sampling import build_sampling_params, field_refusal
+from frontend.server.common.transport import until_disconnected
 from frontend.server.state import ServerState
-from frontend.server.transport import until_disconnected
-from protocol.sampling_params import MAX_PROMPT_CANDIDATES, SamplingParams
+from protocol.sampling_params import MAX_PROMPT_CANDIDATES
 
 SGLANG_SCORE_PATH = "/v1/score"
 VLLM_SCORE_PATH = "/generative_scoring"
@@ -160,7 +161,8 @@ async def _score(
             raise APIError(400, f"item {i}: the query and the item make an empty prompt", "items")
     scored = [PromptInput(None, p.token_ids + [labels[0]]) for p in prompts]  # the placeholder token
     check_prompts(scored, server.facts, 1, "items")
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprob_token_ids=sorted(set(labels)))
+    fields = {"max_tokens": 1, "prompt_logprobs": 0, "prompt_logprob_token_ids": sorted(set(labels))}
+    params = build_sampling_params(fields, field_refusal("label_token_ids"))
     generation = Generation(
         server.engine, server.new_request_id("score"), scored, params, server.metrics, server.admission
     )

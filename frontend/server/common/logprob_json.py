@@ -5,12 +5,19 @@ the sampled token included) and `text_offset`. Chat: `content` entries {token, l
 top_logprobs}. A token that is not valid UTF-8 on its own (a piece of a multi-byte character) is
 written "bytes:\\xe6\\x97" (every byte escaped, OpenAI's form) wherever text is expected; `bytes` stays
 exact. -inf (and NaN, which the engine never makes) becomes -9999.0, OpenAI's value: JSON has neither.
+
+`JSONBytesResponse`: every JSON body, encoded by msgspec, faster than the standard library for the
+many small floats of logprob responses (made finite by the formatters here before they get there).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import math
+
+import msgspec
+from starlette.responses import Response
 
 from frontend.engine.token_text import TokenTable
 from frontend.outputs import Logprob, PositionLogprobs
@@ -169,3 +176,19 @@ def _candidates_at(candidates: list[int] | list[list[int]] | None, index: int) -
     if isinstance(candidates[0], int):
         return frozenset(candidates)
     return frozenset(candidates[0] if len(candidates) == 1 else candidates[index - 1])
+
+
+def to_json(content: object) -> bytes:
+    """UTF-8 JSON; a string that is not valid Unicode (which no formatter should let through) is written
+    with \\u escapes rather than failing the response."""
+    try:
+        return msgspec.json.encode(content)
+    except UnicodeEncodeError:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class JSONBytesResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: object) -> bytes:
+        return to_json(content)

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.errors import EngineDeadError, RequestFailedError
-from frontend.server.json_response import JSONBytesResponse
+from frontend.server.common.logprob_json import JSONBytesResponse
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ generated and finish_reason `abort`, as SGLang does.
 from __future__ import annotations
 
 import base64
+import itertools
 from typing import Annotated
 
 import numpy as np
@@ -27,21 +28,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.server.errors import APIError
-from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import check_prompts, start_checked
-from frontend.server.json_response import JSONBytesResponse
-from frontend.server.schemas import Int64, NonNegativeInt64, StrictBody, Text
+from frontend.server.common.accumulate import merge_piece
+from frontend.server.common.errors import APIError
+from frontend.server.common.fields import Int64, NonNegativeInt64, StrictBody, Text
+from frontend.server.common.generation import Generation, PromptInput
+from frontend.server.common.inputs import check_prompts, start_checked
+from frontend.server.common.logprob_json import JSONBytesResponse
+from frontend.server.common.sampling import build_sampling_params, field_refusal, same_name_fields
+from frontend.server.common.transport import sse_response, until_disconnected
 from frontend.server.state import ServerState
-from frontend.server.transport import sse_response, until_disconnected
 from protocol.sampling_params import LogprobsMode, SamplingParams
 
 GENERATE_PATH = "/generate"
-_SAME_NAME = (
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "n",
-)
+# SGLang's names for SamplingParams' fields; the others it shares by name (common/sampling.py)
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+            "no_stop_trim": "include_stop_str_in_output"}
 
 
 class TopPCustomParams(StrictBody):
@@ -148,23 +149,15 @@ async def _chunks(generation: Generation, body: GenerateRequest):
 
 
 def _sampling_params(body: GenerateRequest) -> SamplingParams:
-    fields = body.sampling_params
-    same = {name: getattr(fields, name) for name in _SAME_NAME if getattr(fields, name) is not None}
-    try:
-        return SamplingParams(
-            max_tokens=fields.max_new_tokens,
-            min_tokens=fields.min_new_tokens,
-            seed=fields.sampling_seed,
-            logprobs=body.top_logprobs_num if body.return_logprob else None,
-            logprobs_mode=body.logprobs_mode,
-            weight_version=body.weight_version,
-            include_stop_str_in_output=fields.no_stop_trim,
-            return_routed_experts=body.return_routed_experts,
-            return_sampling_mask=_wants_top_p_ids(body),
-            **same,
-        )
-    except ValueError as exc:
-        raise APIError(400, f"sampling_params: {exc}", "sampling_params") from exc
+    fields = {
+        **same_name_fields(body.sampling_params, _RENAMES),
+        "logprobs": body.top_logprobs_num if body.return_logprob else None,
+        "logprobs_mode": body.logprobs_mode,
+        "weight_version": body.weight_version,
+        "return_routed_experts": body.return_routed_experts,
+        "return_sampling_mask": _wants_top_p_ids(body),
+    }
+    return build_sampling_params(fields, field_refusal("sampling_params", "sampling_params: "))
 
 
 def _wants_top_p_ids(body: GenerateRequest) -> bool:
@@ -194,75 +187,70 @@ async def _respond(generation: Generation, body: GenerateRequest, is_one: bool) 
 
 
 class CompletionAnswer:
-    """One completion's ids, logprobs and text as its deltas arrive."""
+    """One completion's answer so far: its deltas' pieces merged (common/accumulate.py)."""
 
     def __init__(self, top_k: int = 0) -> None:
         self.top_k = top_k  # top_logprobs_num: the top-k rows are kept only when asked
-        self.output_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.tops: list[list] = []  # per token: the top-k [logprob, id, null] by rank
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
+        self.merged: dict = {"text": "", "output_ids": [], "finish_reason": None, "stop_reason": None}
         self.weight_version = 0
-        self.top_p_ids: list[int] | None = None  # with top-p replay: the supports' ids, flat (CSR)
-        self.top_p_offsets = [0]
-        self.routed_experts = None  # [prompt + tokens - 1, layers, top_k], in the finished completion
 
     def add(self, completion: CompletionOutput, out: RequestOutput) -> None:
-        self.output_ids.extend(completion.token_ids)
-        self.text += completion.text
-        if completion.logprobs is not None:
-            self.logprobs.extend(p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids))
-            if self.top_k:
-                self.tops.extend(
-                    [[e.logprob, i, None] for i, e in sorted(p.items(), key=lambda item: item[1].rank)]
-                    for p in completion.logprobs
-                )
-        if completion.finish_reason is not None:
-            self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
-        if completion.sampling_mask is not None:  # already CSR: appended as it is
-            mask, base = completion.sampling_mask, self.top_p_offsets[-1]
-            if self.top_p_ids is None:
-                self.top_p_ids = []
-            self.top_p_ids.extend(mask.token_ids.tolist())
-            self.top_p_offsets.extend((mask.offsets[1:] + base).tolist())
-        if completion.routed_experts is not None:
-            self.routed_experts = completion.routed_experts
+        merge_piece(self.merged, self._piece(completion))
         self.weight_version = out.weight_version
+
+    def _piece(self, completion: CompletionOutput) -> dict:
+        piece = {"text": completion.text, "output_ids": list(completion.token_ids),
+                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        if completion.logprobs is not None:  # per token: its logprob, and the top-k [logprob, id, null] by rank
+            pairs = zip(completion.logprobs, completion.token_ids)
+            piece["logprobs"] = {"values": [p[t].logprob for p, t in pairs], "tops": [
+                [[e.logprob, i, None] for i, e in sorted(p.items(), key=lambda item: item[1].rank)]
+                for p in completion.logprobs
+            ] if self.top_k else []}
+        if completion.sampling_mask is not None:  # each token's support (the sampler's ids)
+            mask = completion.sampling_mask
+            piece["sampling_mask"] = [mask[i].tolist() for i in range(len(mask))]
+        if completion.routed_experts is not None:  # [prompt + tokens - 1, layers, top_k], once finished
+            piece["routed_experts"] = completion.routed_experts
+        return piece
 
     def json(self, generation: Generation, prompt_index: int, has_logprobs: bool, k: int = 0) -> dict:
         """SGLang's answer; `finish_reason` its object: {"type"}, with "matched" (the stop token or
         string) or "length" (the tokens generated)."""
-        reason: dict = {"type": self.finish_reason}
-        if self.stop_reason is not None:
-            reason["matched"] = self.stop_reason
-        if self.finish_reason == "length":
-            reason["length"] = len(self.output_ids)
-        answer = {"text": self.text, "output_ids": self.output_ids}
+        merged = self.merged
+        output_ids, finish_reason = merged["output_ids"], merged["finish_reason"]
+        reason: dict = {"type": finish_reason}
+        if merged["stop_reason"] is not None:
+            reason["matched"] = merged["stop_reason"]
+        if finish_reason == "length":
+            reason["length"] = len(output_ids)
+        answer = {"text": merged["text"], "output_ids": output_ids}
+        logprobs = merged.get("logprobs") or {"values": [], "tops": []}
         if has_logprobs:
-            answer["output_token_logprobs"] = self.logprobs
+            answer["output_token_logprobs"] = logprobs["values"]
         answer["meta_info"] = {
             "id": f"{generation.request_id}-{prompt_index}",
-            **self._logprob_fields(has_logprobs, k),
+            **_logprob_fields(logprobs, output_ids, has_logprobs, k),
             "weight_version": self.weight_version,
             "finish_reason": reason,
             "prompt_tokens": len(generation.prompts[prompt_index].token_ids),
-            "completion_tokens": len(self.output_ids),
+            "completion_tokens": len(output_ids),
             "cached_tokens": generation.num_cached_tokens[prompt_index],
         }
-        if self.routed_experts is not None:  # SGLang's encoding, which slime decodes (utils/misc.py)
-            data = np.ascontiguousarray(self.routed_experts, dtype="<i4").tobytes()
+        if merged.get("routed_experts") is not None:  # SGLang's encoding, which slime decodes (utils/misc.py)
+            data = np.ascontiguousarray(merged["routed_experts"], dtype="<i4").tobytes()
             answer["meta_info"]["routed_experts"] = base64.b64encode(data).decode("ascii")
-        if self.top_p_ids is not None:  # slime's top-p replay: CSR, token i's ids at offsets[i]:offsets[i + 1]
-            answer["meta_info"]["top_p_token_ids"] = self.top_p_ids
-            answer["meta_info"]["top_p_token_offsets"] = self.top_p_offsets
+        if "sampling_mask" in merged:  # slime's top-p replay: CSR, token i's ids at offsets[i]:offsets[i + 1]
+            supports = merged["sampling_mask"]
+            answer["meta_info"]["top_p_token_ids"] = [t for support in supports for t in support]
+            answer["meta_info"]["top_p_token_offsets"] = [0, *itertools.accumulate(len(s) for s in supports)]
         return answer
 
-    def _logprob_fields(self, has_logprobs: bool, k: int) -> dict:
-        if not has_logprobs:
-            return {}
-        fields = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]}
-        if k:
-            fields["output_top_logprobs"] = [top[:k] for top in self.tops]
-        return fields
+
+def _logprob_fields(logprobs: dict, output_ids: list[int], has_logprobs: bool, k: int) -> dict:
+    if not has_logprobs:
+        return {}
+    fields = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs["values"], output_ids)]}
+    if k:
+        fields["output_top_logprobs"] = [top[:k] for top in logprobs["tops"]]
+    return fields

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 
 from frontend.engine.chat_template import TEXT_PART_SEPARATOR, render_chat
-from frontend.server.errors import APIError
-from frontend.server.generation import PromptInput
-from frontend.server.inputs import tokenize
-from frontend.server.schemas import ChatCompletionRequest
+from frontend.server.common.errors import APIError
+from frontend.server.common.generation import PromptInput
+from frontend.server.common.inputs import tokenize
+from frontend.server.openai.schemas import ChatCompletionRequest
 
 REPLY_ROLE = "assistant"
 

@@ -2,7 +2,7 @@
 
 Each is declared (any JSON value) so that `refuse_unsupported` can answer a 400 naming it, with the
 reason, rather than a client's tool call getting unconstrained text (structured outputs are taken:
-frontend/server/structured_fields.py). A field holding its
+frontend/server/openai/structured_fields.py). A field holding its
 no-op value (`use_beam_search: false`, `tools: []`) asks for
 nothing coreserve lacks and passes. Fields unknown to both APIs are refused by the schemas themselves
 (`extra="forbid"`). docs/serving.md lists the fields and these decisions.
@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
 
-from frontend.server.errors import APIError
+from frontend.server.common.errors import APIError
+from frontend.server.common.fields import same_json
 
 _TOOLS = "tool and function calling is not implemented"
 _BEAM = "beam search is not implemented"
@@ -87,10 +88,3 @@ def refuse_unsupported(body: BaseModel) -> None:
         value = getattr(body, name)
         if value is not None and not any(same_json(value, no_op) for no_op in no_ops):
             raise APIError(400, f"{name} is not supported by this server: {why}", name)
-
-
-def same_json(value: object, no_op: object) -> bool:
-    """JSON equality: true is not 1, 1 is 1.0."""
-    if isinstance(value, bool) or isinstance(no_op, bool):
-        return type(value) is type(no_op) and value == no_op
-    return value == no_op

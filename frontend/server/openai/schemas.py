@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models (frontend process, HTTP server).
 
-Strict types (a string is not a number, 5.0 is not an int), every integer within the wire's int64, every
-float finite. An unknown field is a 400 naming it, as OpenAI's own server answers; the fields OpenAI or
-vLLM define that coreserve does not implement are declared by `unsupported.UnsupportedFields`, refused by
-name unless they hold their no-op value (docs/serving.md). Ranges that depend on the engine
+The field types are common/fields.py's (strict, int64, finite). An unknown field is a 400 naming it, as
+OpenAI's own server answers; the fields OpenAI or vLLM define that coreserve does not implement are
+declared by `unsupported.UnsupportedFields`, refused by name unless they hold their no-op value
+(docs/serving.md). Ranges that depend on the engine
 (max_logprobs, max_model_len, the vocabulary) are checked by the handlers.
 """
 
@@ -11,40 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from frontend.server.structured_fields import StructuredFields
-from frontend.server.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
+from frontend.server.common.fields import INT64_MAX, Int64, NonNegativeInt64, StreamOptions, StrictBody, Text
+from frontend.server.openai.structured_fields import StructuredFields
+from frontend.server.openai.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
 
-
-def _valid_unicode(text: str) -> str:
-    """JSON can carry lone surrogates ("\\ud800"); they are no text and no tokenizer takes them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError("is not valid Unicode text (a lone surrogate)") from exc
-    return text
-
-
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
-Text = Annotated[str, AfterValidator(_valid_unicode)]
 Prompt = Text | list[Text] | list[Int64] | list[list[Int64]]
-
-
-class StrictBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class StreamOptions(StrictBody):
-    """null is taken as false, as vLLM's optional fields read it."""
-
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
-    include_obfuscation: bool | None = None  # OpenAI's padding of chunks: ignorable, nothing is padded
 
 
 class SamplingFields(StrictBody):

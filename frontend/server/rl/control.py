@@ -14,11 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.server.errors import engine_call
-from frontend.server.json_response import JSONBytesResponse
-from frontend.server.schemas import NonNegativeInt64
-from frontend.server.sglang_control import SGLANG_PATHS
-from frontend.server.sglang_control import register as register_sglang_names
+from frontend.server.common.errors import engine_call
+from frontend.server.common.fields import NonNegativeInt64
+from frontend.server.common.logprob_json import JSONBytesResponse
+from frontend.server.rl.sglang_control import SGLANG_PATHS
+from frontend.server.rl.sglang_control import register as register_sglang_names
 
 RL_PATHS = frozenset(
     ("/update_weights_from_disk", "/update_weights", "/reset_prefix_cache", "/pause", "/resume", "/is_paused",

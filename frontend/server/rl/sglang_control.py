@@ -1,5 +1,5 @@
 """SGLang's names for the RL control verbs, as slime calls them (frontend process, HTTP server; routed
-with the other RL endpoints, rl_routes.py): slime/backends/sglang_utils/sglang_engine.py brackets a
+with the other RL endpoints, control.py): slime/backends/sglang_utils/sglang_engine.py brackets a
 weight sync with `/pause_generation`, `GET /flush_cache`, `/update_weights_from_disk` and
 `/continue_generation`, and frees memory around training with `/release_memory_occupation` and
 `/resume_memory_occupation`. Each maps onto the engine's verb; docs/serving.md ("RL control endpoints").
@@ -12,8 +12,8 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.server.errors import engine_call
-from frontend.server.schemas import StrictBody
+from frontend.server.common.errors import engine_call
+from frontend.server.common.fields import StrictBody
 
 SGLANG_PATHS = frozenset(
     ("/pause_generation", "/continue_generation", "/flush_cache", "/release_memory_occupation",

@@ -14,29 +14,27 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.outputs import CompletionOutput, PositionLogprobs
-from frontend.server.errors import APIError
-from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import (
-    check_logprobs,
-    check_prompts,
-    check_request,
+from frontend.server.common.accumulate import WholeChoices
+from frontend.server.common.errors import APIError
+from frontend.server.common.generation import Generation, PromptInput
+from frontend.server.common.inputs import check_logprobs, check_prompts, start_checked
+from frontend.server.common.logprob_json import JSONBytesResponse, LegacyLogprobs, vllm_prompt_logprobs
+from frontend.server.common.transport import sse_response, until_disconnected
+from frontend.server.openai.inputs import (
+    check_body_fields,
     completion_prompts,
+    prompt_scoring_k,
     sampling_params,
-    start_checked,
 )
-from frontend.server.json_response import JSONBytesResponse
-from frontend.server.logprob_json import LegacyLogprobs, vllm_prompt_logprobs
-from frontend.server.prompt_scoring import prompt_scoring_k, with_prompt_scoring
-from frontend.server.schemas import CompletionRequest
+from frontend.server.openai.schemas import CompletionRequest
+from frontend.server.openai.structured_fields import parse_grammar_off_the_loop
 from frontend.server.state import ServerState
-from frontend.server.structured_fields import parse_grammar_off_the_loop
-from frontend.server.transport import sse_response, until_disconnected
 
 
 async def create_completion(request: Request, body: CompletionRequest) -> Response:
     server: ServerState = request.app.state.server
     server.check_model(body.model)
-    check_request(body)
+    check_body_fields(body)
     await parse_grammar_off_the_loop(body)
     prompts = await completion_prompts(server, body)
     generation = Generation(
@@ -63,8 +61,7 @@ def _params(server: ServerState, body: CompletionRequest, prompts: list[PromptIn
     asked = [k for k in (echo_k, body.prompt_logprobs) if k is not None]
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
     prompt_logprobs = max(asked) if asked else None
-    params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, server.facts.vocab_size)
-    return with_prompt_scoring(params, body)
+    return sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, server.facts.vocab_size)
 
 
 class CompletionResponse:
@@ -82,9 +79,9 @@ class CompletionResponse:
     async def whole(self) -> Response:
         try:
             await start_checked(self.generation, self.body)
-            merged: dict[int, dict] = {}
+            merged = WholeChoices()
             async for piece in self._pieces():
-                _merge(merged, piece)
+                merged.add(piece)
         finally:
             await self.generation.close()
         choices = [merged.get(c.index) or _empty_choice(c.index) for c in self.choices]
@@ -214,25 +211,3 @@ class CompletionChoice:
 def _empty_choice(index: int) -> dict:
     return {"index": index, "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None}
 
-
-def _merge(merged: dict[int, dict], piece: dict) -> None:
-    into = merged.get(piece["index"])
-    if into is None:
-        into = merged[piece["index"]] = {**piece, "text": "", "logprobs": None}
-        for key in ("token_ids", "sampling_mask"):
-            if key in piece:
-                into[key] = []
-    into["text"] += piece["text"]
-    if "token_ids" in piece:
-        into["token_ids"].extend(piece["token_ids"])
-    if piece["finish_reason"] is not None:
-        into["finish_reason"], into["stop_reason"] = piece["finish_reason"], piece["stop_reason"]
-    if "routed_experts" in piece:
-        into["routed_experts"] = piece["routed_experts"]
-    if "sampling_mask" in piece:
-        into.setdefault("sampling_mask", []).extend(piece["sampling_mask"])
-    if piece["logprobs"] is not None:
-        if into["logprobs"] is None:
-            into["logprobs"] = {key: [] for key in piece["logprobs"]}
-        for key, values in piece["logprobs"].items():
-            into["logprobs"][key].extend(values)

@@ -20,15 +20,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.outputs import CompletionOutput, PositionLogprobs
-from frontend.server.errors import APIError
-from frontend.server.generation import Generation, PromptInput
-from frontend.server.inputs import check_prompts, start_checked
-from frontend.server.json_response import JSONBytesResponse
-from frontend.server.logprob_json import token_text
-from frontend.server.schemas import Int64, StreamOptions, StrictBody
+from frontend.server.common.accumulate import WholeChoices
+from frontend.server.common.errors import APIError
+from frontend.server.common.fields import Int64, StreamOptions, StrictBody, same_json
+from frontend.server.common.generation import Generation, PromptInput
+from frontend.server.common.inputs import check_prompts, start_checked
+from frontend.server.common.logprob_json import JSONBytesResponse, token_text
+from frontend.server.common.sampling import SAMPLING_FIELDS, build_sampling_params, field_refusal
+from frontend.server.common.transport import sse_response, until_disconnected
 from frontend.server.state import ServerState
-from frontend.server.transport import sse_response, until_disconnected
-from frontend.server.unsupported import same_json
 from protocol.sampling_params import SamplingParams
 
 INFERENCE_GENERATE_PATH = "/inference/v1/generate"
@@ -78,19 +78,16 @@ def _sampling_params(fields: dict, num_prompt: int, max_model_len: int) -> Sampl
         value = fields.pop(name, no_ops[0])
         if not any(same_json(value, no_op) for no_op in no_ops):
             raise APIError(400, f"sampling_params.{name}: only {no_ops!r} (no-op values here)", "sampling_params")
-    unknown = sorted(set(fields) - set(SamplingParams.__struct_fields__))
+    unknown = sorted(set(fields) - SAMPLING_FIELDS)
     if unknown:
         raise APIError(400, f"sampling_params.{unknown[0]} is not implemented by this server", "sampling_params")
     if fields.get("max_tokens") is None:  # vLLM's server: what the context leaves, not 16
         fields["max_tokens"] = max(1, max_model_len - num_prompt)
-    try:
-        return SamplingParams(**fields)
-    except ValueError as exc:
-        raise APIError(400, f"sampling_params: {exc}", "sampling_params") from exc
+    return build_sampling_params(fields, field_refusal("sampling_params", "sampling_params: "))
 
 
 async def _whole(generation: Generation, body: TokensRequest, params: SamplingParams, model: str) -> Response:
-    outputs: dict[int, CompletionOutput] = {}
+    merged = WholeChoices()
     prompt_logprobs, weight_version = None, 0
     try:
         await start_checked(generation, body)
@@ -98,10 +95,10 @@ async def _whole(generation: Generation, body: TokensRequest, params: SamplingPa
             prompt_logprobs = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_logprobs
             weight_version = out.weight_version
             for completion in out.outputs:
-                _merge_into(outputs, completion)
+                merged.add(_choice(completion, params))
     finally:
         await generation.close()
-    choices = [_choice(outputs[i], params) for i in sorted(outputs)]
+    choices = [merged.by_index[i] for i in sorted(merged.by_index)]
     num_tokens = sum(len(c["token_ids"]) for c in choices)
     return JSONBytesResponse({
         "request_id": generation.request_id,
@@ -125,19 +122,6 @@ async def _chunks(generation: Generation, body: TokensRequest, params: SamplingP
             yield {"request_id": generation.request_id, "choices": [choice], "weight_version": out.weight_version}
     if body.stream_options is not None and body.stream_options.include_usage:
         yield {"request_id": generation.request_id, "choices": [], "usage": _usage(generation, num_tokens)}
-
-
-def _merge_into(outputs: dict[int, CompletionOutput], delta: CompletionOutput) -> None:
-    whole = outputs.get(delta.index)
-    if whole is None:
-        outputs[delta.index] = CompletionOutput(delta.index, "", list(delta.token_ids), None,
-                                                None if delta.logprobs is None else list(delta.logprobs),
-                                                delta.finish_reason, delta.stop_reason)
-        return
-    whole.token_ids.extend(delta.token_ids)
-    if whole.logprobs is not None and delta.logprobs is not None:
-        whole.logprobs.extend(delta.logprobs)
-    whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 def _choice(completion: CompletionOutput, params: SamplingParams) -> dict:

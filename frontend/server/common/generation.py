@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from frontend.outputs import RequestOutput
-from frontend.server.admission import Admission
-from frontend.server.metrics import RequestTimer, ServerMetrics
+from frontend.server.common.limits import Admission
+from frontend.server.common.metrics import RequestTimer, ServerMetrics
 from protocol.sampling_params import SamplingParams
 
 
@@ -60,7 +60,7 @@ class Generation:
 
     async def start(self) -> None:
         """Submits every prompt; raises the engine's ValueError (after aborting the others) when one is
-        refused; the admission's 503 (admission.py) before anything is submitted."""
+        refused; the admission's 503 (limits.py) before anything is submitted."""
         if self.admission is not None:
             sequences = len(self.prompts) * self.params.n
             self.admission.admit(sequences)

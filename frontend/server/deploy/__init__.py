@@ -1,0 +1,1 @@
+"""Ways to deploy the server beyond `coreserve serve` (frontend process): Ray Serve."""

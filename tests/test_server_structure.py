@@ -1,0 +1,92 @@
+"""frontend/server/'s shape (issue 50): a small root over rooms, one SamplingParams builder, one delta
+accumulator, one metrics table; checked on the source, without a server."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = ROOT / "frontend" / "server"
+BUILDER = "frontend/server/common/sampling.py"
+# Outside the server, SamplingParams is built only where no request body is read: the LLM face's
+# default for prompts given none (user objects are passed as they are) and the engine's defaults
+# from the model's generation config.
+OTHER_BUILDERS = {"frontend/llm.py", "frontend/engine/engine.py"}
+
+
+def python_files(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.py"))
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def constructions(path: Path, name: str) -> list[int]:
+    """Lines of `name(...)` or `module.name(...)` calls in the file."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called == name:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_server_root_holds_at_most_eight_files_over_its_rooms():
+    files = [p.name for p in SERVER.glob("*.py")]
+    assert len(files) <= 8, files
+    rooms = {p.name for p in SERVER.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert rooms == {"common", "openai", "rl", "scoring", "deploy"}, rooms
+
+
+def test_samplingparams_is_built_in_one_module_of_the_frontend():
+    found = {
+        f"{relative(path)}:{line}"
+        for path in python_files(ROOT / "frontend")
+        if relative(path) not in {BUILDER, *OTHER_BUILDERS}
+        for line in constructions(path, "SamplingParams")
+    }
+    assert not found, f"SamplingParams built outside {BUILDER}: {sorted(found)}"
+    assert constructions(ROOT / BUILDER, "SamplingParams")
+
+
+def test_the_check_finds_a_construction(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import protocol.sampling_params as sp\nx = sp.SamplingParams(n=2)\ny = SamplingParams()\n")
+    assert constructions(probe, "SamplingParams") == [2, 3]
+
+
+def test_one_delta_accumulator_merges_every_whole_answer():
+    """No route merges deltas its own way: common/accumulate.py's merge is the only function named *merge*."""
+    merges = {
+        f"{relative(path)}:{node.name}"
+        for path in python_files(SERVER)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and "merge" in node.name
+    }
+    assert merges == {"frontend/server/common/accumulate.py:merge_piece"}, merges
+
+
+def test_metrics_are_declared_in_one_table():
+    """Only common/metrics.py names a Prometheus metric or a prefix of one."""
+    offenders = []
+    for path in python_files(ROOT / "frontend"):
+        if relative(path) == "frontend/server/common/metrics.py":
+            continue
+        text = path.read_text()
+        if "prometheus_client" in text or re.search(r"\"(vllm|coreserve):[a-z_]+\"", text):
+            offenders.append(relative(path))
+    assert not offenders, offenders
+
+
+def test_every_server_file_is_short_and_says_what_it_owns():
+    for path in python_files(SERVER):
+        text = path.read_text()
+        assert ast.get_docstring(ast.parse(text)), relative(path)
+        if path.name != "__init__.py":
+            num_lines = len(text.splitlines())
+            assert 40 <= num_lines <= 350, (relative(path), num_lines)
