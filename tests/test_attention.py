@@ -13,9 +13,10 @@ from worker.backend import TorchBackend
 from worker.cpu.backend import CpuBackend
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.ops import CpuOps
-from worker.input_batch import RequestState, build_step_inputs
 from worker.models.loader import load_model
 from worker.models.ops import TorchOps
+from worker.step.attention import AttentionSpec
+from worker.step.input_batch import RequestState, build_step_inputs
 
 BLOCK_SIZE = 8
 
@@ -71,8 +72,8 @@ def test_kernel_matches_torch_path_on_fragmented_blocks_in_a_mixed_batch(kernels
     slots = inputs.attn.slot_mapping  # this step's K and V, as the layer has just written them
     k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
     expected = reference_attention(q, cache, states, num_tokens)
-    kernel = CpuOps(kernels).attention(q, k, v, cache, planned(inputs.attn, kernels), None)
-    torch_path = TorchOps().attention(q, k, v, cache, planned(inputs.attn, None), None)
+    kernel = CpuOps(kernels).attention(q, k, v, cache, planned(inputs.attn, kernels), AttentionSpec())
+    torch_path = TorchOps().attention(q, k, v, cache, planned(inputs.attn, None), AttentionSpec())
     for actual in (kernel, torch_path):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -109,7 +110,7 @@ def test_kernel_matches_float64_reference_at_every_head_width(kernels, head_dim)
     inputs = build_step_inputs(states, [1] * len(states), BLOCK_SIZE, torch.device("cpu"))
     slots = inputs.attn.slot_mapping  # the 1-token prompt attends to its own k and v, as written
     k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-    actual = CpuOps(kernels).attention(q, k, v, cache, planned(inputs.attn, kernels), None)
+    actual = CpuOps(kernels).attention(q, k, v, cache, planned(inputs.attn, kernels), AttentionSpec())
     expected = reference_attention(q, cache, states, [1] * len(states))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -126,11 +127,12 @@ def test_decode_attends_exactly_the_context_length(request, path):
     kernels = request.getfixturevalue("kernels") if path == "kernel" else None  # torch: no compiler needed
     inputs = build_step_inputs([short, long], [1, 1], BLOCK_SIZE, torch.device("cpu"))
     ops = ops_of(kernels)
-    before = ops.attention(q, kv, kv, cache, planned(inputs.attn, kernels), None)
+    before = ops.attention(q, kv, kv, cache, planned(inputs.attn, kernels), AttentionSpec())
     cache[:, :, 9 * BLOCK_SIZE + 5 : 20 * BLOCK_SIZE] = float("nan")  # past position 12, in block 9, ...
     cache[:, :, 2 * BLOCK_SIZE : 3 * BLOCK_SIZE] = float("nan")
     cache[:, :, 0:BLOCK_SIZE] = float("nan")  # block 0: where the padding of a short row's table points
-    torch.testing.assert_close(ops.attention(q, kv, kv, cache, planned(inputs.attn, kernels), None), before)
+    again = ops.attention(q, kv, kv, cache, planned(inputs.attn, kernels), AttentionSpec())
+    torch.testing.assert_close(again, before)
     assert torch.isfinite(before).all()
     torch.testing.assert_close(
         before, reference_attention(q, cache, [short, long], [1, 1]), rtol=1e-5, atol=1e-5
@@ -177,7 +179,7 @@ def test_sliding_window_in_the_kernel_the_torch_decode_and_prefill_chunks(kernel
         inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
         slots = inputs.attn.slot_mapping
         k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-        actual = ops_of(kernel).attention(q, k, v, cache, planned(inputs.attn, kernel), window)
+        actual = ops_of(kernel).attention(q, k, v, cache, planned(inputs.attn, kernel), AttentionSpec(window))
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -211,7 +213,7 @@ def test_batch_invariant_prefill_attends_each_token_as_its_decode_step_would(ker
     inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
     slots = inputs.attn.slot_mapping
     k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-    batched = ops.attention(q, k, v, cache, planned(inputs.attn, kernels, True), window)
+    batched = ops.attention(q, k, v, cache, planned(inputs.attn, kernels, True), AttentionSpec(window))
     row = 0
     for state, num in zip(states, num_tokens):
         for position in range(state.num_computed_tokens, state.num_computed_tokens + num):
@@ -219,7 +221,7 @@ def test_batch_invariant_prefill_attends_each_token_as_its_decode_step_would(ker
             alone = build_step_inputs([one], [1], BLOCK_SIZE, torch.device("cpu"))
             q_row = q[row : row + 1].contiguous()
             attn = planned(alone.attn, kernels, True)
-            got = ops.attention(q_row, k[row : row + 1], v[row : row + 1], cache, attn, window)
+            got = ops.attention(q_row, k[row : row + 1], v[row : row + 1], cache, attn, AttentionSpec(window))
             assert torch.equal(got[0], batched[row]), (state.req_id, position)
             row += 1
     if window is None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import AttentionMetadata, DecodeRows, every_token_rows, slots_of
+from worker.step.attention import AttentionMetadata, DecodeRows, every_token_rows, slots_of
 
 
 @dataclass(frozen=True)

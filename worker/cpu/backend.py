@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-from worker.attention import AttentionMetadata
 from worker.cpu.attention_plan import cpu_attention_plan
 from worker.cpu.bindings import CpuKernels
 from worker.cpu.fused_decode import FusedForward
@@ -28,8 +27,9 @@ from worker.cpu.huge_pages import (
 from worker.cpu.ops import apply_cpu_backend
 from worker.cpu.sampling_ops import CpuSamplingOps
 from worker.cpu.thread_governor import ThreadGovernor
-from worker.input_batch import StepInputs
 from worker.models.llama import LlamaModel
+from worker.step.attention import AttentionMetadata
+from worker.step.input_batch import StepInputs
 
 
 class CpuBackend:

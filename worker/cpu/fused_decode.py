@@ -23,10 +23,10 @@ from worker.cpu.attention_plan import CpuAttentionPlan
 from worker.cpu.bindings import CpuKernels, LayerDesc, ModelDesc, StepDesc
 from worker.cpu.linear import GEMV_MAX_ROWS
 from worker.cpu.quant_linear import part_array_address
-from worker.input_batch import StepInputs
 from worker.models.config import LlamaArgs
 from worker.models.llama import LayerWeights, ModelWeights
 from worker.models.quantized import QUANT_PARTS, ggml_type_of
+from worker.step.input_batch import StepInputs
 
 FUSED_MAX_ROWS = GEMV_MAX_ROWS  # the few-row products' range: past it prefill-sized products win
 
@@ -50,13 +50,13 @@ class FusedForward:
     ) -> None:
         assert len(caches) == len(weights.layers) > 0
         self.kernels, self.args, self.caches = kernels, args, list(caches)
-        # else every step runs op by op (and always for the other families: experts, Gemma, OLMoE)
+        # else every step runs op by op (and always where a layer spec is not llama-shaped: experts, GeGLU, ...)
         self.applies = _can_read(weights.layers) and args.is_llama_shaped
         if not self.applies:
             return
         is_bf16 = _is_bf16(weights.layers)
         self.layers = (LayerDesc * len(caches))(
-            *(layer_desc(w, cache, args, is_bf16) for w, cache in zip(weights.layers, caches))
+            *(layer_desc(w, cache, args, i, is_bf16) for i, (w, cache) in enumerate(zip(weights.layers, caches)))
         )
         shapes = {tuple(getattr(d, f) for f in _SHAPE_FIELDS) for d in self.layers}
         assert len(shapes) == 1, "decode_forward.c reads one shape for all layers"
@@ -74,6 +74,10 @@ class FusedForward:
             **_lm_head_fields(weights),
         )
         self.vocab = self.desc.vocab  # 0: lm_head stays with the op-by-op product
+        scales = {spec.attention.scale for spec in args.layers}
+        assert len(scales) == 1, "decode_forward.c reads one attention scale for all layers"
+        scale = scales.pop()
+        self.scale = args.head_dim**-0.5 if scale is None else scale  # the kernels' reading of AttentionSpec
         self.keep_alive = weights  # the tensors whose addresses the descriptors hold
         self.pointer = ctypes.byref(self.desc)
 
@@ -117,9 +121,7 @@ class FusedForward:
         filled where the step asked for them)."""
         a = self.args
         out = torch.empty(step.desc.num_tokens, a.hidden_size)
-        status = self.kernels.decode_forward(
-            self.pointer, step.pointer, out.data_ptr(), a.rms_norm_eps, a.head_dim**-0.5
-        )
+        status = self.kernels.decode_forward(self.pointer, step.pointer, out.data_ptr(), a.rms_norm_eps, self.scale)
         if status != 0:
             raise MemoryError("the fused decode forward could not allocate its scratch memory")
         return out
@@ -161,8 +163,9 @@ def _is_bf16(layers: list[LayerWeights]) -> int:
     return int(any(p.dtype == torch.bfloat16 for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)))
 
 
-def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs, is_bf16: int) -> LayerDesc:
-    """One layer's struct layer_desc over its `cache` [2, Hkv, slots, D] float32."""
+def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs, index: int, is_bf16: int) -> LayerDesc:
+    """Layer `index`'s struct layer_desc over its `cache` [2, Hkv, slots, D] float32; its window is its
+    spec's (AttentionSpec.window, 0: none), as the op-by-op attention reads it."""
     products = (w.qkv, w.o, w.gate_up, w.down)
     assert _can_read([w]) and all(p.is_contiguous() for p in products)
     assert cache.is_contiguous() and cache.dtype == torch.float32
@@ -174,7 +177,7 @@ def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs, is_bf16: int)
         key_cache=key_cache, value_cache=key_cache + cache.stride(0) * cache.element_size(),
         hidden=a.hidden_size, num_q_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
         intermediate=a.intermediate_size, num_slots=cache.shape[2],
-        is_bf16=is_bf16, window=a.sliding_window or 0, qkv_type=ggml_type_of(w.qkv), o_type=ggml_type_of(w.o),
+        is_bf16=is_bf16, window=a.layers[index].attention.window or 0, qkv_type=ggml_type_of(w.qkv), o_type=ggml_type_of(w.o),
         gate_up_type=ggml_type_of(w.gate_up), down_type=ggml_type_of(w.down),
     )
 

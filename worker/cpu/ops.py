@@ -13,12 +13,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from worker.attention import AttentionMetadata, paged_attention
 from worker.cpu.attention_plan import CpuAttentionPlan, KernelRows
 from worker.cpu.bindings import CpuKernels
 from worker.cpu.kernels import decode_attention, rms_norm, rope_write_kv, silu_mul
 from worker.cpu.linear import linear
 from worker.models.ops import HeadShape, Rope, TorchOps, gelu_tanh_mul
+from worker.step.attention import AttentionMetadata, AttentionSpec, paged_attention
 
 
 def _whole(partial: torch.Tensor) -> torch.Tensor:
@@ -68,29 +68,29 @@ class CpuOps:
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, window: int | None, scale: float | None = None, softcap: float | None = None,
+        meta: AttentionMetadata, spec: AttentionSpec,
     ) -> torch.Tensor:
         if not self.is_batch_invariant:
-            return paged_attention(q, k, v, cache, meta, window, self._attend_decode, scale, softcap)
+            return paged_attention(q, k, v, cache, meta, spec, self._attend_decode)
         out = torch.empty_like(q)  # this step's k and v are in the cache already (rope_write_kv)
-        self._attend_rows(q, out, cache, _plan(meta).every_token, window, scale, softcap)
+        self._attend_rows(q, out, cache, _plan(meta).every_token, spec)
         return out
 
     def _attend_decode(
-        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None,
-        scale: float | None = None, softcap: float | None = None,
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec
     ) -> None:
-        self._attend_rows(q, out, cache, _plan(meta).decode, window, scale, softcap)
+        self._attend_rows(q, out, cache, _plan(meta).decode, spec)
 
     def _attend_rows(
-        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: KernelRows | None, window: int | None,
-        scale: float | None, softcap: float | None,
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: KernelRows | None, spec: AttentionSpec
     ) -> None:
+        """The C kernel reads the spec's fields as its arguments: scale, window (0: none), softcap (0: none)."""
         assert rows is not None
         r = rows.rows
         decode_attention(
             self.kernels, q, out, cache, r.rows, r.block_tables, r.context_lens, r.block_size,
-            q.shape[2] ** -0.5 if scale is None else scale, window or 0, rows.pointers, softcap or 0.0,
+            q.shape[2] ** -0.5 if spec.scale is None else spec.scale, spec.window or 0, rows.pointers,
+            spec.softcap or 0.0,
         )
 
 

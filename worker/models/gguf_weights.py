@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from protocol.gguf_header import GGUFTensorInfo, read_gguf_header
-from worker.models.gguf_config import gguf_architecture
+from worker.models.gguf_config import GGUF_ARCHS, gguf_architecture
 
 # ggml type value -> name, for the types loaded (every other is refused by name)
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
@@ -42,7 +42,7 @@ _LAYER = {
     "post_attention_norm": "post_attention_layernorm",  # Gemma's sandwich (its ffn_norm is the pre-MLP norm)
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Per architecture, where a GGUF name means something else than in `llama`
+# Per architecture, where a GGUF name means something else than in `llama` (the loader's name map)
 _ARCH_LAYER = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, in that order
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
@@ -67,9 +67,8 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
     """Every tensor of the file, in file order; an unsupported tensor type is a ValueError naming it."""
     header = read_gguf_header(path)
     arch = gguf_architecture(header)
-    is_llama, is_gemma = arch == "llama", arch.startswith("gemma")
-    meta = header.metadata
-    heads = {"attn_q": meta.get("llama.attention.head_count"), "attn_k": meta.get("llama.attention.head_count_kv")}
+    rules, meta = GGUF_ARCHS[arch], header.metadata
+    heads = {"attn_q": meta.get(f"{arch}.attention.head_count"), "attn_k": meta.get(f"{arch}.attention.head_count_kv")}
     heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
     for info in sorted(header.tensors, key=lambda t: t.offset):
         if info.ggml_type not in SUPPORTED_TYPES:
@@ -78,11 +77,11 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
         if info.name in _CONFIG_TENSORS:
             continue
         name, module = hf_name(info.name, arch)
-        interleaved = int(heads[module]) if is_llama and module in heads else None
+        interleaved = int(heads[module]) if rules.interleaved_qk and module in heads else None
         if module in _EXPERTS:
             yield from _expert_entries(info, path, name)
             continue
-        minus_one = is_gemma and name.endswith("norm.weight")
+        minus_one = rules.norms_plus_one and name.endswith("norm.weight")
         yield GGUFEntry(name, info, path, tuple(reversed(info.dims)), _num_bytes(info), interleaved, minus_one)
 
 

@@ -1,8 +1,7 @@
-"""Llama-family decoder over a paged KV cache: Llama, Mistral (sliding window), Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm), Phi-3 (partial rotary), Gemma 2 and 3 (GemmaArgs: 1 + w norms around
-both halves, GeGLU, soft-caps, local and global layers), and the mixtures of experts
-(worker/models/moe.py: Qwen3-MoE, Mixtral, OLMoE with its whole-projection q/k norms), tied or untied
-embeddings (engine-core process).
+"""The decoder over a paged KV cache for every family of worker/models/family.py: one layer body
+that reads its layer's frozen spec (worker/models/layer_spec.py: norms and their offset, the sandwich,
+q/k norms, attention's window, scale and soft-cap, its RoPE table, GeGLU or SwiGLU, experts from
+worker/models/moe.py or a dense MLP), tied or untied embeddings (engine-core process).
 
 The one statement of the model's math. Every op goes through `self.ops` (worker/models/ops.py),
 chosen once outside the model: torch's, or the CPU backend's (fp32 activations, norms and KV cache
@@ -20,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata
 from worker.models.config import LlamaArgs
+from worker.models.family import SILU
 from worker.models.moe import SparseMoe
 from worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
 from worker.models.rope import RopeSpec, cos_sin_tables, long_rows_start
+from worker.step.attention import AttentionMetadata
 
 __all__ = ["LlamaArgs", "LlamaModel"]
 
@@ -107,74 +107,71 @@ class Rotary(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One body for every family: what differs (norms and their offset, the sandwich, q/k norms,
+    attention's window, scale and soft-cap, GeGLU or SwiGLU, experts or dense) is read from the
+    layer's frozen spec (worker/models/layer_spec.py)."""
+
     def __init__(self, args: LlamaArgs, index: int = 0) -> None:
         super().__init__()
-        self.args = args
+        self.args, self.spec = args, args.layers[index]
+        spec, eps, hidden = self.spec, args.rms_norm_eps, args.hidden_size
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        gemma, eps = args.gemma, args.rms_norm_eps
-        offset = 0.0 if gemma is None else 1.0
-        self.window = args.window_of(index)
-        self.is_local = gemma is not None and gemma.rope_local is not None and self.window is not None
-        self.input_layernorm = RMSNorm(args.hidden_size, eps, offset)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, offset)
-        if gemma is not None:  # the sandwich: post_attention_layernorm is on the attention's output
-            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps, offset)
-            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, offset)
+        self.input_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
+        if spec.has_sandwich_norms:  # post_attention_layernorm is then on the attention's output
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
         # Fused at load time: one matmul for q/k/v and one for gate/up.
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
-        self.moe = SparseMoe(args) if args.moe is not None and args.moe.is_sparse(index) else None
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=args.o_bias)
+        self.moe = SparseMoe(args) if spec.is_moe else None
         self.routed: torch.Tensor | None = None  # a mixture's last step: each token's experts [T, top_k]
         if self.moe is None:
-            self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-            self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-        if args.has_qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, eps, offset)
-            self.k_norm = RMSNorm(args.head_dim, eps, offset)
-        elif args.qk_norm_whole:
-            self.q_norm = RMSNorm(self.q_size, args.rms_norm_eps)
-            self.k_norm = RMSNorm(self.kv_size, args.rms_norm_eps)
+            self.gate_up_proj = nn.Linear(hidden, 2 * args.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(args.intermediate_size, hidden, bias=False)
+        if spec.qk_norm == "head":
+            self.q_norm = RMSNorm(args.head_dim, eps, spec.norm_offset)
+            self.k_norm = RMSNorm(args.head_dim, eps, spec.norm_offset)
+        elif spec.qk_norm == "whole":
+            self.q_norm = RMSNorm(self.q_size, eps, spec.norm_offset)
+            self.k_norm = RMSNorm(self.kv_size, eps, spec.norm_offset)
         self.heads = HeadShape(args.num_heads, args.num_kv_heads, args.head_dim)
 
     def forward(
         self, x: torch.Tensor, rope: Rope, cache: torch.Tensor, meta: AttentionMetadata, ops: ModelOps
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; this step's K and V written to `cache`."""
-        num_tokens, a = x.shape[0], self.args
+        spec = self.spec
         qkv = ops.linear(self.qkv_proj, ops.rms_norm(self.input_layernorm, x))
-        if a.has_qk_norm or a.qk_norm_whole:
+        if spec.qk_norm is not None:
             qkv = self._norm_qk(qkv, ops)
-        if a.clip_qkv is not None:
-            qkv = qkv.clamp(-a.clip_qkv, a.clip_qkv)
+        if spec.clip_qkv is not None:
+            qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
         q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
-        if a.gemma is not None:
-            return self._gemma_rest(x, q, k, v, cache, meta, ops)
-        attn = ops.attention(q, k, v, cache, meta, self.window).reshape(num_tokens, self.q_size)
+        attn = ops.attention(q, k, v, cache, meta, spec.attention).reshape(x.shape[0], self.q_size)
         attn_out = ops.sum_over_ranks(ops.linear(self.o_proj, attn))
-        x, normed = ops.add_rms_norm(self.post_attention_layernorm, x, attn_out)
+        pre_mlp_norm = self.post_attention_layernorm
+        if spec.has_sandwich_norms:
+            attn_out = ops.rms_norm(self.post_attention_layernorm, attn_out)
+            pre_mlp_norm = self.pre_feedforward_layernorm
+        x, normed = ops.add_rms_norm(pre_mlp_norm, x, attn_out)
+        mlp_out = ops.sum_over_ranks(self._mlp(normed, ops))
+        if spec.has_sandwich_norms:
+            mlp_out = ops.rms_norm(self.post_feedforward_layernorm, mlp_out)
+        return x + mlp_out
+
+    def _mlp(self, normed: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        """normed [T, hidden] -> this rank's partial MLP output [T, hidden]: the experts', or the gated
+        MLP's with the spec's activation."""
         if self.moe is not None:
             mlp_out, self.routed = self.moe(normed, ops)
-            return x + ops.sum_over_ranks(mlp_out)
+            return mlp_out
         gate_up = ops.linear(self.gate_up_proj, normed)
-        return x + ops.sum_over_ranks(ops.linear(self.down_proj, ops.silu_mul(gate_up)))
-
-    def _gemma_rest(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, ops: ModelOps,
-    ) -> torch.Tensor:
-        """Gemma's layer after RoPE: its scores' scale and soft-cap, a norm on each half's output before
-        the residual adds it, GeGLU."""
-        g = self.args.gemma
-        assert g is not None
-        attn = ops.attention(q, k, v, cache, meta, self.window, g.attn_scale, g.attn_softcap)
-        attn_out = ops.sum_over_ranks(ops.linear(self.o_proj, attn.reshape(x.shape[0], self.q_size)))
-        attn_out = ops.rms_norm(self.post_attention_layernorm, attn_out)
-        x, normed = ops.add_rms_norm(self.pre_feedforward_layernorm, x, attn_out)
-        mlp_out = ops.linear(self.down_proj, ops.gelu_tanh_mul(ops.linear(self.gate_up_proj, normed)))
-        return x + ops.rms_norm(self.post_feedforward_layernorm, ops.sum_over_ranks(mlp_out))
+        hidden = ops.silu_mul(gate_up) if self.spec.activation == SILU else ops.gelu_tanh_mul(gate_up)
+        return ops.linear(self.down_proj, hidden)
 
     def weights(self) -> LayerWeights:
-        has_qk_norm = self.args.has_qk_norm or self.args.qk_norm_whole
+        has_qk_norm = self.spec.qk_norm is not None
         dense = self.moe is None
         return LayerWeights(
             self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
@@ -190,7 +187,7 @@ class DecoderLayer(nn.Module):
         which path its step took (batch invariance)."""
         num_tokens, a = qkv.shape[0], self.args
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if a.qk_norm_whole:
+        if self.spec.qk_norm == "whole":
             return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         q = ops.rms_norm(self.q_norm, q.reshape(num_tokens * a.num_heads, a.head_dim).contiguous())
         k = ops.rms_norm(self.k_norm, k.reshape(num_tokens * a.num_kv_heads, a.head_dim).contiguous())
@@ -202,16 +199,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.args = args
         self.rotary = Rotary(args.rope)
-        if args.gemma is not None and args.gemma.rope_local is not None:  # Gemma 3's sliding layers'
-            self.rotary_local = Rotary(args.gemma.rope_local)
-            if self.rotary.long_rows_start or self.rotary_local.long_rows_start:  # both read at one row
-                raise ValueError("RoPE 'longrope' in a model with a RoPE per kind of layer is not supported")
+        # a second table where some layers have their own RoPE (Gemma 3's sliding layers)
+        self.uses_local_rope = [spec.rope != args.rope for spec in args.layers[: args.num_layers]]
+        local = [spec.rope for spec, is_local in zip(args.layers, self.uses_local_rope) if is_local]
+        self.rotary_local = Rotary(local[0]) if local else None
         # Given its (uninitialised) table: every weight is read from the checkpoint, and the default
         # init's normal_ on a meta-device model first imports torch._dynamo (seconds).
         table = torch.empty(args.vocab_size, args.hidden_size)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, 0.0 if args.gemma is None else 1.0)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:  # one tensor, not two copies
             self.lm_head.weight = self.embed_tokens.weight
@@ -228,16 +225,16 @@ class LlamaModel(nn.Module):
         """input_ids, rope_rows (each token's row of the RoPE tables: StepInputs'): [T]. Returns the
         final-normed hidden states [T, hidden]. `on_layer`: called after each layer (the engine counts
         it as progress)."""
-        ops, gemma = self.ops, self.args.gemma
+        ops, embed_scale = self.ops, self.args.embed_scale
         x = ops.embed(self.embed_tokens, input_ids)
-        if gemma is not None:  # HF's normalizer: sqrt(hidden) rounded to the weights' dtype; a table
+        if embed_scale is not None:  # HF's normalizer: sqrt(hidden) rounded to the weights' dtype; a table
             table = self.embed_tokens.weight  # kept in GGUF blocks is uint8 storage: its values are x's dtype
             dtype = table.dtype if table.is_floating_point() else x.dtype
-            x = x * torch.tensor(gemma.embed_scale, dtype=dtype).to(x.dtype)
+            x = x * torch.tensor(embed_scale, dtype=dtype).to(x.dtype)
         rope = self.rotary.tables(rope_rows, x.dtype)
-        rope_local = self.rotary_local.tables(rope_rows, x.dtype) if hasattr(self, "rotary_local") else rope
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, rope_local if layer.is_local else rope, cache, meta, ops)
+        rope_local = rope if self.rotary_local is None else self.rotary_local.tables(rope_rows, x.dtype)
+        for layer, cache, is_local in zip(self.layers, caches, self.uses_local_rope):
+            x = layer(x, rope_local if is_local else rope, cache, meta, ops)
             if on_layer is not None:
                 on_layer()
         return ops.rms_norm(self.norm, x)
@@ -262,5 +259,5 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> logits [R, vocab] float32 (Gemma 2: soft-capped, cap tanh(logit / cap))."""
         logits = self.ops.linear(self.lm_head, hidden).float()
-        cap = None if self.args.gemma is None else self.args.gemma.final_softcap
+        cap = self.args.final_softcap
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)  # in place: no [R, vocab] copies

@@ -3,7 +3,7 @@
 The model (worker/models/llama.py) calls `model.ops.<op>` and never asks which backend runs: the
 ops object is chosen once, when the model is loaded (`TorchOps`, torch's ops in the weights' dtype:
 CUDA, or the CPU without a compiler) or handed to a backend afterwards (worker/cpu/ops.py's
-`CpuOps`; worker/parallel/sharding.py's `apply_tp` sets `sum_over_ranks`).
+`CpuOps`; worker/models/sharding.py's `apply_tp` sets `sum_over_ranks`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, decode_attention_torch, paged_attention, write_kv
+from worker.step.attention import (
+    AttentionMetadata,
+    AttentionSpec,
+    decode_attention_torch,
+    paged_attention,
+    write_kv,
+)
 
 
 @dataclass(frozen=True)
@@ -45,8 +51,8 @@ class ModelOps(Protocol):
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # Gemma's GeGLU, [T, 2 I] -> [T, I]
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, window: int | None, scale: float | None = None, softcap: float | None = None,
-    ) -> torch.Tensor: ...
+        meta: AttentionMetadata, spec: AttentionSpec,
+    ) -> torch.Tensor: ...  # q [T, Hq, D], k and v [T, Hkv, D] (in the cache already) -> [T, Hq, D]
     # [T, hidden] partial output of a layer half -> the whole: the sum over tensor-parallel ranks
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
 
@@ -107,9 +113,9 @@ class TorchOps:
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, window: int | None, scale: float | None = None, softcap: float | None = None,
+        meta: AttentionMetadata, spec: AttentionSpec,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, cache, meta, window, decode_attention_torch, scale, softcap)
+        return paged_attention(q, k, v, cache, meta, spec, decode_attention_torch)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""The families as one table (worker/models/family.py, and gguf_config.py's GGUF_ARCHS): no family
+named in a comparison anywhere in worker/, and each layer's frozen spec read from config.json once."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from worker.models.config import LlamaArgs
+from worker.models.family import FAMILIES, GELU_TANH, SILU
+from worker.models.gguf_config import GGUF_ARCHS
+from worker.step.attention import AttentionSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILY_NAMES = (
+    {family.model_type for family in FAMILIES.values()}
+    | set(GGUF_ARCHS) | {rules.model_type for rules in GGUF_ARCHS.values()} | {"gemma", "phi", "qwen"}
+)
+
+
+def _names_a_family(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value in FAMILY_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_family(element) for element in node.elts)
+    return False
+
+
+def family_tests(source: str) -> list[int]:
+    """The lines of `x == "gemma2"`, `x in ("qwen3", ...)`, `x.startswith("gemma")` in one module's
+    source: where it branches on a family's name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(map(_names_a_family, [node.left, *node.comparators])):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("startswith", "endswith") and any(map(_names_a_family, node.args)):
+                found.append(node.lineno)
+    return found
+
+
+def test_no_module_branches_on_a_family_name():
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / "worker").rglob("*.py"))
+        for line in family_tests(path.read_text())
+    ]
+    assert not found, f"a family named outside its table entry: {found}"
+
+
+def test_the_guard_sees_a_family_comparison():
+    source = 'if family in ("qwen3", "olmoe") or arch.startswith("gemma") or t == "phi3":\n    pass\n'
+    assert family_tests(source) == [1, 1, 1]
+
+
+def _config(family_model, family: str) -> dict:
+    import json
+
+    return json.loads((Path(family_model(family)) / "config.json").read_text())
+
+
+def test_gemma2_layers_alternate_local_and_global_with_the_sandwich_and_geglu(family_model):
+    args = LlamaArgs.from_hf_config(_config(family_model, "gemma2"))
+    local, full = args.layers
+    assert local.attention == AttentionSpec(window=24, scale=24**-0.5, softcap=5.0)
+    assert full.attention == AttentionSpec(window=None, scale=24**-0.5, softcap=5.0)
+    assert local.has_sandwich_norms and local.norm_offset == 1.0 and local.activation == GELU_TANH
+    assert args.final_softcap == 8.0 and args.embed_scale == args.hidden_size**0.5 and not args.is_llama_shaped
+
+
+def test_gemma3_local_layers_take_their_own_rope(family_model):
+    args = LlamaArgs.from_hf_config(_config(family_model, "gemma3"))
+    local, full = args.layers
+    assert full.rope == args.rope and args.rope.rope_type == "linear"
+    assert local.rope != args.rope and local.rope.theta == 10000.0 and local.qk_norm == "head"
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3", "mixtral"])
+def test_one_window_families_give_every_layer_the_window(family, family_model):
+    args = LlamaArgs.from_hf_config(_config(family_model, family))
+    assert {spec.attention for spec in args.layers} == {AttentionSpec(window=24)}
+    assert all(spec.activation == SILU and not spec.has_sandwich_norms for spec in args.layers)
+
+
+def test_qwen3_moe_dense_layers_are_in_the_spec(family_model):
+    args = LlamaArgs.from_hf_config(_config(family_model, "qwen3_moe"))
+    assert [spec.is_moe for spec in args.layers] == [True, False] and args.moe_layers == [0]
+
+
+def test_layer_specs_are_frozen(family_model):
+    spec = LlamaArgs.from_hf_config(_config(family_model, "llama2")).layers[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.is_moe = True  # type: ignore[misc]
