@@ -182,12 +182,7 @@ class EngineCore:
     def step(self) -> dict[bytes, EngineCoreOutputs]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.control.weight_version:  # the default (0) stays off the wire
-            for batch in outputs.values():
-                for output in batch.outputs:
-                    output.weight_version = self.control.weight_version
-        return outputs
+        return self.control.stamp(self.scheduler.update_from_output(scheduler_output, runner_output))
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks, if any, and the grammar thread; the core is not used after this."""

@@ -16,8 +16,8 @@ from worker.cpu.attention_plan import cpu_attention_plan
 from worker.cpu.fused_decode import FUSED_MAX_ROWS, FusedForward
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.ops import CpuOps, apply_cpu_backend
-from worker.input_batch import RequestState, build_step_inputs
 from worker.models.loader import load_model
+from worker.step.input_batch import RequestState, build_step_inputs
 
 BLOCK_SIZE = 8
 # llama3.1 carries q/k/v and o biases, mistral a window of 24 (the prompts cross it), qwen2 q/k/v

@@ -17,7 +17,7 @@ from frontend import LLM, SamplingParams
 from protocol.builtin_model import builtin_model_path
 from worker.models.loader import load_model
 from worker.models.quantized import QUANT_PARTS, QuantEmbedding, QuantLinear, block_values, dequantize
-from worker.parallel.sharding import Shard
+from worker.models.sharding import Shard
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5)
 SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at a temperature of",

@@ -1,5 +1,6 @@
 """The import graph's rules: imports run one way, frontend -> protocol <- engine_core -> worker
-(module-level imports); no two modules import each other, even through a chain or inside a function;
+(module-level imports); no two modules import each other, even through a chain or inside a function,
+nor two sub-packages (worker.models, worker.parallel) through any of their modules;
 the core enters worker/ through one module; no module imports another's private names; no socket
 path pickles."""
 
@@ -95,6 +96,30 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The sub-packages (worker.models, worker.parallel, frontend.clients ...) and the sub-packages
+    their modules import, at module level or inside a function, but for their own ancestors and
+    descendants: a package's own modules (worker/model_runner.py, worker/backend.py) are the
+    ground its sub-packages stand on, or the top that puts them together."""
+    modules = project_modules()
+
+    def package(name: str) -> str | None:
+        is_package = name in modules and modules[name].name == "__init__.py"
+        owner = name if is_package else name.rpartition(".")[0]
+        return owner if "." in owner else None  # worker, frontend: the one-way rule's
+
+    def related(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    packages: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        if (source := package(name)) is not None:
+            packages.setdefault(source, set()).update(
+                target for t in targets if (target := package(t)) is not None and not related(source, target)
+            )
+    return packages
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_run_one_way(package):
     for path in (ROOT / package).rglob("*.py"):
@@ -117,6 +142,25 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path)
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from worker.executor import Executor\n")
     assert imported_modules(probe, project_modules()) == {"worker.executor"}
+
+
+def test_no_two_sub_packages_import_each_other_even_through_others():
+    """worker.models -> worker.parallel -> worker.models is a cycle even where no module imports itself:
+    a sub-package's modules may use another's only where that one never needs it back."""
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, "package cycle: " + " -> ".join(cycle)
+
+
+def test_the_package_check_finds_a_cycle_no_module_check_sees():
+    """Two sub-packages that use each other through different modules: no module cycle, a package one."""
+    graph = {
+        "worker.models.loader": {"worker.parallel.sharding"},
+        "worker.parallel.sharding": {"worker.models.config"},
+        "worker.models.config": set(),
+        "worker.model_runner": {"worker.models.loader", "worker.parallel.sharding"},
+    }
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == ["worker.models", "worker.parallel", "worker.models"]
 
 
 def test_the_core_enters_worker_through_one_module():
@@ -154,6 +198,16 @@ def test_nothing_asks_an_executor_or_runner_what_it_can_do():
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr":
                     subject = ast.unparse(node.args[0])
                     assert "executor" not in subject and "runner" not in subject, (path, subject)
+
+
+def test_nothing_reaches_into_a_runners_private_members():
+    """A draft model runs its own runner as a step does, through `prepare` and `forward_and_sample`."""
+    for package in ("engine_core", "worker"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                    subject = ast.unparse(node.value)
+                    assert "runner" not in subject, (str(path.relative_to(ROOT)), f"{subject}.{node.attr}")
 
 
 def test_only_the_in_process_client_reaches_into_the_core_and_nothing_pickles():

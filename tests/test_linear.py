@@ -14,7 +14,7 @@ from frontend import LLM, SamplingParams
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.linear import amx_product, linear
 from worker.model_runner import ModelRunner
-from worker.runner_spec import RunnerSpec
+from worker.step.runner_spec import RunnerSpec
 
 # scripts/compare_bf16_logprobs.py measured on `tiny` (docs/decisions.md, CPU kernels): the largest
 # |logprob difference| 0.18 against HF's bf16 run (whose activations are bf16 throughout) and 0.046

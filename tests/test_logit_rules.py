@@ -170,10 +170,10 @@ def test_the_core_refuses_out_of_vocabulary_rule_ids_it_was_sent(llm_mp, field):
 
 def test_a_batch_without_rules_builds_none_and_samples_from_the_logits_themselves():
     """No per-step cost for rows without rules: no tensors built, and greedy rows get no logits copy."""
-    from worker.input_batch import RequestState
     from worker.sampling.logprobs import TorchSamplingOps
     from worker.sampling.metadata import build_sampling_metadata
     from worker.sampling.sampler import Sampler
+    from worker.step.input_batch import RequestState
 
     def states(params):
         return [RequestState(str(i), [3, 9], 2, params, [0], 2, None, None, False, []) for i in range(3)]

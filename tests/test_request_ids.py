@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.engine.request_ids import child_ids, parent_of, request_id_of, submission_id
+from frontend.request_ids import child_ids, parent_of, request_id_of, submission_id
 
 
 @pytest.mark.parametrize("request_id", ["7", "chat-1", "a#b", "x@y", "a@b#c", "#", "@", ""])

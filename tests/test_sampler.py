@@ -78,9 +78,9 @@ def test_penalty_counts_advanced_on_the_device_equal_counts_rebuilt_from_the_tok
     """A multi-step window advances the penalties' counts in place; after each step they must be what
     N = 1 rebuilds from the real token lists (output counts, and the seen mask over prompt + output)."""
     from protocol.sampling_params import SamplingParams
-    from worker.input_batch import RequestState
     from worker.sampling.metadata import build_sampling_metadata
     from worker.sampling.sampler import advance_penalties
+    from worker.step.input_batch import RequestState
 
     params = SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4)
     states = [RequestState(str(i), [3, 9, 4 + i], 2, params, [0], 3, None, None, False, []) for i in range(3)]

@@ -23,15 +23,15 @@ from typing import Protocol
 
 import torch
 
-from worker.attention import AttentionMetadata, decode_gather
 from worker.cpu.backend import CpuBackend
 from worker.cpu.huge_pages import zeroed_kv_caches
 from worker.cpu.kernels import load_cpu_kernels
-from worker.input_batch import StepInputs
 from worker.models.llama import LlamaModel
 from worker.models.loader import weights_dtype
-from worker.runner_spec import RunnerSpec
 from worker.sampling.logprobs import SamplingOps, TorchSamplingOps
+from worker.step.attention import AttentionMetadata, decode_gather
+from worker.step.input_batch import StepInputs
+from worker.step.runner_spec import RunnerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ It is the in-process `Executor` (worker/executor.py), and each tensor-parallel r
 
 How the model runs here (kernels, huge pages, the attention plan, the fused decode step, the sampling
 passes) is its `Backend`'s (worker/backend.py), chosen once at load. The control verbs (new weights,
-sleep, wake) are plain methods, the same on every rank.
+sleep, wake) are plain methods of its `RunnerControl` part (worker/runner_control.py), the same on
+every rank.
 """
 
 from __future__ import annotations
@@ -18,21 +19,21 @@ import torch
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.backend import Backend, choose_backend
-from worker.input_batch import RequestState, StepInputs, build_step_inputs, next_window_step
 from worker.models.loader import load_model
+from worker.models.sharding import Shard, apply_tp
 from worker.models.weight_store import WeightStore
 from worker.parallel.group import TensorParallelGroup
-from worker.parallel.sharding import Shard, apply_tp
-from worker.routed_experts import merge, routed_rows
-from worker.runner_spec import RunnerSpec
+from worker.runner_control import RunnerControl
 from worker.sampling.grammar_mask import build_grammar_mask
-from worker.sampling.metadata import build_sampling_metadata, next_sampling_step
-from worker.sampling.prompt_logprobs import candidate_ids, prompt_logprobs
+from worker.sampling.metadata import SamplingMetadata, build_sampling_metadata, next_sampling_step
+from worker.sampling.prompt_logprobs import prompt_logprob_rows
 from worker.sampling.sampler import Sampler, SamplerOutput, advance_penalties
-from worker.sampling.supports import sampling_masks
 from worker.speculative.speculator import Speculator
 from worker.speculative.verification import Verification
-from worker.step_tensors import LogprobsTensors, StepTensors, constraint_masses, logprob_req_ids
+from worker.step.input_batch import RequestState, StepInputs, build_step_inputs, next_window_step
+from worker.step.runner_spec import RunnerSpec
+from worker.step.step_tensors import HostStep, StepExtras, StepTensors, logprob_req_ids
+from worker.step_extras import asks_extras, step_extras
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class ModelRunner:
+class ModelRunner(RunnerControl):
     def __init__(
         self,
         spec: RunnerSpec,
@@ -68,6 +69,7 @@ class ModelRunner:
         self.vocab_size = self.model.args.vocab_size
         self.weights = WeightStore(self.model, shard)
         self.states: dict[str, RequestState] = {}
+        self.asking_extras: set[str] = set()  # live requests that ask for a step extra (worker/step_extras.py)
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0  # what the KV cache holds (kept through a sleep, for the wake)
         # On the model's device: unseeded rows' noise is drawn there, not on the host and copied over.
@@ -126,7 +128,8 @@ class ModelRunner:
 
     def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The forward of every scheduled token, then the sampled rows and the prompt logprob rows of the
-        requests that ask (a multi-step window runs its steps in `_execute_window`)."""
+        requests that ask; a step that verifies proposals is `_verified_step`'s, a multi-step window
+        `_execute_window`'s."""
         self._apply_diffs(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], np.zeros((0, 1), dtype=np.int32))
@@ -137,64 +140,77 @@ class ModelRunner:
             return self._execute_window(states, scheduler_output.num_steps)
         num_tokens = list(scheduler_output.num_scheduled_tokens.values())
         verification = None if self.speculator is None else self.speculator.propose(states, num_tokens, scheduler_output)
-        inputs = self._prepare(states, num_tokens, verification)
-        hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
-        routed = routed_rows(self.model, states, num_tokens)
-        for state, num in zip(states, num_tokens):
-            state.num_computed_tokens += num
-        if verification is not None:  # a state per sampled row: a verified request has several
-            sampling_states = verification.row_states(states, inputs.sampled_req_ids)
-        else:
-            sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
-        out, masses, host = self._sample_rows(scheduler_output, inputs, sampling_states, hidden, fused_logits,
-                                              keep_rows=verification is None)
-        masks = sampling_masks(sampling_states, out)
-        output = self._step_output(verification, inputs, sampling_states, out, masses, host)
-        output.routed_experts, output.sampling_masks = routed, masks
-        return output
-
-    def _step_output(self, verification: Verification | None, inputs: StepInputs, sampling_states: list,
-                     out, masses: dict, host) -> ModelRunnerOutput:
-        """The step's output: the speculator's where it verified proposals (the tokens it accepted), else
-        each sampled row's token appended to its request and the rows as they came to the host."""
         if verification is not None:
-            sampled = [self.states[req_id] for req_id in dict.fromkeys(inputs.sampled_req_ids)]
-            output = self.speculator.verified(
-                verification, sampled, inputs.sampled_req_ids, out, logprob_req_ids(sampled), masses
-            )
-            output.prompt_logprobs = host.prompt_logprobs
-            return output
+            return self._verified_step(scheduler_output, states, num_tokens, verification)
+        inputs = self.prepare(states, num_tokens)
+        sampling_states = [self.states[req_id] for req_id in inputs.sampled_req_ids]
+        host, _, extras = self._forward_rows(scheduler_output, states, num_tokens, inputs, sampling_states)
         for state, token_id in zip(sampling_states, host.sampled_token_ids[:, 0].tolist()):
             state.token_ids.append(token_id)
-        output = host.runner_output([s.req_id for s in sampling_states], logprob_req_ids(sampling_states))
-        output.constraint_masses = masses
-        return output
+        return host.runner_output([s.req_id for s in sampling_states], logprob_req_ids(sampling_states), extras)
 
-    def _sample_rows(self, scheduler_output: SchedulerOutput, inputs: StepInputs, sampling_states: list,
-                     hidden: torch.Tensor, fused_logits: torch.Tensor | None, keep_rows: bool):
-        """Samples the rows that sample and computes the prompt logprob rows, brought to the host in one
-        copy; `keep_rows` False: the sampled rows are a verification's, which the speculator keeps.
-        Returns (the sampler's output or None, constraint masses, the host tensors)."""
-        tensors, masses, out = StepTensors(), {}, None
-        if sampling_states:
-            logits = self._logits(inputs, hidden, fused_logits)
-            out = self._sample(scheduler_output, inputs, sampling_states, logits)
-            if keep_rows:
-                tensors.add_step(out.sampled, out.logprobs)
-            masses = constraint_masses(scheduler_output.grammar_req_ids, out, self.states)
-        if self.group is None or self.group.rank == 0:  # prompt logprobs: rank 0's alone
-            tensors.prompt_logprobs.update(self._prompt_logprobs(inputs, hidden))
-        return out, masses, tensors.to_host()
+    def _verified_step(
+        self, scheduler_output: SchedulerOutput, states: list[RequestState], num_tokens: list[int],
+        verification: Verification,
+    ) -> ModelRunnerOutput:
+        """A step that verifies proposals (worker/speculative/verification.py): each verified position a
+        sampled decode row, sampled as decoding it alone would be; the speculator keeps the tokens the
+        samples agree with, and the step's output is its."""
+        inputs = self.prepare(states, num_tokens, verification.req_ids)
+        row_ids = inputs.sampled_req_ids  # a verified request has a row a position
+        row_states = verification.row_states(states, row_ids)
+        host, out, extras = self._forward_rows(scheduler_output, states, num_tokens, inputs, row_states, False)
+        sampled = [self.states[req_id] for req_id in dict.fromkeys(row_ids)]
+        return self.speculator.verified(verification, sampled, row_ids, out, host.prompt_logprobs, extras)
 
-    def _prepare(
-        self, states: list[RequestState], num_tokens: list[int], verification: Verification | None = None
+    def _forward_rows(
+        self, scheduler_output: SchedulerOutput, states: list[RequestState], num_tokens: list[int],
+        inputs: StepInputs, sampling_states: list[RequestState], keep_rows: bool = True,
+    ) -> tuple[HostStep, SamplerOutput | None, StepExtras | None]:
+        """The forward, then its sampled rows (`sampling_states`, a state a row) and prompt logprob rows,
+        in one copy to the host (`keep_rows` False: the sampled rows are a verification's, which the
+        speculator copies); the step's extras where a request asks. Returns (the host tensors, the
+        sampler's output or None, the extras or None); the states' computed tokens advance."""
+        meta = self._sampling_metadata(scheduler_output, inputs, sampling_states) if sampling_states else None
+        hidden, out = self.forward_and_sample(inputs, meta)
+        extras = None
+        if self.asking_extras:  # before the computed tokens advance: the routed rows' positions
+            grammars = scheduler_output.grammar_req_ids
+            extras = step_extras(self.model, states, num_tokens, sampling_states, out, grammars, self.states)
+        for state, num in zip(states, num_tokens):
+            state.num_computed_tokens += num
+        tensors = StepTensors()
+        if keep_rows and out is not None:
+            tensors.add_step(out.sampled, out.logprobs)
+        if inputs.prompt_jobs and (self.group is None or self.group.rank == 0):  # rank 0's alone
+            logits_of, ops = self.model.compute_logits, self.backend.sampling
+            tensors.prompt_logprobs = prompt_logprob_rows(inputs.prompt_jobs, self.states, hidden, logits_of, ops)
+        return tensors.to_host(), out, extras
+
+    def prepare(
+        self, states: list[RequestState], num_tokens: list[int], verified: frozenset[str] = frozenset()
     ) -> StepInputs:
-        """The step's flattened inputs, with the backend's attention plan made before the forward."""
-        verified = frozenset() if verification is None else verification.req_ids
+        """The step's flattened inputs (`verified`: requests whose every token is a sampled decode row),
+        with the backend's attention plan made before the forward."""
         long_rows_start = self.model.rotary.long_rows_start
         inputs = build_step_inputs(states, num_tokens, self.block_size, self.device, verified, long_rows_start)
         self.backend.prepare(inputs.attn)
         return inputs
+
+    def forward_and_sample(
+        self, inputs: StepInputs, meta: SamplingMetadata | None, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, SamplerOutput | None]:
+        """The forward of `inputs` (`prepare`'s), then its sampled rows' tokens and logprob rows under
+        `meta` (`rows`: only these of the sampled rows; meta None: none samples), every rank taking rank
+        0's tokens. Returns the hidden states too, for prompt logprobs. A step's, a multi-step window's
+        and a draft model's (worker/speculative/draft_model.py) one way to run the model."""
+        hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
+        if meta is None:
+            return hidden, None
+        logits = self._logits(inputs, hidden, fused_logits)
+        if rows is not None:
+            logits = logits[rows]
+        return hidden, self._agreed(self.sampler(logits, meta))
 
     def _logits(
         self, inputs: StepInputs, hidden: torch.Tensor, fused_logits: torch.Tensor | None
@@ -205,57 +221,33 @@ class ModelRunner:
             return self.model.compute_logits(hidden[inputs.sample_rows])
         return fused_logits if fused_logits is not None else self.model.compute_logits(hidden)
 
-    def _sample(
-        self,
-        scheduler_output: SchedulerOutput,
-        inputs: StepInputs,
-        states: list[RequestState],
-        logits: torch.Tensor,
-    ) -> SamplerOutput:
-        """The sampled rows' (`states`) tokens and logprob rows, under their grammars' masks."""
+    def _sampling_metadata(
+        self, scheduler_output: SchedulerOutput, inputs: StepInputs, states: list[RequestState]
+    ) -> SamplingMetadata:
+        """The sampled rows' (`states`) parameters, under their grammars' masks where a row has one."""
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
-        meta.grammar = build_grammar_mask(
-            scheduler_output.grammar_req_ids,
-            scheduler_output.grammar_bitmask,
-            inputs.sampled_req_ids,
-            self.vocab_size,
-            self.device,
-        )
-        return self._agreed(self.sampler(logits, meta))
-
-    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
-        rows = {}
-        for job in inputs.prompt_jobs:
-            params = self.states[job.req_id].params
-            targets = torch.tensor(job.target_ids, dtype=torch.int64, device=self.device)
-            candidates = candidate_ids(
-                params.prompt_logprob_token_ids, job.first_position, len(job.target_ids), self.device
+        if scheduler_output.grammar_req_ids:
+            meta.grammar = build_grammar_mask(
+                scheduler_output.grammar_req_ids,
+                scheduler_output.grammar_bitmask,
+                inputs.sampled_req_ids,
+                self.vocab_size,
+                self.device,
             )
-            triple = prompt_logprobs(
-                hidden[job.hidden_rows],
-                targets,
-                job.k,
-                self.model.compute_logits,
-                self.backend.sampling,
-                candidates,
-                params.prompt_logprobs_temperature,
-            )
-            rows[job.req_id] = LogprobsTensors(*triple)
-        return rows
+        return meta
 
     def _execute_window(self, states: list[RequestState], num_steps: int) -> ModelRunnerOutput:
         """Decode-only multi-step: each step's sampled tokens feed the next on the device; tokens and
         logprobs of all steps come to the host in one copy at the end. Positions, slots and context
         lengths advance on the device; each request's token list holds placeholders until the end, so
         that seeds and min_tokens bans (per output position) advance exactly as with one step."""
-        tensors, routed, masks = StepTensors(), {}, {}
-        inputs = self._prepare(states, [1] * len(states))
+        tensors, extras = StepTensors(), StepExtras() if self.asking_extras else None
+        inputs = self.prepare(states, [1] * len(states))
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         for step in range(num_steps):
-            hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
-            out = self._agreed(self.sampler(self._logits(inputs, hidden, fused_logits), meta))
-            merge(routed, routed_rows(self.model, states, [1] * len(states)))
-            merge(masks, sampling_masks(states, out))
+            _, out = self.forward_and_sample(inputs, meta)
+            if extras is not None:
+                extras.merge(step_extras(self.model, states, [1] * len(states), states, out, [], self.states))
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
@@ -269,9 +261,7 @@ class ModelRunner:
         host = tensors.to_host()  # sampled_token_ids [num_reqs, num_steps]
         for state, tokens in zip(states, host.sampled_token_ids.tolist()):
             state.token_ids[-num_steps:] = tokens
-        output = host.runner_output([s.req_id for s in states], logprob_req_ids(states))
-        output.routed_experts, output.sampling_masks = routed, masks
-        return output
+        return host.runner_output([s.req_id for s in states], logprob_req_ids(states), extras)
 
     def _agreed(self, out: SamplerOutput) -> SamplerOutput:
         """Tensor parallelism: every rank samples the same logits alike, and takes rank 0's tokens all
@@ -283,10 +273,13 @@ class ModelRunner:
     def _apply_diffs(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.states.pop(req_id, None)
+            self.asking_extras.discard(req_id)
             if self.speculator is not None:
                 self.speculator.proposer.forget(req_id)
         for data in scheduler_output.new_reqs:
             self.states[data.req_id] = state = RequestState.from_new(data)
+            if asks_extras(state):
+                self.asking_extras.add(data.req_id)
             if self.speculator is not None:
                 self.speculator.adopt(state)
         for data in scheduler_output.cached_reqs:
@@ -296,46 +289,3 @@ class ModelRunner:
                 data.req_id,
                 state.num_computed_tokens,
             )
-
-    # Control verbs (the Executor protocol's): between steps, never during one.
-
-    def check_weights(self, path: str) -> None:
-        self.weights.check(path)
-
-    def update_weights(self, path: str) -> dict[str, float]:
-        """New weights in place, every tensor checked before any is copied (a ValueError leaves the old
-        ones serving); what the backend derived from their addresses rebuilt. Returns the phases (load:
-        checks and copies; derive), seconds."""
-        begun = time.perf_counter()
-        self.last_step_at = time.monotonic()  # the huge-page collapse waits, as on a step
-        count = self.weights.update(path, self.backend.renew_weight_memory)
-        loaded = time.perf_counter()
-        if self.kv_caches:
-            self.backend.bind(self.model, self.kv_caches)
-        timings = {"load": loaded - begun, "derive": time.perf_counter() - loaded}
-        logger.info("update_weights: %d tensors in %.3f s", count, time.perf_counter() - begun)
-        self.last_step_at = time.monotonic()
-        return timings
-
-    def sleep(self, level: int) -> None:
-        """Level 1 frees the KV cache (the core's block pool restarts empty on wake); level 2 drops the
-        weights too, keeping their shapes."""
-        self.backend.release()
-        self.kv_caches = []
-        if self.speculator is not None:
-            self.speculator.proposer.release()
-        if level >= 2 and not self.weights.is_dropped:
-            self.weights.drop()
-
-    def wake_up(self, kv_cache: bool, path: str | None) -> None:
-        """`path`: the checkpoint the dropped weights come back from (required after level 2)."""
-        if path is not None:
-            self.update_weights(path)
-        elif self.weights.is_dropped:
-            raise ValueError(
-                "the weights were dropped (sleep level 2): wake up with a checkpoint path, "
-                "or call update_weights with the whole state"
-            )
-        if kv_cache and not self.kv_caches and self.num_kv_blocks:
-            self.allocate_kv_cache(self.num_kv_blocks)  # zeroed; the backend binds to it again
-

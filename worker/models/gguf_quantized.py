@@ -20,7 +20,7 @@ from torch import nn
 
 from worker.models import gguf_weights
 from worker.models.quantized import QUANT_TYPES, Parts, can_quantize
-from worker.parallel.sharding import Shard, is_split, rank_part
+from worker.models.sharding import Shard, is_split, rank_part
 
 Destination = Callable[[str], "tuple[str, slice | None] | None"]  # HF name -> (parameter, rows)
 

@@ -20,12 +20,13 @@ from torch import nn
 
 from protocol.gguf_header import is_gguf, read_gguf_header
 from worker.models import gguf_quantized, gguf_weights, safetensors_files
-from worker.models.config import LlamaArgs, model_family
+from worker.models.config import LlamaArgs
+from worker.models.family import family_of
 from worker.models.gguf_config import hf_config_from_gguf
 from worker.models.gguf_quantized import quantization_plan
 from worker.models.llama import LlamaModel
 from worker.models.quantized import block_rows, quantize_modules
-from worker.parallel.sharding import Shard, is_split, rank_part, shard_args
+from worker.models.sharding import Shard, is_split, rank_part, shard_args
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +76,17 @@ def load_model(
 ) -> LlamaModel:
     """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"); "auto" keeps a GGUF
     file's Q8_0/Q4_0/Q4_1 weights in their blocks (gguf_quantized.py), the rest in fp32. `shard`: this
-    rank's part of a tensor-parallel model (its heads and MLP columns; worker/parallel/sharding.py).
+    rank's part of a tensor-parallel model (its heads and MLP columns; worker/models/sharding.py).
     `place`: called with the allocated model before its weights are read (where a backend wants its
     weights to live, so they are written once, there)."""
     config = read_config(model_dir)
     args = LlamaArgs.from_hf_config(config)
-    if shard is not None and model_family(config) == "phi3":
+    if shard is not None and family_of(config).has_fused_checkpoint:
         raise ValueError(
             "tensor_parallel_size > 1 with a Phi-3 checkpoint (its fused qkv_proj and gate_up_proj split "
             "by q/k/v and gate/up parts) is not built"
         )
-    if shard is not None and args.qk_norm_whole:
+    if shard is not None and any(spec.qk_norm == "whole" for spec in args.layers):
         raise ValueError(
             "tensor_parallel_size > 1 with OLMoE (its q/k norms span every head, across the ranks) is not built"
         )
@@ -96,7 +97,7 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(args)
     # float32 tables on the CPU, as HF computes them, kept out of the dtype cast (Gemma 3 has two)
-    rotaries = {name: getattr(model, name) for name in ("rotary", "rotary_local") if hasattr(model, name)}
+    rotaries = {name: getattr(model, name) for name in ("rotary", "rotary_local") if getattr(model, name) is not None}
     for name in rotaries:
         delattr(model, name)
     _allocate(model, dtype, device)  # uninitialized: every byte is read below

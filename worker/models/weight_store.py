@@ -12,8 +12,8 @@ import torch
 
 from worker.models.llama import LlamaModel
 from worker.models.loader import load_weights
+from worker.models.sharding import Shard
 from worker.models.weight_update import check_weights, update_weights_from_path
-from worker.parallel.sharding import Shard
 
 
 class WeightStore:

@@ -18,7 +18,7 @@ import torch
 
 from worker.models.llama import LlamaModel
 from worker.models.loader import weight_destination  # the loader's one map of HF names
-from worker.parallel.sharding import Shard, is_split, rank_part
+from worker.models.sharding import Shard, is_split, rank_part
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from worker.input_batch import RequestState
 from worker.sampling.grammar_mask import GrammarMask
 from worker.sampling.logit_rules import LogitRules, build_logit_rules
+from worker.step.input_batch import RequestState
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 

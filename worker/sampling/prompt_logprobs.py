@@ -8,8 +8,33 @@ from collections.abc import Callable
 import torch
 
 from worker.sampling.logprobs import SamplingOps, TopLogprobs, gather_logprobs
+from worker.step.input_batch import PromptLogprobsJob, RequestState
+from worker.step.step_tensors import LogprobsTensors
 
 PROMPT_LOGITS_SLICE_ROWS = 256  # prompt positions per lm_head slice: bounds memory to rows x vocab floats
+
+
+def prompt_logprob_rows(
+    jobs: list[PromptLogprobsJob],
+    by_id: dict[str, RequestState],
+    hidden: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ops: SamplingOps,
+) -> dict[str, LogprobsTensors]:
+    """The step's prompt chunks' rows (StepInputs.prompt_jobs), by request; hidden: [T, H] the step's."""
+    rows = {}
+    for job in jobs:
+        params = by_id[job.req_id].params
+        targets = torch.tensor(job.target_ids, dtype=torch.int64, device=hidden.device)
+        candidates = candidate_ids(
+            params.prompt_logprob_token_ids, job.first_position, len(job.target_ids), hidden.device
+        )
+        triple = prompt_logprobs(
+            hidden[job.hidden_rows], targets, job.k, compute_logits, ops, candidates,
+            params.prompt_logprobs_temperature,
+        )
+        rows[job.req_id] = LogprobsTensors(*triple)
+    return rows
 
 
 def prompt_logprobs(

@@ -15,7 +15,7 @@ from worker.sampling.grammar_mask import allowed_mass, apply_grammar_mask
 from worker.sampling.logit_rules import apply_logit_rules
 from worker.sampling.logprobs import SamplingOps, gather_logprobs
 from worker.sampling.metadata import Penalties, SamplingMetadata
-from worker.step_tensors import LogprobsTensors
+from worker.step.step_tensors import LogprobsTensors
 
 
 @dataclass

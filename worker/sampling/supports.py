@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker.input_batch import RequestState
 from worker.sampling.sampler import SamplerOutput
+from worker.step.input_batch import RequestState
 
 
 def sampling_masks(states: list[RequestState], out: SamplerOutput | None) -> dict[str, list[np.ndarray]]:

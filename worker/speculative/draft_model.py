@@ -19,9 +19,9 @@ import msgspec
 import torch
 
 from protocol.config import SpeculativeConfig
-from worker.input_batch import RequestState, build_step_inputs
-from worker.runner_spec import RunnerSpec
 from worker.sampling.metadata import build_sampling_metadata
+from worker.step.input_batch import RequestState
+from worker.step.runner_spec import RunnerSpec
 
 CATCH_UP_ROWS = 8  # a catch-up of up to this many tokens runs as decode rows (a longer one as a prefill chunk)
 
@@ -40,7 +40,6 @@ class DraftModelProposer:
                 f"speculative_config model {config.model!r} has a vocabulary of {self.runner.vocab_size} "
                 f"tokens, the model {vocab_size}: a draft must share the model's tokenizer"
             )
-        self.block_size = spec.block_size
         self.num_computed: dict[str, int] = {}  # req_id -> positions whose draft KV is written
 
     def host_kv_bytes(self, num_blocks: int) -> int:
@@ -82,18 +81,14 @@ class DraftModelProposer:
             short = frozenset(
                 views[i].req_id for i in active if 1 < num_tokens[i] <= CATCH_UP_ROWS and views[i].num_computed_tokens
             )
-            inputs = build_step_inputs(
-                batch, [num_tokens[i] for i in active], self.block_size, runner.device, short,
-                runner.model.rotary.long_rows_start,
-            )
-            runner.backend.prepare(inputs.attn)
-            hidden, fused_logits = runner.backend.forward(runner.model, inputs, runner.kv_caches, None)
-            logits = runner._logits(inputs, hidden, fused_logits)
+            inputs = runner.prepare(batch, [num_tokens[i] for i in active], short)
+            meta = build_sampling_metadata(batch, runner.vocab_size, runner.device)
+            rows = None
             if short:  # one row a request: each one's last
                 last = {req_id: row for row, req_id in enumerate(inputs.sampled_req_ids)}
-                logits = logits[torch.tensor([last[v.req_id] for v in batch], device=logits.device)]
-            meta = build_sampling_metadata(batch, runner.vocab_size, runner.device)
-            sampled = runner.sampler(logits, meta).sampled.tolist()
+                rows = torch.tensor([last[v.req_id] for v in batch], device=runner.device)
+            _, out = runner.forward_and_sample(inputs, meta, rows)
+            sampled = out.sampled.tolist()
             for i, token in zip(active, sampled):
                 views[i].num_computed_tokens += num_tokens[i]
                 views[i].token_ids.append(token)

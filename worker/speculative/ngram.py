@@ -4,7 +4,7 @@ context's last n tokens, n from prompt_lookup_max down to prompt_lookup_min (eng
 from __future__ import annotations
 
 from protocol.prompt_lookup import lookup
-from worker.input_batch import RequestState
+from worker.step.input_batch import RequestState
 
 
 class NgramProposer:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from worker.input_batch import RequestState
-from worker.runner_spec import RunnerSpec
 from worker.speculative.ngram import NgramProposer
+from worker.step.input_batch import RequestState
+from worker.step.runner_spec import RunnerSpec
 
 
 class Proposer(Protocol):

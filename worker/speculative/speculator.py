@@ -5,16 +5,18 @@ step in the multi-step shape (worker/speculative/verification.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from protocol.step import ModelRunnerOutput, SchedulerOutput
-from worker.input_batch import RequestState
-from worker.runner_spec import RunnerSpec
+from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
 from worker.sampling.sampler import SamplerOutput
 from worker.speculative.proposers import Proposer, make_proposer
 from worker.speculative.verification import Verification, accept, kept_output
+from worker.step.input_batch import RequestState
+from worker.step.runner_spec import RunnerSpec
+from worker.step.step_tensors import StepExtras, logprob_req_ids
 
 
 class Speculator:
@@ -62,12 +64,13 @@ class Speculator:
         states: list[RequestState],
         row_req_ids: list[str],
         out: SamplerOutput,
-        logprob_req_ids: list[str],
-        constraint_masses: dict[str, list[float]],
+        prompt_logprobs: dict[str, HostLogprobs],
+        extras: StepExtras | None,
     ) -> ModelRunnerOutput:
-        """The kept tokens of every sampled request (a verified one's agreeing proposals and the model's
-        token after them) with their logprob rows and masses; the rejected proposals' KV left behind as
-        not computed, here and in a draft model's cache."""
+        """The step's output: the kept tokens of every sampled request (`states`; a verified one's
+        agreeing proposals and the model's token after them) with their logprob rows and masses, and
+        the step's prompt logprob rows; the rejected proposals' KV left behind as not computed, here
+        and in a draft model's cache."""
         by_id = {s.req_id: s for s in states}
         num_context = {r: len(by_id[r].token_ids) - len(d) for r, d in verification.drafts.items()}
         kept = accept(verification, states, row_req_ids, out.sampled.tolist())
@@ -75,8 +78,12 @@ class Speculator:
             num_kept = len(kept[req_id]) - 1
             by_id[req_id].num_computed_tokens -= len(drafts) - num_kept
             self.proposer.kept(req_id, num_context[req_id], num_kept)
-        req_ids = list(kept)
-        output = kept_output(kept, row_req_ids, logprob_req_ids, out.logprobs).runner_output(req_ids, logprob_req_ids)
-        output.num_draft_tokens = {r: len(d) for r, d in verification.drafts.items()}
-        output.constraint_masses = {r: masses[: len(kept[r])] for r, masses in constraint_masses.items()}
-        return output
+        asked = logprob_req_ids(states)
+        host = kept_output(kept, row_req_ids, asked, out.logprobs, prompt_logprobs)
+        masses = {} if extras is None else extras.constraint_masses
+        extras = replace(
+            extras or StepExtras(),
+            constraint_masses={r: rows[: len(kept[r])] for r, rows in masses.items()},
+            num_draft_tokens={r: len(d) for r, d in verification.drafts.items()},
+        )
+        return host.runner_output(list(kept), asked, extras)

@@ -1,5 +1,5 @@
 """Verification of proposals (engine-core process): a request's last token and its d proposed tokens
-run as d + 1 decode rows of one step (worker/input_batch.py), each sampled as the decode step at that
+run as d + 1 decode rows of one step (worker/step/input_batch.py), each sampled as the decode step at that
 position would be, and the longest run of proposals the model's own samples agree with is kept, with
 the model's sample after it. Batch invariance makes each row's logits the bits of decoding it alone,
 and the sampler's noise is a function of (seed, output position) only, so the kept tokens and their
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from protocol.step import HostLogprobs
-from worker.input_batch import RequestState
-from worker.step_tensors import HostStep, LogprobsTensors, copy_to_host
+from worker.step.input_batch import RequestState
+from worker.step.step_tensors import HostStep, LogprobsTensors, copy_to_host
 
 
 @dataclass
@@ -76,10 +76,12 @@ def kept_output(
     sampled_req_ids: list[str],
     logprob_req_ids: list[str],
     logprobs: LogprobsTensors | None,
+    prompt_logprobs: dict[str, HostLogprobs],
 ) -> HostStep:
     """The step in the multi-step shape the scheduler reads: tokens [requests, most kept] padded with
     -1, and per kept position the logprob rows of the requests that asked (a request past its own kept
-    tokens repeats its last row there; the scheduler reads no row past a request's tokens)."""
+    tokens repeats its last row there; the scheduler reads no row past a request's tokens); the
+    step's prompt logprob rows as they came."""
     order = list(dict.fromkeys(sampled_req_ids))
     num_steps = max(len(kept[r]) for r in order)
     tokens = np.full((len(order), num_steps), -1, dtype=np.int32)
@@ -100,4 +102,4 @@ def kept_output(
         )
         host = copy_to_host([tensor[index] for tensor in logprobs.present()])  # [steps, requests, ...] each
         steps = [HostLogprobs(*(array[step] for array in host)) for step in range(num_steps)]
-    return HostStep(tokens, steps, {})
+    return HostStep(tokens, steps, prompt_logprobs)

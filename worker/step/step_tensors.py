@@ -2,7 +2,8 @@
 
 The runner collects each model step's sampled tokens and logprob rows, and each prompt chunk's
 prompt logprobs, into `StepTensors`; `to_host()` moves them all in one device-to-host copy and hands
-them back under the same names, ready to become a ModelRunnerOutput.
+them back under the same names, ready to become a ModelRunnerOutput, whole, with the step's
+`StepExtras` (what some requests ask for beside their tokens).
 """
 
 from __future__ import annotations
@@ -30,18 +31,40 @@ class LogprobsTensors(NamedTuple):
 
 
 @dataclass
+class StepExtras:
+    """What a step returns beside tokens and logprob rows, on the host, by request (ModelRunnerOutput's
+    fields of the same names; worker/step_extras.py builds them where a request asks)."""
+
+    routed_experts: dict[str, list] = field(default_factory=dict)  # req_id -> [(first position, rows)]
+    sampling_masks: dict[str, list[np.ndarray]] = field(default_factory=dict)  # req_id -> a support a row
+    constraint_masses: dict[str, list[float]] = field(default_factory=dict)  # req_id -> a mass a row
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> proposals verified
+
+    def merge(self, later: StepExtras) -> None:
+        """A multi-step window's steps, one after the other (a later step's rows come later)."""
+        pairs = ((self.routed_experts, later.routed_experts), (self.sampling_masks, later.sampling_masks))
+        for into, parts in pairs:
+            for req_id, rows in parts.items():
+                into.setdefault(req_id, []).extend(rows)
+
+
+@dataclass
 class HostStep:
     sampled_token_ids: np.ndarray  # [num_sampled_reqs, num_steps] int32
     logprobs: list[HostLogprobs]  # one per model step, rows follow the requests that asked
     prompt_logprobs: dict[str, HostLogprobs]
 
-    def runner_output(self, sampled_req_ids: list[str], logprob_req_ids: list[str]) -> ModelRunnerOutput:
+    def runner_output(
+        self, sampled_req_ids: list[str], logprob_req_ids: list[str], extras: StepExtras | None
+    ) -> ModelRunnerOutput:
+        """The step's output, whole: `extras` None where no request asked for any."""
         return ModelRunnerOutput(
             sampled_req_ids,
             self.sampled_token_ids,
             logprob_req_ids if self.logprobs else [],
             self.logprobs,
             self.prompt_logprobs,
+            **({} if extras is None else vars(extras)),
         )
 
 
@@ -99,19 +122,6 @@ def copy_to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
         out.append(chunk.view(np.float32) if tensor.dtype == torch.float32 else chunk)
         offset += size
     return out
-
-
-def constraint_masses(grammar_req_ids: list[str], out, states: dict) -> dict[str, list[float]]:
-    """The grammar rows' allowed mass, per row of each request that asked for logprobs (a verified one
-    has a row a position); a second small copy, only on steps with such a row."""
-    wanted = [row for row, r in enumerate(grammar_req_ids) if states[r].logprobs_k is not None]
-    if not wanted or out.constraint_masses is None:
-        return {}
-    values = out.constraint_masses.cpu().tolist()
-    masses: dict[str, list[float]] = {}
-    for row in wanted:
-        masses.setdefault(grammar_req_ids[row], []).append(values[row])
-    return masses
 
 
 def logprob_req_ids(states: list) -> list[str]:

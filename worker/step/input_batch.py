@@ -13,7 +13,7 @@ import torch
 
 from protocol.sampling_params import SamplingParams
 from protocol.step import NewRequestData
-from worker.attention import AttentionMetadata, DecodeRows, SeqSpan
+from worker.step.attention import AttentionMetadata, DecodeRows, SeqSpan
 
 
 @dataclass

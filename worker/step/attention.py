@@ -22,6 +22,16 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a layer's attention computes beyond causal softmax attention; the C descriptors read the
+    same fields (worker/cpu/fused_decode.py's layer_desc, the kernels' arguments)."""
+
+    window: int | None = None  # a token attends to itself and the window - 1 before it; None: all
+    scale: float | None = None  # the scores' (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
+    softcap: float | None = None  # scores become softcap tanh(score / softcap) before the softmax (Gemma 2)
+
+
 @dataclass
 class SeqSpan:
     token_start: int  # first row of this request's tokens in the flattened batch
@@ -140,11 +150,8 @@ def every_token_rows(meta: AttentionMetadata, block_size: int) -> DecodeRows:
 
 
 # q [T, Hq, D], out [T, Hq, D] (its decode rows written), cache, the step's metadata (its decode rows
-# and the backend's plan of them), the sliding window or None, the scores' scale (None: D ** -0.5) and
-# soft-cap (None: none)
-DecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, "int | None", "float | None", "float | None"], None
-]
+# and the backend's plan of them), the layer's attention spec
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, AttentionSpec], None]
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -159,30 +166,26 @@ def paged_attention(
     v: torch.Tensor,
     cache: torch.Tensor,
     meta: AttentionMetadata,
-    window: int | None,
+    spec: AttentionSpec,
     attend_decode: DecodeAttention,
-    scale: float | None = None,
-    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D].
-    `window` (Mistral's sliding window): a token attends to itself and the window - 1 tokens before it.
-    `scale`: the scores' (None: D ** -0.5; Gemma's query_pre_attn_scalar ** -0.5); `softcap`: scores
-    become softcap tanh(score / softcap) before the softmax (Gemma 2)."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D]: the
+    decode rows by `attend_decode`, the prefill chunks one by one here."""
     out = torch.empty_like(q)
     if meta.decode is not None:
-        attend_decode(q, out, cache, meta, window, scale, softcap)
+        attend_decode(q, out, cache, meta, spec)
     for seq in meta.seqs:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-        out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, window, scale, softcap)
+        out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, spec)
     return out
 
 
 def _attend_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seq: SeqSpan, window: int | None,
-    scale: float | None = None, softcap: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seq: SeqSpan, spec: AttentionSpec
 ) -> torch.Tensor:
     """One prefill chunk: q [Tq, Hq, D], k and v [Tq, Hkv, D] of its own tokens; earlier positions
     come from the cache, only those some query's window still reaches."""
+    window, scale, softcap = spec.window, spec.scale, spec.softcap
     if seq.context_len == seq.num_tokens:  # the whole context is this chunk
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
         if (window is None or seq.num_tokens <= window) and softcap is None:  # plain causal attention
@@ -220,12 +223,11 @@ def _skip_slots(runs: list[tuple[int, int]], num_skipped: int) -> list[tuple[int
 
 
 def decode_attention_torch(
-    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None,
-    scale: float | None = None, softcap: float | None = None,
+    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec
 ) -> None:
     """Writes the decode rows of `out`: one gather of every row's keys and values, two batched products
     over (KV head, row), the padding masked. Scores in the model's dtype, softmax in fp32 as SDPA does."""
-    gather = meta.plan
+    gather, window, scale, softcap = meta.plan, spec.window, spec.scale, spec.softcap
     assert isinstance(gather, DecodeGather), "torch's decode attention reads TorchBackend's plan"
     num_rows, (_, num_kv_heads, _, head_dim) = len(gather.rows), cache.shape
     group = q.shape[1] // num_kv_heads
