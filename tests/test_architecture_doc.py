@@ -26,5 +26,6 @@ def test_the_architecture_map_names_every_module_and_c_source():
 
 def test_the_map_answers_where_each_kind_of_change_goes():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    for kind in ("A new backend", "A new quantized type", "A new control verb", "A new endpoint", "A new model family"):
+    for kind in ("A new model family", "A new quantized type", "A new HTTP dialect or endpoint", "A new control verb",
+                 "A new sampling feature", "A new backend"):
         assert f"**{kind}**" in text, kind
