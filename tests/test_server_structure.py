@@ -90,3 +90,26 @@ def test_every_server_file_is_short_and_says_what_it_owns():
         if path.name != "__init__.py":
             num_lines = len(text.splitlines())
             assert 40 <= num_lines <= 350, (relative(path), num_lines)
+
+
+def server_imports(path: Path) -> set[str]:
+    """The frontend.server modules a file imports, at module level or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("frontend.server."):
+            names.add(node.module)
+    return names
+
+
+def test_rooms_stand_on_common_and_the_root_alone():
+    """A dialect's room may use common/ and the root (the app and its state); common/ uses no room, and
+    no room another: a change to one dialect stays in its room."""
+    rooms = {"openai", "rl", "scoring", "deploy"}
+    for path in python_files(SERVER):
+        parts = path.relative_to(SERVER).parts
+        own = parts[0] if len(parts) > 1 else None
+        for name in server_imports(path):
+            room = name.split(".")[2]
+            if own is None or room not in rooms:
+                continue
+            assert room == own, f"{relative(path)} imports {name}"

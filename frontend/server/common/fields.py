@@ -40,6 +40,25 @@ class StreamOptions(StrictBody):
     include_obfuscation: bool | None = None  # OpenAI's padding of chunks: ignorable, nothing is padded
 
 
+class SharedSamplingFields(StrictBody):
+    """The sampling fields every dialect spells as SamplingParams does (OpenAI's, vLLM's and SGLang's
+    bodies take them from here; each adds the fields it names its own way)."""
+
+    n: Annotated[int, Field(ge=1, le=INT64_MAX)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Int64] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
 def same_json(value: object, no_op: object) -> bool:
     """JSON equality: true is not 1, 1 is 1.0."""
     if isinstance(value, bool) or isinstance(no_op, bool):

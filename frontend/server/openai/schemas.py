@@ -13,7 +13,14 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
-from frontend.server.common.fields import INT64_MAX, Int64, NonNegativeInt64, StreamOptions, StrictBody, Text
+from frontend.server.common.fields import (
+    Int64,
+    NonNegativeInt64,
+    SharedSamplingFields,
+    StreamOptions,
+    StrictBody,
+    Text,
+)
 from frontend.server.openai.structured_fields import StructuredFields
 from frontend.server.openai.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
 
@@ -22,26 +29,13 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
 Prompt = Text | list[Text] | list[Int64] | list[list[Int64]]
 
 
-class SamplingFields(StrictBody):
+class SamplingFields(SharedSamplingFields):
     """The sampling fields completions and chat share (OpenAI's and vLLM's names)."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=INT64_MAX)] = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     seed: Int64 | None = None
-    stop: Text | list[Text] | None = None
-    stop_token_ids: list[Int64] | None = None
     min_tokens: NonNegativeInt64 = 0
-    ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.server.common.accumulate import merge_piece
 from frontend.server.common.errors import APIError
-from frontend.server.common.fields import Int64, NonNegativeInt64, StrictBody, Text
+from frontend.server.common.fields import Int64, NonNegativeInt64, SharedSamplingFields, StrictBody
 from frontend.server.common.generation import Generation, PromptInput
 from frontend.server.common.inputs import check_prompts, start_checked
 from frontend.server.common.logprob_json import JSONBytesResponse
@@ -51,24 +51,11 @@ class TopPCustomParams(StrictBody):
     return_top_p_token_ids: bool = False
 
 
-class GenerateSamplingParams(StrictBody):
+class GenerateSamplingParams(SharedSamplingFields):
     """SGLang's sampling fields that coreserve implements (its defaults: 128 new tokens)."""
 
     max_new_tokens: Annotated[int, Field(ge=1, le=2**63 - 1)] = 128
     min_new_tokens: NonNegativeInt64 = 0
-    n: Annotated[int, Field(ge=1, le=2**63 - 1)] = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: Text | list[Text] | None = None
-    stop_token_ids: list[Int64] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     sampling_seed: Int64 | None = None
     no_stop_trim: bool = False  # keep a matched stop string in the text (vLLM's include_stop_str_in_output)
     # slime's top-p replay: {"return_top_p_token_ids": true} returns each token's support (the ids the
