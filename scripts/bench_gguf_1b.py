@@ -4,6 +4,10 @@ model in the files people download (issue 38), side by side in one run on this h
     scripts/build_llama_server.sh                     # once: llama-server and llama-quantize
     python scripts/bench_gguf_1b.py                   # Q4_0, Q8_0, Q4_K_M
     python scripts/bench_gguf_1b.py --types Q4_K_M --json bench_out/gguf_1b.json
+    python scripts/bench_gguf_1b.py --file ~/.cache/coreserve/real/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+
+`--file` measures any GGUF file instead of the random ones (a trained file from
+scripts/real_models.py, say); its KV cache's size is read from its header.
 
 The files: scripts/write_random_gguf.py writes the F16 model (hidden 2048, 16 layers, 32 heads, 8 KV
 heads, FFN 8192, SmolLM2's tokenizer and chat template, tied embeddings), and llama.cpp's own
@@ -40,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, median, write_json  # noqa: E402
 from bench_llama_cpp import LLAMA_SERVER, distance, start, throughput  # noqa: E402
 
+from protocol.gguf_header import read_gguf_header  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_QUANTIZE = LLAMA_SERVER.parent / "llama-quantize"
 SLOTS = 16
@@ -51,6 +57,7 @@ KV_BYTES_PER_TOKEN = 16 * 2 * 8 * 64 * 4  # layers x (K, V) x KV heads x head di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q8_0", "Q4_K_M"])
+    parser.add_argument("--file", nargs="+", default=None, help="GGUF files to measure instead of the random ones")
     parser.add_argument("--folder", default="bench_out", help="where the 1B files are made and kept")
     parser.add_argument("--repeats", type=int, default=2, help="measured batches per figure")
     parser.add_argument("--c1-tokens", type=int, default=64)
@@ -58,15 +65,16 @@ def main() -> None:
     parser.add_argument("--distance", action="store_true", help="llama.cpp's logprob distance from fp32")
     parser.add_argument("--json", default="bench_out/gguf_1b.json")
     args = parser.parse_args()
-    for tool in (LLAMA_SERVER, LLAMA_QUANTIZE):
+    for tool in (LLAMA_SERVER,) if args.file else (LLAMA_SERVER, LLAMA_QUANTIZE):
         if not tool.exists():
             raise SystemExit(f"{tool} is missing: build it with scripts/build_llama_server.sh")
-    files = make_files(Path(args.folder), args.types)
+    files = {Path(f).stem: Path(f).expanduser() for f in args.file} if args.file else make_files(Path(args.folder), args.types)
     results: dict = {"machine": machine(), "threads": 2, "slots": SLOTS, "files": {}}
     rng = random.Random(0)
     for index, (type_name, path) in enumerate(files.items()):
         order = ["coreserve", "llama.cpp"] if index % 2 == 0 else ["llama.cpp", "coreserve"]
-        figures = {name: measure(name, str(path), args, rng) for name in order}
+        kv_bytes = kv_bytes_per_token(path) if args.file else KV_BYTES_PER_TOKEN
+        figures = {name: measure(name, str(path), args, rng, kv_bytes) for name in order}
         figures["coreserve / llama.cpp"] = {
             key: figures["coreserve"][key] / figures["llama.cpp"][key]
             for key in ("c1 tok/s", "c16 tok/s", "prompt tok/s")
@@ -80,6 +88,15 @@ def main() -> None:
         results["files"][type_name] = figures
         print(type_name, figures, flush=True)
         write_json(args.json, results)  # what is measured so far, kept if a later file fails
+
+
+def kv_bytes_per_token(path: Path) -> int:
+    """coreserve's fp32 KV cache a token, from the file's header: layers x (K, V) x KV heads x head dim x 4."""
+    meta = read_gguf_header(str(path)).metadata
+    arch = meta["general.architecture"]
+    heads, kv_heads = int(meta[f"{arch}.attention.head_count"]), meta.get(f"{arch}.attention.head_count_kv")
+    head_dim = meta.get(f"{arch}.attention.key_length") or int(meta[f"{arch}.embedding_length"]) // heads
+    return int(meta[f"{arch}.block_count"]) * 2 * int(kv_heads or heads) * int(head_dim) * 4
 
 
 def make_files(
