@@ -4,6 +4,7 @@ and GB/s of the weight's bytes. The blocks are random bytes with small fp16 scal
 depend on the values).
 
     python scripts/bench_quant_gemv.py --shape 8192,2048 --rows 1,4,8,16
+    python scripts/bench_quant_gemv.py --shape 151936,1536 --rows 1,16 --types Q6_K  # one type, no fp32
 """
 
 from __future__ import annotations
@@ -52,12 +53,19 @@ def main() -> None:
     parser.add_argument("--shape", default="8192,2048", help="out,in features")
     parser.add_argument("--rows", default="1,4,8,16")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--types", default="all", help="comma-separated names (Q6_K,fp32) or all")
     parser.add_argument("--json", default="bench_out/quant_gemv.json")
     args = parser.parse_args()
     num_out, num_in = (int(n) for n in args.shape.split(","))
     kernels = load_cpu_kernels()
-    weights = {QUANT_TYPES[t][0]: (t, random_blocks(t, num_out, num_in)) for t in sorted(QUANT_TYPES)}
-    fp32 = torch.randn(num_out, num_in)
+    chosen = set(args.types.split(","))
+    every = "all" in chosen
+    weights = {
+        QUANT_TYPES[t][0]: (t, random_blocks(t, num_out, num_in))
+        for t in sorted(QUANT_TYPES)
+        if every or QUANT_TYPES[t][0] in chosen
+    }
+    fp32 = torch.randn(num_out, num_in) if every or "fp32" in chosen else None
     rows_out = []
     for num_rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(num_rows, num_in)
@@ -65,10 +73,11 @@ def main() -> None:
         for name, (ggml_type, raw) in weights.items():
             seconds = timed(lambda r=raw, t=ggml_type, x=x: quant_gemv(kernels, x, r, t, None), args.repeats)
             row[name] = f"{seconds * 1e3:.2f} ms {raw.numel() / seconds / 1e9:.1f} GB/s"
-        seconds = timed(lambda x=x: gemv(kernels, x, fp32, None), args.repeats)
-        row["fp32"] = f"{seconds * 1e3:.2f} ms {fp32.numel() * 4 / seconds / 1e9:.1f} GB/s"
+        if fp32 is not None:
+            seconds = timed(lambda x=x: gemv(kernels, x, fp32, None), args.repeats)
+            row["fp32"] = f"{seconds * 1e3:.2f} ms {fp32.numel() * 4 / seconds / 1e9:.1f} GB/s"
         rows_out.append(row)
-    print_table(rows_out, ["rows", *weights, "fp32"])
+    print_table(rows_out, ["rows", *weights, *(["fp32"] if fp32 is not None else [])])
     write_json(args.json, {"args": vars(args), "machine": machine(), "threads": torch.get_num_threads(),
                            "rows": rows_out})
 
