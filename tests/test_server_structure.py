@@ -83,6 +83,33 @@ def test_metrics_are_declared_in_one_table():
     assert not offenders, offenders
 
 
+def test_every_row_of_the_table_is_written_under_both_prefixes_with_its_value():
+    """The one collector, on hand-made stats and one request's figures: each row under coreserve: and
+    under vllm: (vLLM's labels), each reading the same value."""
+    from frontend.server.common.metrics import METRICS, ServerMetrics
+    from protocol.messages import EngineStats
+
+    metrics = ServerMetrics()
+    metrics.stats = EngineStats(0, num_running=3, num_waiting=1, num_free_kv_blocks=6, num_kv_blocks=8,
+                                num_preemptions=2, num_cached_blocks=5, prefix_cache_queries=40,
+                                prefix_cache_hits=16)
+    timer = metrics.timer(num_prompt_tokens=7, num_completions=1)
+    timer.on_tokens(4)
+    timer.on_finish(["length"])
+    text = metrics.render_local().decode()
+    for row in METRICS:
+        for prefix in ("coreserve", "vllm"):
+            assert f"{prefix}:{row.name}" in text, (prefix, row.name)
+    values = {"num_requests_running": 3.0, "kv_cache_usage_perc": 0.25, "prompt_tokens_total": 7.0,
+              "generation_tokens_total": 4.0, "num_preemptions_total": 2.0, "prefix_cache_hits_total": 16.0}
+    for name, value in values.items():
+        plain = re.search(rf"^coreserve:{name} (\S+)$", text, re.M)
+        labelled = re.search(rf"^vllm:{name}\{{engine=\"0\",model_name=\"\"\}} (\S+)$", text, re.M)
+        assert plain and labelled, (name, text)
+        assert float(plain.group(1)) == float(labelled.group(1)) == value, name
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name=""} 1.0' in text
+
+
 def test_every_server_file_is_short_and_says_what_it_owns():
     for path in python_files(SERVER):
         text = path.read_text()
