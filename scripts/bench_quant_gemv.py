@@ -5,6 +5,7 @@ depend on the values).
 
     python scripts/bench_quant_gemv.py --shape 8192,2048 --rows 1,4,8,16
     python scripts/bench_quant_gemv.py --shape 151936,1536 --rows 1,16 --types Q6_K  # one type, no fp32
+    python scripts/bench_quant_gemv.py --shape 8960,1536 --types Q4_K,Q6_K --int8  # beside integer mode's
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--types", default="all", help="comma-separated names (Q6_K,fp32) or all")
+    parser.add_argument("--int8", action="store_true", help="each type in integer mode too (gemv_int8.c)")
     parser.add_argument("--json", default="bench_out/quant_gemv.json")
     args = parser.parse_args()
     num_out, num_in = (int(n) for n in args.shape.split(","))
@@ -73,11 +75,15 @@ def main() -> None:
         for name, (ggml_type, raw) in weights.items():
             seconds = timed(lambda r=raw, t=ggml_type, x=x: quant_gemv(kernels, x, r, t, None), args.repeats)
             row[name] = f"{seconds * 1e3:.2f} ms {raw.numel() / seconds / 1e9:.1f} GB/s"
+            if args.int8:
+                seconds = timed(lambda r=raw, t=ggml_type, x=x: quant_gemv(kernels, x, r, t, None, True), args.repeats)
+                row[f"{name} int8"] = f"{seconds * 1e3:.2f} ms {raw.numel() / seconds / 1e9:.1f} GB/s"
         if fp32 is not None:
             seconds = timed(lambda x=x: gemv(kernels, x, fp32, None), args.repeats)
             row["fp32"] = f"{seconds * 1e3:.2f} ms {fp32.numel() * 4 / seconds / 1e9:.1f} GB/s"
         rows_out.append(row)
-    print_table(rows_out, ["rows", *weights, *(["fp32"] if fp32 is not None else [])])
+    names = [column for name in weights for column in ([name, f"{name} int8"] if args.int8 else [name])]
+    print_table(rows_out, ["rows", *names, *(["fp32"] if fp32 is not None else [])])
     write_json(args.json, {"args": vars(args), "machine": machine(), "threads": torch.get_num_threads(),
                            "rows": rows_out})
 

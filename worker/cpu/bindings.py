@@ -47,6 +47,7 @@ class ModelDesc(ctypes.Structure):
         ("lm_head_is_bf16", _I64),
         ("lm_head_quant_type", _I64),
         ("vocab", _I64),
+        ("int8_activations", _I64),
     ]
 
 
@@ -110,6 +111,11 @@ SIGNATURES: dict[str, Signature] = {
         _I32, ("x", _P), ("num_rows", _I64), ("num_in", _I64), ("weight", _P), ("ggml_type", _I32),
         ("num_out", _I64), ("bias", _P), ("out", _P), ("num_threads", _I32),
     ),
+    "gemv_int8": _sig(
+        _I32, ("x", _P), ("num_rows", _I64), ("num_in", _I64), ("weight", _P), ("ggml_type", _I32),
+        ("num_out", _I64), ("bias", _P), ("out", _P), ("num_threads", _I32),
+    ),
+    "int8_has_vnni": _sig(_I32),
     "dequantize_rows": _sig(
         _I32, ("weight", _P), ("ggml_type", _I32), ("num_rows", _I64), ("num_in", _I64), ("out", _P)
     ),
@@ -136,6 +142,8 @@ class CpuKernels:
     gemm_bf16_amx: ctypes._CFuncPtr
     cpu_has_amx: ctypes._CFuncPtr
     gemv_quant: ctypes._CFuncPtr
+    gemv_int8: ctypes._CFuncPtr
+    int8_has_vnni: ctypes._CFuncPtr
     dequantize_rows: ctypes._CFuncPtr
     quant_type_supported: ctypes._CFuncPtr
     decode_forward: ctypes._CFuncPtr

@@ -1,9 +1,11 @@
-"""The C products of weights kept in a GGUF block format (csrc/gemv_quant.c), and the C dequantization
-of such rows (engine-core process).
+"""The C products of weights kept in a GGUF block format (csrc/gemv_quant.c; integer mode's
+csrc/gemv_int8.c), and the C dequantization of such rows (engine-core process).
 
 Every row count takes the one kernel, whose sums are bit for bit gemv_f32's on the dequantized weights
 (one order per output: batch invariant whatever `is_batch_invariant` says; there is no MKL path to
-take, since MKL would need the weights in fp32). docs/quantized.md.
+take, since MKL would need the weights in fp32). In integer mode (`is_int8`) the activations are
+quantized to int8 blocks in C and the sums run in integers, again in one order per output at any row
+count. docs/quantized.md.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ _ROW_CHUNK = 256  # rows per call, as linear.py's chunks: the activations stay i
 
 
 def quant_gemv(
-    kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None
+    kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
+    is_int8: bool = False,
 ) -> torch.Tensor:
     """x: [R, K] float32; weight: [N, K / 32 * block bytes] uint8 blocks of `ggml_type` (QUANT_PARTS: the
-    flat runs of worker/models/quantized.py); bias: [N] or None. Returns [R, N] float32."""
+    flat runs of worker/models/quantized.py); bias: [N] or None. Returns [R, N] float32. `is_int8`:
+    integer mode's product (x quantized to int8 blocks)."""
     if not x.is_contiguous():
         x = x.contiguous()
     num_rows, num_in = x.shape
@@ -37,8 +41,9 @@ def quant_gemv(
                              f"of ggml type {ggml_type} ({row_bytes(ggml_type, num_in)} bytes)")
     out = torch.empty(num_rows, num_out)
     bias_ptr = None if bias is None else bias.float().contiguous().data_ptr()
-    status = kernels.gemv_quant(x.data_ptr(), num_rows, num_in, pointer, ggml_type, num_out, bias_ptr,
-                                out.data_ptr(), torch.get_num_threads())
+    product = kernels.gemv_int8 if is_int8 else kernels.gemv_quant
+    status = product(x.data_ptr(), num_rows, num_in, pointer, ggml_type, num_out, bias_ptr, out.data_ptr(),
+                     torch.get_num_threads())
     if status == -2:
         raise ValueError(f"no product for ggml type {ggml_type} with rows of {num_in} values")
     if status != 0:
@@ -57,10 +62,10 @@ def part_array_address(weight: torch.Tensor) -> int:
     return ctypes.addressof(made[1])
 
 
-def quant_linear(kernels: CpuKernels, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+def quant_linear(kernels: CpuKernels, layer: QuantLinear, x: torch.Tensor, is_int8: bool = False) -> torch.Tensor:
     """x: [T, in] float32 -> [T, out] float32, `_ROW_CHUNK` rows a call (each row's sums are the same
     in any chunk)."""
-    parts = [quant_gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.ggml_type, layer.bias)
+    parts = [quant_gemv(kernels, x[start : start + _ROW_CHUNK], layer.weight, layer.ggml_type, layer.bias, is_int8)
              for start in range(0, x.shape[0], _ROW_CHUNK)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -26,12 +26,13 @@ struct buffers {
     float *qkv, *q, *k, *attn, *o_out, *gate_up, *act, *down, *streams[2];
     int64_t *cursors; /* [num_layers, 4]: where the threads stand in each product (gemv_share) */
     int *failed;      /* a quantized product found no memory for its tile */
+    void *int8;       /* integer mode: int8_rows_bytes(T, the widest K) for each product's x */
 };
 
 /* The shapes every layer shares, and this step's. */
 struct shapes {
     int64_t T, H, I, qkv_size, q_size;
-    int num_q, num_kv, head_dim, group, is_bf16, use_dot, block_size, max_len;
+    int num_q, num_kv, head_dim, group, is_bf16, use_dot, block_size, max_len, is_int8;
 };
 
 struct thread_scratch {
@@ -58,6 +59,13 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
 static void product(const struct shapes *s, const struct buffers *b, const float *x, int64_t K, const void *w,
                     int64_t type, int64_t N, const float *bias, float *out, const struct thread_scratch *own,
                     int64_t *cursor) {
+    if (type && s->is_int8) { /* x's rows quantized once, a row a thread (every thread holds the same x) */
+        const struct int8_rows a = int8_rows_at(b->int8, s->T, K);
+#pragma omp for
+        for (int64_t t = 0; t < s->T; t++) int8_quantize_rows(x, t, t + 1, &a);
+        gemv_int8_share(&a, s->T, w, (int)type, N, bias, out, cursor, own->team);
+        return;
+    }
     if (type) {
         if (gemv_quant_share(x, s->T, K, w, (int)type, N, bias, out, cursor, own->team))
             __atomic_store_n(b->failed, 1, __ATOMIC_RELAXED);
@@ -200,9 +208,8 @@ static void forward(const struct model_desc *model, const struct step_desc *step
     if (!step->logits) return;
     int64_t *cursor = b->cursors + 4 * model->num_layers; /* the op-by-op path's few-row product, in C */
     if (model->lm_head_quant_type) {
-        if (gemv_quant_share(out, s->T, s->H, model->lm_head, (int)model->lm_head_quant_type, model->vocab,
-                             model->lm_head_bias, step->logits, cursor, own->team))
-            __atomic_store_n(b->failed, 1, __ATOMIC_RELAXED);
+        product(s, b, out, s->H, model->lm_head, model->lm_head_quant_type, model->vocab, model->lm_head_bias,
+                step->logits, own, cursor);
         return;
     }
     gemv_share(out, s->T, s->H, model->lm_head, (int32_t)model->lm_head_is_bf16, s->use_dot, model->vocab,
@@ -212,7 +219,8 @@ static void forward(const struct model_desc *model, const struct step_desc *step
 /* out: [num_tokens, hidden] fp32, the final-normed hidden states. Returns 0, or -1 when scratch
  * memory could not be allocated. */
 int decode_forward(const struct model_desc *model, const struct step_desc *step, float *out, float eps, float scale) {
-    const struct shapes s = shapes_of(&model->layers[0], step);
+    struct shapes s = shapes_of(&model->layers[0], step);
+    s.is_int8 = (int)model->int8_activations;
     const int64_t T = s.T;
     const int64_t num_scores = s.group * ((int64_t)s.max_len + s.head_dim);
     const int64_t rounding = T * max3(s.H, s.q_size, s.I) + 32; /* x rounded to bf16 */
@@ -224,9 +232,11 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     int failed = 0;
     b.failed = &failed;
     b.cursors = calloc(4 * model->num_layers + 1, sizeof(int64_t));
-    if (!memory || !b.cursors) {
+    b.int8 = s.is_int8 ? malloc((size_t)int8_rows_bytes(T, max3(s.H, s.q_size, s.I))) : NULL;
+    if (!memory || !b.cursors || (s.is_int8 && !b.int8)) {
         free(memory);
         free(b.cursors);
+        free(b.int8);
         return -1;
     }
     b.qkv = carve(&next, T * s.qkv_size);
@@ -250,6 +260,7 @@ int decode_forward(const struct model_desc *model, const struct step_desc *step,
     }
     free(memory);
     free(b.cursors);
+    free(b.int8);
     return failed ? -1 : 0;
 }
 
@@ -273,7 +284,7 @@ static const struct {
     FIELD(model_desc, cos), FIELD(model_desc, sin), FIELD(model_desc, num_layers),
     FIELD(model_desc, layers), FIELD(model_desc, embed_quant_type), FIELD(model_desc, lm_head),
     FIELD(model_desc, lm_head_bias), FIELD(model_desc, lm_head_is_bf16), FIELD(model_desc, lm_head_quant_type),
-    FIELD(model_desc, vocab),
+    FIELD(model_desc, vocab), FIELD(model_desc, int8_activations),
     SIZE(step_desc), FIELD(step_desc, input_ids), FIELD(step_desc, positions), FIELD(step_desc, slots),
     FIELD(step_desc, rows), FIELD(step_desc, block_tables), FIELD(step_desc, max_blocks),
     FIELD(step_desc, context_lens), FIELD(step_desc, num_tokens), FIELD(step_desc, block_size),

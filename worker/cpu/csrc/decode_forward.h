@@ -41,6 +41,7 @@ struct model_desc {
     const void *lm_head;              /* [vocab, hidden] fp32, bf16 bits or GGUF blocks (as the layers' kinds) */
     const float *lm_head_bias;        /* [vocab] or NULL */
     int64_t lm_head_is_bf16, lm_head_quant_type, vocab;
+    int64_t int8_activations;         /* integer mode: the GGUF-block products take gemv_int8.c's */
 };
 
 /* This step's rows: T decode tokens, one per request. */

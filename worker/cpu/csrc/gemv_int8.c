@@ -1,0 +1,467 @@
+/* Integer mode's products (engine-core process, opt-in: quantized_activations="int8"): out = x @ W^T
+ * (+ bias) with W kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and x quantized to
+ * int8, as llama.cpp multiplies, but with one order of summation for every row count, thread count and
+ * kernel, so every bitwise guarantee of exact mode holds here too (docs/quantized.md "Integer mode").
+ *
+ * The definition, which the generic code below states and the vector code computes bit for bit:
+ * - x's rows are quantized in blocks of 32 values (quantize_block): amax = max |x|, d = amax / 127,
+ *   q = x * (127 / amax) rounded to nearest even, clamped to [-127, 127] (q = 0 and d = 0 where amax is
+ *   0). Each block keeps d (fp32), d * (its sum of q) (fp32), and its two sums of 16 q (int16).
+ * - Weight block j (32 weights; a K-quant's sub-block) is scale_j * q + offset_j with integer q: Q8_0
+ *   and Q4_0 d * q and d * (q - 8), Q4_1 d * q + m, Q4_K and Q5_K (d * sc_j) * q - dmin * m_j, Q6_K
+ *   d * sc_g * (q - 32) with sc_g an int8 per 16 weights (folded into the integer sum below).
+ * - It meets activation block j in integers: I_j = sum of w_q * a_q, exact in int32 (Q6_K: the sum of
+ *   sc_g * (sum over group g of (q - 32) * a_q), at most 2^24 in size, so exact in fp32 too).
+ * - Then floats, in one order: acc[j % 8] = fma(I_j, scale_j * d_j, acc[j % 8]), then for types with an
+ *   offset acc[j % 8] = fma(offset_j, d_j * sum_j, acc[j % 8]); eight accumulators from 0, blocks in
+ *   order; out = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)), then + bias.
+ * So an output is one function of its row of x and its row of W: the same bits in any batch, chunk or
+ * thread split. The products of one row of x are computed whole per weight row (RG rows of x a pass,
+ * the weight row's registers reused by each), never split along K.
+ *
+ * AVX512-VNNI (vpdpbusd: unsigned weight bytes times signed activation bytes, four products a lane
+ * summed into int32) computes I for 8 blocks at once; the weights are made unsigned (Q8_0 + 128,
+ * Q4_0's q, Q6_K's q) and the offsets taken out again with the activations' integer sums. Elsewhere
+ * (AVX2, other CPUs) the generic code runs: the same numbers, slower (docs/quantized.md).
+ * x: [rows, K] fp32, w: [N, K / 32 (K-quants: K / 256) blocks], out: [rows, N] fp32.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "kernel_parts.h"
+#include "quant_blocks.h"
+
+#pragma GCC optimize("fp-contract=off") /* the fused multiply-adds are the definition's, written out */
+
+#define RG 4 /* rows of x a pass over one weight row */
+#define GROUP 8 /* blocks of 32 a group: a K-quant's super-block, the accumulators' count */
+#define NB 4 /* weight rows a thread's share is rounded to */
+#define GUIDED_MIN 32
+#define SMALL_WORK 32768
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define INT8_VNNI 1
+#endif
+
+/* ---- the activations ---- */
+
+int64_t int8_rows_bytes(int64_t rows, int64_t K) {
+    return 2 * rows * K + rows * (K / QK) * 2 * (int64_t)sizeof(float) + rows * (K / 16) * 2 + 4 * 64;
+}
+
+/* The int8_rows of `rows` rows of K values carved from memory (int8_rows_bytes of it). */
+struct int8_rows int8_rows_at(void *memory, int64_t rows, int64_t K) {
+    uint8_t *next = (uint8_t *)(((uintptr_t)memory + 63) & ~(uintptr_t)63);
+    struct int8_rows a;
+    a.K = K;
+    a.q = (int8_t *)next, next += rows * K;
+    a.pairs = (int8_t *)next, next += rows * K;
+    a.d = (float *)next, next += rows * (K / QK) * sizeof(float);
+    a.ds = (float *)next, next += rows * (K / QK) * sizeof(float);
+    a.s16 = (int16_t *)next;
+    return a;
+}
+
+/* One block of 32 values: q (32 int8), and the block's d, d * sum(q) and two sums of 16. */
+static inline void quantize_block(const float *x, int8_t *q, float *d, float *ds, int16_t *s16) {
+#ifdef __AVX512F__
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+    const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inverse))), low), high);
+    const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inverse))), low), high);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    const int sum0 = _mm512_reduce_add_epi32(q0), sum1 = _mm512_reduce_add_epi32(q1);
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum0 = 0, sum1 = 0;
+    for (int i = 0; i < QK; i++) {
+        float v = nearbyintf(x[i] * inverse); /* to nearest even: cvtps2dq's rounding */
+        v = !(v >= -127.0f) ? -127.0f : v > 127.0f ? 127.0f : v; /* NaN -> -127, as cvtps2dq's INT_MIN clamped */
+        q[i] = (int8_t)v;
+        if (i < 16) sum0 += q[i];
+        else sum1 += q[i];
+    }
+#endif
+    *d = amax / 127.0f;
+    *ds = *d * (float)(sum0 + sum1);
+    s16[0] = (int16_t)sum0, s16[1] = (int16_t)sum1;
+}
+
+/* Rows [r0, r1) of x ([rows, a->K] fp32) quantized into a (each row on its own: any split gives the
+ * same bytes). Also Q4_K's order where the product reads it: per 256, the blocks 0 2 1 3 4 6 5 7, so one
+ * 64-byte load meets a register of low (or high) nibbles. */
+void int8_quantize_rows(const float *x, int64_t r0, int64_t r1, const struct int8_rows *a) {
+    const int64_t K = a->K, blocks = K / QK;
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t j = 0; j < blocks; j++)
+            quantize_block(x + r * K + j * QK, a->q + r * K + j * QK, a->d + r * blocks + j, a->ds + r * blocks + j,
+                           a->s16 + r * (K / 16) + 2 * j);
+#ifdef INT8_VNNI
+        static const int order[GROUP] = {0, 2, 1, 3, 4, 6, 5, 7};
+        for (int64_t g = 0; K % QK_K == 0 && g < K / QK_K; g++)
+            for (int c = 0; c < GROUP; c++)
+                memcpy(a->pairs + r * K + g * QK_K + c * QK, a->q + r * K + g * QK_K + order[c] * QK, QK);
+#endif
+    }
+}
+
+/* ---- the generic code: the definition ---- */
+
+static inline int has_offset(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K; }
+
+/* Weight block j of a row of type `type` against its activation block (a: 32 int8, s16: their two sums
+ * of 16): returns I_j, and sets the block's scale and offset (0 for a type without one). */
+static inline int block_sum(const uint8_t *row, int type, int64_t j, const int8_t *a, const int16_t *s16, float *scale,
+                            float *offset) {
+    int q[QK];
+    int32_t minus = 0;
+    *offset = 0.0f;
+    if (!is_k_type(type)) {
+        const uint8_t *b = row + j * block_bytes(type);
+        *scale = half_at(b);
+        if (type == TYPE_Q8_0) {
+            for (int i = 0; i < QK; i++) q[i] = (int8_t)b[2 + i];
+        } else {
+            const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
+            for (int i = 0; i < 16; i++) q[i] = qs[i] & 0x0f, q[i + 16] = qs[i] >> 4;
+            if (type == TYPE_Q4_1) *offset = half_at(b + 2);
+            else minus = 8;
+        }
+    } else {
+        const uint8_t *b = row + j / GROUP * block_bytes(type);
+        const int sub = (int)(j % GROUP);
+        if (type == TYPE_Q6_K) {
+            const int h = sub / 4, part = sub % 4; /* half of 128, then 32 weights in it */
+            const uint8_t *ql = b + 64 * h + (part % 2) * 32, *qh = b + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            int32_t total = 0;
+            for (int g = 0; g < 2; g++) {
+                int32_t sum = 0;
+                for (int i = 16 * g; i < 16 * g + 16; i++) {
+                    const int nibble = part < 2 ? ql[i] & 0x0f : ql[i] >> 4;
+                    sum += ((nibble | ((qh[i] >> (2 * part)) & 3) << 4) - 32) * a[i];
+                }
+                total += sc[2 * sub + g] * sum;
+            }
+            *scale = half_at(b + 208);
+            return total;
+        }
+        uint64_t scales, mins;
+        k_unpack_scales(b + 4, &scales, &mins);
+        *scale = half_at(b) * (float)(uint8_t)(scales >> (8 * sub));
+        *offset = -half_at(b + 2) * (float)(uint8_t)(mins >> (8 * sub));
+        const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16) + 32 * (sub / 2);
+        for (int i = 0; i < QK; i++) {
+            q[i] = sub % 2 ? qs[i] >> 4 : qs[i] & 0x0f;
+            if (type == TYPE_Q5_K) q[i] |= ((b[16 + i] >> sub) & 1) << 4;
+        }
+    }
+    int32_t total = 0;
+    for (int i = 0; i < QK; i++) total += q[i] * a[i];
+    return total - minus * (s16[0] + s16[1]);
+}
+
+/* Blocks [j0, j1) of one weight row against row r of x, into acc (the definition's order). */
+static void blocks_generic(const uint8_t *row, int type, const struct int8_rows *a, int64_t r, int64_t j0, int64_t j1,
+                           float acc[GROUP]) {
+    const int64_t K = a->K, blocks = K / QK;
+    for (int64_t j = j0; j < j1; j++) {
+        float scale, offset;
+        const int32_t sum = block_sum(row, type, j, a->q + r * K + j * QK, a->s16 + r * (K / 16) + 2 * j, &scale,
+                                      &offset);
+        float *lane = &acc[j % GROUP];
+        *lane = fmaf((float)sum, scale * a->d[r * blocks + j], *lane);
+        if (has_offset(type)) *lane = fmaf(offset, a->ds[r * blocks + j], *lane);
+    }
+}
+
+static inline float sum_lanes(const float acc[GROUP]) {
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+#ifdef INT8_VNNI
+/* ---- AVX512-VNNI ---- */
+
+/* Four registers of 16 int32 partial sums, lanes 0-7 of each one block's and lanes 8-15 another's, ->
+ * the 8 blocks' sums in block order (`order` says where each block's sum lands: see the callers). */
+static inline __m256i sum_blocks(__m512i z0, __m512i z1, __m512i z2, __m512i z3, __m512i order) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    /* 128-bit lane 0 + 1: [z0, z1, z2, z3] of their first blocks; lane 2 + 3: of their second */
+    const __m512i v = _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, v));
+}
+/* z_i holding blocks (i, i + 2) for i = 0, 1 and (i + 2, i + 4) for 2, 3: Q4_K's and Q5_K's nibbles */
+#define ORDER_PAIRS _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0)
+/* z_i holding blocks (2i, 2i + 1) */
+#define ORDER_RUNS _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0)
+
+static inline __m512i two_halves(const void *low, const void *high) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)low)),
+                              _mm256_loadu_si256((const __m256i *)high), 1);
+}
+
+static inline float half_of(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* One group of 8 blocks of a weight row, made once: 4 registers of unsigned weight bytes (block order
+ * per `order`), the scales and offsets of the 8 blocks, what to take out per block (`minus` times the
+ * activations' sums of 32, or Q6_K's sc-weighted sums of 16) and the int32 scales of Q6_K's lanes. */
+struct group {
+    __m512i w[4], lane_scale[4];
+    __m256 scale, offset;
+    __m256i sc16; /* Q6_K: the 16 scales as int16 */
+    int minus, has_offset;
+};
+
+static inline __attribute__((always_inline)) void make_group(const uint8_t *b, int type, struct group *g) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    g->minus = 0, g->has_offset = 0;
+    if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+        const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16);
+        const __m512i lo = _mm512_loadu_si512(qs), hi = _mm512_loadu_si512(qs + 64);
+        g->w[0] = _mm512_and_si512(lo, nibble), g->w[1] = _mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble);
+        g->w[2] = _mm512_and_si512(hi, nibble), g->w[3] = _mm512_and_si512(_mm512_srli_epi16(hi, 4), nibble);
+        if (type == TYPE_Q5_K) { /* bit s of qh[l]: the fifth bit of sub-block s's weight l */
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+            const int first[4] = {0, 1, 4, 5}; /* register i: sub-blocks first[i] (bytes 0-31), first[i] + 2 */
+            for (int i = 0; i < 4; i++) {
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << first[i])),
+                                                       _mm256_set1_epi8((char)(1 << (first[i] + 2))), 1);
+                g->w[i] = _mm512_mask_add_epi8(g->w[i], _mm512_test_epi8_mask(qh, bit), g->w[i], _mm512_set1_epi8(16));
+            }
+        }
+        uint64_t scales, mins;
+        k_unpack_scales(b + 4, &scales, &mins);
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
+        g->scale = _mm256_mul_ps(_mm256_set1_ps(half_of(b)), sc);
+        g->offset = _mm256_mul_ps(_mm256_set1_ps(-half_of(b + 2)), m);
+        g->has_offset = 1;
+        return;
+    }
+    if (type == TYPE_Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const __m512i low = _mm512_loadu_si512(b + 64 * h);
+            const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+            const __m512i pairs = _mm512_mask_srli_epi16(high, 0xffff0000u, high, 2); /* bytes 32-63: qh >> 2 */
+            const __m512i top = _mm512_set1_epi8(0x30);
+            /* ternary 0xe4: the first operand's bits where the third's are set, the second's elsewhere */
+            g->w[2 * h] = _mm512_ternarylogic_epi32(low, _mm512_and_si512(_mm512_slli_epi16(pairs, 4), top), nibble, 0xe4);
+            g->w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 4), _mm512_and_si512(pairs, top), nibble, 0xe4);
+        }
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        const __m512i sc32 = _mm512_cvtepi8_epi32(sc);
+        for (int i = 0; i < 4; i++) /* lanes 4k .. 4k + 3 of register i: scale group 4i + k */
+            g->lane_scale[i] = _mm512_permutexvar_epi32(
+                _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
+                                 _mm512_set1_epi32(4 * i)), sc32);
+        g->sc16 = _mm256_cvtepi8_epi16(sc);
+        g->scale = _mm256_set1_ps(half_of(b + 208));
+        return;
+    }
+    /* Q8_0, Q4_0, Q4_1: 8 blocks of 32 */
+    const int bb = block_bytes(type), start = type == TYPE_Q4_1 ? 4 : 2;
+    uint16_t heads[GROUP], mins[GROUP];
+    for (int i = 0; i < GROUP; i++) memcpy(&heads[i], b + i * bb, 2), memcpy(&mins[i], b + i * bb + 2, 2);
+    g->scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)heads));
+    if (type == TYPE_Q8_0) {
+        for (int i = 0; i < 4; i++)
+            g->w[i] = _mm512_xor_si512(two_halves(b + 2 * i * bb + 2, b + (2 * i + 1) * bb + 2), _mm512_set1_epi8((char)0x80));
+        g->minus = 128;
+        return;
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2 * i * bb + start));
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(b + (2 * i + 1) * bb + start));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(q0, q0)), _mm256_set_m128i(q1, q1), 1);
+        /* 128-bit lanes 1 and 3 shifted: the high nibbles, weights 16-31 of each block */
+        g->w[i] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xff00ff00u, both, 4), nibble);
+    }
+    if (type == TYPE_Q4_1) {
+        g->offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins));
+        g->has_offset = 1;
+    } else {
+        g->minus = 8;
+    }
+}
+
+/* The group against row r of x (group index gi: its blocks 8 gi ..), into acc. */
+static inline __attribute__((always_inline)) __m256 group_row(const struct group *g, int type, const struct int8_rows *a,
+                                                              int64_t r, int64_t gi, __m256 acc) {
+    const int64_t K = a->K, blocks = K / QK;
+    const int is_pairs = type == TYPE_Q4_K || type == TYPE_Q5_K;
+    const int8_t *q = (is_pairs ? a->pairs : a->q) + r * K + gi * QK_K;
+    __m512i z[4];
+    for (int i = 0; i < 4; i++) z[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[i], _mm512_loadu_si512(q + 64 * i));
+    const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->s16 + r * (K / 16) + 16 * gi));
+    __m256i sums;
+    if (type == TYPE_Q6_K) {
+        for (int i = 0; i < 4; i++) z[i] = _mm512_mullo_epi32(z[i], g->lane_scale[i]);
+        sums = _mm256_sub_epi32(sum_blocks(z[0], z[1], z[2], z[3], ORDER_RUNS),
+                                _mm256_slli_epi32(_mm256_madd_epi16(g->sc16, s16), 5)); /* 32 * sc-weighted sums */
+    } else {
+        sums = sum_blocks(z[0], z[1], z[2], z[3], is_pairs ? ORDER_PAIRS : ORDER_RUNS);
+        if (g->minus)
+            sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
+                                                             _mm256_set1_epi32(g->minus)));
+    }
+    const __m256 d = _mm256_loadu_ps(a->d + r * blocks + GROUP * gi);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(g->scale, d), acc);
+    if (g->has_offset) acc = _mm256_fmadd_ps(g->offset, _mm256_loadu_ps(a->ds + r * blocks + GROUP * gi), acc);
+    return acc;
+}
+
+/* One weight row against rows r .. r + nr - 1 of x: sums[i] for row r + i. */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *row, int type, const struct int8_rows *a,
+                                                           int64_t r, int nr, float sums[RG]) {
+    const int64_t blocks = a->K / QK, groups = blocks / GROUP;
+    const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
+    __m256 acc[RG];
+    for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < groups; gi++) {
+        struct group g;
+        make_group(row + gi * group_bytes, type, &g);
+        for (int i = 0; i < nr; i++) acc[i] = group_row(&g, type, a, r + i, gi, acc[i]);
+    }
+    for (int i = 0; i < nr; i++) {
+        float lanes[GROUP];
+        _mm256_storeu_ps(lanes, acc[i]);
+        blocks_generic(row, type, a, r + i, groups * GROUP, blocks, lanes); /* a tail of fewer than 8 blocks */
+        sums[i] = sum_lanes(lanes);
+    }
+}
+#else
+static inline void dot_rows(const uint8_t *row, int type, const struct int8_rows *a, int64_t r, int nr, float sums[RG]) {
+    for (int i = 0; i < nr; i++) {
+        float lanes[GROUP] = {0};
+        blocks_generic(row, type, a, r + i, 0, a->K / QK, lanes);
+        sums[i] = sum_lanes(lanes);
+    }
+}
+#endif
+
+/* ---- the products ---- */
+
+static inline __attribute__((always_inline)) void range_of(const struct int8_rows *a, int64_t rows, const uint8_t *w,
+                                                           int type, int64_t N, const float *bias, float *out,
+                                                           int64_t n_start, int64_t n_end) {
+    const int64_t row_bytes = quant_row_bytes(type, a->K);
+    float sums[RG];
+    for (int64_t n = n_start; n < n_end; n++)
+        for (int64_t r = 0; r < rows; r += RG) {
+            const int nr = rows - r < RG ? (int)(rows - r) : RG;
+            switch (nr) {
+            case 1: dot_rows(w + n * row_bytes, type, a, r, 1, sums); break;
+            case 2: dot_rows(w + n * row_bytes, type, a, r, 2, sums); break;
+            case 3: dot_rows(w + n * row_bytes, type, a, r, 3, sums); break;
+            default: dot_rows(w + n * row_bytes, type, a, r, RG, sums); break;
+            }
+            for (int i = 0; i < nr; i++) out[(r + i) * N + n] = bias ? sums[i] + bias[n] : sums[i];
+        }
+}
+
+static void range(const struct int8_rows *a, int64_t rows, const uint8_t *w, int type, int64_t N, const float *bias,
+                  float *out, int64_t n_start, int64_t n_end) {
+    switch (type) {
+    case TYPE_Q8_0: range_of(a, rows, w, TYPE_Q8_0, N, bias, out, n_start, n_end); break;
+    case TYPE_Q4_1: range_of(a, rows, w, TYPE_Q4_1, N, bias, out, n_start, n_end); break;
+    case TYPE_Q4_K: range_of(a, rows, w, TYPE_Q4_K, N, bias, out, n_start, n_end); break;
+    case TYPE_Q5_K: range_of(a, rows, w, TYPE_Q5_K, N, bias, out, n_start, n_end); break;
+    case TYPE_Q6_K: range_of(a, rows, w, TYPE_Q6_K, N, bias, out, n_start, n_end); break;
+    default: range_of(a, rows, w, TYPE_Q4_0, N, bias, out, n_start, n_end); break;
+    }
+}
+
+/* A QUANT_PARTS product (kernel_parts.h): each part's rows with its own type. */
+static void any_range(const struct int8_rows *a, int64_t rows, const uint8_t *w, int type, int64_t N,
+                      const float *bias, float *out, int64_t n_start, int64_t n_end) {
+    if (type != QUANT_PARTS) {
+        range(a, rows, w, type, N, bias, out, n_start, n_end);
+        return;
+    }
+    int64_t first = 0;
+    for (const struct quant_part *p = (const struct quant_part *)w; p->rows > 0 && first < n_end; first += p->rows, p++) {
+        const int64_t lo = n_start > first ? n_start : first, hi = n_end < first + p->rows ? n_end : first + p->rows;
+        if (lo < hi)
+            range(a, rows, p->w, (int)p->type, N, bias ? bias + first : NULL, out + first, lo - first, hi - first);
+    }
+}
+
+/* Whether gemv_int8 has a product for the type (or every part) with rows of K values. */
+static int int8_supported(const uint8_t *w, int32_t type, int64_t K, int64_t N) {
+    if (type != QUANT_PARTS) return block_bytes(type) > 0 && K > 0 && K % block_weights(type) == 0;
+    int64_t total = 0;
+    for (const struct quant_part *p = (const struct quant_part *)w; p->rows > 0; p++) {
+        if (!int8_supported(NULL, (int32_t)p->type, K, N)) return 0;
+        total += p->rows;
+    }
+    return total == N;
+}
+
+/* x: [rows, K] fp32; w and type as gemv_quant's. Returns 0; -1: no memory for x's integers; -2: a type
+ * without a product here or K not a whole number of blocks. */
+int32_t gemv_int8(const float *x, int64_t rows, int64_t K, const uint8_t *w, int32_t type, int64_t N,
+                  const float *bias, float *out, int32_t num_threads) {
+    if (!int8_supported(w, type, K, N)) return -2;
+    void *memory = malloc((size_t)int8_rows_bytes(rows, K));
+    if (!memory) return -1;
+    const struct int8_rows a = int8_rows_at(memory, rows, K);
+    if (N * K <= SMALL_WORK || num_threads <= 1) {
+        int8_quantize_rows(x, 0, rows, &a);
+        any_range(&a, rows, w, type, N, bias, out, 0, N);
+        free(memory);
+        return 0;
+    }
+    const int64_t num_blocks = (N + NB - 1) / NB;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int8_quantize_rows(x, rows * t / nt, rows * (t + 1) / nt, &a);
+#pragma omp barrier
+        const int64_t start = num_blocks * t / nt * NB, end = num_blocks * (t + 1) / nt * NB;
+        if (start < N) any_range(&a, rows, w, type, N, bias, out, start, end < N ? end : N);
+    }
+    free(memory);
+    return 0;
+}
+
+/* One thread's part of an integer-mode product in the fused decode forward: a's rows quantized
+ * already (int8_quantize_rows), runs taken from the shared cursor as gemv_quant_share takes them. */
+void gemv_int8_share(const struct int8_rows *a, int64_t rows, const uint8_t *w, int type, int64_t N,
+                     const float *bias, float *out, int64_t *cursor, int num_threads) {
+    int64_t start = __atomic_load_n(cursor, __ATOMIC_RELAXED);
+    while (start < N) {
+        int64_t size = (N - start) / (2 * num_threads);
+        size = (size < GUIDED_MIN ? GUIDED_MIN : size + NB - 1) / NB * NB;
+        const int64_t end = start + size < N ? start + size : N;
+        if (__atomic_compare_exchange_n(cursor, &start, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            any_range(a, rows, w, type, N, bias, out, start, end);
+            start = end;
+        }
+    }
+}
+
+/* Whether this build computes integer mode with AVX512-VNNI (else the generic code). */
+int32_t int8_has_vnni(void) {
+#ifdef INT8_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
