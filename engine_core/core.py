@@ -213,6 +213,7 @@ def runner_spec(config: EngineConfig, owns_process: bool = False) -> RunnerSpec:
         seed=config.seed,
         can_use_cpu_kernels=config.can_use_cpu_kernels,
         batch_invariant=config.batch_invariant,
+        quantized_activations=config.quantized_activations,
         tensor_parallel_size=config.tensor_parallel_size,
         num_threads=config.num_threads,
         speculative=config.speculative_config,

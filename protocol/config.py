@@ -135,6 +135,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # multi-step, thread count) and prompt logprobs equal to generation's, on the C kernels
     # (docs/decisions.md, "Batch invariance"); False: the shape-tuned MKL/AMX products and SDPA prefill.
     batch_invariant: bool = True
+    # "int8" (integer mode, opt in): the products of weights kept in GGUF blocks quantize their
+    # activations to int8 blocks and sum in integers, in one order, so every bitwise guarantee above
+    # holds with numbers near, not equal to, "float32"'s (docs/quantized.md "Integer mode"); CPU kernels only.
+    quantized_activations: Literal["float32", "int8"] = "float32"
     # Speculative decoding (docs/speculative.md); None: off. A dict given to LLM/AsyncLLM is converted.
     speculative_config: SpeculativeConfig | None = None
 
@@ -159,6 +163,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got {self.max_logprobs}")
+        if self.quantized_activations == "int8" and (not self.can_use_cpu_kernels or self.device.startswith("cuda")):
+            raise ValueError("quantized_activations='int8' runs on the CPU's C kernels only "
+                             "(device cpu and can_use_cpu_kernels true)")
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config method 'draft_model' with tensor_parallel_size > 1 is not built")
@@ -192,4 +199,7 @@ ENGINE_ARG_HELP = {
     "\"model\": PATH, \"num_speculative_tokens\": 4}; the same tokens and logprobs as without it",
     "batch_invariant": "true (the default): a request's logprobs are the same bits in any batch, chunking "
     "or step, and prompt logprobs equal the sampled ones (C kernels on the CPU); false: shape-tuned products",
+    "quantized_activations": "float32 (the default, exact): GGUF weights kept quantized meet fp32 "
+    "activations; int8 (integer mode): activations quantized to int8 blocks of 32, integer dot products, "
+    "every bitwise guarantee kept, numbers near float32's (docs/quantized.md)",
 }

@@ -111,6 +111,9 @@ def choose_backend(spec: RunnerSpec, device: torch.device, is_sharded: bool) -> 
     them; torch's ops elsewhere. `is_sharded`: tensor parallelism, whose sums between a layer's halves
     keep the fused decode forward out."""
     kernel_dtypes = (torch.float32, torch.bfloat16)
+    is_int8 = spec.quantized_activations == "int8"
+    if is_int8 and (not spec.can_use_cpu_kernels or device.type != "cpu"):
+        raise ValueError("quantized_activations='int8' runs on the CPU's C kernels only")
     if not spec.can_use_cpu_kernels or device.type != "cpu":
         return TorchBackend(device)
     if weights_dtype(spec.model, spec.dtype, device) not in kernel_dtypes:
@@ -118,7 +121,9 @@ def choose_backend(spec: RunnerSpec, device: torch.device, is_sharded: bool) -> 
     begun = time.perf_counter()
     kernels = load_cpu_kernels()
     logger.info("startup: CPU kernels %.3f s", time.perf_counter() - begun)
+    if kernels is None and is_int8:
+        raise ValueError("quantized_activations='int8' needs the C kernels, which could not be built here")
     if kernels is None:
         return TorchBackend(device)
     return CpuBackend(kernels, spec.batch_invariant, spec.block_size, can_fuse=not is_sharded,
-                      governs_threads=spec.owns_process)
+                      governs_threads=spec.owns_process, is_int8=is_int8)

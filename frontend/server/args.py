@@ -54,6 +54,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "enable_prefix_caching": (_boolean, None),
     "tensor_parallel_size": (int, None),
     "batch_invariant": (_boolean, None),
+    "quantized_activations": (str, ("float32", "int8")),
     "speculative_config": (str, None),  # JSON, checked by name in make_config
     "num_threads": (int, None),  # the core's threads: replicas sharing a host take a core each
 }

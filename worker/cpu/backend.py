@@ -28,6 +28,7 @@ from worker.cpu.ops import apply_cpu_backend
 from worker.cpu.sampling_ops import CpuSamplingOps
 from worker.cpu.thread_governor import ThreadGovernor
 from worker.models.llama import LlamaModel
+from worker.models.quantized import QuantLinear
 from worker.step.attention import AttentionMetadata
 from worker.step.input_batch import StepInputs
 
@@ -35,14 +36,16 @@ from worker.step.input_batch import StepInputs
 class CpuBackend:
     """`can_fuse`: the fused decode forward may run (not under tensor parallelism); `governs_threads`: the
     process is the engine's own, whose torch threads follow the host (thread_governor.py); in a user's
-    process a step takes at most the threads the user set, and the user's count is theirs between steps."""
+    process a step takes at most the threads the user set, and the user's count is theirs between steps.
+    `is_int8`: integer mode's products for the weights kept in GGUF blocks (quant_linear.py)."""
 
     name = "cpu"
 
     def __init__(self, kernels: CpuKernels, is_batch_invariant: bool, block_size: int, can_fuse: bool,
-                 governs_threads: bool = False) -> None:
+                 governs_threads: bool = False, is_int8: bool = False) -> None:
         self.kernels = kernels
         self.is_batch_invariant = is_batch_invariant
+        self.is_int8 = is_int8
         self.block_size = block_size
         self.can_fuse = can_fuse
         self.sampling = CpuSamplingOps(kernels)
@@ -63,7 +66,10 @@ class CpuBackend:
             self.collapse = collapse_in_background(self.huge_page_memory, busy=is_busy,
                                                    delay_s=COLLAPSE_DELAY_S, stop=self.closed)
             self.huge_page_memory = None
-        apply_cpu_backend(model, self.kernels, self.is_batch_invariant)
+        if self.is_int8 and not any(isinstance(m, QuantLinear) for m in model.modules()):
+            raise ValueError("quantized_activations='int8' applies to weights kept in GGUF blocks; this model "
+                             "has none (a GGUF file of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K tensors, dtype auto)")
+        apply_cpu_backend(model, self.kernels, self.is_batch_invariant, self.is_int8)
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         return torch.float32
@@ -77,7 +83,7 @@ class CpuBackend:
     def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None:
         """The fused forward's descriptors hold the weights' and caches' addresses: built over these."""
         if self.can_fuse and caches:
-            self.fused = FusedForward(self.kernels, model.weights(), caches, model.args)
+            self.fused = FusedForward(self.kernels, model.weights(), caches, model.args, self.is_int8)
 
     def step_threads(self) -> contextlib.AbstractContextManager:
         """The threads of the step run in this block: fewer while another busy process shares the cores."""

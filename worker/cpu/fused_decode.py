@@ -46,7 +46,8 @@ class FusedForward:
     are placed once at load (huge pages) and never move after; the caches are those given."""
 
     def __init__(
-        self, kernels: CpuKernels, weights: ModelWeights, caches: list[torch.Tensor], args: LlamaArgs
+        self, kernels: CpuKernels, weights: ModelWeights, caches: list[torch.Tensor], args: LlamaArgs,
+        is_int8: bool = False,
     ) -> None:
         assert len(caches) == len(weights.layers) > 0
         self.kernels, self.args, self.caches = kernels, args, list(caches)
@@ -72,6 +73,7 @@ class FusedForward:
             layers=self.layers,
             embed_quant_type=ggml_type_of(embed),
             **_lm_head_fields(weights),
+            int8_activations=int(is_int8),
         )
         self.vocab = self.desc.vocab  # 0: lm_head stays with the op-by-op product
         scales = {spec.attention.scale for spec in args.layers}

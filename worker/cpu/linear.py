@@ -79,15 +79,17 @@ def amx_product(
 
 
 def linear(
-    layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None, is_batch_invariant: bool = False
+    layer: nn.Linear, x: torch.Tensor, kernels: CpuKernels | None = None, is_batch_invariant: bool = False,
+    is_int8: bool = False,
 ) -> torch.Tensor:
     """x: [T, in] -> [T, out]. `kernels` are only ever loaded on the CPU; with them x is float32 and
     the weights float32 or bf16. `is_batch_invariant`: every row count takes gemv.c, whose sums run in
-    one order per output whatever the rows (no MKL, no AMX: their orders depend on the shape)."""
+    one order per output whatever the rows (no MKL, no AMX: their orders depend on the shape).
+    `is_int8`: GGUF blocks take integer mode's products (the float weights are unchanged)."""
     if kernels is None:
         return layer(x)
     if isinstance(layer, QuantLinear):  # GGUF blocks: one kernel, one order of summation, any row count
-        return quant_linear(kernels, layer, x)
+        return quant_linear(kernels, layer, x, is_int8)
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(kernels, x, layer.weight, layer.bias)
     is_bf16 = layer.weight.dtype == torch.bfloat16

@@ -33,9 +33,10 @@ class CpuOps:
     over their causal prefix (the plan's every_token rows), so a token's numbers are the same in any
     batch, chunk or step (docs/decisions.md)."""
 
-    def __init__(self, kernels: CpuKernels, is_batch_invariant: bool = False) -> None:
+    def __init__(self, kernels: CpuKernels, is_batch_invariant: bool = False, is_int8: bool = False) -> None:
         self.kernels = kernels
         self.is_batch_invariant = is_batch_invariant
+        self.is_int8 = is_int8  # integer mode's products for GGUF blocks (quant_linear.py)
         self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = _whole
 
     def embed(self, table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ class CpuOps:
         return rms_norm(self.kernels, x, _scale(norm), norm.eps, delta)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return linear(layer, x, self.kernels, self.is_batch_invariant)
+        return linear(layer, x, self.kernels, self.is_batch_invariant, self.is_int8)
 
     def rope_write_kv(
         self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
@@ -104,7 +105,9 @@ def _plan(meta: AttentionMetadata) -> CpuAttentionPlan:
     return meta.plan
 
 
-def apply_cpu_backend(model: nn.Module, kernels: CpuKernels, is_batch_invariant: bool = False) -> None:
+def apply_cpu_backend(
+    model: nn.Module, kernels: CpuKernels, is_batch_invariant: bool = False, is_int8: bool = False
+) -> None:
     """Every parameter but the linear layers' weights and the embedding table widened to fp32 (norms,
     biases); those keep their dtype (fp32 or bf16). Then the model runs on `CpuOps`."""
     kept = {id(model.embed_tokens.weight)}
@@ -112,4 +115,4 @@ def apply_cpu_backend(model: nn.Module, kernels: CpuKernels, is_batch_invariant:
     for param in model.parameters():
         if id(param) not in kept:
             param.data = param.data.float()
-    model.ops = CpuOps(kernels, is_batch_invariant)
+    model.ops = CpuOps(kernels, is_batch_invariant, is_int8)

@@ -16,6 +16,7 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     can_use_cpu_kernels: bool = True
     batch_invariant: bool = True  # EngineConfig's: one order of summation per row, whatever the batch
+    quantized_activations: str = "float32"  # EngineConfig's: "int8" takes the integer-mode products
     tensor_parallel_size: int = 1
     num_threads: int | None = None  # torch threads in each rank process; None: shared out among them
     speculative: SpeculativeConfig | None = None  # the proposer the runner builds; None: no speculation
