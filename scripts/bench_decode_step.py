@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--no-batch-invariant", action="store_true", help="batch_invariant=False (shape-tuned products)"
     )
+    parser.add_argument("--quantized-activations", default="float32", choices=["float32", "int8"],
+                        help="int8: integer mode's products for GGUF blocks (docs/quantized.md)")
     parser.add_argument("--json", default="bench_out/decode_step.json")
     return parser.parse_args()
 
@@ -158,6 +160,7 @@ def main() -> None:
             "max_num_batched_tokens": 4096,
             "can_use_cpu_kernels": not args.no_cpu_kernels,
             "dtype": args.dtype,
+            "quantized_activations": args.quantized_activations,
             "batch_invariant": not args.no_batch_invariant,
         },
     )

@@ -7,7 +7,8 @@ model in the files people download (issue 38), side by side in one run on this h
     python scripts/bench_gguf_1b.py --file ~/.cache/coreserve/real/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 
 `--file` measures any GGUF file instead of the random ones (a trained file from
-scripts/real_models.py, say); its KV cache's size is read from its header.
+scripts/real_models.py, say); its KV cache's size is read from its header. `--int8` measures coreserve
+in integer mode too (`--quantized-activations int8`, docs/quantized.md), a third server in the turn.
 
 The files: scripts/write_random_gguf.py writes the F16 model (hidden 2048, 16 layers, 32 heads, 8 KV
 heads, FFN 8192, SmolLM2's tokenizer and chat template, tied embeddings), and llama.cpp's own
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--c1-tokens", type=int, default=64)
     parser.add_argument("--c16-tokens", type=int, default=32)
     parser.add_argument("--distance", action="store_true", help="llama.cpp's logprob distance from fp32")
+    parser.add_argument("--int8", action="store_true", help="coreserve in integer mode as well")
     parser.add_argument("--json", default="bench_out/gguf_1b.json")
     args = parser.parse_args()
     for tool in (LLAMA_SERVER,) if args.file else (LLAMA_SERVER, LLAMA_QUANTIZE):
@@ -72,16 +74,15 @@ def main() -> None:
     results: dict = {"machine": machine(), "threads": 2, "slots": SLOTS, "files": {}}
     rng = random.Random(0)
     for index, (type_name, path) in enumerate(files.items()):
-        order = ["coreserve", "llama.cpp"] if index % 2 == 0 else ["llama.cpp", "coreserve"]
+        ours = ["coreserve", "coreserve int8"] if args.int8 else ["coreserve"]
+        order = [*ours, "llama.cpp"] if index % 2 == 0 else ["llama.cpp", *ours[::-1]]
         kv_bytes = kv_bytes_per_token(path) if args.file else KV_BYTES_PER_TOKEN
         figures = {name: measure(name, str(path), args, rng, kv_bytes) for name in order}
-        figures["coreserve / llama.cpp"] = {
-            key: figures["coreserve"][key] / figures["llama.cpp"][key]
-            for key in ("c1 tok/s", "c16 tok/s", "prompt tok/s")
-        }
-        figures["coreserve / llama.cpp"]["scoring / llama.cpp prompt"] = (
-            figures["coreserve"]["scoring tok/s"] / figures["llama.cpp"]["prompt tok/s"]
-        )
+        for name in ours:
+            ratios = {key: figures[name][key] / figures["llama.cpp"][key]
+                      for key in ("c1 tok/s", "c16 tok/s", "prompt tok/s")}
+            ratios["scoring / llama.cpp prompt"] = figures[name]["scoring tok/s"] / figures["llama.cpp"]["prompt tok/s"]
+            figures[f"{name} / llama.cpp"] = ratios
         figures["file MiB"] = path.stat().st_size / 2**20
         if args.distance:
             figures["logprob distance"] = distance(str(path), str(LLAMA_SERVER), 32)
@@ -121,8 +122,10 @@ def make_files(
 def measure(
     name: str, path: str, args: argparse.Namespace, rng: random.Random, kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
 ) -> dict:
-    extra = ["--num-kv-blocks", str(KV_BLOCKS)] if name == "coreserve" else []
-    with start(name, path, str(LLAMA_SERVER), SLOTS, extra=extra) as server:
+    is_ours = name.startswith("coreserve")
+    extra = ["--num-kv-blocks", str(KV_BLOCKS)] if is_ours else []
+    extra += ["--quantized-activations", "int8"] if name == "coreserve int8" else []
+    with start("coreserve" if is_ours else name, path, str(LLAMA_SERVER), SLOTS, extra=extra) as server:
         base = server.base
         engine_pid = server.engine_pid()
         held = rss_mib(engine_pid)
@@ -134,13 +137,13 @@ def measure(
             ),
             "prompt tok/s": median([asyncio.run(prompt_rate(base, rng, False)) for _ in range(args.repeats)]),
         }
-        if name == "coreserve":
+        if is_ours:
             figures["scoring tok/s"] = median(
                 [asyncio.run(prompt_rate(base, rng, True)) for _ in range(args.repeats)]
             )
         figures["RSS after load MiB"] = held
         figures["RSS peak MiB"] = rss_mib(engine_pid, "VmHWM")
-        if name == "coreserve":
+        if is_ours:
             figures["KV cache reserved MiB"] = KV_BLOCKS * 16 * kv_bytes_per_token / 2**20
     return figures
 

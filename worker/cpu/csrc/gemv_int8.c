@@ -40,6 +40,8 @@
 #pragma GCC optimize("fp-contract=off") /* the fused multiply-adds are the definition's, written out */
 
 #define RG 4 /* rows of x a pass over one weight row */
+#define STREAMS 4 /* weight rows read side by side (each its own memory stream) */
+#define TILE_BYTES (512 * 1024) /* weight rows met by every row of x while in L2 */
 #define GROUP 8 /* blocks of 32 a group: a K-quant's super-block, the accumulators' count */
 #define NB 4 /* weight rows a thread's share is rounded to */
 #define GUIDED_MIN 32
@@ -327,53 +329,84 @@ static inline __attribute__((always_inline)) __m256 group_row(const struct group
     return acc;
 }
 
-/* One weight row against rows r .. r + nr - 1 of x: sums[i] for row r + i. */
-static inline __attribute__((always_inline)) void dot_rows(const uint8_t *row, int type, const struct int8_rows *a,
-                                                           int64_t r, int nr, float sums[RG]) {
+/* ns weight rows (streams: rows far apart, so the memory reads of several run at once) against rows
+ * r .. r + nr - 1 of x: sums[s][i] for weight row s and row r + i of x. Each (weight row, row of x)
+ * pair is the definition's sequence whatever ns and nr are. */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *rows[STREAMS], int ns, int type,
+                                                           const struct int8_rows *a, int64_t r, int nr,
+                                                           float sums[STREAMS][RG]) {
     const int64_t blocks = a->K / QK, groups = blocks / GROUP;
     const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
-    __m256 acc[RG];
-    for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t gi = 0; gi < groups; gi++) {
-        struct group g;
-        make_group(row + gi * group_bytes, type, &g);
-        for (int i = 0; i < nr; i++) acc[i] = group_row(&g, type, a, r + i, gi, acc[i]);
-    }
-    for (int i = 0; i < nr; i++) {
-        float lanes[GROUP];
-        _mm256_storeu_ps(lanes, acc[i]);
-        blocks_generic(row, type, a, r + i, groups * GROUP, blocks, lanes); /* a tail of fewer than 8 blocks */
-        sums[i] = sum_lanes(lanes);
-    }
+    __m256 acc[STREAMS][RG];
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < nr; i++) acc[s][i] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < groups; gi++)
+        for (int s = 0; s < ns; s++) {
+            struct group g;
+            prefetch_ahead(rows[s] + gi * group_bytes, group_bytes);
+            make_group(rows[s] + gi * group_bytes, type, &g);
+            for (int i = 0; i < nr; i++) acc[s][i] = group_row(&g, type, a, r + i, gi, acc[s][i]);
+        }
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < nr; i++) {
+            float lanes[GROUP];
+            _mm256_storeu_ps(lanes, acc[s][i]);
+            blocks_generic(rows[s], type, a, r + i, groups * GROUP, blocks, lanes); /* a tail of < 8 blocks */
+            sums[s][i] = sum_lanes(lanes);
+        }
 }
 #else
-static inline void dot_rows(const uint8_t *row, int type, const struct int8_rows *a, int64_t r, int nr, float sums[RG]) {
-    for (int i = 0; i < nr; i++) {
-        float lanes[GROUP] = {0};
-        blocks_generic(row, type, a, r + i, 0, a->K / QK, lanes);
-        sums[i] = sum_lanes(lanes);
-    }
+static inline void dot_rows(const uint8_t *rows[STREAMS], int ns, int type, const struct int8_rows *a, int64_t r,
+                            int nr, float sums[STREAMS][RG]) {
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < nr; i++) {
+            float lanes[GROUP] = {0};
+            blocks_generic(rows[s], type, a, r + i, 0, a->K / QK, lanes);
+            sums[s][i] = sum_lanes(lanes);
+        }
 }
 #endif
 
 /* ---- the products ---- */
 
+/* Weight rows [n_start, n_end) against rows r .. r + nr - 1 of x, in STREAMS parts side by side. */
+static inline __attribute__((always_inline)) void pass_of(const struct int8_rows *a, int64_t r, int nr,
+                                                          const uint8_t *w, int type, int64_t N, const float *bias,
+                                                          float *out, int64_t n_start, int64_t n_end) {
+    const int64_t row_bytes = quant_row_bytes(type, a->K), part = (n_end - n_start) / STREAMS;
+    float sums[STREAMS][RG];
+    for (int64_t n = n_start; n < n_end;) {
+        const int ns = n < n_start + part ? STREAMS : 1;
+        const int64_t step = ns == STREAMS ? part : 0;
+        const uint8_t *rows[STREAMS];
+        for (int s = 0; s < STREAMS; s++) rows[s] = w + (n + s * step) * row_bytes;
+        if (ns == STREAMS) dot_rows(rows, STREAMS, type, a, r, nr, sums);
+        else dot_rows(rows, 1, type, a, r, nr, sums);
+        for (int s = 0; s < ns; s++)
+            for (int i = 0; i < nr; i++)
+                out[(r + i) * N + n + s * step] = bias ? sums[s][i] + bias[n + s * step] : sums[s][i];
+        n = ns == STREAMS && n + 1 == n_start + part ? n_start + STREAMS * part : n + 1;
+    }
+}
+
+/* Weight rows [n_start, n_end) for every row of x: tiles of weight rows that stay in L2 while every
+ * RG rows of x meet them (the first pass reads them from memory, in STREAMS streams). */
 static inline __attribute__((always_inline)) void range_of(const struct int8_rows *a, int64_t rows, const uint8_t *w,
                                                            int type, int64_t N, const float *bias, float *out,
                                                            int64_t n_start, int64_t n_end) {
-    const int64_t row_bytes = quant_row_bytes(type, a->K);
-    float sums[RG];
-    for (int64_t n = n_start; n < n_end; n++)
+    int64_t tile = TILE_BYTES / quant_row_bytes(type, a->K);
+    tile = tile < STREAMS ? STREAMS : tile;
+    for (int64_t t = n_start; t < n_end; t += tile) {
+        const int64_t t_end = n_end - t < tile ? n_end : t + tile;
         for (int64_t r = 0; r < rows; r += RG) {
-            const int nr = rows - r < RG ? (int)(rows - r) : RG;
-            switch (nr) {
-            case 1: dot_rows(w + n * row_bytes, type, a, r, 1, sums); break;
-            case 2: dot_rows(w + n * row_bytes, type, a, r, 2, sums); break;
-            case 3: dot_rows(w + n * row_bytes, type, a, r, 3, sums); break;
-            default: dot_rows(w + n * row_bytes, type, a, r, RG, sums); break;
+            switch (rows - r < RG ? rows - r : RG) {
+            case 1: pass_of(a, r, 1, w, type, N, bias, out, t, t_end); break;
+            case 2: pass_of(a, r, 2, w, type, N, bias, out, t, t_end); break;
+            case 3: pass_of(a, r, 3, w, type, N, bias, out, t, t_end); break;
+            default: pass_of(a, r, RG, w, type, N, bias, out, t, t_end); break;
             }
-            for (int i = 0; i < nr; i++) out[(r + i) * N + n] = bias ? sums[i] + bias[n] : sums[i];
         }
+    }
 }
 
 static void range(const struct int8_rows *a, int64_t rows, const uint8_t *w, int type, int64_t N, const float *bias,

@@ -450,6 +450,7 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
     if (is_k_type(type)) { /* super-blocks of 256, each stream's made register by register */
         for (int64_t i = 0; i < K / QK_K; i++) {
             struct k_scales k[4];
+            for (int s = 0; s < ns; s++) prefetch_ahead(w[s] + i * bb, bb);
             for (int s = 0; s < ns; s++) k_prepare(w[s] + i * bb, type, &k[s]);
 #pragma GCC unroll 32
             for (int v = 0; v < QK_K / LANES; v++)
@@ -471,6 +472,7 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
         for (int s = 0; s < ns; s++) {
             const uint8_t *b = w[s] + i * bb;
             floatv d, m, wv[STEPS];
+            if (i % 2 == 0) prefetch_ahead(b, 64);
             block_head(b, &d, &m);
             for (int v = 0; v < STEPS; v++) {
                 const floatv weights = block_register(b, type, v, d, m, wv);

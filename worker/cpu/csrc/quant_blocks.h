@@ -60,4 +60,13 @@ static inline void k_unpack_scales(const uint8_t *s, uint64_t *scales, uint64_t 
     *mins = (uint64_t)(b & low6) | (uint64_t)(((c >> 4) & nibble) | ((b >> 2) & top2)) << 32;
 }
 
+/* The cache lines of the `bytes` bytes of a weight row PREFETCH_BYTES past p, asked for now: the few-row
+ * products read rows from memory, and the hardware's prefetcher alone left each thread's stream short of
+ * the memory's bandwidth (docs/benchmarks.md, "Prefetching the weight streams"). A prefetch past the end
+ * of the weights never faults. */
+#define PREFETCH_BYTES 1024
+static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + PREFETCH_BYTES + line, 0, 3);
+}
+
 #endif
