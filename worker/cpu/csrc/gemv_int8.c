@@ -42,6 +42,7 @@
 #define RG 4 /* rows of x a pass over one weight row */
 #define STREAMS 4 /* weight rows read side by side (each its own memory stream) */
 #define TILE_BYTES (512 * 1024) /* weight rows met by every row of x while in L2 */
+#define PANEL_ROWS 16 /* rows of x from which weight rows are repacked into panels (AVX512-VNNI) */
 #define GROUP 8 /* blocks of 32 a group: a K-quant's super-block, the accumulators' count */
 #define NB 4 /* weight rows a thread's share is rounded to */
 #define GUIDED_MIN 32
@@ -54,7 +55,7 @@
 /* ---- the activations ---- */
 
 int64_t int8_rows_bytes(int64_t rows, int64_t K) {
-    return 2 * rows * K + rows * (K / QK) * 2 * (int64_t)sizeof(float) + rows * (K / 16) * 2 + 4 * 64;
+    return 3 * rows * K + rows * (K / QK) * 2 * (int64_t)sizeof(float) + rows * (K / 16) * 2 + 4 * 64;
 }
 
 /* The int8_rows of `rows` rows of K values carved from memory (int8_rows_bytes of it). */
@@ -64,6 +65,7 @@ struct int8_rows int8_rows_at(void *memory, int64_t rows, int64_t K) {
     a.K = K;
     a.q = (int8_t *)next, next += rows * K;
     a.pairs = (int8_t *)next, next += rows * K;
+    a.u8 = next, next += rows * K;
     a.d = (float *)next, next += rows * (K / QK) * sizeof(float);
     a.ds = (float *)next, next += rows * (K / QK) * sizeof(float);
     a.s16 = (int16_t *)next;
@@ -114,6 +116,10 @@ void int8_quantize_rows(const float *x, int64_t r0, int64_t r1, const struct int
         for (int64_t g = 0; K % QK_K == 0 && g < K / QK_K; g++)
             for (int c = 0; c < GROUP; c++)
                 memcpy(a->pairs + r * K + g * QK_K + c * QK, a->q + r * K + g * QK_K + order[c] * QK, QK);
+        for (int64_t i = 0; i < K; i += QK)
+            _mm256_storeu_si256((__m256i *)(a->u8 + r * K + i),
+                                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(a->q + r * K + i)),
+                                                 _mm256_set1_epi8((char)0x80)));
 #endif
     }
 }
@@ -122,56 +128,58 @@ void int8_quantize_rows(const float *x, int64_t r0, int64_t r1, const struct int
 
 static inline int has_offset(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K; }
 
-/* Weight block j of a row of type `type` against its activation block (a: 32 int8, s16: their two sums
- * of 16): returns I_j, and sets the block's scale and offset (0 for a type without one). */
-static inline int block_sum(const uint8_t *row, int type, int64_t j, const int8_t *a, const int16_t *s16, float *scale,
-                            float *offset) {
-    int q[QK];
-    int32_t minus = 0;
+/* Weight block j of a row of type `type`: its 32 integers w of the definition (Q4_0 q - 8, Q6_K q - 32,
+ * Q8_0 q, the others q), its scale and offset (0 for a type without one), and (sc, where given) Q6_K's
+ * two int8 scales of its 16s (1 and 1 for the other types). */
+static inline void decode_block(const uint8_t *row, int type, int64_t j, int8_t w[QK], float *scale, float *offset,
+                                int sc[2]) {
     *offset = 0.0f;
+    if (sc) sc[0] = sc[1] = 1;
     if (!is_k_type(type)) {
         const uint8_t *b = row + j * block_bytes(type);
         *scale = half_at(b);
         if (type == TYPE_Q8_0) {
-            for (int i = 0; i < QK; i++) q[i] = (int8_t)b[2 + i];
-        } else {
-            const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
-            for (int i = 0; i < 16; i++) q[i] = qs[i] & 0x0f, q[i + 16] = qs[i] >> 4;
-            if (type == TYPE_Q4_1) *offset = half_at(b + 2);
-            else minus = 8;
+            for (int i = 0; i < QK; i++) w[i] = (int8_t)b[2 + i];
+            return;
         }
-    } else {
-        const uint8_t *b = row + j / GROUP * block_bytes(type);
-        const int sub = (int)(j % GROUP);
-        if (type == TYPE_Q6_K) {
-            const int h = sub / 4, part = sub % 4; /* half of 128, then 32 weights in it */
-            const uint8_t *ql = b + 64 * h + (part % 2) * 32, *qh = b + 128 + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + 192);
-            int32_t total = 0;
-            for (int g = 0; g < 2; g++) {
-                int32_t sum = 0;
-                for (int i = 16 * g; i < 16 * g + 16; i++) {
-                    const int nibble = part < 2 ? ql[i] & 0x0f : ql[i] >> 4;
-                    sum += ((nibble | ((qh[i] >> (2 * part)) & 3) << 4) - 32) * a[i];
-                }
-                total += sc[2 * sub + g] * sum;
-            }
-            *scale = half_at(b + 208);
-            return total;
-        }
-        uint64_t scales, mins;
-        k_unpack_scales(b + 4, &scales, &mins);
-        *scale = half_at(b) * (float)(uint8_t)(scales >> (8 * sub));
-        *offset = -half_at(b + 2) * (float)(uint8_t)(mins >> (8 * sub));
-        const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16) + 32 * (sub / 2);
-        for (int i = 0; i < QK; i++) {
-            q[i] = sub % 2 ? qs[i] >> 4 : qs[i] & 0x0f;
-            if (type == TYPE_Q5_K) q[i] |= ((b[16 + i] >> sub) & 1) << 4;
-        }
+        const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
+        const int minus = type == TYPE_Q4_1 ? 0 : 8;
+        for (int i = 0; i < 16; i++) w[i] = (int8_t)((qs[i] & 0x0f) - minus), w[i + 16] = (int8_t)((qs[i] >> 4) - minus);
+        if (type == TYPE_Q4_1) *offset = half_at(b + 2);
+        return;
     }
-    int32_t total = 0;
-    for (int i = 0; i < QK; i++) total += q[i] * a[i];
-    return total - minus * (s16[0] + s16[1]);
+    const uint8_t *b = row + j / GROUP * block_bytes(type);
+    const int sub = (int)(j % GROUP);
+    if (type == TYPE_Q6_K) {
+        const int h = sub / 4, part = sub % 4; /* half of 128, then 32 weights in it */
+        const uint8_t *ql = b + 64 * h + (part % 2) * 32, *qh = b + 128 + 32 * h;
+        for (int i = 0; i < QK; i++) {
+            const int nibble = part < 2 ? ql[i] & 0x0f : ql[i] >> 4;
+            w[i] = (int8_t)((nibble | ((qh[i] >> (2 * part)) & 3) << 4) - 32);
+        }
+        *scale = half_at(b + 208);
+        if (sc) sc[0] = (int8_t)b[192 + 2 * sub], sc[1] = (int8_t)b[192 + 2 * sub + 1];
+        return;
+    }
+    uint64_t scales, mins;
+    k_unpack_scales(b + 4, &scales, &mins);
+    *scale = half_at(b) * (float)(uint8_t)(scales >> (8 * sub));
+    *offset = -half_at(b + 2) * (float)(uint8_t)(mins >> (8 * sub));
+    const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16) + 32 * (sub / 2);
+    for (int i = 0; i < QK; i++) {
+        const int q = sub % 2 ? qs[i] >> 4 : qs[i] & 0x0f;
+        w[i] = (int8_t)(type == TYPE_Q5_K ? q | ((b[16 + i] >> sub) & 1) << 4 : q);
+    }
+}
+
+/* I_j of the definition: weight block j against its activation block a (32 int8). */
+static inline int32_t block_sum(const uint8_t *row, int type, int64_t j, const int8_t *a, float *scale, float *offset) {
+    int8_t w[QK];
+    int sc[2];
+    decode_block(row, type, j, w, scale, offset, sc);
+    int32_t sums[2] = {0, 0};
+    for (int i = 0; i < QK; i++) sums[i / 16] += w[i] * a[i];
+    return sc[0] * sums[0] + sc[1] * sums[1];
 }
 
 /* Blocks [j0, j1) of one weight row against row r of x, into acc (the definition's order). */
@@ -180,8 +188,7 @@ static void blocks_generic(const uint8_t *row, int type, const struct int8_rows 
     const int64_t K = a->K, blocks = K / QK;
     for (int64_t j = j0; j < j1; j++) {
         float scale, offset;
-        const int32_t sum = block_sum(row, type, j, a->q + r * K + j * QK, a->s16 + r * (K / 16) + 2 * j, &scale,
-                                      &offset);
+        const int32_t sum = block_sum(row, type, j, a->q + r * K + j * QK, &scale, &offset);
         float *lane = &acc[j % GROUP];
         *lane = fmaf((float)sum, scale * a->d[r * blocks + j], *lane);
         if (has_offset(type)) *lane = fmaf(offset, a->ds[r * blocks + j], *lane);
@@ -355,6 +362,149 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *rows[S
             sums[s][i] = sum_lanes(lanes);
         }
 }
+/* ---- many rows: panels of 16 weight rows ---- */
+
+/* One block of 32 weights of 16 weight rows, repacked so that register c holds weights 4c .. 4c + 3 of
+ * each row in lane l (one vpdpbusd operand), each the definition's signed integer w (Q4_0 q - 8, Q6_K
+ * q - 32, Q8_0 q, the others q), beside what the block's sums need per row. The activations meet it as
+ * q + 128 (unsigned bytes), so a row's sum is the register sum less 128 * (sum of its w). */
+struct panel_block {
+    int8_t w[8][64];
+    int32_t bias[2][16]; /* 128 * sum of w: Q6_K per 16 weights, else [0] the block's */
+    int32_t sc[2][16];   /* Q6_K: the scales of the block's two 16s */
+    float scale[16], offset[16];
+};
+
+/* Register i's lane l of a group (make_group) holds 4 weights of this block of the group. */
+static inline int lane_block(int type, int i, int l) {
+    if (type == TYPE_Q4_K || type == TYPE_Q5_K) return (i < 2 ? i : i + 2) + 2 * (l / 8);
+    return 2 * i + l / 8;
+}
+
+/* Row `lane` of the panel: groups of 8 blocks made by make_group and placed; a tail of fewer than 8
+ * blocks (Q8_0, Q4_0, Q4_1) decoded by the generic code. */
+static void panel_row(const uint8_t *row, int type, int64_t blocks, int lane, struct panel_block *pb) {
+    const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
+    const int64_t groups = blocks / GROUP;
+    for (int64_t gi = 0; gi < groups; gi++) {
+        struct group g;
+        make_group(row + gi * group_bytes, type, &g);
+        int32_t lanes[4][16];
+        float scale[GROUP], offset[GROUP];
+        _mm256_storeu_ps(scale, g.scale);
+        _mm256_storeu_ps(offset, g.has_offset ? g.offset : _mm256_setzero_ps());
+        for (int i = 0; i < 4; i++) {
+            __m512i w = g.w[i];
+            if (type == TYPE_Q6_K) w = _mm512_sub_epi8(w, _mm512_set1_epi8(32));
+            else if (type == TYPE_Q8_0) w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+            else if (type == TYPE_Q4_0) w = _mm512_sub_epi8(w, _mm512_set1_epi8(8));
+            int32_t words[16];
+            _mm512_storeu_si512(words, w);
+            _mm512_storeu_si512(lanes[i], _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), w));
+            for (int l = 0; l < 16; l++) memcpy(pb[gi * GROUP + lane_block(type, i, l)].w[l % 8] + 4 * lane, &words[l], 4);
+        }
+        for (int b = 0; b < GROUP; b++) {
+            struct panel_block *p = &pb[gi * GROUP + b];
+            p->scale[lane] = scale[b], p->offset[lane] = offset[b];
+            p->bias[0][lane] = p->bias[1][lane] = 0;
+        }
+        for (int i = 0; i < 4; i++)
+            for (int l = 0; l < 16; l++) {
+                struct panel_block *p = &pb[gi * GROUP + lane_block(type, i, l)];
+                p->bias[type == TYPE_Q6_K && l % 8 >= 4][lane] += 128 * lanes[i][l];
+            }
+        if (type == TYPE_Q6_K)
+            for (int b = 0; b < GROUP; b++)
+                for (int h = 0; h < 2; h++)
+                    pb[gi * GROUP + b].sc[h][lane] = (int8_t)row[gi * group_bytes + 192 + 2 * b + h];
+    }
+    for (int64_t j = groups * GROUP; j < blocks; j++) {
+        int8_t w[QK];
+        float scale, offset;
+        decode_block(row, type, j, w, &scale, &offset, NULL);
+        struct panel_block *p = &pb[j];
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) sum += w[i];
+        for (int c = 0; c < 8; c++) memcpy(p->w[c] + 4 * lane, w + 4 * c, 4);
+        p->bias[0][lane] = 128 * sum, p->bias[1][lane] = 0;
+        p->scale[lane] = scale, p->offset[lane] = offset;
+    }
+}
+
+/* The panel's 16 weight rows against rows r, r + 1 (nr of them) of x: out[i][l] for row r + i and
+ * weight row l, each the definition's sequence. */
+static inline __attribute__((always_inline)) void panel_dot(const struct panel_block *pb, int64_t blocks, int type,
+                                                            const struct int8_rows *a, int64_t r, int nr,
+                                                            float out[2][16]) {
+    const int64_t K = a->K;
+    __m512 f[2][GROUP];
+    for (int i = 0; i < nr; i++)
+        for (int b = 0; b < GROUP; b++) f[i][b] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < blocks; j0 += GROUP) {
+#pragma GCC unroll 8
+        for (int b = 0; b < GROUP; b++) {
+            const int64_t j = j0 + b;
+            if (j >= blocks) break;
+            const struct panel_block *p = &pb[j];
+            __m512i sums[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()},
+                                  {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const __m512i w = _mm512_load_si512(p->w[c]);
+                const int h = type == TYPE_Q6_K ? c / 4 : 0;
+                for (int i = 0; i < nr; i++) {
+                    int32_t word;
+                    memcpy(&word, a->u8 + (r + i) * K + j * QK + 4 * c, 4);
+                    sums[i][h] = _mm512_dpbusd_epi32(sums[i][h], _mm512_set1_epi32(word), w);
+                }
+            }
+            const __m512 scale = _mm512_load_ps(p->scale);
+            for (int i = 0; i < nr; i++) {
+                __m512i s = _mm512_sub_epi32(sums[i][0], _mm512_load_si512(p->bias[0]));
+                if (type == TYPE_Q6_K)
+                    s = _mm512_add_epi32(_mm512_mullo_epi32(s, _mm512_load_si512(p->sc[0])),
+                                         _mm512_mullo_epi32(_mm512_sub_epi32(sums[i][1], _mm512_load_si512(p->bias[1])),
+                                                            _mm512_load_si512(p->sc[1])));
+                const int64_t at = (r + i) * (K / QK) + j;
+                f[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(a->d[at])), f[i][b]);
+                if (has_offset(type))
+                    f[i][b] = _mm512_fmadd_ps(_mm512_load_ps(p->offset), _mm512_set1_ps(a->ds[at]), f[i][b]);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        const __m512 total = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[i][0], f[i][4]), _mm512_add_ps(f[i][2], f[i][6])),
+                                           _mm512_add_ps(_mm512_add_ps(f[i][1], f[i][5]), _mm512_add_ps(f[i][3], f[i][7])));
+        _mm512_storeu_ps(out[i], total);
+    }
+}
+
+/* Weight rows [n_start, n_end), whole panels of 16, against every row of x; returns where the panels
+ * stop: the rest takes pass_of (all of it where the panel's memory cannot be had: the same bits). */
+static inline __attribute__((always_inline)) int64_t panels_of(const struct int8_rows *a, int64_t rows,
+                                                               const uint8_t *w, int type, int64_t N,
+                                                               const float *bias, float *out, int64_t n_start,
+                                                               int64_t n_end) {
+    const int64_t blocks = a->K / QK, row_bytes = quant_row_bytes(type, a->K);
+    const int64_t end = n_start + (n_end - n_start) / 16 * 16;
+    if (end == n_start) return n_start;
+    struct panel_block *pb = aligned_alloc(64, sizeof(*pb) * (size_t)blocks);
+    if (!pb) return n_start;
+    float lanes[2][16];
+    for (int64_t n0 = n_start; n0 < end; n0 += 16) {
+        for (int l = 0; l < 16; l++) panel_row(w + (n0 + l) * row_bytes, type, blocks, l, pb);
+        for (int64_t r = 0; r < rows; r += 2) {
+            const int nr = rows - r < 2 ? 1 : 2;
+            if (nr == 2) panel_dot(pb, blocks, type, a, r, 2, lanes);
+            else panel_dot(pb, blocks, type, a, r, 1, lanes);
+            for (int i = 0; i < nr; i++)
+                for (int l = 0; l < 16; l++)
+                    out[(r + i) * N + n0 + l] = bias ? lanes[i][l] + bias[n0 + l] : lanes[i][l];
+        }
+    }
+    free(pb);
+    return end;
+}
 #else
 static inline void dot_rows(const uint8_t *rows[STREAMS], int ns, int type, const struct int8_rows *a, int64_t r,
                             int nr, float sums[STREAMS][RG]) {
@@ -394,6 +544,11 @@ static inline __attribute__((always_inline)) void pass_of(const struct int8_rows
 static inline __attribute__((always_inline)) void range_of(const struct int8_rows *a, int64_t rows, const uint8_t *w,
                                                            int type, int64_t N, const float *bias, float *out,
                                                            int64_t n_start, int64_t n_end) {
+#ifdef INT8_VNNI
+    if (rows >= PANEL_ROWS) { /* whole panels of 16 weight rows, the rest below */
+        n_start = panels_of(a, rows, w, type, N, bias, out, n_start, n_end);
+    }
+#endif
     int64_t tile = TILE_BYTES / quant_row_bytes(type, a->K);
     tile = tile < STREAMS ? STREAMS : tile;
     for (int64_t t = n_start; t < n_end; t += tile) {

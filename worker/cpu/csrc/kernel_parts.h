@@ -64,6 +64,7 @@ int64_t quant_row_bytes(int32_t type, int64_t K);
 struct int8_rows {
     int8_t *q;     /* [rows, K] */
     int8_t *pairs; /* [rows, K] the same, blocks 0 2 1 3 4 6 5 7 per 256 (Q4_K's and Q5_K's order) */
+    uint8_t *u8;   /* [rows, K] q + 128 as unsigned bytes (the many-row panels' operand) */
     float *d;      /* [rows, K / 32] each block's scale */
     float *ds;     /* [rows, K / 32] scale * the block's sum of q */
     int16_t *s16;  /* [rows, K / 16] sums of q per 16 */
