@@ -389,7 +389,6 @@ static void panel_row(const uint8_t *row, int type, int64_t blocks, int lane, st
     for (int64_t gi = 0; gi < groups; gi++) {
         struct group g;
         make_group(row + gi * group_bytes, type, &g);
-        int32_t lanes[4][16];
         float scale[GROUP], offset[GROUP];
         _mm256_storeu_ps(scale, g.scale);
         _mm256_storeu_ps(offset, g.has_offset ? g.offset : _mm256_setzero_ps());
@@ -400,19 +399,12 @@ static void panel_row(const uint8_t *row, int type, int64_t blocks, int lane, st
             else if (type == TYPE_Q4_0) w = _mm512_sub_epi8(w, _mm512_set1_epi8(8));
             int32_t words[16];
             _mm512_storeu_si512(words, w);
-            _mm512_storeu_si512(lanes[i], _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), w));
             for (int l = 0; l < 16; l++) memcpy(pb[gi * GROUP + lane_block(type, i, l)].w[l % 8] + 4 * lane, &words[l], 4);
         }
         for (int b = 0; b < GROUP; b++) {
             struct panel_block *p = &pb[gi * GROUP + b];
             p->scale[lane] = scale[b], p->offset[lane] = offset[b];
-            p->bias[0][lane] = p->bias[1][lane] = 0;
         }
-        for (int i = 0; i < 4; i++)
-            for (int l = 0; l < 16; l++) {
-                struct panel_block *p = &pb[gi * GROUP + lane_block(type, i, l)];
-                p->bias[type == TYPE_Q6_K && l % 8 >= 4][lane] += 128 * lanes[i][l];
-            }
         if (type == TYPE_Q6_K)
             for (int b = 0; b < GROUP; b++)
                 for (int h = 0; h < 2; h++)
@@ -423,11 +415,23 @@ static void panel_row(const uint8_t *row, int type, int64_t blocks, int lane, st
         float scale, offset;
         decode_block(row, type, j, w, &scale, &offset, NULL);
         struct panel_block *p = &pb[j];
-        int32_t sum = 0;
-        for (int i = 0; i < QK; i++) sum += w[i];
         for (int c = 0; c < 8; c++) memcpy(p->w[c] + 4 * lane, w + 4 * c, 4);
-        p->bias[0][lane] = 128 * sum, p->bias[1][lane] = 0;
         p->scale[lane] = scale, p->offset[lane] = offset;
+    }
+}
+
+/* Each block's 128 * (sum of w) per row, for the activations' + 128 (Q6_K: per 16 weights), all 16 rows
+ * at once. */
+static void panel_bias(struct panel_block *pb, int64_t blocks, int type) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t j = 0; j < blocks; j++) {
+        __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int c = 0; c < 8; c++) {
+            const int h = type == TYPE_Q6_K ? c / 4 : 0;
+            sums[h] = _mm512_dpbusd_epi32(sums[h], ones, _mm512_load_si512(pb[j].w[c]));
+        }
+        _mm512_store_si512(pb[j].bias[0], _mm512_slli_epi32(sums[0], 7));
+        _mm512_store_si512(pb[j].bias[1], _mm512_slli_epi32(sums[1], 7));
     }
 }
 
@@ -493,6 +497,7 @@ static inline __attribute__((always_inline)) int64_t panels_of(const struct int8
     float lanes[2][16];
     for (int64_t n0 = n_start; n0 < end; n0 += 16) {
         for (int l = 0; l < 16; l++) panel_row(w + (n0 + l) * row_bytes, type, blocks, l, pb);
+        panel_bias(pb, blocks, type);
         for (int64_t r = 0; r < rows; r += 2) {
             const int nr = rows - r < 2 ? 1 : 2;
             if (nr == 2) panel_dot(pb, blocks, type, a, r, 2, lanes);
