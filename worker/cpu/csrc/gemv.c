@@ -35,7 +35,6 @@
 #define ROW_MAX 4 /* up to this many rows, one weight row at a time */
 #define SMALL_WORK 32768 /* weights below which one thread is faster than waking the other */
 #define PANEL_BYTES (192 * 1024) /* activation rows per panel of a many-row product: L2 holds them */
-#define GUIDED_MIN 32 /* the smallest run gemv_share hands a thread: two streams of 16 rows */
 
 #ifdef __AVX512F__
 #define LANES 16
@@ -308,23 +307,13 @@ int32_t gemv_bf16(const float *x, int64_t rows, int64_t K, const uint16_t *w, in
 
 /* One thread's part of out = x @ W^T (+ bias) for a caller inside its own parallel region (the fused
  * decode forward): the same sums, output by output, as gemv_f32 and gemv_bf16, whatever the split.
- * The threads take runs of output features from a shared cursor (0 before the first thread starts),
- * large runs first and smaller ones as the features run out (as OpenMP's guided schedule), so that
- * a thread the memory serves more slowly gets less and both finish together (a fixed half each
- * waited ~20 us a product at one row). x: [rows, K] fp32. bf16 weights (is_bf16): scratch holds
+ * The threads take runs of output features from a shared cursor (0 before the first thread starts) by
+ * claim_run (kernel_parts.h: a fixed half each waited ~20 us a product at one row). x: [rows, K] fp32. bf16 weights (is_bf16): scratch holds
  * rows * K + 32 elements of 4 bytes, the thread's own, for x rounded to bf16. */
 void gemv_share(const float *x, int64_t rows, int64_t K, const void *w, int32_t is_bf16, int32_t use_dot,
                 int64_t N, const float *bias, float *out, void *scratch, int64_t *cursor, int num_threads) {
     const range_fn fn = is_bf16 ? bf16_product(x, rows * K, use_dot, scratch) : range_f32;
     const void *input = is_bf16 ? scratch : (const void *)x;
-    int64_t start = __atomic_load_n(cursor, __ATOMIC_RELAXED);
-    while (start < N) {
-        int64_t size = (N - start) / (2 * num_threads);
-        size = (size < GUIDED_MIN ? GUIDED_MIN : size + NB - 1) / NB * NB;
-        const int64_t end = start + size < N ? start + size : N;
-        if (__atomic_compare_exchange_n(cursor, &start, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-            fn(input, rows, K, w, N, bias, out, start, end);
-            start = end;
-        } /* else start now holds the cursor another thread moved */
-    }
+    int64_t start, end;
+    while (claim_run(cursor, N, num_threads, &start, &end)) fn(input, rows, K, w, N, bias, out, start, end);
 }

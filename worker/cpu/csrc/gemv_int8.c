@@ -45,7 +45,6 @@
 #define PANEL_ROWS 16 /* rows of x from which weight rows are repacked into panels (AVX512-VNNI) */
 #define GROUP 8 /* blocks of 32 a group: a K-quant's super-block, the accumulators' count */
 #define NB 4 /* weight rows a thread's share is rounded to */
-#define GUIDED_MIN 32
 #define SMALL_WORK 32768
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
@@ -638,16 +637,8 @@ int32_t gemv_int8(const float *x, int64_t rows, int64_t K, const uint8_t *w, int
  * already (int8_quantize_rows), runs taken from the shared cursor as gemv_quant_share takes them. */
 void gemv_int8_share(const struct int8_rows *a, int64_t rows, const uint8_t *w, int type, int64_t N,
                      const float *bias, float *out, int64_t *cursor, int num_threads) {
-    int64_t start = __atomic_load_n(cursor, __ATOMIC_RELAXED);
-    while (start < N) {
-        int64_t size = (N - start) / (2 * num_threads);
-        size = (size < GUIDED_MIN ? GUIDED_MIN : size + NB - 1) / NB * NB;
-        const int64_t end = start + size < N ? start + size : N;
-        if (__atomic_compare_exchange_n(cursor, &start, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-            any_range(a, rows, w, type, N, bias, out, start, end);
-            start = end;
-        }
-    }
+    int64_t start, end;
+    while (claim_run(cursor, N, num_threads, &start, &end)) any_range(a, rows, w, type, N, bias, out, start, end);
 }
 
 /* Whether this build computes integer mode with AVX512-VNNI (else the generic code). */

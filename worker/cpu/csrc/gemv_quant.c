@@ -44,7 +44,6 @@
 #define ROW_MAX 4
 #define SMALL_WORK 32768
 #define TILE_BYTES (512 * 1024) /* the many-row product's dequantized weight rows: a quarter of a 2 MiB L2 */
-#define GUIDED_MIN 32
 
 #ifdef __AVX512F__ /* gemv.c's register width: the lanes must be its lanes */
 #define LANES 16
@@ -733,16 +732,8 @@ int32_t dequantize_rows(const uint8_t *w, int32_t type, int64_t rows, int64_t K,
  * as gemv_share takes them (kernel_parts.h). Returns 0, or -1 when a tile could not be allocated. */
 int gemv_quant_share(const float *x, int64_t rows, int64_t K, const uint8_t *w, int type, int64_t N,
                      const float *bias, float *out, int64_t *cursor, int num_threads) {
-    int64_t start = __atomic_load_n(cursor, __ATOMIC_RELAXED);
+    int64_t start, end;
     int failed = 0;
-    while (start < N) {
-        int64_t size = (N - start) / (2 * num_threads);
-        size = (size < GUIDED_MIN ? GUIDED_MIN : size + NB - 1) / NB * NB;
-        const int64_t end = start + size < N ? start + size : N;
-        if (__atomic_compare_exchange_n(cursor, &start, end, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-            failed |= any_range(x, rows, K, w, type, N, bias, out, start, end);
-            start = end;
-        }
-    }
+    while (claim_run(cursor, N, num_threads, &start, &end)) failed |= any_range(x, rows, K, w, type, N, bias, out, start, end);
     return failed ? -1 : 0;
 }

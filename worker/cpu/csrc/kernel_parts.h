@@ -34,6 +34,24 @@ void attend_one(const float *q, float *out, const float *keys, const float *valu
                 int start, int context_len, int group, int head_dim, int block_size, float scale, float softcap,
                 float *scores, float *acc);
 
+/* The next run [*start, *end) of a shared product's N output features for the calling thread, taken
+ * from the shared *cursor: large runs first and smaller ones as the features run out (as OpenMP's guided
+ * schedule; a run is a multiple of 4 rows, at least 32: two streams of 16), so that a thread the memory
+ * serves more slowly gets less and both finish together. Returns 0 when none is left. */
+static inline int claim_run(int64_t *cursor, int64_t N, int num_threads, int64_t *start, int64_t *end) {
+    int64_t at = __atomic_load_n(cursor, __ATOMIC_RELAXED);
+    while (at < N) {
+        int64_t size = (N - at) / (2 * num_threads);
+        size = (size < 32 ? 32 : size + 3) / 4 * 4;
+        const int64_t until = at + size < N ? at + size : N;
+        if (__atomic_compare_exchange_n(cursor, &at, until, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *start = at, *end = until;
+            return 1;
+        } /* else at now holds the cursor another thread moved */
+    }
+    return 0;
+}
+
 /* gemv.c: a thread's part of out = x @ W^T (+ bias), fp32 or bf16 weights, in runs taken from the
  * shared *cursor (0 before the threads start); scratch: the thread's own rows * K + 32 elements of
  * 4 bytes (bf16 weights only). */
