@@ -380,9 +380,10 @@ static inline int lane_block(int type, int i, int l) {
     return 2 * i + l / 8;
 }
 
-/* Row `lane` of the panel: groups of 8 blocks made by make_group and placed; a tail of fewer than 8
- * blocks (Q8_0, Q4_0, Q4_1) decoded by the generic code. */
-static void panel_row(const uint8_t *row, int type, int64_t blocks, int lane, struct panel_block *pb) {
+/* Row `lane` of the panel, staged: its signed w in block order into stage ([K] bytes), its scales,
+ * offsets (and Q6_K's scales of 16) into the panel; groups of 8 blocks made by make_group, a tail of
+ * fewer than 8 blocks (Q8_0, Q4_0, Q4_1) by the generic code. */
+static void panel_stage(const uint8_t *row, int type, int64_t blocks, int lane, int8_t *stage, struct panel_block *pb) {
     const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
     const int64_t groups = blocks / GROUP;
     for (int64_t gi = 0; gi < groups; gi++) {
@@ -391,14 +392,14 @@ static void panel_row(const uint8_t *row, int type, int64_t blocks, int lane, st
         float scale[GROUP], offset[GROUP];
         _mm256_storeu_ps(scale, g.scale);
         _mm256_storeu_ps(offset, g.has_offset ? g.offset : _mm256_setzero_ps());
+        int8_t *out = stage + gi * QK_K;
         for (int i = 0; i < 4; i++) {
             __m512i w = g.w[i];
             if (type == TYPE_Q6_K) w = _mm512_sub_epi8(w, _mm512_set1_epi8(32));
             else if (type == TYPE_Q8_0) w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
             else if (type == TYPE_Q4_0) w = _mm512_sub_epi8(w, _mm512_set1_epi8(8));
-            int32_t words[16];
-            _mm512_storeu_si512(words, w);
-            for (int l = 0; l < 16; l++) memcpy(pb[gi * GROUP + lane_block(type, i, l)].w[l % 8] + 4 * lane, &words[l], 4);
+            _mm256_storeu_si256((__m256i *)(out + QK * lane_block(type, i, 0)), _mm512_castsi512_si256(w));
+            _mm256_storeu_si256((__m256i *)(out + QK * lane_block(type, i, 8)), _mm512_extracti64x4_epi64(w, 1));
         }
         for (int b = 0; b < GROUP; b++) {
             struct panel_block *p = &pb[gi * GROUP + b];
@@ -410,12 +411,27 @@ static void panel_row(const uint8_t *row, int type, int64_t blocks, int lane, st
                     pb[gi * GROUP + b].sc[h][lane] = (int8_t)row[gi * group_bytes + 192 + 2 * b + h];
     }
     for (int64_t j = groups * GROUP; j < blocks; j++) {
-        int8_t w[QK];
         float scale, offset;
-        decode_block(row, type, j, w, &scale, &offset, NULL);
-        struct panel_block *p = &pb[j];
-        for (int c = 0; c < 8; c++) memcpy(p->w[c] + 4 * lane, w + 4 * c, 4);
-        p->scale[lane] = scale, p->offset[lane] = offset;
+        decode_block(row, type, j, stage + j * QK, &scale, &offset, NULL);
+        pb[j].scale[lane] = scale, pb[j].offset[lane] = offset;
+    }
+}
+
+/* Block j of the panel's 16 staged rows (stage: [16, K]) into its registers: register c lane l = row
+ * l's weights 4c .. 4c + 3, an 8 x 8 transpose of dwords in each 256-bit half (rows 0-7 and 8-15). */
+static inline void panel_transpose(const int8_t *stage, int64_t K, int64_t j, struct panel_block *p) {
+    __m512i z[8], t[8], u[8];
+    for (int m = 0; m < 8; m++) z[m] = two_halves(stage + m * K + j * QK, stage + (m + 8) * K + j * QK);
+    for (int m = 0; m < 8; m += 2)
+        t[m] = _mm512_unpacklo_epi32(z[m], z[m + 1]), t[m + 1] = _mm512_unpackhi_epi32(z[m], z[m + 1]);
+    for (int m = 0; m < 8; m += 4) { /* u[m + c]: columns c and c + 4 of rows m .. m + 3 */
+        u[m] = _mm512_unpacklo_epi64(t[m], t[m + 2]), u[m + 1] = _mm512_unpackhi_epi64(t[m], t[m + 2]);
+        u[m + 2] = _mm512_unpacklo_epi64(t[m + 1], t[m + 3]), u[m + 3] = _mm512_unpackhi_epi64(t[m + 1], t[m + 3]);
+    }
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int c = 0; c < 4; c++) {
+        _mm512_store_si512(p->w[c], _mm512_permutex2var_epi64(u[c], first, u[c + 4]));
+        _mm512_store_si512(p->w[c + 4], _mm512_permutex2var_epi64(u[c], second, u[c + 4]));
     }
 }
 
@@ -491,11 +507,13 @@ static inline __attribute__((always_inline)) int64_t panels_of(const struct int8
     const int64_t blocks = a->K / QK, row_bytes = quant_row_bytes(type, a->K);
     const int64_t end = n_start + (n_end - n_start) / 16 * 16;
     if (end == n_start) return n_start;
-    struct panel_block *pb = aligned_alloc(64, sizeof(*pb) * (size_t)blocks);
+    struct panel_block *pb = aligned_alloc(64, sizeof(*pb) * (size_t)blocks + 16 * (size_t)a->K);
     if (!pb) return n_start;
+    int8_t *stage = (int8_t *)(pb + blocks); /* [16, K] the rows' signed w before the transpose */
     float lanes[2][16];
     for (int64_t n0 = n_start; n0 < end; n0 += 16) {
-        for (int l = 0; l < 16; l++) panel_row(w + (n0 + l) * row_bytes, type, blocks, l, pb);
+        for (int l = 0; l < 16; l++) panel_stage(w + (n0 + l) * row_bytes, type, blocks, l, stage + l * a->K, pb);
+        for (int64_t j = 0; j < blocks; j++) panel_transpose(stage, a->K, j, &pb[j]);
         panel_bias(pb, blocks, type);
         for (int64_t r = 0; r < rows; r += 2) {
             const int nr = rows - r < 2 ? 1 : 2;
