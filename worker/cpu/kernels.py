@@ -25,11 +25,12 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in (
     "decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c", "decode_forward.c", "gemm_amx.c",
-    "gemv_quant.c", "gemv_int8.c",
+    "gemv_quant.c", "gemv_int8.c", "int8_panels.c",
 )]
 # Part of the build key, included by the sources.
 _HEADERS = [_CSRC / name for name in (
     "vector_exp.h", "gemv_bf16_dot.h", "kernel_parts.h", "decode_forward.h", "quant_blocks.h",
+    "int8_blocks.h",
 )]
 
 

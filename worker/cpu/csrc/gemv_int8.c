@@ -16,13 +16,14 @@
  *   offset acc[j % 8] = fma(offset_j, d_j * sum_j, acc[j % 8]); eight accumulators from 0, blocks in
  *   order; out = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)), then + bias.
  * So an output is one function of its row of x and its row of W: the same bits in any batch, chunk or
- * thread split. The products of one row of x are computed whole per weight row (RG rows of x a pass,
- * the weight row's registers reused by each), never split along K.
+ * thread split. The products of one row of x are computed whole per weight row, never split along K:
+ * here up to 4 rows of x a pass over 4 weight rows side by side (each a memory stream, prefetched), and
+ * from PANEL_ROWS rows of x on, 16 weight rows at a time in int8_panels.c.
  *
  * AVX512-VNNI (vpdpbusd: unsigned weight bytes times signed activation bytes, four products a lane
- * summed into int32) computes I for 8 blocks at once; the weights are made unsigned (Q8_0 + 128,
- * Q4_0's q, Q6_K's q) and the offsets taken out again with the activations' integer sums. Elsewhere
- * (AVX2, other CPUs) the generic code runs: the same numbers, slower (docs/quantized.md).
+ * summed into int32) computes I for 8 blocks at once (int8_blocks.h's make_group); the weights are made
+ * unsigned (Q8_0 + 128, Q4_0's q, Q6_K's q) and the offsets taken out again with the activations'
+ * integer sums. Elsewhere (AVX2, other CPUs) the generic code runs: the same numbers, slower.
  * x: [rows, K] fp32, w: [N, K / 32 (K-quants: K / 256) blocks], out: [rows, N] fp32.
  */
 #include <math.h>
@@ -34,8 +35,7 @@
 #include <immintrin.h>
 #endif
 
-#include "kernel_parts.h"
-#include "quant_blocks.h"
+#include "int8_blocks.h"
 
 #pragma GCC optimize("fp-contract=off") /* the fused multiply-adds are the definition's, written out */
 
@@ -43,13 +43,9 @@
 #define STREAMS 4 /* weight rows read side by side (each its own memory stream) */
 #define TILE_BYTES (512 * 1024) /* weight rows met by every row of x while in L2 */
 #define PANEL_ROWS 16 /* rows of x from which weight rows are repacked into panels (AVX512-VNNI) */
-#define GROUP 8 /* blocks of 32 a group: a K-quant's super-block, the accumulators' count */
 #define NB 4 /* weight rows a thread's share is rounded to */
 #define SMALL_WORK 32768
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define INT8_VNNI 1
-#endif
 
 /* ---- the activations ---- */
 
@@ -125,62 +121,6 @@ void int8_quantize_rows(const float *x, int64_t r0, int64_t r1, const struct int
 
 /* ---- the generic code: the definition ---- */
 
-static inline int has_offset(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K; }
-
-/* Weight block j of a row of type `type`: its 32 integers w of the definition (Q4_0 q - 8, Q6_K q - 32,
- * Q8_0 q, the others q), its scale and offset (0 for a type without one), and (sc, where given) Q6_K's
- * two int8 scales of its 16s (1 and 1 for the other types). */
-static inline void decode_block(const uint8_t *row, int type, int64_t j, int8_t w[QK], float *scale, float *offset,
-                                int sc[2]) {
-    *offset = 0.0f;
-    if (sc) sc[0] = sc[1] = 1;
-    if (!is_k_type(type)) {
-        const uint8_t *b = row + j * block_bytes(type);
-        *scale = half_at(b);
-        if (type == TYPE_Q8_0) {
-            for (int i = 0; i < QK; i++) w[i] = (int8_t)b[2 + i];
-            return;
-        }
-        const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
-        const int minus = type == TYPE_Q4_1 ? 0 : 8;
-        for (int i = 0; i < 16; i++) w[i] = (int8_t)((qs[i] & 0x0f) - minus), w[i + 16] = (int8_t)((qs[i] >> 4) - minus);
-        if (type == TYPE_Q4_1) *offset = half_at(b + 2);
-        return;
-    }
-    const uint8_t *b = row + j / GROUP * block_bytes(type);
-    const int sub = (int)(j % GROUP);
-    if (type == TYPE_Q6_K) {
-        const int h = sub / 4, part = sub % 4; /* half of 128, then 32 weights in it */
-        const uint8_t *ql = b + 64 * h + (part % 2) * 32, *qh = b + 128 + 32 * h;
-        for (int i = 0; i < QK; i++) {
-            const int nibble = part < 2 ? ql[i] & 0x0f : ql[i] >> 4;
-            w[i] = (int8_t)((nibble | ((qh[i] >> (2 * part)) & 3) << 4) - 32);
-        }
-        *scale = half_at(b + 208);
-        if (sc) sc[0] = (int8_t)b[192 + 2 * sub], sc[1] = (int8_t)b[192 + 2 * sub + 1];
-        return;
-    }
-    uint64_t scales, mins;
-    k_unpack_scales(b + 4, &scales, &mins);
-    *scale = half_at(b) * (float)(uint8_t)(scales >> (8 * sub));
-    *offset = -half_at(b + 2) * (float)(uint8_t)(mins >> (8 * sub));
-    const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16) + 32 * (sub / 2);
-    for (int i = 0; i < QK; i++) {
-        const int q = sub % 2 ? qs[i] >> 4 : qs[i] & 0x0f;
-        w[i] = (int8_t)(type == TYPE_Q5_K ? q | ((b[16 + i] >> sub) & 1) << 4 : q);
-    }
-}
-
-/* I_j of the definition: weight block j against its activation block a (32 int8). */
-static inline int32_t block_sum(const uint8_t *row, int type, int64_t j, const int8_t *a, float *scale, float *offset) {
-    int8_t w[QK];
-    int sc[2];
-    decode_block(row, type, j, w, scale, offset, sc);
-    int32_t sums[2] = {0, 0};
-    for (int i = 0; i < QK; i++) sums[i / 16] += w[i] * a[i];
-    return sc[0] * sums[0] + sc[1] * sums[1];
-}
-
 /* Blocks [j0, j1) of one weight row against row r of x, into acc (the definition's order). */
 static void blocks_generic(const uint8_t *row, int type, const struct int8_rows *a, int64_t r, int64_t j0, int64_t j1,
                            float acc[GROUP]) {
@@ -215,99 +155,6 @@ static inline __m256i sum_blocks(__m512i z0, __m512i z1, __m512i z2, __m512i z3,
 #define ORDER_PAIRS _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0)
 /* z_i holding blocks (2i, 2i + 1) */
 #define ORDER_RUNS _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0)
-
-static inline __m512i two_halves(const void *low, const void *high) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)low)),
-                              _mm256_loadu_si256((const __m256i *)high), 1);
-}
-
-static inline float half_of(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
-}
-
-/* One group of 8 blocks of a weight row, made once: 4 registers of unsigned weight bytes (block order
- * per `order`), the scales and offsets of the 8 blocks, what to take out per block (`minus` times the
- * activations' sums of 32, or Q6_K's sc-weighted sums of 16) and the int32 scales of Q6_K's lanes. */
-struct group {
-    __m512i w[4], lane_scale[4];
-    __m256 scale, offset;
-    __m256i sc16; /* Q6_K: the 16 scales as int16 */
-    int minus, has_offset;
-};
-
-static inline __attribute__((always_inline)) void make_group(const uint8_t *b, int type, struct group *g) {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    g->minus = 0, g->has_offset = 0;
-    if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
-        const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16);
-        const __m512i lo = _mm512_loadu_si512(qs), hi = _mm512_loadu_si512(qs + 64);
-        g->w[0] = _mm512_and_si512(lo, nibble), g->w[1] = _mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble);
-        g->w[2] = _mm512_and_si512(hi, nibble), g->w[3] = _mm512_and_si512(_mm512_srli_epi16(hi, 4), nibble);
-        if (type == TYPE_Q5_K) { /* bit s of qh[l]: the fifth bit of sub-block s's weight l */
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
-            const int first[4] = {0, 1, 4, 5}; /* register i: sub-blocks first[i] (bytes 0-31), first[i] + 2 */
-            for (int i = 0; i < 4; i++) {
-                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << first[i])),
-                                                       _mm256_set1_epi8((char)(1 << (first[i] + 2))), 1);
-                g->w[i] = _mm512_mask_add_epi8(g->w[i], _mm512_test_epi8_mask(qh, bit), g->w[i], _mm512_set1_epi8(16));
-            }
-        }
-        uint64_t scales, mins;
-        k_unpack_scales(b + 4, &scales, &mins);
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
-        g->scale = _mm256_mul_ps(_mm256_set1_ps(half_of(b)), sc);
-        g->offset = _mm256_mul_ps(_mm256_set1_ps(-half_of(b + 2)), m);
-        g->has_offset = 1;
-        return;
-    }
-    if (type == TYPE_Q6_K) {
-        for (int h = 0; h < 2; h++) {
-            const __m512i low = _mm512_loadu_si512(b + 64 * h);
-            const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
-            const __m512i pairs = _mm512_mask_srli_epi16(high, 0xffff0000u, high, 2); /* bytes 32-63: qh >> 2 */
-            const __m512i top = _mm512_set1_epi8(0x30);
-            /* ternary 0xe4: the first operand's bits where the third's are set, the second's elsewhere */
-            g->w[2 * h] = _mm512_ternarylogic_epi32(low, _mm512_and_si512(_mm512_slli_epi16(pairs, 4), top), nibble, 0xe4);
-            g->w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 4), _mm512_and_si512(pairs, top), nibble, 0xe4);
-        }
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-        const __m512i sc32 = _mm512_cvtepi8_epi32(sc);
-        for (int i = 0; i < 4; i++) /* lanes 4k .. 4k + 3 of register i: scale group 4i + k */
-            g->lane_scale[i] = _mm512_permutexvar_epi32(
-                _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
-                                 _mm512_set1_epi32(4 * i)), sc32);
-        g->sc16 = _mm256_cvtepi8_epi16(sc);
-        g->scale = _mm256_set1_ps(half_of(b + 208));
-        return;
-    }
-    /* Q8_0, Q4_0, Q4_1: 8 blocks of 32 */
-    const int bb = block_bytes(type), start = type == TYPE_Q4_1 ? 4 : 2;
-    uint16_t heads[GROUP], mins[GROUP];
-    for (int i = 0; i < GROUP; i++) memcpy(&heads[i], b + i * bb, 2), memcpy(&mins[i], b + i * bb + 2, 2);
-    g->scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)heads));
-    if (type == TYPE_Q8_0) {
-        for (int i = 0; i < 4; i++)
-            g->w[i] = _mm512_xor_si512(two_halves(b + 2 * i * bb + 2, b + (2 * i + 1) * bb + 2), _mm512_set1_epi8((char)0x80));
-        g->minus = 128;
-        return;
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2 * i * bb + start));
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(b + (2 * i + 1) * bb + start));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(q0, q0)), _mm256_set_m128i(q1, q1), 1);
-        /* 128-bit lanes 1 and 3 shifted: the high nibbles, weights 16-31 of each block */
-        g->w[i] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xff00ff00u, both, 4), nibble);
-    }
-    if (type == TYPE_Q4_1) {
-        g->offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins));
-        g->has_offset = 1;
-    } else {
-        g->minus = 8;
-    }
-}
 
 /* The group against row r of x (group index gi: its blocks 8 gi ..), into acc. */
 static inline __attribute__((always_inline)) __m256 group_row(const struct group *g, int type, const struct int8_rows *a,
@@ -361,172 +208,6 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *rows[S
             sums[s][i] = sum_lanes(lanes);
         }
 }
-/* ---- many rows: panels of 16 weight rows ---- */
-
-/* One block of 32 weights of 16 weight rows, repacked so that register c holds weights 4c .. 4c + 3 of
- * each row in lane l (one vpdpbusd operand), each the definition's signed integer w (Q4_0 q - 8, Q6_K
- * q - 32, Q8_0 q, the others q), beside what the block's sums need per row. The activations meet it as
- * q + 128 (unsigned bytes), so a row's sum is the register sum less 128 * (sum of its w). */
-struct panel_block {
-    int8_t w[8][64];
-    int32_t bias[2][16]; /* 128 * sum of w: Q6_K per 16 weights, else [0] the block's */
-    int32_t sc[2][16];   /* Q6_K: the scales of the block's two 16s */
-    float scale[16], offset[16];
-};
-
-/* Register i's lane l of a group (make_group) holds 4 weights of this block of the group. */
-static inline int lane_block(int type, int i, int l) {
-    if (type == TYPE_Q4_K || type == TYPE_Q5_K) return (i < 2 ? i : i + 2) + 2 * (l / 8);
-    return 2 * i + l / 8;
-}
-
-/* Row `lane` of the panel, staged: its signed w in block order into stage ([K] bytes), its scales,
- * offsets (and Q6_K's scales of 16) into the panel; groups of 8 blocks made by make_group, a tail of
- * fewer than 8 blocks (Q8_0, Q4_0, Q4_1) by the generic code. */
-static void panel_stage(const uint8_t *row, int type, int64_t blocks, int lane, int8_t *stage, struct panel_block *pb) {
-    const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
-    const int64_t groups = blocks / GROUP;
-    for (int64_t gi = 0; gi < groups; gi++) {
-        struct group g;
-        make_group(row + gi * group_bytes, type, &g);
-        float scale[GROUP], offset[GROUP];
-        _mm256_storeu_ps(scale, g.scale);
-        _mm256_storeu_ps(offset, g.has_offset ? g.offset : _mm256_setzero_ps());
-        int8_t *out = stage + gi * QK_K;
-        for (int i = 0; i < 4; i++) {
-            __m512i w = g.w[i];
-            if (type == TYPE_Q6_K) w = _mm512_sub_epi8(w, _mm512_set1_epi8(32));
-            else if (type == TYPE_Q8_0) w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
-            else if (type == TYPE_Q4_0) w = _mm512_sub_epi8(w, _mm512_set1_epi8(8));
-            _mm256_storeu_si256((__m256i *)(out + QK * lane_block(type, i, 0)), _mm512_castsi512_si256(w));
-            _mm256_storeu_si256((__m256i *)(out + QK * lane_block(type, i, 8)), _mm512_extracti64x4_epi64(w, 1));
-        }
-        for (int b = 0; b < GROUP; b++) {
-            struct panel_block *p = &pb[gi * GROUP + b];
-            p->scale[lane] = scale[b], p->offset[lane] = offset[b];
-        }
-        if (type == TYPE_Q6_K)
-            for (int b = 0; b < GROUP; b++)
-                for (int h = 0; h < 2; h++)
-                    pb[gi * GROUP + b].sc[h][lane] = (int8_t)row[gi * group_bytes + 192 + 2 * b + h];
-    }
-    for (int64_t j = groups * GROUP; j < blocks; j++) {
-        float scale, offset;
-        decode_block(row, type, j, stage + j * QK, &scale, &offset, NULL);
-        pb[j].scale[lane] = scale, pb[j].offset[lane] = offset;
-    }
-}
-
-/* Block j of the panel's 16 staged rows (stage: [16, K]) into its registers: register c lane l = row
- * l's weights 4c .. 4c + 3, an 8 x 8 transpose of dwords in each 256-bit half (rows 0-7 and 8-15). */
-static inline void panel_transpose(const int8_t *stage, int64_t K, int64_t j, struct panel_block *p) {
-    __m512i z[8], t[8], u[8];
-    for (int m = 0; m < 8; m++) z[m] = two_halves(stage + m * K + j * QK, stage + (m + 8) * K + j * QK);
-    for (int m = 0; m < 8; m += 2)
-        t[m] = _mm512_unpacklo_epi32(z[m], z[m + 1]), t[m + 1] = _mm512_unpackhi_epi32(z[m], z[m + 1]);
-    for (int m = 0; m < 8; m += 4) { /* u[m + c]: columns c and c + 4 of rows m .. m + 3 */
-        u[m] = _mm512_unpacklo_epi64(t[m], t[m + 2]), u[m + 1] = _mm512_unpackhi_epi64(t[m], t[m + 2]);
-        u[m + 2] = _mm512_unpacklo_epi64(t[m + 1], t[m + 3]), u[m + 3] = _mm512_unpackhi_epi64(t[m + 1], t[m + 3]);
-    }
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-    for (int c = 0; c < 4; c++) {
-        _mm512_store_si512(p->w[c], _mm512_permutex2var_epi64(u[c], first, u[c + 4]));
-        _mm512_store_si512(p->w[c + 4], _mm512_permutex2var_epi64(u[c], second, u[c + 4]));
-    }
-}
-
-/* Each block's 128 * (sum of w) per row, for the activations' + 128 (Q6_K: per 16 weights), all 16 rows
- * at once. */
-static void panel_bias(struct panel_block *pb, int64_t blocks, int type) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    for (int64_t j = 0; j < blocks; j++) {
-        __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int c = 0; c < 8; c++) {
-            const int h = type == TYPE_Q6_K ? c / 4 : 0;
-            sums[h] = _mm512_dpbusd_epi32(sums[h], ones, _mm512_load_si512(pb[j].w[c]));
-        }
-        _mm512_store_si512(pb[j].bias[0], _mm512_slli_epi32(sums[0], 7));
-        _mm512_store_si512(pb[j].bias[1], _mm512_slli_epi32(sums[1], 7));
-    }
-}
-
-/* The panel's 16 weight rows against rows r, r + 1 (nr of them) of x: out[i][l] for row r + i and
- * weight row l, each the definition's sequence. */
-static inline __attribute__((always_inline)) void panel_dot(const struct panel_block *pb, int64_t blocks, int type,
-                                                            const struct int8_rows *a, int64_t r, int nr,
-                                                            float out[2][16]) {
-    const int64_t K = a->K;
-    __m512 f[2][GROUP];
-    for (int i = 0; i < nr; i++)
-        for (int b = 0; b < GROUP; b++) f[i][b] = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < blocks; j0 += GROUP) {
-#pragma GCC unroll 8
-        for (int b = 0; b < GROUP; b++) {
-            const int64_t j = j0 + b;
-            if (j >= blocks) break;
-            const struct panel_block *p = &pb[j];
-            __m512i sums[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()},
-                                  {_mm512_setzero_si512(), _mm512_setzero_si512()}};
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) {
-                const __m512i w = _mm512_load_si512(p->w[c]);
-                const int h = type == TYPE_Q6_K ? c / 4 : 0;
-                for (int i = 0; i < nr; i++) {
-                    int32_t word;
-                    memcpy(&word, a->u8 + (r + i) * K + j * QK + 4 * c, 4);
-                    sums[i][h] = _mm512_dpbusd_epi32(sums[i][h], _mm512_set1_epi32(word), w);
-                }
-            }
-            const __m512 scale = _mm512_load_ps(p->scale);
-            for (int i = 0; i < nr; i++) {
-                __m512i s = _mm512_sub_epi32(sums[i][0], _mm512_load_si512(p->bias[0]));
-                if (type == TYPE_Q6_K)
-                    s = _mm512_add_epi32(_mm512_mullo_epi32(s, _mm512_load_si512(p->sc[0])),
-                                         _mm512_mullo_epi32(_mm512_sub_epi32(sums[i][1], _mm512_load_si512(p->bias[1])),
-                                                            _mm512_load_si512(p->sc[1])));
-                const int64_t at = (r + i) * (K / QK) + j;
-                f[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(a->d[at])), f[i][b]);
-                if (has_offset(type))
-                    f[i][b] = _mm512_fmadd_ps(_mm512_load_ps(p->offset), _mm512_set1_ps(a->ds[at]), f[i][b]);
-            }
-        }
-    }
-    for (int i = 0; i < nr; i++) {
-        const __m512 total = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[i][0], f[i][4]), _mm512_add_ps(f[i][2], f[i][6])),
-                                           _mm512_add_ps(_mm512_add_ps(f[i][1], f[i][5]), _mm512_add_ps(f[i][3], f[i][7])));
-        _mm512_storeu_ps(out[i], total);
-    }
-}
-
-/* Weight rows [n_start, n_end), whole panels of 16, against every row of x; returns where the panels
- * stop: the rest takes pass_of (all of it where the panel's memory cannot be had: the same bits). */
-static inline __attribute__((always_inline)) int64_t panels_of(const struct int8_rows *a, int64_t rows,
-                                                               const uint8_t *w, int type, int64_t N,
-                                                               const float *bias, float *out, int64_t n_start,
-                                                               int64_t n_end) {
-    const int64_t blocks = a->K / QK, row_bytes = quant_row_bytes(type, a->K);
-    const int64_t end = n_start + (n_end - n_start) / 16 * 16;
-    if (end == n_start) return n_start;
-    struct panel_block *pb = aligned_alloc(64, sizeof(*pb) * (size_t)blocks + 16 * (size_t)a->K);
-    if (!pb) return n_start;
-    int8_t *stage = (int8_t *)(pb + blocks); /* [16, K] the rows' signed w before the transpose */
-    float lanes[2][16];
-    for (int64_t n0 = n_start; n0 < end; n0 += 16) {
-        for (int l = 0; l < 16; l++) panel_stage(w + (n0 + l) * row_bytes, type, blocks, l, stage + l * a->K, pb);
-        for (int64_t j = 0; j < blocks; j++) panel_transpose(stage, a->K, j, &pb[j]);
-        panel_bias(pb, blocks, type);
-        for (int64_t r = 0; r < rows; r += 2) {
-            const int nr = rows - r < 2 ? 1 : 2;
-            if (nr == 2) panel_dot(pb, blocks, type, a, r, 2, lanes);
-            else panel_dot(pb, blocks, type, a, r, 1, lanes);
-            for (int i = 0; i < nr; i++)
-                for (int l = 0; l < 16; l++)
-                    out[(r + i) * N + n0 + l] = bias ? lanes[i][l] + bias[n0 + l] : lanes[i][l];
-        }
-    }
-    free(pb);
-    return end;
-}
 #else
 static inline void dot_rows(const uint8_t *rows[STREAMS], int ns, int type, const struct int8_rows *a, int64_t r,
                             int nr, float sums[STREAMS][RG]) {
@@ -568,7 +249,7 @@ static inline __attribute__((always_inline)) void range_of(const struct int8_row
                                                            int64_t n_start, int64_t n_end) {
 #ifdef INT8_VNNI
     if (rows >= PANEL_ROWS) { /* whole panels of 16 weight rows, the rest below */
-        n_start = panels_of(a, rows, w, type, N, bias, out, n_start, n_end);
+        n_start = int8_panels(a, rows, w, type, N, bias, out, n_start, n_end);
     }
 #endif
     int64_t tile = TILE_BYTES / quant_row_bytes(type, a->K);
