@@ -146,6 +146,16 @@ def _write_bf16_copy(source: Path, copy: Path) -> None:
 
 
 @pytest.fixture(scope="session")
+def kernels():
+    """The CPU kernels built for this machine (modules with their own `kernels` fixture use theirs)."""
+    from worker.cpu.kernels import load_cpu_kernels
+
+    loaded = load_cpu_kernels()
+    assert loaded is not None, "this machine has a C compiler: the kernels must build"
+    return loaded
+
+
+@pytest.fixture(scope="session")
 def tiny_path() -> str:
     return in_test_dtype(builtin_model_path("tiny"))
 

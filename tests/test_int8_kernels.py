@@ -20,13 +20,6 @@ WIDTHS = {2: 352, 3: 352, 8: 352, 12: 768, 13: 768, 14: 768}  # Q*_0: 11 blocks,
 ROWS = [1, 2, 3, 4, 5, 7, 9, 16, 17, 40, 300]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = load_cpu_kernels()
-    assert loaded is not None, "this machine has a C compiler: the kernels must build"
-    return loaded
-
-
 def plain_blocks(ggml_type: int, num_out: int, num_in: int, seed: int) -> torch.Tensor:
     """Random quants with small scales of both signs (no extremes: the numpy statement stays finite)."""
     raw = random_blocks(ggml_type, num_out, num_in, seed).numpy().copy()

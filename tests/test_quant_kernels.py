@@ -34,13 +34,6 @@ NARROWER_BUILDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = load_cpu_kernels()
-    assert loaded is not None, "this machine has a C compiler: the kernels must build"
-    return loaded
-
-
 def random_blocks(ggml_type: int, num_out: int, num_in: int, seed: int) -> torch.Tensor:
     """[num_out, row bytes] uint8: random quants (and K-quant sub-block scales and mins), fp16 scales of
     every sign and size (subnormals too, and extremes: the largest fp16 and the smallest normal),
