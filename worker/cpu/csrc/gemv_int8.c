@@ -50,7 +50,7 @@
 /* ---- the activations ---- */
 
 int64_t int8_rows_bytes(int64_t rows, int64_t K) {
-    return 3 * rows * K + rows * (K / QK) * 2 * (int64_t)sizeof(float) + rows * (K / 16) * 2 + 4 * 64;
+    return rows * K + rows * (K / QK) * 2 * (int64_t)sizeof(float) + rows * (K / 16) * 2 + 4 * 64;
 }
 
 /* The int8_rows of `rows` rows of K values carved from memory (int8_rows_bytes of it). */
@@ -59,8 +59,6 @@ struct int8_rows int8_rows_at(void *memory, int64_t rows, int64_t K) {
     struct int8_rows a;
     a.K = K;
     a.q = (int8_t *)next, next += rows * K;
-    a.pairs = (int8_t *)next, next += rows * K;
-    a.u8 = next, next += rows * K;
     a.d = (float *)next, next += rows * (K / QK) * sizeof(float);
     a.ds = (float *)next, next += rows * (K / QK) * sizeof(float);
     a.s16 = (int16_t *)next;
@@ -98,24 +96,13 @@ static inline void quantize_block(const float *x, int8_t *q, float *d, float *ds
 }
 
 /* Rows [r0, r1) of x ([rows, a->K] fp32) quantized into a (each row on its own: any split gives the
- * same bytes). Also Q4_K's order where the product reads it: per 256, the blocks 0 2 1 3 4 6 5 7, so one
- * 64-byte load meets a register of low (or high) nibbles. */
+ * same bytes). */
 void int8_quantize_rows(const float *x, int64_t r0, int64_t r1, const struct int8_rows *a) {
     const int64_t K = a->K, blocks = K / QK;
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t j = 0; j < blocks; j++)
             quantize_block(x + r * K + j * QK, a->q + r * K + j * QK, a->d + r * blocks + j, a->ds + r * blocks + j,
                            a->s16 + r * (K / 16) + 2 * j);
-#ifdef INT8_VNNI
-        static const int order[GROUP] = {0, 2, 1, 3, 4, 6, 5, 7};
-        for (int64_t g = 0; K % QK_K == 0 && g < K / QK_K; g++)
-            for (int c = 0; c < GROUP; c++)
-                memcpy(a->pairs + r * K + g * QK_K + c * QK, a->q + r * K + g * QK_K + order[c] * QK, QK);
-        for (int64_t i = 0; i < K; i += QK)
-            _mm256_storeu_si256((__m256i *)(a->u8 + r * K + i),
-                                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(a->q + r * K + i)),
-                                                 _mm256_set1_epi8((char)0x80)));
-#endif
     }
 }
 
@@ -141,37 +128,33 @@ static inline float sum_lanes(const float acc[GROUP]) {
 #ifdef INT8_VNNI
 /* ---- AVX512-VNNI ---- */
 
-/* Four registers of 16 int32 partial sums, lanes 0-7 of each one block's and lanes 8-15 another's, ->
- * the 8 blocks' sums in block order (`order` says where each block's sum lands: see the callers). */
-static inline __m256i sum_blocks(__m512i z0, __m512i z1, __m512i z2, __m512i z3, __m512i order) {
+/* Four registers of 16 int32 partial sums, register i's lanes 0-7 block 2i's and lanes 8-15 block
+ * 2i + 1's, -> the 8 blocks' sums in block order. */
+static inline __m256i sum_blocks(__m512i z0, __m512i z1, __m512i z2, __m512i z3) {
     const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
     const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
     const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
     /* 128-bit lane 0 + 1: [z0, z1, z2, z3] of their first blocks; lane 2 + 3: of their second */
     const __m512i v = _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, v));
 }
-/* z_i holding blocks (i, i + 2) for i = 0, 1 and (i + 2, i + 4) for 2, 3: Q4_K's and Q5_K's nibbles */
-#define ORDER_PAIRS _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0)
-/* z_i holding blocks (2i, 2i + 1) */
-#define ORDER_RUNS _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0)
 
 /* The group against row r of x (group index gi: its blocks 8 gi ..), into acc. */
 static inline __attribute__((always_inline)) __m256 group_row(const struct group *g, int type, const struct int8_rows *a,
                                                               int64_t r, int64_t gi, __m256 acc) {
     const int64_t K = a->K, blocks = K / QK;
-    const int is_pairs = type == TYPE_Q4_K || type == TYPE_Q5_K;
-    const int8_t *q = (is_pairs ? a->pairs : a->q) + r * K + gi * QK_K;
+    const int8_t *q = a->q + r * K + gi * QK_K;
     __m512i z[4];
     for (int i = 0; i < 4; i++) z[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[i], _mm512_loadu_si512(q + 64 * i));
     const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->s16 + r * (K / 16) + 16 * gi));
     __m256i sums;
     if (type == TYPE_Q6_K) {
         for (int i = 0; i < 4; i++) z[i] = _mm512_mullo_epi32(z[i], g->lane_scale[i]);
-        sums = _mm256_sub_epi32(sum_blocks(z[0], z[1], z[2], z[3], ORDER_RUNS),
+        sums = _mm256_sub_epi32(sum_blocks(z[0], z[1], z[2], z[3]),
                                 _mm256_slli_epi32(_mm256_madd_epi16(g->sc16, s16), 5)); /* 32 * sc-weighted sums */
     } else {
-        sums = sum_blocks(z[0], z[1], z[2], z[3], is_pairs ? ORDER_PAIRS : ORDER_RUNS);
+        sums = sum_blocks(z[0], z[1], z[2], z[3]);
         if (g->minus)
             sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
                                                              _mm256_set1_epi32(g->minus)));
@@ -294,22 +277,11 @@ static void any_range(const struct int8_rows *a, int64_t rows, const uint8_t *w,
     }
 }
 
-/* Whether gemv_int8 has a product for the type (or every part) with rows of K values. */
-static int int8_supported(const uint8_t *w, int32_t type, int64_t K, int64_t N) {
-    if (type != QUANT_PARTS) return block_bytes(type) > 0 && K > 0 && K % block_weights(type) == 0;
-    int64_t total = 0;
-    for (const struct quant_part *p = (const struct quant_part *)w; p->rows > 0; p++) {
-        if (!int8_supported(NULL, (int32_t)p->type, K, N)) return 0;
-        total += p->rows;
-    }
-    return total == N;
-}
-
 /* x: [rows, K] fp32; w and type as gemv_quant's. Returns 0; -1: no memory for x's integers; -2: a type
  * without a product here or K not a whole number of blocks. */
 int32_t gemv_int8(const float *x, int64_t rows, int64_t K, const uint8_t *w, int32_t type, int64_t N,
                   const float *bias, float *out, int32_t num_threads) {
-    if (!int8_supported(w, type, K, N)) return -2;
+    if (!quant_product_supported(w, type, K, N)) return -2;
     void *memory = malloc((size_t)int8_rows_bytes(rows, K));
     if (!memory) return -1;
     const struct int8_rows a = int8_rows_at(memory, rows, K);

@@ -700,13 +700,18 @@ static int parts_supported(const struct quant_part *parts, int64_t K, int64_t N)
     return total == N;
 }
 
+/* Whether the product of w (of ggml type `type`, or QUANT_PARTS and w its parts) has a kernel here (in
+ * either mode) for rows of K values and N outputs. */
+int quant_product_supported(const uint8_t *w, int32_t type, int64_t K, int64_t N) {
+    return type == QUANT_PARTS ? parts_supported((const struct quant_part *)w, K, N) : quant_type_supported(type, K);
+}
+
 /* w: [N, K / 32] blocks of ggml type `type` (K-quants: [N, K / 256]), or type QUANT_PARTS and w its
  * parts. Returns 0; -1: no memory for a tile; -2: a type without a product here or K not a whole number
  * of blocks. */
 int32_t gemv_quant(const float *x, int64_t rows, int64_t K, const uint8_t *w, int32_t type, int64_t N,
                    const float *bias, float *out, int32_t num_threads) {
-    if (type == QUANT_PARTS ? !parts_supported((const struct quant_part *)w, K, N) : !quant_type_supported(type, K))
-        return -2;
+    if (!quant_product_supported(w, type, K, N)) return -2;
     if (N * K <= SMALL_WORK || num_threads <= 1) return any_range(x, rows, K, w, type, N, bias, out, 0, N);
     const int64_t num_blocks = (N + NB - 1) / NB;
     int failed = 0;

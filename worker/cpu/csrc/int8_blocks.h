@@ -23,6 +23,10 @@
 
 static inline int has_offset(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K; }
 
+/* What the unsigned weight bytes of the VNNI code (make_group's) exceed the definition's w by: Q8_0's
+ * q + 128, Q4_0's q = w + 8 (Q6_K's 32 is taken out per 16, under its scales). */
+static inline int block_minus(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
+
 /* Weight block j of a row of type `type`: its 32 integers w of the definition (Q4_0 q - 8, Q6_K q - 32,
  * Q8_0 q, the others q), its scale and offset (0 for a type without one), and (sc, where given) Q6_K's
  * two int8 scales of its 16s (1 and 1 for the other types). */
@@ -83,14 +87,8 @@ static inline __m512i two_halves(const void *low, const void *high) {
                               _mm256_loadu_si256((const __m256i *)high), 1);
 }
 
-static inline float half_of(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
-}
-
-/* One group of 8 blocks of a weight row, made once: 4 registers of unsigned weight bytes (block order
- * per `order`), the scales and offsets of the 8 blocks, what to take out per block (`minus` times the
+/* One group of 8 blocks of a weight row, made once: 4 registers of unsigned weight bytes (register i:
+ * blocks 2i and 2i + 1), the scales and offsets of the 8 blocks, what to take out per block (`minus` times the
  * activations' sums of 32, or Q6_K's sc-weighted sums of 16) and the int32 scales of Q6_K's lanes. */
 struct group {
     __m512i w[4], lane_scale[4];
@@ -99,7 +97,7 @@ struct group {
     int minus, has_offset;
 };
 
-/* Q4_K and Q5_K: registers i = 0..3 hold sub-blocks (0, 2), (1, 3), (4, 6), (5, 7), low nibbles then high. */
+/* Q4_K and Q5_K: each 32 bytes of nibbles hold two sub-blocks (low nibbles, then high), put in block order. */
 static inline __attribute__((always_inline)) void group_k(const uint8_t *b, int type, struct group *g) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16);
@@ -119,9 +117,12 @@ static inline __attribute__((always_inline)) void group_k(const uint8_t *b, int 
     k_unpack_scales(b + 4, &scales, &mins);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
-    g->scale = _mm256_mul_ps(_mm256_set1_ps(half_of(b)), sc);
-    g->offset = _mm256_mul_ps(_mm256_set1_ps(-half_of(b + 2)), m);
+    g->scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), sc);
+    g->offset = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), m);
     g->has_offset = 1;
+    const __m512i p0 = g->w[0], p1 = g->w[1], p2 = g->w[2], p3 = g->w[3]; /* sub-blocks (0, 2) (1, 3) (4, 6) (5, 7) */
+    g->w[0] = _mm512_shuffle_i64x2(p0, p1, 0x44), g->w[1] = _mm512_shuffle_i64x2(p0, p1, 0xee);
+    g->w[2] = _mm512_shuffle_i64x2(p2, p3, 0x44), g->w[3] = _mm512_shuffle_i64x2(p2, p3, 0xee);
 }
 
 /* Q6_K: registers i = 0..3 hold blocks (2i, 2i + 1), q unsigned; the int32 scale of each lane's 16. */
@@ -143,7 +144,7 @@ static inline __attribute__((always_inline)) void group_q6(const uint8_t *b, str
             _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
                              _mm512_set1_epi32(4 * i)), sc32);
     g->sc16 = _mm256_cvtepi8_epi16(sc);
-    g->scale = _mm256_set1_ps(half_of(b + 208));
+    g->scale = _mm256_set1_ps(half_at(b + 208));
 }
 
 /* Q8_0, Q4_0, Q4_1: 8 blocks of 32, registers i = 0..3 holding blocks (2i, 2i + 1). */
@@ -156,7 +157,7 @@ static inline __attribute__((always_inline)) void group_small(const uint8_t *b, 
     if (type == TYPE_Q8_0) {
         for (int i = 0; i < 4; i++)
             g->w[i] = _mm512_xor_si512(two_halves(b + 2 * i * bb + 2, b + (2 * i + 1) * bb + 2), _mm512_set1_epi8((char)0x80));
-        g->minus = 128;
+        g->minus = block_minus(type);
         return;
     }
     for (int i = 0; i < 4; i++) {
@@ -170,7 +171,7 @@ static inline __attribute__((always_inline)) void group_small(const uint8_t *b, 
         g->offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins));
         g->has_offset = 1;
     } else {
-        g->minus = 8;
+        g->minus = block_minus(type);
     }
 }
 
@@ -179,12 +180,6 @@ static inline __attribute__((always_inline)) void make_group(const uint8_t *b, i
     if (type == TYPE_Q4_K || type == TYPE_Q5_K) group_k(b, type, g);
     else if (type == TYPE_Q6_K) group_q6(b, g);
     else group_small(b, type, g);
-}
-
-/* Register i's lane l of a group (make_group) holds 4 weights of this block of the group. */
-static inline int lane_block(int type, int i, int l) {
-    if (type == TYPE_Q4_K || type == TYPE_Q5_K) return (i < 2 ? i : i + 2) + 2 * (l / 8);
-    return 2 * i + l / 8;
 }
 
 /* int8_panels.c: weight rows [n_start, n_end), whole panels of 16, against every row of x; returns where

@@ -1,6 +1,8 @@
 /* Integer mode's many-row products (engine-core process, AVX512-VNNI): 16 weight rows at a time
  * repacked into panels, so that one register holds 4 weights of each of the 16 rows and vpdpbusd against
- * 4 activation bytes broadcast gives 16 rows' partial sums with no horizontal sum. Each output is the
+ * 4 activation bytes broadcast gives 16 rows' partial sums with no horizontal sum. The weights are
+ * make_group's unsigned bytes; what they exceed the definition's w by is taken out with the activations'
+ * sums, as the row-by-row products do. Each output is the
  * definition's sequence (gemv_int8.c), bit for bit the row-by-row products'.
  */
 #include <stdint.h>
@@ -13,20 +15,18 @@
 
 #ifdef INT8_VNNI
 /* One block of 32 weights of 16 weight rows, repacked so that register c holds weights 4c .. 4c + 3 of
- * each row in lane l (one vpdpbusd operand), each the definition's signed integer w (Q4_0 q - 8, Q6_K
- * q - 32, Q8_0 q, the others q), beside what the block's sums need per row. The activations meet it as
- * q + 128 (unsigned bytes), so a row's sum is the register sum less 128 * (sum of its w). */
+ * each row in lane l (one vpdpbusd operand, unsigned: w + block_minus, Q6_K's q), beside the block's
+ * scales per row. */
 struct panel_block {
-    int8_t w[8][64];
-    int32_t bias[2][16]; /* 128 * sum of w: Q6_K per 16 weights, else [0] the block's */
-    int32_t sc[2][16];   /* Q6_K: the scales of the block's two 16s */
+    uint8_t w[8][64];
+    int32_t sc[2][16]; /* Q6_K: the scales of the block's two 16s */
     float scale[16], offset[16];
 };
 
-/* Row `lane` of the panel, staged: its signed w in block order into stage ([K] bytes), its scales,
+/* Row `lane` of the panel, staged: its unsigned bytes in block order into stage ([K] bytes), its scales,
  * offsets (and Q6_K's scales of 16) into the panel; groups of 8 blocks made by make_group, a tail of
  * fewer than 8 blocks (Q8_0, Q4_0, Q4_1) by the generic code. */
-static void panel_stage(const uint8_t *row, int type, int64_t blocks, int lane, int8_t *stage, struct panel_block *pb) {
+static void panel_stage(const uint8_t *row, int type, int64_t blocks, int lane, uint8_t *stage, struct panel_block *pb) {
     const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
     const int64_t groups = blocks / GROUP;
     for (int64_t gi = 0; gi < groups; gi++) {
@@ -35,15 +35,7 @@ static void panel_stage(const uint8_t *row, int type, int64_t blocks, int lane, 
         float scale[GROUP], offset[GROUP];
         _mm256_storeu_ps(scale, g.scale);
         _mm256_storeu_ps(offset, g.has_offset ? g.offset : _mm256_setzero_ps());
-        int8_t *out = stage + gi * QK_K;
-        for (int i = 0; i < 4; i++) {
-            __m512i w = g.w[i];
-            if (type == TYPE_Q6_K) w = _mm512_sub_epi8(w, _mm512_set1_epi8(32));
-            else if (type == TYPE_Q8_0) w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
-            else if (type == TYPE_Q4_0) w = _mm512_sub_epi8(w, _mm512_set1_epi8(8));
-            _mm256_storeu_si256((__m256i *)(out + QK * lane_block(type, i, 0)), _mm512_castsi512_si256(w));
-            _mm256_storeu_si256((__m256i *)(out + QK * lane_block(type, i, 8)), _mm512_extracti64x4_epi64(w, 1));
-        }
+        for (int i = 0; i < 4; i++) _mm512_storeu_si512(stage + gi * QK_K + 64 * i, g.w[i]);
         for (int b = 0; b < GROUP; b++) {
             struct panel_block *p = &pb[gi * GROUP + b];
             p->scale[lane] = scale[b], p->offset[lane] = offset[b];
@@ -55,14 +47,16 @@ static void panel_stage(const uint8_t *row, int type, int64_t blocks, int lane, 
     }
     for (int64_t j = groups * GROUP; j < blocks; j++) {
         float scale, offset;
-        decode_block(row, type, j, stage + j * QK, &scale, &offset, NULL);
+        int8_t w[QK];
+        decode_block(row, type, j, w, &scale, &offset, NULL);
+        for (int i = 0; i < QK; i++) stage[j * QK + i] = (uint8_t)(w[i] + block_minus(type));
         pb[j].scale[lane] = scale, pb[j].offset[lane] = offset;
     }
 }
 
 /* Block j of the panel's 16 staged rows (stage: [16, K]) into its registers: register c lane l = row
  * l's weights 4c .. 4c + 3, an 8 x 8 transpose of dwords in each 256-bit half (rows 0-7 and 8-15). */
-static inline void panel_transpose(const int8_t *stage, int64_t K, int64_t j, struct panel_block *p) {
+static inline void panel_transpose(const uint8_t *stage, int64_t K, int64_t j, struct panel_block *p) {
     __m512i z[8], t[8], u[8];
     for (int m = 0; m < 8; m++) z[m] = two_halves(stage + m * K + j * QK, stage + (m + 8) * K + j * QK);
     for (int m = 0; m < 8; m += 2)
@@ -75,21 +69,6 @@ static inline void panel_transpose(const int8_t *stage, int64_t K, int64_t j, st
     for (int c = 0; c < 4; c++) {
         _mm512_store_si512(p->w[c], _mm512_permutex2var_epi64(u[c], first, u[c + 4]));
         _mm512_store_si512(p->w[c + 4], _mm512_permutex2var_epi64(u[c], second, u[c + 4]));
-    }
-}
-
-/* Each block's 128 * (sum of w) per row, for the activations' + 128 (Q6_K: per 16 weights), all 16 rows
- * at once. */
-static void panel_bias(struct panel_block *pb, int64_t blocks, int type) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    for (int64_t j = 0; j < blocks; j++) {
-        __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int c = 0; c < 8; c++) {
-            const int h = type == TYPE_Q6_K ? c / 4 : 0;
-            sums[h] = _mm512_dpbusd_epi32(sums[h], ones, _mm512_load_si512(pb[j].w[c]));
-        }
-        _mm512_store_si512(pb[j].bias[0], _mm512_slli_epi32(sums[0], 7));
-        _mm512_store_si512(pb[j].bias[1], _mm512_slli_epi32(sums[1], 7));
     }
 }
 
@@ -116,17 +95,21 @@ static inline __attribute__((always_inline)) void panel_dot(const struct panel_b
                 const int h = type == TYPE_Q6_K ? c / 4 : 0;
                 for (int i = 0; i < nr; i++) {
                     int32_t word;
-                    memcpy(&word, a->u8 + (r + i) * K + j * QK + 4 * c, 4);
-                    sums[i][h] = _mm512_dpbusd_epi32(sums[i][h], _mm512_set1_epi32(word), w);
+                    memcpy(&word, a->q + (r + i) * K + j * QK + 4 * c, 4);
+                    sums[i][h] = _mm512_dpbusd_epi32(sums[i][h], w, _mm512_set1_epi32(word));
                 }
             }
             const __m512 scale = _mm512_load_ps(p->scale);
             for (int i = 0; i < nr; i++) {
-                __m512i s = _mm512_sub_epi32(sums[i][0], _mm512_load_si512(p->bias[0]));
-                if (type == TYPE_Q6_K)
-                    s = _mm512_add_epi32(_mm512_mullo_epi32(s, _mm512_load_si512(p->sc[0])),
-                                         _mm512_mullo_epi32(_mm512_sub_epi32(sums[i][1], _mm512_load_si512(p->bias[1])),
-                                                            _mm512_load_si512(p->sc[1])));
+                const int16_t *s16 = a->s16 + (r + i) * (K / 16) + 2 * j; /* the activations' sums of 16 */
+                __m512i s = sums[i][0];
+                if (type == TYPE_Q6_K) /* sc_g * (sum of q a - 32 * sum of a), each 16 */
+                    s = _mm512_add_epi32(
+                        _mm512_mullo_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(32 * s16[0])), _mm512_load_si512(p->sc[0])),
+                        _mm512_mullo_epi32(_mm512_sub_epi32(sums[i][1], _mm512_set1_epi32(32 * s16[1])),
+                                           _mm512_load_si512(p->sc[1])));
+                else if (block_minus(type))
+                    s = _mm512_sub_epi32(s, _mm512_set1_epi32(block_minus(type) * (s16[0] + s16[1])));
                 const int64_t at = (r + i) * (K / QK) + j;
                 f[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(a->d[at])), f[i][b]);
                 if (has_offset(type))
@@ -152,12 +135,11 @@ static inline __attribute__((always_inline)) int64_t panels_of(const struct int8
     if (end == n_start) return n_start;
     struct panel_block *pb = aligned_alloc(64, sizeof(*pb) * (size_t)blocks + 16 * (size_t)a->K);
     if (!pb) return n_start;
-    int8_t *stage = (int8_t *)(pb + blocks); /* [16, K] the rows' signed w before the transpose */
+    uint8_t *stage = (uint8_t *)(pb + blocks); /* [16, K] the rows' bytes before the transpose */
     float lanes[2][16];
     for (int64_t n0 = n_start; n0 < end; n0 += 16) {
         for (int l = 0; l < 16; l++) panel_stage(w + (n0 + l) * row_bytes, type, blocks, l, stage + l * a->K, pb);
         for (int64_t j = 0; j < blocks; j++) panel_transpose(stage, a->K, j, &pb[j]);
-        panel_bias(pb, blocks, type);
         for (int64_t r = 0; r < rows; r += 2) {
             const int nr = rows - r < 2 ? 1 : 2;
             if (nr == 2) panel_dot(pb, blocks, type, a, r, 2, lanes);

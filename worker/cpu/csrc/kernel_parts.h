@@ -75,14 +75,13 @@ int gemv_quant_share(const float *x, int64_t rows, int64_t K, const uint8_t *w, 
                      const float *bias, float *out, int64_t *cursor, int num_threads);
 int32_t dequantize_rows(const uint8_t *w, int32_t type, int64_t rows, int64_t K, float *out);
 int64_t quant_row_bytes(int32_t type, int64_t K);
+int quant_product_supported(const uint8_t *w, int32_t type, int64_t K, int64_t N); /* gemv_quant.c */
 
 /* gemv_int8.c: integer mode (quantized_activations="int8"). Rows of x quantized to int8 in blocks of
  * 32 with fp32 scales, carved from int8_rows_bytes(rows, K) bytes by int8_rows_at, filled row by row by
  * int8_quantize_rows; then a thread's part of the product in runs from the shared cursor. */
 struct int8_rows {
     int8_t *q;     /* [rows, K] */
-    int8_t *pairs; /* [rows, K] the same, blocks 0 2 1 3 4 6 5 7 per 256 (Q4_K's and Q5_K's order) */
-    uint8_t *u8;   /* [rows, K] q + 128 as unsigned bytes (the many-row panels' operand) */
     float *d;      /* [rows, K / 32] each block's scale */
     float *ds;     /* [rows, K / 32] scale * the block's sum of q */
     int16_t *s16;  /* [rows, K / 16] sums of q per 16 */

@@ -7,6 +7,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #define QK 32 /* weights per block (a K-quant's sub-block) */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14 }; /* ggml's */
@@ -28,8 +31,14 @@ static inline int block_bytes(int type) { /* bytes of one block (32 weights; K-q
 
 static inline int block_weights(int type) { return is_k_type(type) ? QK_K : QK; }
 
-/* fp16 bits (little-endian at p) -> fp32, exactly (subnormals included). */
+/* fp16 bits (little-endian at p) -> fp32, exactly (subnormals included): F16C's conversion where the
+ * CPU has it, else the bits placed by hand (the same value). */
 static inline float half_at(const uint8_t *p) {
+#ifdef __F16C__
+    uint16_t half;
+    memcpy(&half, p, sizeof half);
+    return _cvtsh_ss(half);
+#else
     const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
     const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
     uint32_t bits;
@@ -45,6 +54,7 @@ static inline float half_at(const uint8_t *p) {
     float value;
     memcpy(&value, &bits, sizeof value);
     return value;
+#endif
 }
 
 /* Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins unpacked 8 at a time: bytes
