@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, running_daemon
+from gguf_families import write_family_gguf
 from gguf_files import write_gguf_model
 from server_harness import running_server
 from test_batch_invariance import sampled_rows, scoring_mismatches
 
 from frontend import LLM, SamplingParams
+from worker.models.quantized import QuantLinear
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from real_models import path_of  # noqa: E402
@@ -164,6 +166,25 @@ def test_trained_files_alone_equal_batched_scoring_equals_generation_and_stay_ne
     distances = [abs(a[t].logprob - b[t].logprob) for a, b in first for t in a if t in b]
     assert max(distances) > 0  # the mode is on
     assert max(distances) < 0.3  # and near exact mode (docs/quantized.md has the measured distances)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "phi3"])
+def test_experts_and_fused_projections_in_blocks_keep_alone_equal_batched_in_integer_mode(family, family_model,
+                                                                                       tmp_path):
+    """A mixture of experts (each expert's products on the rows routed to it) and Phi-3's fused q/k/v and
+    gate/up, kept in Q8_0 blocks: integer mode's bits do not depend on the batch, and scoring equals
+    generation."""
+    path = tmp_path / f"{family}-q8_0.gguf"
+    write_family_gguf(family_model(family), family, path, weight_type="Q8_0")
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 20000 + 100 for j in range(5 + 9 * i)]} for i in range(6)]
+    with int8_llm(str(path), num_kv_blocks=256) as llm:
+        model = llm.client.core.executor.model
+        assert family != "qwen3_moe" or any(".experts." in n for n, m in model.named_modules()
+                                            if isinstance(m, QuantLinear))
+        batched = llm.generate(prompts, SAMPLED, use_tqdm=False)
+        for i in (0, 3, 5):
+            assert rows_of(llm.generate([prompts[i]], SAMPLED, use_tqdm=False)) == rows_of([batched[i]])
+        assert scoring_mismatches(llm, batched[2]) == 0
 
 
 def test_integer_mode_is_refused_where_it_cannot_run(tiny_path):

@@ -115,7 +115,7 @@ SIGNATURES: dict[str, Signature] = {
         _I32, ("x", _P), ("num_rows", _I64), ("num_in", _I64), ("weight", _P), ("ggml_type", _I32),
         ("num_out", _I64), ("bias", _P), ("out", _P), ("num_threads", _I32),
     ),
-    "int8_has_vnni": _sig(_I32),
+    "int8_kernel_kind": _sig(_I32),
     "dequantize_rows": _sig(
         _I32, ("weight", _P), ("ggml_type", _I32), ("num_rows", _I64), ("num_in", _I64), ("out", _P)
     ),
@@ -143,7 +143,7 @@ class CpuKernels:
     cpu_has_amx: ctypes._CFuncPtr
     gemv_quant: ctypes._CFuncPtr
     gemv_int8: ctypes._CFuncPtr
-    int8_has_vnni: ctypes._CFuncPtr
+    int8_kernel_kind: ctypes._CFuncPtr
     dequantize_rows: ctypes._CFuncPtr
     quant_type_supported: ctypes._CFuncPtr
     decode_forward: ctypes._CFuncPtr

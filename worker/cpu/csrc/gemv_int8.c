@@ -23,7 +23,9 @@
  * AVX512-VNNI (vpdpbusd: unsigned weight bytes times signed activation bytes, four products a lane
  * summed into int32) computes I for 8 blocks at once (int8_blocks.h's make_group); the weights are made
  * unsigned (Q8_0 + 128, Q4_0's q, Q6_K's q) and the offsets taken out again with the activations'
- * integer sums. Elsewhere (AVX2, other CPUs) the generic code runs: the same numbers, slower.
+ * integer sums. AVX2 (vpmaddubsw: byte pairs into int16, then vpmaddwd into int32, exact for every
+ * type's range) computes the same sums a block a register (make_group2); elsewhere the generic code
+ * runs: the same numbers, slower.
  * x: [rows, K] fp32, w: [N, K / 32 (K-quants: K / 256) blocks], out: [rows, N] fp32.
  */
 #include <math.h>
@@ -191,6 +193,66 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *rows[S
             sums[s][i] = sum_lanes(lanes);
         }
 }
+#elif defined(INT8_AVX2)
+/* ---- AVX2: vpmaddubsw ---- */
+
+/* Eight registers of 8 int32 -> their 8 sums, in register order. */
+static inline __m256i sum_eight(const __m256i z[GROUP]) {
+    const __m256i t0 = _mm256_hadd_epi32(z[0], z[1]), t1 = _mm256_hadd_epi32(z[2], z[3]);
+    const __m256i t2 = _mm256_hadd_epi32(z[4], z[5]), t3 = _mm256_hadd_epi32(z[6], z[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3); /* 128-bit lanes: halves */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* The group against row r of x (group index gi), into acc: make_group's sums and floats, 256 bits wide. */
+static inline __attribute__((always_inline)) __m256 group_row2(const struct group2 *g, int type,
+                                                               const struct int8_rows *a, int64_t r, int64_t gi,
+                                                               __m256 acc) {
+    const int64_t K = a->K, blocks = K / QK;
+    const int8_t *q = a->q + r * K + gi * QK_K;
+    __m256i z[GROUP];
+    for (int j = 0; j < GROUP; j++) {
+        __m256i w = g->w[j], x = _mm256_loadu_si256((const __m256i *)(q + QK * j));
+        if (type == TYPE_Q8_0) x = _mm256_sign_epi8(x, w), w = _mm256_sign_epi8(w, w); /* |w| and a * sign(w) */
+        z[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), g->sc[j]);
+    }
+    __m256i sums = sum_eight(z);
+    const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->s16 + r * (K / 16) + 16 * gi));
+    if (type == TYPE_Q6_K)
+        sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_madd_epi16(g->sc16, s16), 5)); /* 32 * sc-weighted sums */
+    else if (g->minus)
+        sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
+                                                         _mm256_set1_epi32(g->minus)));
+    const __m256 d = _mm256_loadu_ps(a->d + r * blocks + GROUP * gi);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(g->scale, d), acc);
+    if (g->has_offset) acc = _mm256_fmadd_ps(g->offset, _mm256_loadu_ps(a->ds + r * blocks + GROUP * gi), acc);
+    return acc;
+}
+
+/* dot_rows of the VNNI code, with AVX2's groups. */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *rows[STREAMS], int ns, int type,
+                                                           const struct int8_rows *a, int64_t r, int nr,
+                                                           float sums[STREAMS][RG]) {
+    const int64_t blocks = a->K / QK, groups = blocks / GROUP;
+    const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
+    __m256 acc[STREAMS][RG];
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < nr; i++) acc[s][i] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < groups; gi++)
+        for (int s = 0; s < ns; s++) {
+            struct group2 g;
+            prefetch_ahead(rows[s] + gi * group_bytes, group_bytes);
+            make_group2(rows[s] + gi * group_bytes, type, &g);
+            for (int i = 0; i < nr; i++) acc[s][i] = group_row2(&g, type, a, r + i, gi, acc[s][i]);
+        }
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < nr; i++) {
+            float lanes[GROUP];
+            _mm256_storeu_ps(lanes, acc[s][i]);
+            blocks_generic(rows[s], type, a, r + i, groups * GROUP, blocks, lanes); /* a tail of < 8 blocks */
+            sums[s][i] = sum_lanes(lanes);
+        }
+}
 #else
 static inline void dot_rows(const uint8_t *rows[STREAMS], int ns, int type, const struct int8_rows *a, int64_t r,
                             int nr, float sums[STREAMS][RG]) {
@@ -312,9 +374,11 @@ void gemv_int8_share(const struct int8_rows *a, int64_t rows, const uint8_t *w, 
     while (claim_run(cursor, N, num_threads, &start, &end)) any_range(a, rows, w, type, N, bias, out, start, end);
 }
 
-/* Whether this build computes integer mode with AVX512-VNNI (else the generic code). */
-int32_t int8_has_vnni(void) {
+/* Which code this build computes integer mode with: 2 AVX512-VNNI, 1 AVX2 (vpmaddubsw), 0 the generic. */
+int32_t int8_kernel_kind(void) {
 #ifdef INT8_VNNI
+    return 2;
+#elif defined(INT8_AVX2)
     return 1;
 #else
     return 0;

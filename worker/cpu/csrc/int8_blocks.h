@@ -19,6 +19,8 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define INT8_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INT8_AVX2 1 /* vpmaddubsw: products of byte pairs summed into int16, exact for these weights */
 #endif
 
 static inline int has_offset(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K; }
@@ -80,6 +82,78 @@ static inline int32_t block_sum(const uint8_t *row, int type, int64_t j, const i
     for (int i = 0; i < QK; i++) sums[i / 16] += w[i] * a[i];
     return sc[0] * sums[0] + sc[1] * sums[1];
 }
+
+
+#ifdef INT8_AVX2
+/* One group of 8 blocks of a weight row for AVX2: register j holds block j's 32 weights as unsigned bytes
+ * (Q4_0's q, Q6_K's q, the K-quants' q; Q8_0's signed w, whose signs go onto the activations: |w| <= 128
+ * times |a| <= 127, twice, fits vpmaddubsw's int16 as the others' 63 * 127 * 2 does); the blocks'
+ * scales and offsets, `minus` as make_group's, and Q6_K's int16 scales of each register's two 16s. */
+struct group2 {
+    __m256i w[GROUP], sc[GROUP];
+    __m256 scale, offset;
+    __m256i sc16; /* Q6_K: the 16 scales as int16 */
+    int minus, has_offset;
+};
+
+static inline __m256i nibbles_of(const uint8_t *qs) { /* 16 bytes -> low nibbles, then high */
+    const __m128i x = _mm_loadu_si128((const __m128i *)qs), nibble = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), nibble), _mm_and_si128(x, nibble));
+}
+
+static inline __attribute__((always_inline)) void make_group2(const uint8_t *b, int type, struct group2 *g) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    g->minus = 0, g->has_offset = 0;
+    for (int j = 0; j < GROUP; j++) g->sc[j] = ones;
+    if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+        const uint8_t *qs = b + (type == TYPE_Q5_K ? 48 : 16);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        for (int j = 0; j < GROUP; j++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+            __m256i w = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(x, 4) : x, nibble);
+            if (type == TYPE_Q5_K) { /* bit j of qh[l]: the fifth bit of weight l */
+                const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+                w = _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+                                                        _mm256_set1_epi8(16)));
+            }
+            g->w[j] = w;
+        }
+        uint64_t scales, mins;
+        k_unpack_scales(b + 4, &scales, &mins);
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
+        g->scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), sc);
+        g->offset = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), m);
+        g->has_offset = 1;
+        return;
+    }
+    if (type == TYPE_Q6_K) {
+        const __m256i top = _mm256_set1_epi8(0x30);
+        for (int j = 0; j < GROUP; j++) {
+            const int h = j / 4, part = j % 4; /* as decode_block's */
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + (part % 2) * 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i low = _mm256_and_si256(part < 2 ? ql : _mm256_srli_epi16(ql, 4), nibble);
+            const __m256i high = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * part), 4), top);
+            g->w[j] = _mm256_or_si256(low, high);
+            const int16_t s0 = (int8_t)b[192 + 2 * j], s1 = (int8_t)b[193 + 2 * j];
+            g->sc[j] = _mm256_setr_epi16(s0, s0, s0, s0, s0, s0, s0, s0, s1, s1, s1, s1, s1, s1, s1, s1);
+        }
+        g->sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        g->scale = _mm256_set1_ps(half_at(b + 208));
+        return;
+    }
+    const int bb = block_bytes(type);
+    uint16_t heads[GROUP], mins[GROUP];
+    for (int j = 0; j < GROUP; j++) memcpy(&heads[j], b + j * bb, 2), memcpy(&mins[j], b + j * bb + 2, 2);
+    g->scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)heads));
+    for (int j = 0; j < GROUP; j++)
+        g->w[j] = type == TYPE_Q8_0 ? _mm256_loadu_si256((const __m256i *)(b + j * bb + 2))
+                                    : nibbles_of(b + j * bb + (type == TYPE_Q4_1 ? 4 : 2));
+    if (type == TYPE_Q4_1) g->offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins)), g->has_offset = 1;
+    if (type == TYPE_Q4_0) g->minus = 8;
+}
+#endif
 
 #ifdef INT8_VNNI
 static inline __m512i two_halves(const void *low, const void *high) {
