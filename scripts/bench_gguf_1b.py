@@ -74,21 +74,27 @@ def main() -> None:
     results: dict = {"machine": machine(), "threads": 2, "slots": SLOTS, "files": {}}
     rng = random.Random(0)
     for index, (type_name, path) in enumerate(files.items()):
-        ours = ["coreserve", "coreserve int8"] if args.int8 else ["coreserve"]
-        order = [*ours, "llama.cpp"] if index % 2 == 0 else ["llama.cpp", *ours[::-1]]
         kv_bytes = kv_bytes_per_token(path) if args.file else KV_BYTES_PER_TOKEN
-        figures = {name: measure(name, str(path), args, rng, kv_bytes) for name in order}
-        for name in ours:
-            ratios = {key: figures[name][key] / figures["llama.cpp"][key]
-                      for key in ("c1 tok/s", "c16 tok/s", "prompt tok/s")}
-            ratios["scoring / llama.cpp prompt"] = figures[name]["scoring tok/s"] / figures["llama.cpp"]["prompt tok/s"]
-            figures[f"{name} / llama.cpp"] = ratios
-        figures["file MiB"] = path.stat().st_size / 2**20
+        figures = side_by_side(path, index, args, rng, kv_bytes)
         if args.distance:
             figures["logprob distance"] = distance(str(path), str(LLAMA_SERVER), 32)
         results["files"][type_name] = figures
         print(type_name, figures, flush=True)
         write_json(args.json, results)  # what is measured so far, kept if a later file fails
+
+
+def side_by_side(path: Path, index: int, args: argparse.Namespace, rng: random.Random, kv_bytes: int) -> dict:
+    """One file's figures for coreserve (and in integer mode with `args.int8`) and llama-server, the order
+    flipped from file to file, with each coreserve's ratios to llama-server."""
+    ours = ["coreserve", "coreserve int8"] if args.int8 else ["coreserve"]
+    order = [*ours, "llama.cpp"] if index % 2 == 0 else ["llama.cpp", *ours[::-1]]
+    figures = {name: measure(name, str(path), args, rng, kv_bytes) for name in order}
+    for name in ours:
+        ratios = {key: figures[name][key] / figures["llama.cpp"][key] for key in ("c1 tok/s", "c16 tok/s", "prompt tok/s")}
+        ratios["scoring / llama.cpp prompt"] = figures[name]["scoring tok/s"] / figures["llama.cpp"]["prompt tok/s"]
+        figures[f"{name} / llama.cpp"] = ratios
+    figures["file MiB"] = path.stat().st_size / 2**20
+    return figures
 
 
 def kv_bytes_per_token(path: Path) -> int:

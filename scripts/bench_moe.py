@@ -5,6 +5,7 @@ one run on this host.
     scripts/build_llama_server.sh                     # once: llama-server and llama-quantize
     python scripts/bench_moe.py                       # Q4_K_M and Q8_0
     python scripts/bench_moe.py --types Q8_0 --json bench_out/moe.json
+    python scripts/bench_moe.py --types Q4_K_M --int8  # integer mode as a third server
 
 The model (scripts/write_random_gguf.py --arch qwen3moe --layers 6): hidden 2048, 32 query heads and 4
 KV heads of 128, 128 experts of FFN 768 with 8 a token (renormalised), q/k norms, SmolLM2's 49,152-token
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, write_json  # noqa: E402
-from bench_gguf_1b import LLAMA_QUANTIZE, SLOTS, make_files, measure  # noqa: E402
+from bench_gguf_1b import LLAMA_QUANTIZE, SLOTS, make_files, side_by_side  # noqa: E402
 from bench_llama_cpp import LLAMA_SERVER  # noqa: E402
 
 LAYERS = 6
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--c1-tokens", type=int, default=64)
     parser.add_argument("--c16-tokens", type=int, default=32)
+    parser.add_argument("--int8", action="store_true", help="coreserve in integer mode as well")
     parser.add_argument("--json", default="bench_out/moe.json")
     args = parser.parse_args()
     args.distance = False
@@ -48,13 +50,7 @@ def main() -> None:
     results: dict = {"machine": machine(), "threads": 2, "slots": SLOTS, "layers": LAYERS, "files": {}}
     rng = random.Random(0)
     for index, (type_name, path) in enumerate(files.items()):
-        order = ["coreserve", "llama.cpp"] if index % 2 == 0 else ["llama.cpp", "coreserve"]
-        figures = {name: measure(name, str(path), args, rng, KV_BYTES_PER_TOKEN) for name in order}
-        figures["coreserve / llama.cpp"] = {
-            key: figures["coreserve"][key] / figures["llama.cpp"][key]
-            for key in ("c1 tok/s", "c16 tok/s", "prompt tok/s")
-        }
-        figures["file MiB"] = path.stat().st_size / 2**20
+        figures = side_by_side(path, index, args, rng, KV_BYTES_PER_TOKEN)
         results["files"][type_name] = figures
         print(type_name, figures, flush=True)
         write_json(args.json, results)
