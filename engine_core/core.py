@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from engine_core.grammars import Grammars
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.lora_table import LoraTable
 from engine_core.request import Request
 from engine_core.rl_control import CoreControl, pinned_error
 from engine_core.scheduler import Scheduler
@@ -69,6 +70,9 @@ class EngineCore:
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
         self.limits = RequestLimits.of(self.facts())
         self.control = CoreControl(self.scheduler, self.executor, self._reset_kv_pool)
+        self.loras = LoraTable(self.executor, config.enable_lora, config.max_cpu_loras or config.max_loras)
+        self.scheduler.loras, self.scheduler.max_loras = self.loras, config.max_loras
+        self.control.loras = self.loras
 
     def _reset_kv_pool(self) -> None:
         """A fresh block pool (after sleep freed the KV cache): every block free, nothing indexed."""
@@ -140,6 +144,13 @@ class EngineCore:
         if error is not None:
             logger.warning("refused request %s: %s", request.req_id, error)
             return EngineCoreOutput(request.req_id, [], finish_reason=FinishReason.ERROR, error=error)
+        lora_slot = -1
+        if request.sampling_params.lora is not None:
+            try:
+                lora_slot = self.loras.take(request.sampling_params.lora)
+            except (ValueError, OSError) as exc:
+                logger.warning("refused request %s: %s", request.req_id, exc)
+                return EngineCoreOutput(request.req_id, [], finish_reason=FinishReason.ERROR, error=str(exc))
         req = Request(
             req_id=core_req_id(client_id, request.req_id),
             client_id=client_id,
@@ -150,6 +161,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             logprobs_mode=self.config.logprobs_mode,
         )
+        req.lora_slot = lora_slot
         self.scheduler.add_request(req)
         return None
 
@@ -215,6 +227,8 @@ def runner_spec(config: EngineConfig, owns_process: bool = False) -> RunnerSpec:
         batch_invariant=config.batch_invariant,
         quantized_activations=config.quantized_activations,
         tensor_parallel_size=config.tensor_parallel_size,
+        enable_lora=config.enable_lora,
+        max_lora_rank=config.max_lora_rank,
         num_threads=config.num_threads,
         speculative=config.speculative_config,
     )

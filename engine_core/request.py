@@ -63,6 +63,14 @@ class Request:
         # position replace an earlier one's: rejected proposals, recomputation), and how many were sent
         self.routed_experts: np.ndarray | None = None  # [positions, MoE layers, top_k] int16
         self.num_routed_sent = 0
+        self.lora_slot = -1  # its adapter's load (engine_core/lora_table.py), held to its end; -1: none
+
+    @property
+    def cache_salt(self) -> str | tuple[str, int, str | None] | None:
+        """What the prefix cache keys its chain's root by (PrefixIndex.root_of): the params' cache_salt,
+        and a LoRA request's adapter load, so its KV meets only that load's."""
+        salt = self.params.cache_salt
+        return salt if self.lora_slot < 0 else ("lora", self.lora_slot, salt)
 
     @property
     def can_read_prefix_cache(self) -> bool:

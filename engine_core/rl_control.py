@@ -73,6 +73,16 @@ class WakeArgs(Args):
     path: str | None = None  # after sleep level 2: the checkpoint the weights come back from
 
 
+class LoadLoraArgs(Args):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # a new load of the adapter under this name (requests running keep theirs)
+
+
+class LoraNameArgs(Args):
+    lora_name: str
+
+
 @dataclass(frozen=True)
 class Call:
     """A command that arrived, its arguments checked, waiting its turn."""
@@ -96,6 +106,7 @@ class CoreControl:
         self.is_weights_asleep = False
         self.pending: list[Call] = []
         self.timings: dict[str, float] | None = None  # the running command's phases, for its reply
+        self.loras = None  # the core's LoraTable (engine_core/lora_table.py), set by the core
 
     def submit(self, client: bytes, command: ControlCommand, outbox: Outbox) -> None:
         """Queues the command; one whose verb or arguments do not fit is refused at once (nothing ran)."""
@@ -192,6 +203,17 @@ class CoreControl:
             self.executor.collective_rpc("wake_up", {"kv_cache": True, "path": None})
             self.is_kv_asleep = False
 
+    def load_lora_adapter(self, args: LoadLoraArgs, outbox: Outbox) -> None:
+        """vLLM's /v1/load_lora_adapter (engine_core/lora_table.py)."""
+        self.loras.load(args.lora_name, args.lora_path, args.load_inplace)
+
+    def unload_lora_adapter(self, args: LoraNameArgs, outbox: Outbox) -> None:
+        self.loras.unload(args.lora_name)
+
+    def list_lora_adapters(self, args: NoArgs, outbox: Outbox) -> list[list[str]]:
+        """[name, path] of every adapter the core knows."""
+        return [list(entry) for entry in self.loras.adapters()]
+
     def control_state(self, args: NoArgs, outbox: Outbox) -> None:
         """Nothing: every reply carries the state."""
 
@@ -255,6 +277,9 @@ VERBS: dict[str, Verb] = {
     "sleep": Verb(SleepArgs, CoreControl.sleep, lambda a: True),
     "wake_up": Verb(WakeArgs, CoreControl.wake_up),
     "control_state": Verb(NoArgs, CoreControl.control_state),
+    "load_lora_adapter": Verb(LoadLoraArgs, CoreControl.load_lora_adapter),
+    "unload_lora_adapter": Verb(LoraNameArgs, CoreControl.unload_lora_adapter),
+    "list_lora_adapters": Verb(NoArgs, CoreControl.list_lora_adapters),
 }
 
 

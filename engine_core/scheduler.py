@@ -12,6 +12,7 @@ from collections import defaultdict
 from engine_core.grammars import Grammars, wait_for_any
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.long_rope import LongRopeRule
+from engine_core.lora_table import LoraTable
 from engine_core.multi_step import extend_to_window
 from engine_core.outputs import add_token_extras, make_output
 from engine_core.prompt_rows import flavour_of
@@ -57,6 +58,9 @@ class Scheduler:
         # held; a frozen scheduler schedules nothing (running requests keep their blocks).
         self.can_admit = True
         self.is_frozen = False
+        # LoRA (engine_core/lora_table.py): a request's slot is released when it ends; max_loras a step
+        self.loras: LoraTable | None = None
+        self.max_loras = 1
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -136,6 +140,8 @@ class Scheduler:
         is_preempted = self.num_preemptions > num_preemptions_before
         can_admit = self.can_admit and not is_preempted  # no admissions while memory is short, or held
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and can_admit:
+            if not self._has_lora_room(self.waiting[0]):
+                break
             num_new = self._admit(self.waiting[0], budget, output)
             if num_new is None:
                 break
@@ -199,7 +205,7 @@ class Scheduler:
         flavour = None if req.has_sent_prompt_logprobs else flavour_of(req.params)
         tokens = req.all_token_ids
         req.num_computed_tokens = kv.take_cached_prefix(
-            req.req_id, tokens, req.num_tokens - 1, flavour, req.params.cache_salt, req.is_long_rope
+            req.req_id, tokens, req.num_tokens - 1, flavour, req.cache_salt, req.is_long_rope
         )
         if req.num_output_tokens == 0:
             req.num_cached_tokens = req.num_computed_tokens
@@ -213,12 +219,12 @@ class Scheduler:
         size = self.kv_cache.block_size
         if req.num_prompt_tokens <= size:
             return False
-        first, salt, is_long = req.prompt_token_ids[:size], req.params.cache_salt, self.long_rope.is_past_switch(req)
+        first, salt, is_long = req.prompt_token_ids[:size], req.cache_salt, self.long_rope.is_past_switch(req)
         if self.kv_cache.index.lookup(self.kv_cache.index.root_of(salt, is_long), tuple(first)) is not None:
             return False
         return any(
             r.prompt_token_ids[:size] == first
-            and r.params.cache_salt == salt
+            and r.cache_salt == salt
             and r.is_long_rope == is_long
             and self.kv_cache.num_indexed_tokens(r.req_id)
             < (min(r.num_prompt_tokens, req.num_prompt_tokens) - 1) // size * size
@@ -261,6 +267,7 @@ class Scheduler:
             logprobs_mode=req.logprobs_mode,
             eos_token_ids=req.eos_token_ids,
             is_long_rope=req.is_long_rope,
+            lora_slot=req.lora_slot,
         )
 
     def update_from_output(
@@ -318,7 +325,7 @@ class Scheduler:
             req.add_routed_experts(runner_output.routed_experts[req.req_id])
         num_written = min(req.num_computed_tokens, req.num_tokens)
         indexed = self.kv_cache.cache_full_blocks(
-            req.req_id, req.prompt_token_ids, req.output_token_ids, num_written, req.params.cache_salt,
+            req.req_id, req.prompt_token_ids, req.output_token_ids, num_written, req.cache_salt,
             req.is_long_rope,
         )
         flavour = flavour_of(req.params)
@@ -337,7 +344,16 @@ class Scheduler:
                 return num
         return len(token_ids)
 
+    def _has_lora_room(self, req: Request) -> bool:
+        """At most max_loras adapters run in one step: a request of another adapter waits for room."""
+        if req.lora_slot < 0:
+            return True
+        running = {r.lora_slot for r in self.running if r.lora_slot >= 0}
+        return req.lora_slot in running or len(running) < self.max_loras
+
     def _free(self, req: Request) -> None:
+        if req.lora_slot >= 0 and self.loras is not None and req.req_id in self.requests:
+            self.loras.release(req.lora_slot)
         if req.grammar is not None and req.req_id in self.requests:
             self.num_with_grammar -= 1
         self.kv_cache.free(req.req_id)

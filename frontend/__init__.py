@@ -3,6 +3,7 @@
 from frontend.async_llm import AsyncLLM
 from frontend.errors import EngineDeadError, RequestFailedError
 from frontend.llm import LLM
+from frontend.lora import LoRARequest
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from protocol.sampling_params import SamplingParams
 from protocol.structured_outputs import StructuredOutputsParams
@@ -13,6 +14,7 @@ __all__ = [
     "CompletionOutput",
     "EngineDeadError",
     "Logprob",
+    "LoRARequest",
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",

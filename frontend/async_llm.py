@@ -29,6 +29,7 @@ from frontend.engine.engine import FrontendEngine, PreparedRequest
 from frontend.engine.input_processor import PromptType
 from frontend.engine.token_text import TokenTable
 from frontend.errors import EngineDeadError, RequestFailedError
+from frontend.lora import LoRARequest, with_lora
 from frontend.outputs import RequestOutput
 from frontend.request_stream import RequestStream
 from protocol.messages import EngineStats, HandshakeReply
@@ -122,11 +123,14 @@ class AsyncLLM(AsyncLLMControlVerbs):
         return None if self._error is None else str(self._error)
 
     def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """An async iterator of the request's deltas, submitted at its first `__anext__`. Its id is free
-        again as soon as the stream ends: finished, failed, `aclose()`d, cancelled, or left by `break`."""
+        again as soon as the stream ends: finished, failed, `aclose()`d, cancelled, or left by `break`.
+        `lora_request`: the adapter it runs with (docs/lora.md)."""
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        params = with_lora(params, lora_request)
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         return RequestStream(lambda: self._start(prompt, params, request_id), self._release)
 

@@ -49,6 +49,13 @@ class LLMControlVerbs:
         """Forgets every cached prefix (after new weights, the old KV is stale)."""
         self.engine.reset_prefix_cache()
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike, load_inplace: bool = False) -> None:
+        """A PEFT adapter under `lora_name`, which requests then name (`load_inplace`: a new load of it)."""
+        self.engine.load_lora_adapter(lora_name, str(lora_path), load_inplace)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.engine.unload_lora_adapter(lora_name)
+
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
         self.engine.sleep(level)

@@ -13,6 +13,7 @@ from frontend.engine.engine import FrontendEngine
 from frontend.engine.input_processor import InputProcessor, PromptType
 from frontend.engine.output_processor import OutputProcessor
 from frontend.errors import EngineDeadError, RequestFailedError
+from frontend.lora import LoRARequest, lora_per_prompt, with_lora
 from frontend.outputs import RequestOutput
 from frontend.request_ids import request_id_of
 from protocol.messages import EngineStats
@@ -60,12 +61,15 @@ class LLM(LLMControlVerbs):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Completions in input order. All prompts are checked before any is sent, and sent together."""
+        """Completions in input order. All prompts are checked before any is sent, and sent together.
+        `lora_request`: the adapter of every prompt, or one a prompt (docs/lora.md)."""
         prompts = _as_list(prompts)
         if sampling_params is None:  # as vLLM: the model's generation_config.json defaults
             sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
+        params = [with_lora(p, lora) for p, lora in zip(params, lora_per_prompt(lora_request, len(prompts)))]
         requests = [
             self.engine.prepare(str(next(self._ids)), prompt, p) for prompt, p in zip(prompts, params)
         ]

@@ -9,7 +9,7 @@ or, in Python, `frontend.vllm_shim.install()` before the program imports `vllm`.
 makes `importlib.metadata.version("vllm")` answer VLLM_API_VERSION, the vLLM whose API this follows.
 It refuses to install where a real vLLM is importable. `vllm.LLM` is coreserve's `LLM`, taking the
 vLLM engine arguments lm-eval passes: at their defaults they are accepted (they change nothing here),
-otherwise refused by name, as is any LoRA request; the rest go to coreserve, which refuses what it does
+otherwise refused by name; the rest (LoRA's among them: docs/lora.md) go to coreserve, which refuses what it does
 not know. docs/rl.md ("Evaluation").
 """
 
@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 from frontend.engine.engine_args import load_tokenizer
 from frontend.llm import LLM as CoreserveLLM
+from frontend.lora import LoRARequest
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from protocol.sampling_params import SamplingParams
 
@@ -37,7 +38,6 @@ _NO_OP_ARGS = {
     "tokenizer_mode": "auto",
     "trust_remote_code": False,
     "quantization": None,
-    "enable_lora": False,
 }
 
 
@@ -53,20 +53,12 @@ class LLM(CoreserveLLM):
         config = SimpleNamespace(max_model_len=self.facts.max_model_len, model=self.config.model)
         return SimpleNamespace(model_config=config)
 
-    def generate(
-        self, prompts, sampling_params=None, use_tqdm=True, lora_request=None
-    ) -> list[RequestOutput]:
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not built in coreserve")
-        return super().generate(prompts, sampling_params, use_tqdm)
-
 
 def _coreserve_args(model: str | None, args: dict) -> dict:
     args = dict(args)
     for name, default in _NO_OP_ARGS.items():
         if name in args and args.pop(name) != default:
             raise ValueError(f"{name}: only {default!r} is supported by coreserve's vLLM shim")
-    args.pop("max_lora_rank", None)  # LoRA's own setting (enable_lora is refused above), meaningless here
     tokenizer = args.pop("tokenizer", None)
     if tokenizer not in (None, model):
         raise ValueError(
@@ -77,11 +69,6 @@ def _coreserve_args(model: str | None, args: dict) -> dict:
 
 def TokensPrompt(**fields) -> dict:  # noqa: N802 (vLLM's TypedDict is called like a class)
     return dict(fields)
-
-
-class LoRARequest:
-    def __init__(self, *args, **kwargs) -> None:
-        raise ValueError("LoRARequest: LoRA adapters are not built in coreserve")
 
 
 def get_tokenizer(

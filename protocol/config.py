@@ -139,6 +139,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # activations to int8 blocks and sum in integers, in one order, so every bitwise guarantee above
     # holds with numbers near, not equal to, "float32"'s (docs/quantized.md "Integer mode"); CPU kernels only.
     quantized_activations: Literal["float32", "int8"] = "float32"
+    # LoRA adapters (docs/lora.md): requests may name a PEFT adapter; at most max_loras adapters run in
+    # one step, of rank up to max_lora_rank, and max_cpu_loras stay loaded when idle (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Speculative decoding (docs/speculative.md); None: off. A dict given to LLM/AsyncLLM is converted.
     speculative_config: SpeculativeConfig | None = None
 
@@ -166,7 +172,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.quantized_activations == "int8" and (not self.can_use_cpu_kernels or self.device.startswith("cuda")):
             raise ValueError("quantized_activations='int8' runs on the CPU's C kernels only "
                              "(device cpu and can_use_cpu_kernels true)")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         spec = self.speculative_config
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not built")
+        if self.enable_lora and spec is not None and spec.method == "draft_model":
+            raise ValueError("enable_lora with speculative_config method 'draft_model' is not built")
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config method 'draft_model' with tensor_parallel_size > 1 is not built")
 
@@ -199,6 +214,10 @@ ENGINE_ARG_HELP = {
     "\"model\": PATH, \"num_speculative_tokens\": 4}; the same tokens and logprobs as without it",
     "batch_invariant": "true (the default): a request's logprobs are the same bits in any batch, chunking "
     "or step, and prompt logprobs equal the sampled ones (C kernels on the CPU); false: shape-tuned products",
+    "enable_lora": "serve LoRA adapters (PEFT folders) that requests name (default false; docs/lora.md)",
+    "max_loras": "most LoRA adapters in one model step (default 1)",
+    "max_lora_rank": "highest LoRA rank an adapter may have (default 16)",
+    "max_cpu_loras": "LoRA adapters kept loaded while no request uses them (default: max_loras)",
     "quantized_activations": "float32 (the default, exact): GGUF weights kept quantized meet fp32 "
     "activations; int8 (integer mode): activations quantized to int8 blocks of 32, integer dot products, "
     "every bitwise guarantee kept, numbers near float32's (docs/quantized.md)",

@@ -41,6 +41,15 @@ MAX_PROMPT_CANDIDATES = 256
 CandidateRow = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CANDIDATES)]
 
 
+class LoraRef(msgspec.Struct, array_like=True, frozen=True):
+    """A LoRA adapter on the wire (vLLM's LoRARequest): the core loads `path` (a PEFT folder on the core's
+    host) the first time it meets `int_id`, and keeps it under that id."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    int_id: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one prompt's completions. Field names and defaults follow vLLM.
 
@@ -109,6 +118,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # requests read only prefix-cache blocks computed under the same salt, so tenants (or weight versions,
     # as prime-rl salts them) never share cached prefixes. None: the shared, unsalted cache.
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    # The LoRA adapter the request runs with (vLLM's `lora_request`, given to generate beside the params
+    # and carried here to the core, as cache_salt is; docs/lora.md). None: the base model.
+    lora: LoraRef | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -28,6 +28,7 @@ class NewRequestData:
     # LongRoPE: every position rotates with the long factors (the request held more tokens than the
     # switch when it was admitted); False: the short ones (engine_core/scheduler.py)
     is_long_rope: bool = False
+    lora_slot: int = -1  # the loaded LoRA adapter the request runs with (engine_core/lora_table.py); -1: none
 
 
 @dataclass

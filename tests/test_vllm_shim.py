@@ -30,7 +30,8 @@ with LLM(model, multiprocess=False, **lm_evals) as llm:
     assert llm.llm_engine.model_config.max_model_len == llm.facts.max_model_len
     got = llm.generate(prompts, sampling_params=[params], use_tqdm=False, lora_request=None)
     for call, words in [(lambda: llm.generate(prompts, params, lora_request=object()), "lora_request"),
-                        (lambda: LoRARequest("x", 1, "/tmp"), "LoRARequest")]:
+                        (lambda: llm.generate(prompts, params, lora_request=LoRARequest("x", 1, "/tmp")),
+                         "enable_lora")]:
         try:
             call()
         except ValueError as exc:

@@ -19,6 +19,8 @@ import torch
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
 from worker.backend import Backend, choose_backend
+from worker.lora.adapter import read_adapter
+from worker.lora.lora_ops import LoraOps
 from worker.models.loader import load_model
 from worker.models.sharding import Shard, apply_tp
 from worker.models.weight_store import WeightStore
@@ -80,6 +82,12 @@ class ModelRunner(RunnerControl):
         self.on_progress = on_progress
         # Speculative decoding (worker/speculative/); None: no speculation
         self.speculator = Speculator.build(spec, self.vocab_size, ModelRunner)
+        # LoRA (worker/lora/): the loaded adapters by slot, their deltas added by the model's ops
+        self.max_lora_rank = spec.max_lora_rank
+        self.lora: LoraOps | None = None
+        if spec.enable_lora:
+            self.lora = LoraOps(self.model.ops, {}, self.model.lm_head)
+            self.model.ops = self.lora
 
     def _stepped_lately(self) -> bool:
         return time.monotonic() - self.last_step_at < 0.25
@@ -184,7 +192,13 @@ class ModelRunner(RunnerControl):
             tensors.add_step(out.sampled, out.logprobs)
         if inputs.prompt_jobs and (self.group is None or self.group.rank == 0):  # rank 0's alone
             logits_of, ops = self.model.compute_logits, self.backend.sampling
-            tensors.prompt_logprobs = prompt_logprob_rows(inputs.prompt_jobs, self.states, hidden, logits_of, ops)
+            if self.lora is None:
+                tensors.prompt_logprobs = prompt_logprob_rows(inputs.prompt_jobs, self.states, hidden, logits_of, ops)
+            else:  # a job's rows are one request's: its adapter for every row of each slice
+                tensors.prompt_logprobs = {}
+                for job in inputs.prompt_jobs:
+                    self.lora.set_slot(self.states[job.req_id].lora_slot)
+                    tensors.prompt_logprobs.update(prompt_logprob_rows([job], self.states, hidden, logits_of, ops))
         return tensors.to_host(), out, extras
 
     def prepare(
@@ -194,8 +208,39 @@ class ModelRunner(RunnerControl):
         with the backend's attention plan made before the forward."""
         long_rows_start = self.model.rotary.long_rows_start
         inputs = build_step_inputs(states, num_tokens, self.block_size, self.device, verified, long_rows_start)
+        if self.lora is not None and any(s.lora_slot >= 0 for s in states):
+            inputs.lora_rows = torch.tensor([s.lora_slot for s, n in zip(states, num_tokens) for _ in range(n)])
         self.backend.prepare(inputs.attn)
         return inputs
+
+    # ---- LoRA ----
+
+    def add_lora(self, slot: int, name: str, path: str) -> int:
+        """Reads the PEFT adapter at `path` into `slot` (a ValueError names what does not fit); returns
+        its size in bytes."""
+        assert self.lora is not None, "enable_lora is off"
+        try:
+            adapter = read_adapter(path, name, self.model, self.max_lora_rank)
+        except ValueError:
+            raise
+        except Exception as exc:  # unreadable files: this adapter's error, never the engine's
+            raise ValueError(f"LoRA adapter {path!r} could not be read: {exc}") from exc
+        self.lora.adapters[slot] = adapter
+        return adapter.num_bytes
+
+    def remove_lora(self, slot: int) -> None:
+        if self.lora is not None:
+            self.lora.adapters.pop(slot, None)
+
+    def _lora_slots(self, req_ids: list[str]) -> torch.Tensor | None:
+        if self.lora is None:
+            return None
+        slots = [self.states[r].lora_slot for r in req_ids]
+        return torch.tensor(slots) if any(s >= 0 for s in slots) else None
+
+    def _lora_rows(self, rows: torch.Tensor | None) -> None:
+        if self.lora is not None:
+            self.lora.set_rows(rows)
 
     def forward_and_sample(
         self, inputs: StepInputs, meta: SamplingMetadata | None, rows: torch.Tensor | None = None
@@ -204,9 +249,11 @@ class ModelRunner(RunnerControl):
         `meta` (`rows`: only these of the sampled rows; meta None: none samples), every rank taking rank
         0's tokens. Returns the hidden states too, for prompt logprobs. A step's, a multi-step window's
         and a draft model's (worker/speculative/draft_model.py) one way to run the model."""
+        self._lora_rows(inputs.lora_rows)
         hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
         if meta is None:
             return hidden, None
+        self._lora_rows(self._lora_slots(inputs.sampled_req_ids))
         logits = self._logits(inputs, hidden, fused_logits)
         if rows is not None:
             logits = logits[rows]

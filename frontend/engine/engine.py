@@ -250,6 +250,19 @@ class FrontendEngine:
         """Forgets every cached prefix (after new weights, the old KV is stale)."""
         self.call("reset_prefix_cache")
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        """A PEFT adapter loaded under `lora_name` (`load_inplace`: a new load of a loaded one, which
+        requests take from now on; those running keep theirs). docs/lora.md."""
+        self.call("load_lora_adapter", lora_name=lora_name, lora_path=str(lora_path), load_inplace=load_inplace)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.call("unload_lora_adapter", lora_name=lora_name)
+
+    def list_lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of every adapter the core knows."""
+        reply = self.call("list_lora_adapters")
+        return [tuple(entry) for entry in reply.result]
+
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""
         if level not in (1, 2):

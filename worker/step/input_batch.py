@@ -31,6 +31,7 @@ class RequestState:
     is_logits: bool = False  # logprobs_mode "raw_logits" or "processed_logits": the values are logits
     is_long_rope: bool = False  # LongRoPE: every position rotates with the long factors (NewRequestData's)
     spec_seed: int | None = None  # speculative decoding: an unseeded sampled request's seed (the runner's)
+    lora_slot: int = -1  # its loaded LoRA adapter (worker/lora/); -1: none
     _table: np.ndarray | None = field(default=None, repr=False, compare=False)  # block_ids, cached
 
     def add_blocks(self, block_ids: list[int]) -> None:
@@ -59,6 +60,7 @@ class RequestState:
             data.eos_token_ids,
             is_logits=data.logprobs_mode.endswith("_logits"),
             is_long_rope=data.is_long_rope,
+            lora_slot=data.lora_slot,
         )
 
     @property
@@ -86,6 +88,7 @@ class StepInputs:
     sample_rows: torch.Tensor | None  # [R] int64 hidden rows whose logits are sampled; None: every row
     sampled_req_ids: list[str]  # [R]
     prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
+    lora_rows: torch.Tensor | None = None  # [T] int64 each token's LoRA slot (-1: none); None: no adapter
 
 
 def build_step_inputs(
@@ -201,7 +204,8 @@ def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:
     decode = attn.decode.next_step()
     plan = attn.plan.next_step(decode)
     next_attn = AttentionMetadata(plan.next_slots(positions), [], decode, plan)
-    return StepInputs(input_ids, positions, rope_rows, next_attn, inputs.sample_rows, inputs.sampled_req_ids)
+    return StepInputs(input_ids, positions, rope_rows, next_attn, inputs.sample_rows, inputs.sampled_req_ids,
+                      lora_rows=inputs.lora_rows)
 
 
 def _rope_rows(positions: torch.Tensor, long_rows: list[int], long_rows_start: int) -> torch.Tensor:

@@ -18,6 +18,8 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     batch_invariant: bool = True  # EngineConfig's: one order of summation per row, whatever the batch
     quantized_activations: str = "float32"  # EngineConfig's: "int8" takes the integer-mode products
     tensor_parallel_size: int = 1
+    enable_lora: bool = False  # EngineConfig's: LoRA deltas in the products (worker/lora/), no fused step
+    max_lora_rank: int = 16
     num_threads: int | None = None  # torch threads in each rank process; None: shared out among them
     speculative: SpeculativeConfig | None = None  # the proposer the runner builds; None: no speculation
     # The runner has its process to itself (a spawned core, a daemon, a rank): the thread governor may set

@@ -1,0 +1,143 @@
+"""The core's LoRA adapters (engine-core process): which adapter each request runs with, loaded once per
+load into a slot of the runner (worker/lora/), and when a slot is dropped.
+
+A slot is one load of one adapter: its int_id and name, its path, and a generation that a load in place
+(`load(..., inplace=True)`, vLLM's load_inplace, what RL syncs use) moves on. A request takes the slot of
+its adapter's current load when it arrives and keeps it to its end, so it never mixes two versions; the
+prefix cache keys a LoRA request's blocks by its slot (Request.cache_root), so no request reads KV
+computed under another adapter or another load of its own. A slot no request holds is dropped when the
+adapter was loaded again, unloaded, or when more than max_cpu_loras idle slots are kept (least recently
+used first).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from protocol.sampling_params import LoraRef
+
+
+@dataclass
+class Slot:
+    slot: int
+    name: str
+    int_id: int
+    path: str
+    generation: int
+    num_bytes: int = 0
+
+
+class LoraTable:
+    def __init__(self, executor, enabled: bool, max_cpu_loras: int) -> None:
+        self.executor = executor  # add_lora(slot, name, path) -> bytes, remove_lora(slot)
+        self.enabled = enabled
+        self.max_cpu_loras = max_cpu_loras
+        self._known: dict[int, tuple[str, str, int]] = {}  # int_id -> (name, path, generation) of its latest load
+        self._by_name: dict[str, int] = {}  # name -> int_id
+        self._current: dict[int, Slot] = {}  # int_id -> its latest load, while loaded
+        self._slots: dict[int, Slot] = {}  # every slot loaded in the runner
+        self._idle: OrderedDict[int, None] = OrderedDict()  # current slots no request holds, LRU first
+        self._holders: dict[int, int] = {}  # slot -> requests holding it
+        self._slot_ids = itertools.count()
+        self._int_ids = itertools.count(2**31)  # ids of adapters loaded by name alone (the server's)
+
+    def adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of every adapter known (loaded now, or again at its next request)."""
+        return sorted((name, path) for name, path, _ in self._known.values())
+
+    def take(self, ref: LoraRef) -> int:
+        """The slot a request with `ref` runs with, held until `release` (loaded where it is not); a
+        ValueError names what is wrong (LoRA off, an unreadable adapter, a name taken by another id)."""
+        if not self.enabled:
+            raise ValueError("lora_request: LoRA is off in this engine (start it with enable_lora=True, "
+                             "--enable-lora)")
+        owner = self._by_name.get(ref.name)
+        if owner is not None and owner != ref.int_id:
+            raise ValueError(f"lora_request: the name {ref.name!r} belongs to lora_int_id {owner}, not {ref.int_id}")
+        if ref.int_id not in self._known:
+            self._load(ref.name, ref.int_id, ref.path, 0)
+        return self._hold_current(ref.int_id)
+
+    def take_by_name(self, name: str) -> int:
+        """take for the adapter known under `name` (the server's `"model": name`)."""
+        int_id = self._by_name.get(name)
+        if int_id is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        return self._hold_current(int_id)
+
+    def load(self, name: str, path: str, inplace: bool = False) -> Slot:
+        """vLLM's /v1/load_lora_adapter: a new adapter under `name`, or (inplace) a new load of it, which
+        the requests arriving from now on take (those running keep theirs)."""
+        if not self.enabled:
+            raise ValueError("LoRA is off in this engine (start it with enable_lora=True, --enable-lora)")
+        int_id = self._by_name.get(name)
+        if int_id is not None and not inplace:
+            raise ValueError(f"a LoRA adapter named {name!r} is loaded already (load_inplace replaces it)")
+        if int_id is None:
+            int_id = next(self._int_ids)
+        generation = self._known[int_id][2] + 1 if int_id in self._known else 0
+        slot = self._load(name, int_id, path, generation)
+        self._trim()
+        return slot
+
+    def unload(self, name: str) -> None:
+        int_id = self._by_name.pop(name, None)
+        if int_id is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        del self._known[int_id]
+        current = self._current.pop(int_id, None)
+        if current is not None:
+            self._retire(current)
+
+    def release(self, slot: int) -> None:
+        """A request that held `slot` ended."""
+        self._holders[slot] -= 1
+        if self._holders[slot]:
+            return
+        del self._holders[slot]
+        held = self._slots[slot]
+        if self._current.get(held.int_id) is not held:
+            self._drop(slot)  # a load replaced or unloaded: no request takes it again
+            return
+        self._idle[slot] = None
+        self._trim()
+
+    def _hold_current(self, int_id: int) -> int:
+        current = self._current.get(int_id)
+        if current is None:  # known, dropped while idle: read again from its path
+            name, path, generation = self._known[int_id]
+            current = self._load(name, int_id, path, generation)
+        self._holders[current.slot] = self._holders.get(current.slot, 0) + 1
+        self._idle.pop(current.slot, None)
+        return current.slot
+
+    def _load(self, name: str, int_id: int, path: str, generation: int) -> Slot:
+        slot = Slot(next(self._slot_ids), name, int_id, path, generation)
+        slot.num_bytes = self.executor.add_lora(slot.slot, name, path)  # a ValueError leaves all as it was
+        previous = self._current.get(int_id)
+        self._slots[slot.slot], self._current[int_id] = slot, slot
+        self._known[int_id], self._by_name[name] = (name, path, generation), int_id
+        if previous is not None:
+            self._retire(previous)
+        self._idle[slot.slot] = None
+        return slot
+
+    def _trim(self) -> None:
+        """Past max_cpu_loras idle loads, the least recently used go (their adapters stay known)."""
+        while len(self._idle) > self.max_cpu_loras:
+            oldest, _ = self._idle.popitem(last=False)
+            del self._current[self._slots[oldest].int_id]
+            self._drop(oldest)
+
+    def _retire(self, slot: Slot) -> None:
+        """No new request takes `slot`; it goes when the last request holding it does."""
+        self._idle.pop(slot.slot, None)
+        if slot.slot not in self._holders:
+            self._drop(slot.slot)
+
+    def _drop(self, slot: int) -> None:
+        self._idle.pop(slot, None)
+        del self._slots[slot]
+        self.executor.remove_lora(slot)

@@ -1,0 +1,171 @@
+"""LoRA adapters (docs/lora.md), against PEFT's unmerged forward on the same weights: random PEFT adapters
+on the built-in tiny model (every target module, lm_head and embed_tokens included, rslora on and off,
+modules_to_save), their logprobs (sampled and prompt) equal PEFT's within the suite's fp32 tolerance; requests of several
+adapters and none in one batch equal each alone bit for bit; the prefix cache never hands one adapter's
+KV to another; a load in place changes the answers at once; what is not built is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import HF_TOLERANCE, IS_BF16_MODE, hf_logprobs
+
+from frontend import LLM, LoRARequest, SamplingParams
+
+pytestmark = pytest.mark.skipif(IS_BF16_MODE, reason="PEFT's fp32 forward is the reference")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
+PROMPTS = [[(11 * i + 7 * j) % 5000 + 50 for j in range(n)] for i, n in enumerate((5, 19, 33, 8, 40, 12))]
+# The suite's fp32 tolerance against HF: the base model alone is up to 2.5e-5 from HF's fp32 forward on
+# these prompts (the kernels' order of summation), the adapters' requests 1.5e-5 from PEFT's (docs/lora.md)
+TOLERANCE = HF_TOLERANCE
+
+
+def write_adapter(base: str, folder, seed: int, rank: int, alpha: float, targets: list[str], rslora: bool = False,
+                  modules_to_save: list[str] | None = None):
+    """A PEFT adapter with random A and B (B scaled so the deltas are a few percent of the base's), saved as
+    PEFT saves it; returns the PEFT model, for the reference."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                        modules_to_save=modules_to_save, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                param.mul_(0.05)
+            elif "modules_to_save" in name:
+                param.add_(torch.randn_like(param) * 0.02)
+    peft_model.save_pretrained(str(folder))
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_path, tmp_path_factory):
+    """name -> (folder, PEFT model): every target (rank 8), and q/v with rslora and lm_head saved whole."""
+    root = tmp_path_factory.mktemp("lora")
+    made = {
+        "every": write_adapter(tiny_path, root / "every", 1, 8, 16, ALL_TARGETS),
+        "qv-rslora": write_adapter(tiny_path, root / "qv", 2, 4, 8, ["q_proj", "v_proj"], rslora=True,
+                                   modules_to_save=["lm_head"]),
+    }
+    return {name: (str(root / folder), model) for (name, model), folder in zip(made.items(), ("every", "qv"))}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    with LLM(tiny_path, multiprocess=False, enable_lora=True, max_loras=3, num_kv_blocks=512,
+             max_num_batched_tokens=256) as llm:
+        yield llm
+
+
+def lora(adapters, name: str, int_id: int) -> LoRARequest:
+    return LoRARequest(name, int_id, adapters[name][0])
+
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=4, prompt_logprobs=4, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=8, temperature=0.9, seed=7, logprobs=3, ignore_eos=True)
+
+
+def rows(output) -> tuple:
+    completion = output.outputs[0]
+    return (completion.token_ids, [[(t, v.logprob, v.rank) for t, v in d.items()] for d in completion.logprobs],
+            None if output.prompt_logprobs is None else
+            [None if d is None else sorted((t, v.logprob) for t, v in d.items()) for d in output.prompt_logprobs])
+
+
+@pytest.mark.parametrize("name", ["every", "qv-rslora"])
+def test_logprobs_equal_peft_unmerged_forward(llm, adapters, name):
+    _, peft_model = adapters[name]
+    request = lora(adapters, name, 1 if name == "every" else 2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], PARAMS, use_tqdm=False, lora_request=request)
+    worst = 0.0
+    for prompt, output in zip(PROMPTS, outputs):
+        completion = output.outputs[0]
+        with torch.no_grad():
+            reference = hf_logprobs(peft_model, prompt + completion.token_ids)
+        for position, entries in enumerate(output.prompt_logprobs[1:], start=1):
+            for token_id, value in entries.items():
+                worst = max(worst, abs(value.logprob - reference[position - 1][token_id].item()))
+        for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = reference[len(prompt) - 1 + step]
+            assert row[token_id] >= row.max() - TOLERANCE  # greedy: PEFT's argmax
+            for entry_id, value in entries.items():
+                worst = max(worst, abs(value.logprob - row[entry_id].item()))
+    assert worst < TOLERANCE, worst
+    with torch.no_grad(), peft_model.disable_adapter():  # the adapter really moves the numbers
+        base = hf_logprobs(peft_model, PROMPTS[0])
+    assert abs(base[-1] - hf_logprobs(peft_model, PROMPTS[0])[-1]).max() > 1e-3
+
+
+def test_adapters_and_none_in_one_batch_equal_each_alone(llm, adapters):
+    requests = [lora(adapters, "every", 1), lora(adapters, "qv-rslora", 2), None] * 2
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [PARAMS if i % 2 else SAMPLED for i in range(len(PROMPTS))]
+    batched = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+    assert len({tuple(rows(o)[0]) for o in batched[:3]}) > 1 or rows(batched[0]) != rows(batched[2])
+    for i in range(len(PROMPTS)):
+        alone = llm.generate([prompts[i]], params[i], use_tqdm=False, lora_request=requests[i])
+        assert rows(alone[0]) == rows(batched[i]), i
+    llm.reset_prefix_cache()
+    cold = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+    assert [rows(o) for o in cold] == [rows(o) for o in batched]
+
+
+def test_the_prefix_cache_keeps_each_adapter_s_kv_its_own(llm, adapters):
+    prompt = [{"prompt_token_ids": PROMPTS[4]}]
+    llm.reset_prefix_cache()
+    base_cold = llm.generate(prompt, PARAMS, use_tqdm=False)
+    with_every = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=lora(adapters, "every", 1))
+    with_qv = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=lora(adapters, "qv-rslora", 2))
+    assert len({str(rows(o[0])) for o in (base_cold, with_every, with_qv)}) == 3
+    llm.reset_prefix_cache()
+    every_cold = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=lora(adapters, "every", 1))
+    assert rows(every_cold[0]) == rows(with_every[0])
+    assert rows(llm.generate(prompt, PARAMS, use_tqdm=False)[0]) == rows(base_cold[0])  # warm, the base's blocks
+
+
+def test_a_load_in_place_changes_the_answers_at_once(tiny_path, adapters, tmp_path):
+    second = tmp_path / "second"
+    write_adapter(tiny_path, second, 9, 8, 16, ALL_TARGETS)
+    prompt = [{"prompt_token_ids": PROMPTS[2]}]
+    with LLM(tiny_path, multiprocess=False, enable_lora=True, num_kv_blocks=256) as engine:
+        engine.load_lora_adapter("policy", adapters["every"][0])
+        assert engine.engine.list_lora_adapters() == [("policy", adapters["every"][0])]
+        request = LoRARequest("policy", 2**31, adapters["every"][0])  # the id the core gave it
+        first = engine.generate(prompt, PARAMS, use_tqdm=False, lora_request=request)
+        engine.load_lora_adapter("policy", str(second), load_inplace=True)
+        after = engine.generate(prompt, PARAMS, use_tqdm=False, lora_request=request)
+        assert rows(after[0]) != rows(first[0])
+        with LLM(tiny_path, multiprocess=False, enable_lora=True, num_kv_blocks=256) as fresh:
+            expected = fresh.generate(prompt, PARAMS, use_tqdm=False, lora_request=LoRARequest("p", 5, str(second)))
+        assert rows(after[0]) == rows(expected[0])  # the new load's numbers, no block of the old one's
+        engine.unload_lora_adapter("policy")
+        with pytest.raises(ValueError, match="policy"):
+            engine.unload_lora_adapter("policy")
+
+
+def test_what_is_not_built_is_refused_by_name_and_the_engine_goes_on(llm, adapters, tiny_path, tmp_path):
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    config = json.loads(open(os.path.join(adapters["every"][0], "adapter_config.json")).read())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=lora(adapters, "every", 1))
+    for request, words in [(LoRARequest("dora", 7, str(dora)), "DoRA"),
+                           (LoRARequest("missing", 8, str(tmp_path / "nowhere")), "adapter_config.json"),
+                           (LoRARequest("every", 9, adapters["every"][0]), "belongs to lora_int_id 1")]:
+        with pytest.raises(Exception, match=words):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=request)
+    big = tmp_path / "big"
+    write_adapter(tiny_path, big, 3, 32, 16, ["q_proj"])
+    with pytest.raises(Exception, match="max_lora_rank"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=LoRARequest("big", 10, str(big)))
+    assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(tiny_path, multiprocess=False, num_kv_blocks=64) as off, pytest.raises(Exception, match="enable_lora"):
+        off.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=lora(adapters, "every", 1))
