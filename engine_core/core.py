@@ -12,7 +12,7 @@ from collections.abc import Callable
 from engine_core.grammars import Grammars
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.lora_table import LoraTable
-from engine_core.request import Request
+from engine_core.request import Request, RequestStatus
 from engine_core.rl_control import CoreControl, pinned_error
 from engine_core.scheduler import Scheduler
 from protocol import PROTOCOL_VERSION
@@ -121,6 +121,8 @@ class EngineCore:
             prefix_cache_queries=self.kv_cache.num_queried_tokens,
             prefix_cache_hits=self.kv_cache.num_hit_tokens,
             num_prefill_tokens=scheduler.num_prefill_tokens,
+            running_lora_adapters=_adapter_names(scheduler.running),
+            waiting_lora_adapters=_adapter_names(r for r in scheduler.requests.values() if r.status == RequestStatus.WAITING),
             **_speculative_stats(scheduler),
         )
 
@@ -200,6 +202,10 @@ class EngineCore:
         """Stops the tensor-parallel ranks, if any, and the grammar thread; the core is not used after this."""
         self.scheduler.grammars.close()
         self.executor.close()
+
+
+def _adapter_names(reqs) -> list[str]:
+    return sorted({r.params.lora.name for r in reqs if r.params.lora is not None})
 
 
 def _speculative_stats(scheduler) -> dict:

@@ -41,7 +41,7 @@ class LoraTable:
         self._idle: OrderedDict[int, None] = OrderedDict()  # current slots no request holds, LRU first
         self._holders: dict[int, int] = {}  # slot -> requests holding it
         self._slot_ids = itertools.count()
-        self._int_ids = itertools.count(2**31)  # ids of adapters loaded by name alone (the server's)
+        self._int_ids = itertools.count(2**30)  # ids of adapters loaded by name alone (the server's)
 
     def adapters(self) -> list[tuple[str, str]]:
         """(name, path) of every adapter known (loaded now, or again at its next request)."""
@@ -67,16 +67,20 @@ class LoraTable:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded")
         return self._hold_current(int_id)
 
-    def load(self, name: str, path: str, inplace: bool = False) -> Slot:
-        """vLLM's /v1/load_lora_adapter: a new adapter under `name`, or (inplace) a new load of it, which
-        the requests arriving from now on take (those running keep theirs)."""
+    def load(self, name: str, path: str, inplace: bool = False, int_id: int | None = None) -> Slot:
+        """vLLM's /v1/load_lora_adapter: a new adapter under `name` (with `int_id`, the id its requests
+        name; None: one of the core's), or (inplace) a new load of it, which the requests arriving from
+        now on take (those running keep theirs)."""
         if not self.enabled:
             raise ValueError("LoRA is off in this engine (start it with enable_lora=True, --enable-lora)")
-        int_id = self._by_name.get(name)
-        if int_id is not None and not inplace:
+        known = self._by_name.get(name)
+        if known is not None and not inplace:
             raise ValueError(f"a LoRA adapter named {name!r} is loaded already (load_inplace replaces it)")
-        if int_id is None:
-            int_id = next(self._int_ids)
+        if known is not None and int_id is not None and int_id != known:
+            raise ValueError(f"the LoRA adapter {name!r} has lora_int_id {known}, not {int_id}")
+        if known is None and int_id is not None and int_id in self._known:
+            raise ValueError(f"lora_int_id {int_id} belongs to the adapter {self._known[int_id][0]!r}")
+        int_id = known if known is not None else int_id if int_id is not None else next(self._int_ids)
         generation = self._known[int_id][2] + 1 if int_id in self._known else 0
         slot = self._load(name, int_id, path, generation)
         self._trim()

@@ -77,6 +77,7 @@ class LoadLoraArgs(Args):
     lora_name: str
     lora_path: str
     load_inplace: bool = False  # a new load of the adapter under this name (requests running keep theirs)
+    lora_int_id: int | None = None  # the id its requests name (LoRARequest's); None: one the core gives
 
 
 class LoraNameArgs(Args):
@@ -203,9 +204,9 @@ class CoreControl:
             self.executor.collective_rpc("wake_up", {"kv_cache": True, "path": None})
             self.is_kv_asleep = False
 
-    def load_lora_adapter(self, args: LoadLoraArgs, outbox: Outbox) -> None:
-        """vLLM's /v1/load_lora_adapter (engine_core/lora_table.py)."""
-        self.loras.load(args.lora_name, args.lora_path, args.load_inplace)
+    def load_lora_adapter(self, args: LoadLoraArgs, outbox: Outbox) -> int:
+        """vLLM's /v1/load_lora_adapter (engine_core/lora_table.py); the adapter's lora_int_id."""
+        return self.loras.load(args.lora_name, args.lora_path, args.load_inplace, args.lora_int_id).int_id
 
     def unload_lora_adapter(self, args: LoraNameArgs, outbox: Outbox) -> None:
         self.loras.unload(args.lora_name)

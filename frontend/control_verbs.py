@@ -49,9 +49,12 @@ class LLMControlVerbs:
         """Forgets every cached prefix (after new weights, the old KV is stale)."""
         self.engine.reset_prefix_cache()
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike, load_inplace: bool = False) -> None:
-        """A PEFT adapter under `lora_name`, which requests then name (`load_inplace`: a new load of it)."""
-        self.engine.load_lora_adapter(lora_name, str(lora_path), load_inplace)
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str | os.PathLike, load_inplace: bool = False, lora_int_id: int | None = None
+    ) -> int:
+        """A PEFT adapter under `lora_name` (`load_inplace`: a new load of it); its lora_int_id, which a
+        LoRARequest names."""
+        return self.engine.load_lora_adapter(lora_name, str(lora_path), load_inplace, lora_int_id)
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         self.engine.unload_lora_adapter(lora_name)
@@ -102,6 +105,14 @@ class AsyncLLMControlVerbs:
     async def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (after new weights, the old KV is stale)."""
         await self._call(lambda engine: engine.reset_prefix_cache())
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str | os.PathLike, load_inplace: bool = False, lora_int_id: int | None = None
+    ) -> int:
+        return await self._call(lambda e: e.load_lora_adapter(lora_name, str(lora_path), load_inplace, lora_int_id))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self._call(lambda e: e.unload_lora_adapter(lora_name))
 
     async def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache, level 2 the weights too; requests sent meanwhile wait for wake_up."""

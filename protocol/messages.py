@@ -190,6 +190,9 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True):
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
     num_heap_releases: int = 0  # times a core process went idle after a step and gave its free C heap
     # back to the OS (engine_core/server.py's release_heap), since start; 0 in process
+    # LoRA: the adapters of the running and of the waiting requests, by name (vllm:lora_requests_info)
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class ControlReply(msgspec.Struct, tag="done", array_like=True):

@@ -136,9 +136,9 @@ def test_a_load_in_place_changes_the_answers_at_once(tiny_path, adapters, tmp_pa
     write_adapter(tiny_path, second, 9, 8, 16, ALL_TARGETS)
     prompt = [{"prompt_token_ids": PROMPTS[2]}]
     with LLM(tiny_path, multiprocess=False, enable_lora=True, num_kv_blocks=256) as engine:
-        engine.load_lora_adapter("policy", adapters["every"][0])
+        int_id = engine.load_lora_adapter("policy", adapters["every"][0])
         assert engine.engine.list_lora_adapters() == [("policy", adapters["every"][0])]
-        request = LoRARequest("policy", 2**31, adapters["every"][0])  # the id the core gave it
+        request = LoRARequest("policy", int_id, adapters["every"][0])
         first = engine.generate(prompt, PARAMS, use_tqdm=False, lora_request=request)
         engine.load_lora_adapter("policy", str(second), load_inplace=True)
         after = engine.generate(prompt, PARAMS, use_tqdm=False, lora_request=request)

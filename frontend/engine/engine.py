@@ -250,10 +250,15 @@ class FrontendEngine:
         """Forgets every cached prefix (after new weights, the old KV is stale)."""
         self.call("reset_prefix_cache")
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str, load_inplace: bool = False, lora_int_id: int | None = None
+    ) -> int:
         """A PEFT adapter loaded under `lora_name` (`load_inplace`: a new load of a loaded one, which
-        requests take from now on; those running keep theirs). docs/lora.md."""
-        self.call("load_lora_adapter", lora_name=lora_name, lora_path=str(lora_path), load_inplace=load_inplace)
+        requests take from now on; those running keep theirs); returns its lora_int_id (`lora_int_id`:
+        the one to take; None: the core gives one). docs/lora.md."""
+        reply = self.call("load_lora_adapter", lora_name=lora_name, lora_path=str(lora_path),
+                          load_inplace=load_inplace, lora_int_id=lora_int_id)
+        return reply.result
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         self.call("unload_lora_adapter", lora_name=lora_name)

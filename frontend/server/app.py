@@ -20,6 +20,7 @@ from frontend.errors import EngineDeadError
 from frontend.server.common.errors import APIError, error_response, install_error_handlers
 from frontend.server.common.limits import BodyLimitMiddleware
 from frontend.server.common.logprob_json import JSONBytesResponse, token_text
+from frontend.server.lora import adapter_models, load_lora_adapter, unload_lora_adapter
 from frontend.server.openai.chat import create_chat_completion
 from frontend.server.openai.completions import create_completion
 from frontend.server.openai.schemas import DetokenizeRequest, TokenizeRequest
@@ -73,6 +74,9 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.post(INFERENCE_GENERATE_PATH)(inference_generate)  # vLLM's tokens in, tokens out (prime-rl)
     app.post(SGLANG_SCORE_PATH)(sglang_score)  # label scoring for graders (scoring/label_scores.py)
     app.post(VLLM_SCORE_PATH)(vllm_generative_scoring)
+    if server.enable_lora:  # vLLM's runtime adapter routes (frontend/server/lora.py)
+        app.post("/v1/load_lora_adapter")(load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(unload_lora_adapter)
     if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
         app.include_router(rl_router())
         app.post(GENERATE_PATH)(generate)  # token ids in and out (rl/token_generate.py)
@@ -118,7 +122,7 @@ async def list_models(request: Request) -> Response:
         "root": server.engine.config.model,
         "max_model_len": server.facts.max_model_len,
     }
-    return JSONBytesResponse({"object": "list", "data": [model]})
+    return JSONBytesResponse({"object": "list", "data": [model, *adapter_models(server)]})
 
 
 async def loads(request: Request, include: str | None = None) -> Response:

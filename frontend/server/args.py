@@ -57,6 +57,9 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "quantized_activations": (str, ("float32", "int8")),
     "speculative_config": (str, None),  # JSON, checked by name in make_config
     "num_threads": (int, None),  # the core's threads: replicas sharing a host take a core each
+    "max_loras": (int, None),
+    "max_lora_rank": (int, None),
+    "max_cpu_loras": (int, None),
 }
 
 
@@ -97,6 +100,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="fill usage.prompt_tokens_details.cached_tokens (prompt tokens read from the prefix cache) where "
         "any were; without it the field is null, as vLLM",
     )
+    parser.add_argument(
+        "--enable-lora", action="store_true",
+        help="serve LoRA adapters: a request's \"model\" names one, /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter load and drop them at run time (docs/lora.md)",
+    )
+    parser.add_argument(
+        "--lora-modules", nargs="+", metavar="NAME=PATH",
+        help="PEFT adapters loaded at start, each name=path or JSON {\"name\": ..., \"path\": ...} (needs --enable-lora)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     engine = parser.add_argument_group("engine arguments (vLLM's names)")
     for name, (kind, choices) in _ENGINE_FLAGS.items():
@@ -107,7 +119,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine arguments that were given, as AsyncLLM keyword arguments."""
-    return {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    return {**given, "enable_lora": True} if getattr(args, "enable_lora", False) else given
 
 
 def model_to_serve(args: argparse.Namespace) -> str:

@@ -11,6 +11,7 @@ from frontend.engine.token_text import TokenTable
 from frontend.server.common.errors import APIError
 from frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES, Admission, PromptBound
 from frontend.server.common.metrics import ServerMetrics
+from protocol.sampling_params import LoraRef
 
 
 @dataclass
@@ -30,6 +31,8 @@ class ServerState:
     admission: Admission | None = None
     _serials: itertools.count = field(default_factory=itertools.count)
     live: dict = field(default_factory=dict)  # SGLang /generate requests running, by rid (/abort_request)
+    enable_lora: bool = False  # --enable-lora: adapters by name, and the load/unload routes (lora.py)
+    loras: dict[str, LoraRef] = field(default_factory=dict)  # the adapters a request's "model" may name
 
     def __post_init__(self) -> None:
         if self.table is None:  # the engine's own: built once per tokenizer (128k entries for Llama 3)
@@ -49,9 +52,14 @@ class ServerState:
         """The core's HandshakeReply: vocab_size, max_model_len, max_logprobs, ..."""
         return self.engine.facts
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+    def check_model(self, name: str | None) -> LoraRef | None:
+        """The adapter a request's `model` names (None: the base model); a 404 for a name not served."""
+        if name is None or name == self.served_model_name:
+            return None
+        lora = self.loras.get(name)
+        if lora is None:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+        return lora
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{self.started_at:x}{next(self._serials):06d}"

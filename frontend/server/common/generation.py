@@ -12,10 +12,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
+
 from frontend.outputs import RequestOutput
 from frontend.server.common.limits import Admission
 from frontend.server.common.metrics import RequestTimer, ServerMetrics
-from protocol.sampling_params import SamplingParams
+from protocol.sampling_params import LoraRef, SamplingParams
 
 
 @dataclass
@@ -33,11 +35,12 @@ class Generation:
         params: SamplingParams,
         metrics: ServerMetrics,
         admission: Admission | None = None,
+        lora: LoraRef | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.prompts = prompts
-        self.params = params
+        self.params = params if lora is None else msgspec.structs.replace(params, lora=lora)  # the "model" adapter
         self.metrics = metrics
         self.admission = admission
         self._admitted = 0  # sequences the admission holds for this generation until it closes

@@ -114,7 +114,7 @@ class ServerMetrics:
                 if row.read is None or self.stats is not None:
                     families.append(self._family(prefix, row))
             if self.stats is not None:
-                families += self._speculation(prefix) + self._cache_config(prefix)
+                families += self._speculation(prefix) + self._cache_config(prefix) + self._lora_info(prefix)
         return families
 
     def _family(self, prefix: str, row: Row):
@@ -158,6 +158,21 @@ class ServerMetrics:
         }
         info = GaugeMetricFamily(f"{prefix}:cache_config_info", "The KV cache's configuration", labels=[*base, *cache])
         info.add_metric([*values, *cache.values()], 1.0)
+        return [info]
+
+
+    def _lora_info(self, prefix: str) -> list:
+        """`*:lora_requests_info` (with LoRA on): the time of the scrape, the adapters of the running and
+        waiting requests and max_loras in its labels, as vLLM writes it."""
+        if self.config is None or not self.config.enable_lora:
+            return []
+        base, values = self._labels(prefix)
+        labels = {"max_lora": str(self.config.max_loras),
+                  "running_lora_adapters": ",".join(self.stats.running_lora_adapters),
+                  "waiting_lora_adapters": ",".join(self.stats.waiting_lora_adapters)}
+        info = GaugeMetricFamily(f"{prefix}:lora_requests_info", "Running and waiting LoRA adapters",
+                                 labels=[*base, *labels])
+        info.add_metric([*values, *labels.values()], time.time())
         return [info]
 
 

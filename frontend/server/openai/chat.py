@@ -28,7 +28,7 @@ from frontend.server.state import ServerState
 
 async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
     server: ServerState = request.app.state.server
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     check_body_fields(body)
     await parse_grammar_off_the_loop(body)
     prompt = await chat_prompt(server, body)
@@ -39,6 +39,7 @@ async def create_chat_completion(request: Request, body: ChatCompletionRequest) 
         _params(server, body, prompt),
         server.metrics,
         server.admission,
+        lora,
     )
     response = ChatResponse(server, body, generation)
     if body.stream:

@@ -33,12 +33,13 @@ from frontend.server.state import ServerState
 
 async def create_completion(request: Request, body: CompletionRequest) -> Response:
     server: ServerState = request.app.state.server
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     check_body_fields(body)
     await parse_grammar_off_the_loop(body)
     prompts = await completion_prompts(server, body)
     generation = Generation(
-        server.engine, server.new_request_id("cmpl"), prompts, _params(server, body, prompts), server.metrics, server.admission
+        server.engine, server.new_request_id("cmpl"), prompts, _params(server, body, prompts), server.metrics, server.admission,
+        lora,
     )
     response = CompletionResponse(server, body, generation)
     if body.stream:

@@ -54,7 +54,7 @@ class TokensRequest(StrictBody):
 
 async def inference_generate(request: Request, body: TokensRequest) -> Response:
     server: ServerState = request.app.state.server
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     for name, no_op in _NO_OP.items():
         if not same_json(getattr(body, name), no_op):
             raise APIError(400, f"{name}: not implemented by this server (only {no_op!r})", name)
@@ -65,7 +65,7 @@ async def inference_generate(request: Request, body: TokensRequest) -> Response:
     prompts = [PromptInput(None, list(body.token_ids))]
     check_prompts(prompts, server.facts, params.max_tokens, "token_ids")
     request_id = body.request_id or server.new_request_id("generate-tokens")
-    generation = Generation(server.engine, request_id, prompts, params, server.metrics, server.admission)
+    generation = Generation(server.engine, request_id, prompts, params, server.metrics, server.admission, lora)
     if body.stream:
         await start_checked(generation, body)
         return sse_response(_chunks(generation, body, params), generation.close)

@@ -85,7 +85,7 @@ class AbortRequest(StrictBody):
 
 async def generate(request: Request, body: GenerateRequest) -> Response:
     server: ServerState = request.app.state.server
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     if body.logprobs_mode is not None and not body.return_logprob:
         raise APIError(400, "logprobs_mode needs return_logprob: true", "logprobs_mode")
     is_batch = isinstance(body.input_ids[0], list)
@@ -97,7 +97,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     if body.rid is not None and body.rid in server.live:
         raise APIError(400, f"rid: a request {body.rid!r} is already running", "rid")
     request_id = body.rid or server.new_request_id("gen")
-    generation = Generation(server.engine, request_id, prompts, params, server.metrics, server.admission)
+    generation = Generation(server.engine, request_id, prompts, params, server.metrics, server.admission, lora)
     server.live[request_id] = generation
     if body.stream:
         try:

@@ -28,7 +28,7 @@ from frontend.server.common.logprob_json import JSONBytesResponse
 from frontend.server.common.sampling import build_sampling_params, field_refusal
 from frontend.server.common.transport import until_disconnected
 from frontend.server.state import ServerState
-from protocol.sampling_params import MAX_PROMPT_CANDIDATES
+from protocol.sampling_params import MAX_PROMPT_CANDIDATES, LoraRef
 
 SGLANG_SCORE_PATH = "/v1/score"
 VLLM_SCORE_PATH = "/generative_scoring"
@@ -64,7 +64,7 @@ class VllmScoreRequest(StrictBody):
 
 async def sglang_score(request: Request, body: SglangScoreRequest) -> Response:
     server: ServerState = request.app.state.server
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     if body.items is None:
         raise APIError(400, "items must be provided", "items")
     items = [body.items] if isinstance(body.items, str) else body.items
@@ -100,12 +100,12 @@ async def sglang_score(request: Request, body: SglangScoreRequest) -> Response:
             "object": "scoring",
         }
 
-    return await _score(request, server, prompts, body, answer)
+    return await _score(request, server, prompts, body, answer, lora)
 
 
 async def vllm_generative_scoring(request: Request, body: VllmScoreRequest) -> Response:
     server: ServerState = request.app.state.server
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     if not body.items:
         raise APIError(400, "items must contain at least one item.", "items")
     if isinstance(body.query, str):
@@ -132,7 +132,7 @@ async def vllm_generative_scoring(request: Request, body: VllmScoreRequest) -> R
             "usage": _usage(prompts),
         }
 
-    return await _score(request, server, prompts, body, answer)
+    return await _score(request, server, prompts, body, answer, lora)
 
 
 async def _score(
@@ -141,8 +141,10 @@ async def _score(
     prompts: list[PromptInput],
     body: SglangScoreRequest | VllmScoreRequest,
     answer: Callable[[list[list[float]]], dict],
+    lora: LoraRef | None = None,
 ) -> Response:
-    """Scores each prompt's labels (their logprobs as the next token) and answers `answer(logprobs)`."""
+    """Scores each prompt's labels (their logprobs as the next token) and answers `answer(logprobs)`;
+    `lora`: the adapter the request's "model" names."""
     labels = body.label_token_ids
     if not labels:
         raise APIError(400, "label_token_ids must not be empty", "label_token_ids")
@@ -164,7 +166,7 @@ async def _score(
     fields = {"max_tokens": 1, "prompt_logprobs": 0, "prompt_logprob_token_ids": sorted(set(labels))}
     params = build_sampling_params(fields, field_refusal("label_token_ids"))
     generation = Generation(
-        server.engine, server.new_request_id("score"), scored, params, server.metrics, server.admission
+        server.engine, server.new_request_id("score"), scored, params, server.metrics, server.admission, lora
     )
     return await until_disconnected(request, _collect(generation, body, labels, answer))
 

@@ -41,14 +41,15 @@ class SequenceLogprobsRequest(StrictBody):
 
 async def get_sequence_logprobs(request: Request, body: SequenceLogprobsRequest) -> Response:
     server: ServerState = request.app.state.server
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     _check_lengths(body)
     prompts = [PromptInput(None, list(ids)) for ids in body.sequences]
     check_prompts(prompts, server.facts, 1, "sequences")
     check_logprobs("top_logprobs", body.top_logprobs, server.facts)
     fields = {"max_tokens": 1, "prompt_logprobs": body.top_logprobs, "prompt_logprobs_temperature": body.temperature}
     params = build_sampling_params(fields, field_refusal("temperature"))
-    generation = Generation(server.engine, server.new_request_id("score"), prompts, params, server.metrics, server.admission)
+    generation = Generation(server.engine, server.new_request_id("score"), prompts, params, server.metrics, server.admission,
+                            lora)
     return await until_disconnected(request, _respond(generation, body))
 
 
