@@ -169,3 +169,52 @@ def test_what_is_not_built_is_refused_by_name_and_the_engine_goes_on(llm, adapte
     assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     with LLM(tiny_path, multiprocess=False, num_kv_blocks=64) as off, pytest.raises(Exception, match="enable_lora"):
         off.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=lora(adapters, "every", 1))
+
+
+@pytest.mark.parametrize("build", ["avx2", "generic"])
+def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernels, build):
+    """csrc/lora_rows.c: the AVX-512 code (where this CPU has it), the AVX2 code and the generic code give
+    the same bits, a row's the same alone as among other adapters' rows, and near torch's products."""
+    from test_quant_kernels import NARROWER_BUILDS
+    from torch import nn
+
+    from worker.cpu.kernels import load_cpu_kernels
+    from worker.lora.adapter import LoraAdapter, LowRank, _linear
+    from worker.lora.lora_ops import LoraOps
+
+    layer = nn.Linear(100, 70, bias=False)  # widths past whole runs of 16: the tails too
+
+    class Zeros:  # the target's base output: zeros, so the outputs are the deltas alone
+        def __init__(self, kernels):
+            self.kernels = kernels
+
+        def linear(self, module, x):
+            return torch.zeros(x.shape[0], module.out_features) if module is layer else module(x)
+
+    generator = torch.Generator().manual_seed(0)
+    adapters = {}
+    for slot in range(3):
+        adapter = LoraAdapter(f"a{slot}", 8)
+        adapter.deltas[layer] = [
+            LowRank(_linear(torch.randn(5 + slot, 100, generator=generator)),
+                    _linear(torch.randn(width, 5 + slot, generator=generator)), 0.5 + slot, start)
+            for start, width in ((0, 37), (37, 33))
+        ]
+        adapters[slot] = adapter
+    x = torch.randn(11, 100, generator=generator)
+    slots = torch.tensor([0, 2, -1, 1, 0, 0, 2, 1, 0, -1, 0])
+
+    def run(kernels, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        for adapter in adapters.values():
+            adapter.packed.clear()
+        ops = LoraOps(Zeros(kernels), adapters, None)
+        ops.set_rows(rows)
+        return ops.linear(layer, x)
+
+    native = run(kernels, slots, x)
+    narrow = load_cpu_kernels(extra_flags=NARROWER_BUILDS[build])
+    assert torch.equal(run(narrow, slots, x), native)
+    for i in range(len(slots)):
+        assert torch.equal(run(kernels, slots[i : i + 1], x[i : i + 1]), native[i : i + 1]), i
+    assert (native[slots == -1] == 0).all()
+    torch.testing.assert_close(run(None, slots, x), native, rtol=1e-5, atol=1e-5)  # torch's products

@@ -109,7 +109,7 @@ class TorchBackend:
 def choose_backend(spec: RunnerSpec, device: torch.device, is_sharded: bool) -> Backend:
     """The C kernels on the CPU for fp32 and bf16 weights (and GGUF blocks), where a compiler builds
     them; torch's ops elsewhere. `is_sharded`: tensor parallelism, whose sums between a layer's halves
-    keep the fused decode forward out (as LoRA's deltas do)."""
+    keep the fused decode forward out."""
     kernel_dtypes = (torch.float32, torch.bfloat16)
     is_int8 = spec.quantized_activations == "int8"
     if is_int8 and (not spec.can_use_cpu_kernels or device.type != "cpu"):
@@ -125,6 +125,5 @@ def choose_backend(spec: RunnerSpec, device: torch.device, is_sharded: bool) -> 
         raise ValueError("quantized_activations='int8' needs the C kernels, which could not be built here")
     if kernels is None:
         return TorchBackend(device)
-    # LoRA's deltas are added op by op (worker/lora/lora_ops.py): the fused decode forward does not take them
-    return CpuBackend(kernels, spec.batch_invariant, spec.block_size, can_fuse=not is_sharded and not spec.enable_lora,
+    return CpuBackend(kernels, spec.batch_invariant, spec.block_size, can_fuse=not is_sharded,
                       governs_threads=spec.owns_process, is_int8=is_int8)

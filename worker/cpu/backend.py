@@ -110,9 +110,12 @@ class CpuBackend:
         on_progress: Callable[[], None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused decode forward where it applies (with lm_head's logits when every row samples),
-        else the model op by op."""
+        else the model op by op (always where a row runs with a LoRA adapter: its deltas are the ops'
+        in worker/lora/lora_ops.py; the two paths give the same bits, so the rows without one do not
+        depend on which was taken)."""
         wants_logits = inputs.sample_rows is None  # every row samples (a decode-only step)
-        step = self.fused.step(inputs, wants_logits) if self.fused is not None else None
+        can_fuse = self.fused is not None and inputs.lora_rows is None
+        step = self.fused.step(inputs, wants_logits) if can_fuse else None
         if step is None:
             return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress), None
         hidden = self.fused.run(step)

@@ -30,6 +30,19 @@ class QuantPart(ctypes.Structure):
     _fields_ = [("w", _P), ("type", _I64), ("rows", _I64)]
 
 
+class LoraPart(ctypes.Structure):
+    """struct lora_part (csrc/lora_rows.c): one target's B (transposed), where its columns start and its
+    entries of h."""
+
+    _fields_ = [("start", _I64), ("width", _I64), ("offset", _I64), ("rank", _I64), ("bt", _P), ("scale", _F32)]
+
+
+class LoraGroup(ctypes.Structure):
+    """struct lora_group: one adapter's A rows for one product (its parts' together) and its parts."""
+
+    _fields_ = [("a", _P), ("rank", _I64), ("num_parts", _I64), ("parts", ctypes.POINTER(LoraPart))]
+
+
 class ModelDesc(ctypes.Structure):
     """struct model_desc: what every step of one model shares; `layers` points at a LayerDesc array."""
 
@@ -116,6 +129,10 @@ SIGNATURES: dict[str, Signature] = {
         ("num_out", _I64), ("bias", _P), ("out", _P), ("num_threads", _I32),
     ),
     "int8_kernel_kind": _sig(_I32),
+    "lora_rows": _sig(
+        _I32, ("x", _P), ("rows", _I64), ("num_in", _I64), ("out", _P), ("out_width", _I64),
+        ("group_of_row", _P), ("groups", _P), ("num_groups", _I32), ("num_threads", _I32),
+    ),
     "dequantize_rows": _sig(
         _I32, ("weight", _P), ("ggml_type", _I32), ("num_rows", _I64), ("num_in", _I64), ("out", _P)
     ),
@@ -144,6 +161,7 @@ class CpuKernels:
     gemv_quant: ctypes._CFuncPtr
     gemv_int8: ctypes._CFuncPtr
     int8_kernel_kind: ctypes._CFuncPtr
+    lora_rows: ctypes._CFuncPtr
     dequantize_rows: ctypes._CFuncPtr
     quant_type_supported: ctypes._CFuncPtr
     decode_forward: ctypes._CFuncPtr

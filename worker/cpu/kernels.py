@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in (
     "decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c", "decode_forward.c", "gemm_amx.c",
-    "gemv_quant.c", "gemv_int8.c", "int8_panels.c",
+    "gemv_quant.c", "gemv_int8.c", "int8_panels.c", "lora_rows.c",
 )]
 # Part of the build key, included by the sources.
 _HEADERS = [_CSRC / name for name in (

@@ -45,6 +45,7 @@ class LoraAdapter:
     embed_scale: float = 1.0
     lm_head: nn.Linear | None = None  # modules_to_save: the adapter's whole lm_head
     embed_tokens: torch.Tensor | None = None  # modules_to_save: the adapter's whole table
+    packed: dict = field(default_factory=dict)  # by module: the C kernel's form (worker/lora/lora_ops.py)
 
     @property
     def num_bytes(self) -> int:

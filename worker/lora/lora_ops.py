@@ -1,21 +1,25 @@
 """The model's ops with LoRA deltas (engine-core process): the backend's ops, and for each product a
-loaded adapter targets, each adapter's rows through its A then its B (grouped low-rank products), times
-its scale, added to those rows' base output.
+loaded adapter targets, each adapter's rows through its A then its B, times its scale, added to those
+rows' base output (grouped low-rank products).
 
-A step tells it which adapter each row belongs to (`rows`, set by the model runner before the forward
-and before each lm_head product: a row a token, then a row a logits row). Batch invariance holds as for
-the base products: a row's delta is the backend's linear on that row's values alone (gemv.c on the CPU,
-one order of summation per output whatever the rows), the adapters' groups are taken in a fixed order
-(their slots ascending) and each row receives its one adapter's delta by one addition, so a row's bits do
+A step tells it which adapter each row belongs to (`set_rows`, by the model runner before the forward
+and before each lm_head product: a row a token, then a row a logits row; `set_slot` for rows that are all
+one request's). On the CPU kernels one call a product adds every adapter's deltas
+(csrc/lora_rows.c: each row's dot products in one fixed order); elsewhere torch's products run an
+adapter's rows at a time. Batch invariance holds as for the base products: a row's delta is a function
+of that row's values and its adapter alone, added to its base output by one addition, so a row's bits do
 not depend on which adapters, or none, share its batch. The deltas are computed in fp32 whatever the
 weights' dtype (kept-quantized GGUF blocks included), as PEFT's unmerged forward computes them.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
+from worker.cpu.bindings import LoraGroup, LoraPart
 from worker.lora.adapter import LoraAdapter
 from worker.models.ops import ModelOps
 
@@ -25,11 +29,13 @@ class LoraOps:
 
     def __init__(self, base: ModelOps, adapters: dict[int, LoraAdapter], lm_head: nn.Module) -> None:
         self.base = base
+        self.kernels = getattr(base, "kernels", None)  # the CPU backend's: one C call a product
         self.lm_head = lm_head  # the model's, which an adapter's modules_to_save copy replaces
         self.adapters = adapters  # by slot: the model runner's loaded adapters
-        self.rows: torch.Tensor | None = None  # [rows] int64 slot of each row's adapter; -1: none
-        # (adapter, its rows' indices) in slot order; indices None: every row (set_slot)
-        self._groups: list[tuple[LoraAdapter, torch.Tensor | None]] = []
+        self.rows: torch.Tensor | None = None  # [rows] int32 each row's group (-1: none); None: all group 0
+        self._present: list[LoraAdapter] = []  # the groups: this step's adapters, their slots ascending
+        self._indices: list[torch.Tensor | None] = []  # each group's rows (None: every row)
+        self._arrays: dict[nn.Module, ctypes.Array | None] = {}  # the groups' LoraGroup array by product
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)
@@ -38,24 +44,31 @@ class LoraOps:
     def sum_over_ranks(self):
         return self.base.sum_over_ranks
 
-    def set_rows(self, rows: torch.Tensor | None) -> None:
+    def set_rows(self, slots: torch.Tensor | None) -> None:
         """Each row's adapter slot (-1: none) for the products that follow; None: no row has one."""
-        self.rows, self._groups = rows, []
-        if rows is None:
+        present = [] if slots is None else sorted(set(slots.tolist()) - {-1})
+        self._set_present(present)
+        if slots is None or not present:
+            self.rows, self._indices = None, []
             return
-        for slot in sorted(set(rows.tolist()) - {-1}):
-            self._groups.append((self.adapters[slot], (rows == slot).nonzero().squeeze(1)))
+        group_of_slot = {slot: g for g, slot in enumerate(present)}
+        self.rows = torch.tensor([group_of_slot.get(s, -1) for s in slots.tolist()], dtype=torch.int32)
+        self._indices = [(self.rows == g).nonzero().squeeze(1) for g in range(len(present))]
 
     def set_slot(self, slot: int) -> None:
         """Every row of the products that follow runs with the adapter in `slot` (-1: none): one
         request's rows (its prompt logprobs' lm_head slices)."""
-        self.rows, self._groups = None, []
-        if slot >= 0:
-            self._groups.append((self.adapters[slot], None))
+        self._set_present([] if slot < 0 else [slot])
+        self.rows, self._indices = None, [None] if slot >= 0 else []
+
+    def _set_present(self, slots: list[int]) -> None:
+        present = [self.adapters[s] for s in slots]
+        if [id(a) for a in present] != [id(a) for a in self._present]:
+            self._present, self._arrays = present, {}
 
     def embed(self, table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.base.embed(table, input_ids)
-        for adapter, index in self._groups:
+        for adapter, index in zip(self._present, self._indices):
             ids = input_ids if index is None else input_ids[index]
             rows = x if index is None else x[index]
             if adapter.embed_tokens is not None:  # modules_to_save: the adapter's own table
@@ -68,17 +81,21 @@ class LoraOps:
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = self.base.linear(layer, x)
-        for adapter, index in self._groups:
-            assert index is None or x.shape[0] == self.rows.shape[0], "LoRA rows not set for this product"
+        if not self._present:
+            return out
+        if layer is self.lm_head:  # modules_to_save: an adapter's own lm_head for its rows, first
+            for adapter, index in zip(self._present, self._indices):
+                if adapter.lm_head is not None:
+                    rows = (x if index is None else x[index]).float()
+                    _put(out, index, self.base.linear(adapter.lm_head, rows).to(out.dtype))
+        if self.kernels is not None and out.dtype == torch.float32 and x.dtype == torch.float32:
+            self._add_in_c(layer, x, out)
+            return out
+        for adapter, index in zip(self._present, self._indices):
             parts = adapter.deltas.get(layer)
-            is_own_head = adapter.lm_head is not None and layer is self.lm_head
-            if not parts and not is_own_head:
-                continue
-            rows = (x if index is None else x[index]).float()
-            if is_own_head:  # modules_to_save: the adapter's own lm_head
-                _put(out, index, self.base.linear(adapter.lm_head, rows).to(out.dtype))
             if not parts:
                 continue
+            rows = (x if index is None else x[index]).float()
             base = (out if index is None else out[index]).float()
             for part in parts:  # in the adapter's order of targets, fixed for the adapter
                 delta = self.base.linear(part.b, self.base.linear(part.a, rows).float()).float() * part.scale
@@ -86,6 +103,46 @@ class LoraOps:
                 base[:, columns] = base[:, columns] + delta
             _put(out, index, base.to(out.dtype))
         return out
+
+    def _add_in_c(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+        if layer not in self._arrays:
+            groups = [_c_group(adapter, layer) for adapter in self._present]
+            self._arrays[layer] = (LoraGroup * len(groups))(*groups) if any(g.rank for g in groups) else None
+        groups = self._arrays[layer]
+        if groups is None:
+            return
+        x = x.contiguous()
+        assert out.is_contiguous()
+        rows = self.rows if self.rows is not None else torch.zeros(x.shape[0], dtype=torch.int32)
+        assert rows.shape[0] == x.shape[0], "LoRA rows not set for this product"
+        status = self.kernels.lora_rows(
+            x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), out.shape[1], rows.data_ptr(),
+            ctypes.addressof(groups), len(groups), torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError("a LoRA adapter's ranks for one product exceed 1024")
+
+
+_EMPTY = LoraGroup(None, 0, 0, None)
+
+
+def _c_group(adapter: LoraAdapter, layer: nn.Module) -> LoraGroup:
+    """The adapter's parts for `layer` as csrc/lora_rows.c reads them: its A rows concatenated, its Bs,
+    made once per adapter and product (the tensors kept on the adapter)."""
+    packed = adapter.packed.get(layer)
+    if packed is None:
+        parts = adapter.deltas.get(layer)
+        if not parts:
+            return _EMPTY
+        a = torch.cat([p.a.weight for p in parts]).contiguous()
+        bts = [p.b.weight.t().contiguous() for p in parts]  # [rank, width]
+        offsets = [sum(p.a.weight.shape[0] for p in parts[:i]) for i in range(len(parts))]
+        array = (LoraPart * len(parts))(*[
+            LoraPart(p.start, bt.shape[1], offset, bt.shape[0], bt.data_ptr(), p.scale)
+            for p, bt, offset in zip(parts, bts, offsets)
+        ])
+        packed = adapter.packed[layer] = (LoraGroup(a.data_ptr(), a.shape[0], len(parts), array), a, bts, array)
+    return packed[0]
 
 
 def _put(out: torch.Tensor, index: torch.Tensor | None, rows: torch.Tensor) -> None:
