@@ -158,7 +158,7 @@ def test_what_is_not_built_is_refused_by_name_and_the_engine_goes_on(llm, adapte
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=lora(adapters, "every", 1))
     for request, words in [(LoRARequest("dora", 7, str(dora)), "DoRA"),
-                           (LoRARequest("missing", 8, str(tmp_path / "nowhere")), "adapter_config.json"),
+                           (LoRARequest("missing", 8, str(tmp_path / "nowhere")), "not found"),
                            (LoRARequest("every", 9, adapters["every"][0]), "belongs to lora_int_id 1")]:
         with pytest.raises(Exception, match=words):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=request)

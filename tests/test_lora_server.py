@@ -5,6 +5,11 @@ adapter, /v1/models listing adapters with their parent, /v1/load_lora_adapter (l
 
 from __future__ import annotations
 
+import asyncio
+import json
+import shutil
+from contextlib import suppress
+
 import httpx
 import openai
 import pytest
@@ -66,7 +71,7 @@ def test_adapters_by_name_load_inplace_unload_and_metrics(tiny_path, folders):
         assert inplace.status_code == 200, inplace.text
         assert served(client, "first") == expected["second"]  # the new load's numbers at once
         bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
-        assert bad.status_code == 400 and "adapter_config.json" in bad.text
+        assert bad.status_code == 404 and "not found" in bad.text
         metrics = httpx.get(f"{url}/metrics").text
         assert 'vllm:lora_requests_info{' in metrics and 'max_lora="2"' in metrics
         assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "second"}).status_code == 200
@@ -79,3 +84,91 @@ def test_adapters_by_name_load_inplace_unload_and_metrics(tiny_path, folders):
 def test_without_enable_lora_the_routes_are_absent(tiny_path):
     with running_server() as (url, _):
         assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}).status_code == 404
+
+
+# ---- vLLM's tests/entrypoints/openai/test_lora_adapters.py, on the tiny model and a PEFT adapter ----
+
+
+@pytest.fixture(scope="module")
+def vllm_server(folders):
+    module = json.dumps({"name": "zephyr-lora", "path": folders[0], "base_model_name": "builtin:tiny"})
+    flags = ["--enable-lora", "--lora-modules", module, "--max-lora-rank", "64", "--max-cpu-loras", "2",
+             "--max-num-seqs", "64"]
+    with running_server(*flags) as (url, _):
+        yield url
+
+
+def run_async(url: str, body):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none") as client:
+            return await body(client)
+    return asyncio.run(main())
+
+
+def test_vllm_static_and_dynamic_lora_lineage(vllm_server, folders):
+    async def body(client):
+        models = (await client.models.list()).data
+        assert models[0].id == "builtin:tiny" and models[0].parent is None
+        assert [(m.id, m.root, m.parent) for m in models[1:]] == [("zephyr-lora", folders[0], "builtin:tiny")]
+        response = await client.post("load_lora_adapter", cast_to=str,
+                                     body={"lora_name": "zephyr-lora-3", "lora_path": folders[0]})
+        assert "success" in response.lower()
+        dynamic = (await client.models.list()).data[-1]
+        assert (dynamic.id, dynamic.root, dynamic.parent) == ("zephyr-lora-3", folders[0], "builtin:tiny")
+    run_async(vllm_server, body)
+
+
+@pytest.mark.parametrize("config_change, expected_error", [
+    ({"r": 1024}, "is greater than max_lora_rank"),
+    ({"bias": "all"}, "Adapter bias cannot be used without bias_enabled"),
+    ({"use_dora": True}, "does not yet support DoRA"),
+])  # vLLM's fourth case, modules_to_save ["lm_head"], is served here (issue 52 asks for it)
+def test_vllm_dynamic_lora_bad_requests(vllm_server, folders, tmp_path, config_change, expected_error):
+    folder = tmp_path / "changed"
+    shutil.copytree(folders[0], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **config_change}))
+
+    async def body(client):
+        with pytest.raises(openai.BadRequestError, match=expected_error):
+            await client.post("load_lora_adapter", cast_to=str, body={"lora_name": "bad", "lora_path": str(folder)})
+        with pytest.raises(openai.NotFoundError):
+            await client.post("load_lora_adapter", cast_to=str,
+                              body={"lora_name": "notfound", "lora_path": "/not/an/adapter"})
+    run_async(vllm_server, body)
+
+
+def test_vllm_many_adapters_at_once_and_bad_loads_break_nothing(vllm_server, folders, tmp_path):
+    """Ten adapters loaded and run at once past --max-cpu-loras 2 (the idle ones dropped and read again),
+    and bad loads between good requests."""
+    invalid = tmp_path / "invalid_files"
+    invalid.mkdir()
+    (invalid / "adapter_config.json").write_text("this is not json")
+
+    async def load_and_run(client, name: str):
+        await client.post("load_lora_adapter", cast_to=str, body={"lora_name": name, "lora_path": folders[1]})
+        return [await client.completions.create(model=name, prompt=["Hello there", "Foo bar bazz buzz"], max_tokens=5,
+                                                temperature=0.0) for _ in range(3)]
+
+    async def body(client):
+        results = await asyncio.gather(*(load_and_run(client, f"adapter_{i}") for i in range(10)))
+        texts = {tuple(c.text for c in r.choices) for runs in results for r in runs}
+        assert len(texts) == 1  # the same adapter under ten names: the same greedy text
+        stop = asyncio.Event()
+
+        async def good():
+            answers = []
+            while not stop.is_set():
+                answers.append(await client.completions.create(model="zephyr-lora", prompt=["Hello there"], max_tokens=5,
+                                                               temperature=0.0))
+            return answers
+
+        task = asyncio.create_task(good())
+        for _ in range(5):
+            with suppress(openai.NotFoundError):
+                await client.post("load_lora_adapter", cast_to=str, body={"lora_name": "nf", "lora_path": "/not/here"})
+            with suppress(openai.BadRequestError):
+                await client.post("load_lora_adapter", cast_to=str, body={"lora_name": "inv", "lora_path": str(invalid)})
+        stop.set()
+        assert len({a.choices[0].text for a in await task}) == 1
+    run_async(vllm_server, body)

@@ -120,6 +120,7 @@ async def list_models(request: Request) -> Response:
         "created": server.started_at,
         "owned_by": "coreserve",
         "root": server.engine.config.model,
+        "parent": None,  # vLLM's: an adapter's names its base model
         "max_model_len": server.facts.max_model_len,
     }
     return JSONBytesResponse({"object": "list", "data": [model, *adapter_models(server)]})

@@ -65,8 +65,9 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> Response
                        "Set load_inplace=true to replace it.", "lora_name")
     try:
         int_id = await server.engine.load_lora_adapter(body.lora_name, body.lora_path, body.load_inplace)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "lora_path") from exc
+    except ValueError as exc:  # a path that is not there is vLLM's 404, anything else wrong its 400
+        missing = str(exc).endswith("not found")
+        raise APIError(404 if missing else 400, str(exc), "lora_path", "not_found" if missing else None) from exc
     server.loras[body.lora_name] = LoraRef(body.lora_name, int_id, body.lora_path)
     verb = "reloaded" if known is not None else "added"
     return Response(f"Success: LoRA adapter '{body.lora_name}' {verb} successfully.", media_type="text/plain")

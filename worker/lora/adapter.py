@@ -63,23 +63,30 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
 
 def read_config(path: Path, max_rank: int) -> dict:
     config_file = path / "adapter_config.json"
+    if not path.exists():
+        raise ValueError(f"LoRA adapter {str(path)!r} not found")
     if not config_file.is_file():
         raise ValueError(f"LoRA adapter {str(path)!r}: no adapter_config.json (a PEFT adapter folder is expected)")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"LoRA adapter {str(path)!r}: adapter_config.json is not JSON ({exc})") from exc
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {str(path)!r}: peft_type {config['peft_type']!r} is not built (LORA only)")
     for key, what in _REFUSED_TRUE.items():
         if config.get(key):
-            raise ValueError(f"LoRA adapter {str(path)!r}: {what} ({key}) is not built")
+            raise ValueError(f"LoRA adapter {str(path)!r}: coreserve does not yet support {what} ({key})")
     if config.get("bias", "none") != "none":
-        raise ValueError(f"LoRA adapter {str(path)!r}: bias={config['bias']!r} is not built (bias='none' only)")
+        raise ValueError(f"LoRA adapter {str(path)!r}: bias={config['bias']!r}: Adapter bias cannot be used "
+                         "without bias_enabled, which coreserve does not build (bias='none' only)")
     for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "layer_replication", "trainable_token_indices"):
         if config.get(key):
             raise ValueError(f"LoRA adapter {str(path)!r}: {key} is not built")
     if config.get("fan_in_fan_out"):
         raise ValueError(f"LoRA adapter {str(path)!r}: fan_in_fan_out (Conv1D layers) is not built")
     if int(config["r"]) > max_rank:
-        raise ValueError(f"LoRA adapter {str(path)!r}: rank {config['r']} exceeds max_lora_rank={max_rank}")
+        raise ValueError(f"LoRA adapter {str(path)!r}: LoRA rank {config['r']} is greater than max_lora_rank "
+                         f"{max_rank} (--max-lora-rank)")
     return config
 
 
