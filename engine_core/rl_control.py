@@ -205,8 +205,12 @@ class CoreControl:
             self.is_kv_asleep = False
 
     def load_lora_adapter(self, args: LoadLoraArgs, outbox: Outbox) -> int:
-        """vLLM's /v1/load_lora_adapter (engine_core/lora_table.py); the adapter's lora_int_id."""
-        return self.loras.load(args.lora_name, args.lora_path, args.load_inplace, args.lora_int_id).int_id
+        """vLLM's /v1/load_lora_adapter (engine_core/lora_table.py); the adapter's lora_int_id. A load in
+        place is new policy weights, as an update is: the weight version moves on."""
+        slot = self.loras.load(args.lora_name, args.lora_path, args.load_inplace, args.lora_int_id)
+        if slot.generation > 0:
+            self.weight_version += 1
+        return slot.int_id
 
     def unload_lora_adapter(self, args: LoraNameArgs, outbox: Outbox) -> None:
         self.loras.unload(args.lora_name)

@@ -218,3 +218,71 @@ def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernel
         assert torch.equal(run(kernels, slots[i : i + 1], x[i : i + 1]), native[i : i + 1]), i
     assert (native[slots == -1] == 0).all()
     torch.testing.assert_close(run(None, slots, x), native, rtol=1e-5, atol=1e-5)  # torch's products
+
+
+def test_a_gguf_base_kept_in_blocks_with_fused_projections_equals_peft(family_model, tmp_path):
+    """Phi-3's own fused qkv_proj and gate_up_proj as targets, over a GGUF base whose weights stay in Q8_0
+    blocks (the adapter in fp32): PEFT's unmerged forward on the blocks' fp32 values is the reference."""
+    from gguf_families import write_family_gguf, write_family_twin
+
+    from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
+    from worker.models.quantized import QuantLinear
+
+    path = tmp_path / "phi3-q8_0.gguf"
+    expected = write_family_gguf(family_model("phi3"), "phi3", path, weight_type="Q8_0")
+    twin = write_family_twin(tmp_path / "twin", family_model("phi3"), expected, gguf_tokenizer_folder(str(path)))
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]
+    peft_model = write_adapter(twin, tmp_path / "adapter", 4, 8, 16, targets, rslora=True)
+    with LLM(str(path), multiprocess=False, enable_lora=True, num_kv_blocks=128) as llm:
+        model = llm.client.core.executor.model
+        assert isinstance(model.layers[0].qkv_proj, QuantLinear) and isinstance(model.layers[0].gate_up_proj, QuantLinear)
+        request = LoRARequest("phi", 1, str(tmp_path / "adapter"))
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], PARAMS, use_tqdm=False,
+                               lora_request=request)
+    worst = 0.0
+    for prompt, output in zip(PROMPTS, outputs):
+        reference = hf_logprobs(peft_model, prompt + output.outputs[0].token_ids)
+        for position, entries in enumerate(output.prompt_logprobs[1:], start=1):
+            worst = max([worst, *(abs(v.logprob - reference[position - 1][t].item()) for t, v in entries.items())])
+        for step, entries in enumerate(output.outputs[0].logprobs):
+            row = reference[len(prompt) - 1 + step]
+            worst = max([worst, *(abs(v.logprob - row[t].item()) for t, v in entries.items())])
+    assert worst < TOLERANCE, worst
+
+
+def test_the_lora_table_keeps_each_request_on_the_load_it_started_with():
+    """engine_core/lora_table.py with a recording executor (pure logic): a load in place gives new
+    requests a new slot while the running ones keep theirs, the old slot goes with its last request,
+    idle loads past max_cpu_loras are dropped and read again when asked for."""
+    from engine_core.lora_table import LoraTable
+    from protocol.sampling_params import LoraRef
+
+    class Executor:
+        def __init__(self):
+            self.loaded: set[int] = set()
+
+        def add_lora(self, slot, name, path):
+            self.loaded.add(slot)
+            return 1
+
+        def remove_lora(self, slot):
+            self.loaded.remove(slot)
+
+    executor = Executor()
+    table = LoraTable(executor, enabled=True, max_cpu_loras=1)
+    running = table.take(LoraRef("a", 1, "/a"))
+    assert table.take(LoraRef("a", 1, "/a")) == running
+    table.load("a", "/a2", inplace=True)
+    newer = table.take(LoraRef("a", 1, "/a"))
+    assert newer != running and executor.loaded == {running, newer}
+    table.release(running)
+    assert executor.loaded == {running, newer}  # one of its two requests still runs
+    table.release(running)
+    assert executor.loaded == {newer}  # the replaced load lived until its requests had ended
+    table.release(newer)
+    other = table.take(LoraRef("b", 2, "/b"))
+    table.release(other)  # two idle loads, max_cpu_loras 1: the least recently used goes
+    assert executor.loaded == {other}
+    again = table.take(LoraRef("a", 1, "/a"))
+    assert again not in (running, newer) and again in executor.loaded  # read again, from the newer path
+    assert ("a", "/a2") in table.adapters()

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker.models.quantized import block_values
+
 _PREFIX = "base_model.model."
 _QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _REFUSED_TRUE = {"use_dora": "DoRA", "use_qalora": "QA-LoRA", "lora_bias": "LoRA biases (lora_bias)"}
@@ -125,16 +127,17 @@ def read_adapter(path: str, name: str, model: nn.Module, max_rank: int) -> LoraA
 def _whole_module(adapter: LoraAdapter, key: str, value: torch.Tensor, model: nn.Module, path: str) -> None:
     """modules_to_save copies (lm_head.weight, model.embed_tokens.weight) and the base weights PEFT saves
     beside an embedding or lm_head LoRA (`.base_layer.weight`, which must be the model's own)."""
-    base = {"lm_head": model.lm_head.weight, "model.embed_tokens": model.embed_tokens.weight}
+    modules = {"lm_head": model.lm_head, "model.embed_tokens": model.embed_tokens}
     module = key.removesuffix(".weight").removesuffix(".base_layer")
-    if module not in base or not key.endswith(".weight"):
+    if module not in modules or not key.endswith(".weight"):
         raise ValueError(f"LoRA adapter {path!r}: {key!r} is not built (modules_to_save: lm_head and embed_tokens only)")
-    own = base[module]
-    if tuple(value.shape) != tuple(own.shape):
+    own = modules[module].weight
+    values = own if own.is_floating_point() else block_values(own)  # GGUF blocks: their fp32 values
+    if tuple(value.shape) != tuple(values.shape):
         raise ValueError(f"LoRA adapter {path!r}: {key} has shape {tuple(value.shape)}, the model's "
-                         f"{module} {tuple(own.shape)} (a resized vocabulary is not built)")
+                         f"{module} {tuple(values.shape)} (a resized vocabulary is not built)")
     if ".base_layer." in key:
-        if own.is_floating_point() and not torch.equal(value.to(own.dtype), own):
+        if not torch.equal(value.to(values.dtype), values):
             raise ValueError(f"LoRA adapter {path!r}: {key} differs from the model's {module}")
         return
     if not own.is_floating_point():
