@@ -7,7 +7,8 @@ time to load a rank-16 adapter.
 
 The adapters are random, written in PEFT's layout (adapter_config.json + adapter_model.safetensors) for
 the model's shapes. Figures: output tokens/s of 16 requests of `--tokens` tokens each (median of
-`--repeats`), for the base model (in the engine with LoRA on, and in one with it off), for 4 adapters (4 requests each, in one batch) and for one adapter
+`--repeats`), for the base model (in the engine with LoRA on, and in one with it off; and op by op, the
+path a step with an adapter's rows takes, without the fused decode forward), for 4 adapters (4 requests each, in one batch) and for one adapter
 shared by all 16; and the median time of `load_lora_adapter` (a PEFT folder read and checked into the
 core).
 """
@@ -98,11 +99,16 @@ def main() -> None:
         four = throughput(llm, prompts, params, mixed, args.repeats)
         one = throughput(llm, prompts, params, requests[0], args.repeats)
         base_again = throughput(llm, prompts, params, None, args.repeats)
+        backend = llm.client.core.executor.backend  # the base op by op: the path an adapter's rows take
+        fused, backend.fused = backend.fused, None
+        op_by_op = throughput(llm, prompts, params, None, args.repeats)
+        backend.fused = fused
     with LLM(model, multiprocess=False, num_kv_blocks=512) as plain:  # LoRA off: the base engine as it runs
         plain_base = throughput(plain, prompts, params, None, args.repeats)
     results.update({
         "base, LoRA off tok/s": plain_base, "4 adapters / base with LoRA off": four / plain_base,
-        "base tok/s": median([base, base_again]), "4 adapters tok/s": four, "1 adapter tok/s": one,
+        "base tok/s": median([base, base_again]), "base op by op tok/s": op_by_op,
+        "4 adapters tok/s": four, "1 adapter tok/s": one, "4 adapters / base op by op": four / op_by_op,
         "4 adapters / base": four / median([base, base_again]), "1 adapter / base": one / median([base, base_again]),
         "load s (median of 5)": median(loads),
     })
