@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,3 +287,55 @@ def test_the_lora_table_keeps_each_request_on_the_load_it_started_with():
     again = table.take(LoraRef("a", 1, "/a"))
     assert again not in (running, newer) and again in executor.loaded  # read again, from the newer path
     assert ("a", "/a2") in table.adapters()
+
+
+def test_an_adapter_trained_on_the_real_smollm2_equals_peft_over_its_q4_1_blocks(tmp_path):
+    """A trained adapter on trained weights: PEFT LoRA (rank 8, every projection) trained a few Adam steps on
+    the real SmolLM2-135M (transformers' fp32 model of its GGUF), then served over the GGUF kept in its Q4_1
+    blocks; the engine's logprobs with the adapter equal PEFT's forward, and differ from the base's."""
+    import sys
+
+    from conftest import ROOT
+    from hf_reference import gguf_reference_folder
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from real_models import path_of
+
+    gguf = str(path_of("smollm2-135m"))
+    folder = gguf_reference_folder(gguf)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=ALL_TARGETS[:7]))
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (Path(folder) / "tokenizer.json").exists() else None
+    text = [464, 3139, 286, 4881, 318, 6342, 13, 383, 3139, 286, 4486, 318, 11307, 13] * 3
+    ids = torch.tensor([text if tokenizer is None else tokenizer("The capital of France is Paris.").input_ids * 3])
+    optimizer = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=5e-3)
+    for _ in range(4):
+        loss = peft_model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peft_model.save_pretrained(str(tmp_path / "trained"))
+    peft_model.eval()
+    prompts = [[1, 504, 3575, 282, 4649, 314], [1, 378, 1977, 28, 7018, 30, 2914, 27, 14545]]
+    with LLM(gguf, multiprocess=False, enable_lora=True, num_kv_blocks=128) as llm:
+        request = LoRARequest("trained", 1, str(tmp_path / "trained"))
+        adapted = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False, lora_request=request)
+        base = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    worst, moved = 0.0, 0.0
+    for prompt, output, plain in zip(prompts, adapted, base):
+        with torch.no_grad():
+            reference = hf_logprobs(peft_model, prompt + output.outputs[0].token_ids)
+        for position, (entries, plain_entries) in enumerate(zip(output.prompt_logprobs[1:], plain.prompt_logprobs[1:]),
+                                                            start=1):
+            for token_id, value in entries.items():
+                worst = max(worst, abs(value.logprob - reference[position - 1][token_id].item()))
+            target = prompt[position]
+            moved = max(moved, abs(entries[target].logprob - plain_entries[target].logprob))
+        for step, entries in enumerate(output.outputs[0].logprobs):
+            row = reference[len(prompt) - 1 + step]
+            worst = max([worst, *(abs(v.logprob - row[t].item()) for t, v in entries.items())])
+    assert worst < TOLERANCE, worst
+    assert moved > 0.01  # the trained adapter changes the numbers
