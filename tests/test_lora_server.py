@@ -41,7 +41,9 @@ def in_process(tiny_path, folder: str | None) -> list:
 
 
 def served(client, model: str) -> list:
-    choice = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=3).choices[0]
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=3)
+    assert completion.model == model  # the adapter's name, as vLLM answers
+    choice = completion.choices[0]
     ids = client.completions.create(  # the ids: vLLM's return_token_ids
         model=model, prompt=PROMPT, max_tokens=5, temperature=0.0, extra_body={"return_token_ids": True}
     ).choices[0].token_ids
