@@ -339,3 +339,18 @@ def test_an_adapter_trained_on_the_real_smollm2_equals_peft_over_its_q4_1_blocks
             worst = max([worst, *(abs(v.logprob - row[t].item()) for t, v in entries.items())])
     assert worst < TOLERANCE, worst
     assert moved > 0.01  # the trained adapter changes the numbers
+
+
+def test_speculation_multi_step_and_chunks_change_nothing_with_adapters(tiny_path, adapters):
+    """ngram proposals verified with the adapters' deltas, decode windows of 4 steps, prefill in chunks of
+    8 tokens: the same bits as plain steps, for requests of two adapters and none in one batch."""
+    requests = [lora(adapters, "every", 1), lora(adapters, "qv-rslora", 2), None]
+    repeated = [{"prompt_token_ids": (p[:6] * 4)} for p in PROMPTS[:3]]  # repeats: ngram finds proposals
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    engines = {"plain": {}, "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+               "multi-step": {"num_scheduler_steps": 4}, "chunks of 8": {"max_num_batched_tokens": 8}}
+    results = {}
+    for name, extra in engines.items():
+        with LLM(tiny_path, multiprocess=False, enable_lora=True, max_loras=2, num_kv_blocks=256, **extra) as llm:
+            results[name] = [rows(o) for o in llm.generate(repeated, params, use_tqdm=False, lora_request=requests)]
+    assert all(results[name] == results["plain"] for name in engines), [n for n in engines if results[n] != results["plain"]]
