@@ -354,3 +354,22 @@ def test_speculation_multi_step_and_chunks_change_nothing_with_adapters(tiny_pat
         with LLM(tiny_path, multiprocess=False, enable_lora=True, max_loras=2, num_kv_blocks=256, **extra) as llm:
             results[name] = [rows(o) for o in llm.generate(repeated, params, use_tqdm=False, lora_request=requests)]
     assert all(results[name] == results["plain"] for name in engines), [n for n in engines if results[n] != results["plain"]]
+
+
+def test_max_loras_one_runs_one_adapter_a_step_and_changes_no_bits(llm, tiny_path, adapters):
+    requests = [lora(adapters, "every", 1), lora(adapters, "qv-rslora", 2), None, lora(adapters, "every", 1)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    expected = [rows(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=requests)]
+    with LLM(tiny_path, multiprocess=False, enable_lora=True, max_loras=1, num_kv_blocks=256) as one:
+        scheduler = one.client.core.scheduler
+        seen: list[set] = []
+        step = one.client.core.step
+
+        def watched_step():
+            seen.append({r.lora_slot for r in scheduler.running if r.lora_slot >= 0})
+            return step()
+
+        one.client.core.step = watched_step
+        got = [rows(o) for o in one.generate(prompts, PARAMS, use_tqdm=False, lora_request=requests)]
+    assert got == expected
+    assert max(map(len, seen)) == 1 and len(set().union(*seen)) == 2  # both adapters ran, never together
