@@ -373,3 +373,39 @@ def test_max_loras_one_runs_one_adapter_a_step_and_changes_no_bits(llm, tiny_pat
         got = [rows(o) for o in one.generate(prompts, PARAMS, use_tqdm=False, lora_request=requests)]
     assert got == expected
     assert max(map(len, seen)) == 1 and len(set().union(*seen)) == 2  # both adapters ran, never together
+
+
+def test_the_fused_decode_forward_takes_the_adapters_with_the_op_by_op_bits(llm, adapters):
+    """Decode steps whose rows run with adapters (no embedding LoRA, no modules_to_save) take the fused
+    forward, the deltas added in its threads' region (csrc/decode_forward.c): the same bits as op by op."""
+    every_targets = ["q_proj", "v_proj", "down_proj", "lm_head"]
+    folder = adapters["every"][0] + "-fusable"
+    if not os.path.exists(folder):
+        write_adapter(llm.config.model, folder, 5, 8, 16, every_targets)
+    requests = [LoRARequest("fusable", 11, folder), lora(adapters, "every", 1), None, LoRARequest("fusable", 11, folder)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    backend = llm.client.core.executor.backend
+    taken: list[bool] = []
+    step_of = backend.fused.step
+
+    def watched(inputs, with_logits=False, lora=None):
+        step = step_of(inputs, with_logits, lora)
+        taken.append(step is not None and lora is not None)
+        return step
+
+    backend.fused.step = watched
+    try:
+        fused = [rows(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=requests)]
+        fused_fusable = [rows(o) for o in llm.generate([prompts[0], prompts[3]], PARAMS, use_tqdm=False,
+                                                       lora_request=[requests[0], requests[3]])]
+    finally:
+        backend.fused.step = step_of
+    assert any(taken)  # the fusable adapter's decode steps ran fused
+    kept, backend.fused = backend.fused, None
+    try:
+        op_by_op = [rows(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=requests)]
+        op_fusable = [rows(o) for o in llm.generate([prompts[0], prompts[3]], PARAMS, use_tqdm=False,
+                                                    lora_request=[requests[0], requests[3]])]
+    finally:
+        backend.fused = kept
+    assert fused == op_by_op and fused_fusable == op_fusable

@@ -109,13 +109,16 @@ class CpuBackend:
         caches: list[torch.Tensor],
         on_progress: Callable[[], None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fused decode forward where it applies (with lm_head's logits when every row samples),
-        else the model op by op (always where a row runs with a LoRA adapter: its deltas are the ops'
-        in worker/lora/lora_ops.py; the two paths give the same bits, so the rows without one do not
-        depend on which was taken)."""
+        """The fused decode forward where it applies (with lm_head's logits when every row samples, and
+        the LoRA adapters' deltas of the step's rows where their ops can give them: worker/lora/), else
+        the model op by op. The two paths give the same bits, so no row depends on which was taken."""
         wants_logits = inputs.sample_rows is None  # every row samples (a decode-only step)
-        can_fuse = self.fused is not None and inputs.lora_rows is None
-        step = self.fused.step(inputs, wants_logits) if can_fuse else None
+        lora = None
+        if inputs.lora_rows is not None and self.fused is not None:
+            fused_lora = getattr(model.ops, "fused_lora", None)
+            lora = fused_lora(model) if fused_lora is not None else None
+        can_fuse = self.fused is not None and (inputs.lora_rows is None or lora is not None)
+        step = self.fused.step(inputs, wants_logits, lora) if can_fuse else None
         if step is None:
             return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress), None
         hidden = self.fused.run(step)

@@ -73,6 +73,9 @@ class StepDesc(ctypes.Structure):
         ("context_lens", _P),
         *((name, _I64) for name in ("num_tokens", "block_size", "use_dot", "num_threads")),
         ("logits", _P),
+        ("lora_groups", _P),
+        ("lora_products", _P),
+        ("num_lora_groups", _I64),
     ]
 
 

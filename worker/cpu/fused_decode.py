@@ -16,6 +16,7 @@ split over ranks (tensor parallelism) never come here: the sums over ranks sit b
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +40,17 @@ class FusedStep:
         self.keep_alive = keep_alive
         self.logits = logits  # [T, vocab] float32, written by the run where asked; None: not asked
         self.pointer = ctypes.byref(desc)
+
+
+@dataclass
+class FusedLora:
+    """A step's LoRA for decode_forward.c: each row's group [T] int32 (-1: none), the groups' parts of each
+    product (4 a layer: qkv, o, gate_up, down; then lm_head) as addresses of LoraGroup arrays (0: none)."""
+
+    groups: torch.Tensor
+    products: ctypes.Array
+    num_groups: int
+    keep_alive: object = None
 
 
 class FusedForward:
@@ -83,9 +95,10 @@ class FusedForward:
         self.keep_alive = weights  # the tensors whose addresses the descriptors hold
         self.pointer = ctypes.byref(self.desc)
 
-    def step(self, inputs: StepInputs, with_logits: bool = False) -> FusedStep | None:
+    def step(self, inputs: StepInputs, with_logits: bool = False, lora: FusedLora | None = None) -> FusedStep | None:
         """The step's rows for decode_forward.c, or None where the op-by-op path must run; with_logits:
-        lm_head's products of every row too, in the same region (where the model's lm_head has them)."""
+        lm_head's products of every row too, in the same region (where the model's lm_head has them);
+        `lora`: the adapters' deltas of the step's rows (worker/lora/lora_ops.py's fused_lora)."""
         meta, num_tokens = inputs.attn, inputs.input_ids.shape[0]
         decode = meta.decode
         if not self.applies or decode is None or meta.seqs or num_tokens > FUSED_MAX_ROWS:
@@ -116,7 +129,11 @@ class FusedForward:
         logits = torch.empty(num_tokens, self.vocab) if with_logits and self.vocab else None
         if logits is not None:
             desc.logits = logits.data_ptr()
-        return FusedStep(desc, (input_ids, rope_rows, slots, meta.plan), logits)
+        if lora is not None:
+            assert lora.groups.shape[0] == num_tokens and len(lora.products) == 4 * len(self.caches) + 1
+            desc.lora_groups, desc.num_lora_groups = lora.groups.data_ptr(), lora.num_groups
+            desc.lora_products = ctypes.addressof(lora.products)
+        return FusedStep(desc, (input_ids, rope_rows, slots, meta.plan, lora), logits)
 
     def run(self, step: FusedStep) -> torch.Tensor:
         """The final-normed hidden states [T, hidden] float32 of the step's tokens (and step.logits

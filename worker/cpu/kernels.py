@@ -30,7 +30,7 @@ _SOURCES = [_CSRC / name for name in (
 # Part of the build key, included by the sources.
 _HEADERS = [_CSRC / name for name in (
     "vector_exp.h", "gemv_bf16_dot.h", "kernel_parts.h", "decode_forward.h", "quant_blocks.h",
-    "int8_blocks.h",
+    "int8_blocks.h", "lora_rows.h",
 )]
 
 

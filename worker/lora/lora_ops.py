@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from worker.cpu.bindings import LoraGroup, LoraPart
+from worker.cpu.fused_decode import FusedLora
 from worker.lora.adapter import LoraAdapter
 from worker.models.ops import ModelOps
 
@@ -35,7 +36,7 @@ class LoraOps:
         self.rows: torch.Tensor | None = None  # [rows] int32 each row's group (-1: none); None: all group 0
         self._present: list[LoraAdapter] = []  # the groups: this step's adapters, their slots ascending
         self._indices: list[torch.Tensor | None] = []  # each group's rows (None: every row)
-        self._arrays: dict[nn.Module, ctypes.Array | None] = {}  # the groups' LoraGroup array by product
+        self._arrays: dict = {}  # the groups' LoraGroup array by product, and fused_lora's, for these groups
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)
@@ -104,11 +105,36 @@ class LoraOps:
             _put(out, index, base.to(out.dtype))
         return out
 
-    def _add_in_c(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+    def fused_lora(self, model: nn.Module) -> FusedLora | None:
+        """This step's adapters as the fused decode forward reads them (csrc/decode_forward.c: each layer's
+        four products and lm_head), or None where it cannot take them: an adapter with an embedding LoRA or
+        its own table or lm_head (modules_to_save), or ranks past the kernel's bound."""
+        if self.rows is None or any(a.embed_a is not None or a.embed_tokens is not None or a.lm_head is not None
+                                    for a in self._present):
+            return None
+        key = ("fused", id(model))
+        if key not in self._arrays:
+            modules = [m for layer in model.layers
+                       for m in (layer.qkv_proj, layer.o_proj, getattr(layer, "gate_up_proj", None),
+                                 getattr(layer, "down_proj", None))] + [model.lm_head]
+            arrays = [None if m is None else self._group_array(m) for m in modules]
+            ranks = [g.rank for array in arrays if array is not None for g in array]
+            self._arrays[key] = None if any(r > _MAX_RANK for r in ranks) else (
+                (ctypes.c_void_p * len(arrays))(*[0 if a is None else ctypes.addressof(a) for a in arrays]), arrays)
+        fused = self._arrays[key]
+        if fused is None:
+            return None
+        return FusedLora(self.rows, fused[0], len(self._present), fused[1])
+
+    def _group_array(self, layer: nn.Module) -> ctypes.Array | None:
+        """The present adapters' LoraGroup array for `layer`'s product (None: none of them targets it)."""
         if layer not in self._arrays:
             groups = [_c_group(adapter, layer) for adapter in self._present]
             self._arrays[layer] = (LoraGroup * len(groups))(*groups) if any(g.rank for g in groups) else None
-        groups = self._arrays[layer]
+        return self._arrays[layer]
+
+    def _add_in_c(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+        groups = self._group_array(layer)
         if groups is None:
             return
         x = x.contiguous()
@@ -124,6 +150,7 @@ class LoraOps:
 
 
 _EMPTY = LoraGroup(None, 0, 0, None)
+_MAX_RANK = 1024  # csrc/lora_rows.c's bound on an adapter's ranks for one product
 
 
 def _c_group(adapter: LoraAdapter, layer: nn.Module) -> LoraGroup:

@@ -93,10 +93,19 @@ static void rope_rows(const float *cos, const float *sin, int64_t D, float *c, f
     }
 }
 
+/* LoRA's deltas of product `which` (lora_products' index) added to its rows of out, x its input; every
+ * thread calls it after the product's barrier, and leaves at the team's barrier. */
+static void lora_deltas(const struct step_desc *step, int64_t which, const float *x, int64_t T, int64_t in,
+                        float *out, int64_t out_width) {
+    if (!step->lora_groups || !step->lora_products[which]) return;
+    lora_rows_share(x, T, in, out, out_width, step->lora_groups, step->lora_products[which],
+                    (int32_t)step->num_lora_groups);
+}
+
 /* The attention half: b->o_out = o(attention(rope(qkv(norm(x))))), the KV cache written. */
 static void attention_half(const struct model_desc *model, const struct layer_desc *layer, const struct step_desc *step, const struct shapes *s,
                            const struct buffers *b, int64_t *cursors, const float *x,
-                           const struct thread_scratch *own, float eps, float scale) {
+                           const struct thread_scratch *own, float eps, float scale, int64_t l) {
     const int64_t T = s->T, num_slots = layer->num_slots, D = s->head_dim;
     const int64_t *rows = step->rows, *positions = step->positions;
     const int32_t *context_lens = step->context_lens;
@@ -107,6 +116,7 @@ static void attention_half(const struct model_desc *model, const struct layer_de
     product(s, b, own->normed, s->H, layer->qkv, layer->qkv_type, s->qkv_size, layer->qkv_bias, b->qkv, own,
             &cursors[0]);
 #pragma omp barrier
+    lora_deltas(step, 4 * l, own->normed, T, s->H, b->qkv, s->qkv_size);
 #pragma omp for
     for (int64_t t = 0; t < T; t++) {
         if (q_norm) norm_heads(b->qkv + t * s->qkv_size, q_norm, k_norm, s->num_q, s->num_kv, s->head_dim, eps);
@@ -129,17 +139,20 @@ static void attention_half(const struct model_desc *model, const struct layer_de
         }
     product(s, b, b->attn, s->q_size, layer->o, layer->o_type, s->H, layer->o_bias, b->o_out, own, &cursors[1]);
 #pragma omp barrier
+    lora_deltas(step, 4 * l + 1, b->attn, T, s->q_size, b->o_out, s->H);
 }
 
 /* The MLP half: out = h + down(silu(gate(norm(h))) * up(norm(h))), h = x + b->o_out. */
-static void mlp_half(const struct layer_desc *layer, const struct shapes *s, const struct buffers *b, int64_t *cursors,
-                     const float *x, float *out, const struct thread_scratch *own, float eps) {
+static void mlp_half(const struct layer_desc *layer, const struct step_desc *step, const struct shapes *s,
+                     const struct buffers *b, int64_t *cursors, const float *x, float *out,
+                     const struct thread_scratch *own, float eps, int64_t l) {
     const int64_t T = s->T;
     for (int64_t t = 0; t < T; t++) /* h and its norm, each thread its own copy (no barrier before the product) */
         rms_norm_token(x, b->o_out, t, s->H, layer->post_norm, eps, own->sum, own->normed);
     product(s, b, own->normed, s->H, layer->gate_up, layer->gate_up_type, 2 * s->I, NULL, b->gate_up, own,
             &cursors[0]);
 #pragma omp barrier
+    lora_deltas(step, 4 * l + 2, own->normed, T, s->H, b->gate_up, 2 * s->I);
     const int64_t I = s->I, team = own->team;
 #pragma omp for
     for (int64_t item = 0; item < T * team; item++) { /* a row in team parts, each a multiple of 8 long */
@@ -149,6 +162,7 @@ static void mlp_half(const struct layer_desc *layer, const struct shapes *s, con
     }
     product(s, b, b->act, s->I, layer->down, layer->down_type, s->H, NULL, b->down, own, &cursors[1]);
 #pragma omp barrier
+    lora_deltas(step, 4 * l + 3, b->act, T, s->I, b->down, s->H);
 #pragma omp for
     for (int64_t i = 0; i < T * s->H; i++) out[i] = own->sum[i] + b->down[i];
 }
@@ -198,8 +212,8 @@ static void forward(const struct model_desc *model, const struct step_desc *step
     for (int64_t l = 0; l < model->num_layers; l++) {
         const struct layer_desc *layer = &model->layers[l];
         const float *input = b->streams[l % 2];
-        attention_half(model, layer, step, s, b, b->cursors + 4 * l, input, own, eps, scale);
-        mlp_half(layer, s, b, b->cursors + 4 * l + 2, input, b->streams[(l + 1) % 2], own, eps);
+        attention_half(model, layer, step, s, b, b->cursors + 4 * l, input, own, eps, scale, l);
+        mlp_half(layer, step, s, b, b->cursors + 4 * l + 2, input, b->streams[(l + 1) % 2], own, eps, l);
     }
 #pragma omp for
     for (int64_t t = 0; t < s->T; t++)
@@ -207,13 +221,16 @@ static void forward(const struct model_desc *model, const struct step_desc *step
                        eps, NULL, out);
     if (!step->logits) return;
     int64_t *cursor = b->cursors + 4 * model->num_layers; /* the op-by-op path's few-row product, in C */
-    if (model->lm_head_quant_type) {
+    if (model->lm_head_quant_type)
         product(s, b, out, s->H, model->lm_head, model->lm_head_quant_type, model->vocab, model->lm_head_bias,
                 step->logits, own, cursor);
-        return;
+    else
+        gemv_share(out, s->T, s->H, model->lm_head, (int32_t)model->lm_head_is_bf16, s->use_dot, model->vocab,
+                   model->lm_head_bias, step->logits, own->rounded, cursor, own->team);
+    if (step->lora_groups && step->lora_products[4 * model->num_layers]) {
+#pragma omp barrier
+        lora_deltas(step, 4 * model->num_layers, out, s->T, s->H, step->logits, model->vocab);
     }
-    gemv_share(out, s->T, s->H, model->lm_head, (int32_t)model->lm_head_is_bf16, s->use_dot, model->vocab,
-               model->lm_head_bias, step->logits, own->rounded, cursor, own->team);
 }
 
 /* out: [num_tokens, hidden] fp32, the final-normed hidden states. Returns 0, or -1 when scratch
@@ -289,6 +306,7 @@ static const struct {
     FIELD(step_desc, rows), FIELD(step_desc, block_tables), FIELD(step_desc, max_blocks),
     FIELD(step_desc, context_lens), FIELD(step_desc, num_tokens), FIELD(step_desc, block_size),
     FIELD(step_desc, use_dot), FIELD(step_desc, num_threads), FIELD(step_desc, logits),
+    FIELD(step_desc, lora_groups), FIELD(step_desc, lora_products), FIELD(step_desc, num_lora_groups),
     SIZE(quant_part), FIELD(quant_part, w), FIELD(quant_part, type), FIELD(quant_part, rows),
 };
 

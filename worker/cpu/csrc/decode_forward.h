@@ -7,6 +7,8 @@
 
 #include <stdint.h>
 
+#include "lora_rows.h"
+
 /* One decoder layer's weights, KV cache and shapes (every layer of one model has the same shapes). */
 struct layer_desc {
     const float *input_norm;  /* [hidden] */
@@ -55,6 +57,12 @@ struct step_desc {
     int64_t use_dot;                               /* bf16 products take the dot instruction */
     int64_t num_threads;
     float *logits;                                 /* [T, vocab]: lm_head's products too; NULL: not */
+    /* LoRA (lora_rows.h): each row's adapter group (-1: none), and for each layer's qkv, o, gate_up and
+     * down (4 l + 0..3) and lm_head (4 num_layers) the groups' parts of that product (NULL: no group
+     * has any); lora_groups NULL: no row has an adapter */
+    const int32_t *lora_groups;
+    const struct lora_group *const *lora_products;
+    int64_t num_lora_groups;
 };
 
 #endif

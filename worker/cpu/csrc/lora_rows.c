@@ -23,25 +23,11 @@
 
 #pragma GCC optimize("fp-contract=off") /* the fused multiply-adds are the ones written, in every build */
 
+#include "lora_rows.h"
+
 #define LANES 16
 #define RB 4 /* rows of one adapter that share each read of its A and B */
 #define MAX_RANK 1024 /* h's entries a row: the ranks of a group's parts together */
-
-struct lora_part {
-    int64_t start;  /* first output column */
-    int64_t width;  /* output columns */
-    int64_t offset; /* first entry of h it reads */
-    int64_t rank;
-    const float *bt; /* [rank, width]: B transposed */
-    float scale;
-};
-
-struct lora_group {
-    const float *a; /* [rank, in]: the parts' A rows, concatenated */
-    int64_t rank;
-    int64_t num_parts;
-    const struct lora_part *parts;
-};
 
 /* The lanes after the whole runs of 16 (the tail, c from `c`), then the fixed tree: lane l + 8, + 4,
  * + 2, + 1. */
@@ -153,20 +139,10 @@ static void row_block(const float *x, int64_t in, float *out, int64_t out_width,
     }
 }
 
-/* Returns 0; -1 where a group's rank exceeds MAX_RANK, -2 without memory (nothing written). */
-int32_t lora_rows(const float *x, int64_t rows, int64_t in, float *out, int64_t out_width,
-                  const int32_t *group_of_row, const struct lora_group *groups, int32_t num_groups,
-                  int32_t num_threads) {
-    for (int32_t g = 0; g < num_groups; g++)
-        if (groups[g].rank > MAX_RANK) return -1;
-    /* the work: blocks of up to RB rows of one group, groups in order, rows ascending within */
-    int64_t *order = malloc((size_t)(rows > 0 ? rows : 1) * sizeof(int64_t));
-    int64_t *block_start = malloc((size_t)(rows + 1) * sizeof(int64_t));
-    int32_t *block_group = malloc((size_t)(rows > 0 ? rows : 1) * sizeof(int32_t));
-    if (!order || !block_start || !block_group) {
-        free(order), free(block_start), free(block_group);
-        return -2;
-    }
+/* The work: blocks of up to RB rows of one group, groups in order, rows ascending within; returns how
+ * many (order: the rows by block; block_start: [blocks + 1]; block_group: [blocks]). */
+static int64_t plan_blocks(int64_t rows, const int32_t *group_of_row, int32_t num_groups, int64_t *order,
+                           int64_t *block_start, int32_t *block_group) {
     int64_t num_ordered = 0, num_blocks = 0;
     for (int32_t g = 0; g < num_groups; g++) {
         int in_block = 0;
@@ -178,10 +154,38 @@ int32_t lora_rows(const float *x, int64_t rows, int64_t in, float *out, int64_t 
         }
     }
     block_start[num_blocks] = num_ordered;
+    return num_blocks;
+}
+
+/* Returns 0; -1 where a group's rank exceeds MAX_RANK, -2 without memory (nothing written). */
+int32_t lora_rows(const float *x, int64_t rows, int64_t in, float *out, int64_t out_width,
+                  const int32_t *group_of_row, const struct lora_group *groups, int32_t num_groups,
+                  int32_t num_threads) {
+    for (int32_t g = 0; g < num_groups; g++)
+        if (groups[g].rank > MAX_RANK) return -1;
+    int64_t *order = malloc((size_t)(rows > 0 ? rows : 1) * sizeof(int64_t));
+    int64_t *block_start = malloc((size_t)(rows + 1) * sizeof(int64_t));
+    int32_t *block_group = malloc((size_t)(rows > 0 ? rows : 1) * sizeof(int32_t));
+    if (!order || !block_start || !block_group) {
+        free(order), free(block_start), free(block_group);
+        return -2;
+    }
+    const int64_t num_blocks = plan_blocks(rows, group_of_row, num_groups, order, block_start, block_group);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_blocks > 1)
     for (int64_t b = 0; b < num_blocks; b++)
         row_block(x, in, out, out_width, order + block_start[b], (int)(block_start[b + 1] - block_start[b]),
                   &groups[block_group[b]]);
     free(order), free(block_start), free(block_group);
     return 0;
+}
+
+void lora_rows_share(const float *x, int64_t rows, int64_t in, float *out, int64_t out_width,
+                     const int32_t *group_of_row, const struct lora_group *groups, int32_t num_groups) {
+    int64_t order[LORA_SHARE_ROWS], block_start[LORA_SHARE_ROWS + 1];
+    int32_t block_group[LORA_SHARE_ROWS];
+    const int64_t num_blocks = plan_blocks(rows, group_of_row, num_groups, order, block_start, block_group);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_blocks; b++)
+        row_block(x, in, out, out_width, order + block_start[b], (int)(block_start[b + 1] - block_start[b]),
+                  &groups[block_group[b]]);
 }
