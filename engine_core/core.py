@@ -146,13 +146,6 @@ class EngineCore:
         if error is not None:
             logger.warning("refused request %s: %s", request.req_id, error)
             return EngineCoreOutput(request.req_id, [], finish_reason=FinishReason.ERROR, error=error)
-        lora_slot = -1
-        if request.sampling_params.lora is not None:
-            try:
-                lora_slot = self.loras.take(request.sampling_params.lora)
-            except (ValueError, OSError) as exc:
-                logger.warning("refused request %s: %s", request.req_id, exc)
-                return EngineCoreOutput(request.req_id, [], finish_reason=FinishReason.ERROR, error=str(exc))
         req = Request(
             req_id=core_req_id(client_id, request.req_id),
             client_id=client_id,
@@ -163,7 +156,6 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             logprobs_mode=self.config.logprobs_mode,
         )
-        req.lora_slot = lora_slot
         self.scheduler.add_request(req)
         return None
 
@@ -178,6 +170,11 @@ class EngineCore:
         pinned = request.sampling_params.weight_version
         if pinned is not None and pinned != self.control.weight_version:
             return pinned_error(pinned, self.control.weight_version)
+        if request.sampling_params.lora is not None:  # read when the scheduler admits it (lora_table.py)
+            try:
+                self.loras.check(request.sampling_params.lora)
+            except ValueError as exc:
+                return str(exc)
         return None
 
     def abort_requests(self, client_id: bytes, req_ids: list[str]) -> None:

@@ -2,8 +2,10 @@
 load into a slot of the runner (worker/lora/), and when a slot is dropped.
 
 A slot is one load of one adapter: its int_id and name, its path, and a generation that a load in place
-(`load(..., inplace=True)`, vLLM's load_inplace, what RL syncs use) moves on. A request takes the slot of
-its adapter's current load when it arrives and keeps it to its end, so it never mixes two versions; the
+(`load(..., inplace=True)`, vLLM's load_inplace, what RL syncs use) moves on. A request's adapter is
+checked when it arrives (`check`) and read, where no load of it is kept, when the scheduler admits it
+(`take`): it takes the slot of its adapter's current load then and keeps it to its end, so it never mixes
+two versions; the
 prefix cache keys a LoRA request's blocks by its slot (Request.cache_root), so no request reads KV
 computed under another adapter or another load of its own. A slot no request holds is dropped when the
 adapter was loaded again, unloaded, or when more than max_cpu_loras idle slots are kept (least recently
@@ -17,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from protocol.sampling_params import LoraRef
+
+CORE_IDS = 2**30  # lora_int_ids from here on are the core's own, for adapters loaded by name
 
 
 @dataclass
@@ -41,21 +45,33 @@ class LoraTable:
         self._idle: OrderedDict[int, None] = OrderedDict()  # current slots no request holds, LRU first
         self._holders: dict[int, int] = {}  # slot -> requests holding it
         self._slot_ids = itertools.count()
-        self._int_ids = itertools.count(2**30)  # ids of adapters loaded by name alone (the server's)
+        self._int_ids = itertools.count(CORE_IDS)  # ids of adapters loaded by name alone (the server's)
 
     def adapters(self) -> list[tuple[str, str]]:
         """(name, path) of every adapter known (loaded now, or again at its next request)."""
         return sorted((name, path) for name, path, _ in self._known.values())
 
-    def take(self, ref: LoraRef) -> int:
-        """The slot a request with `ref` runs with, held until `release` (loaded where it is not); a
-        ValueError names what is wrong (LoRA off, an unreadable adapter, a name taken by another id)."""
+    def check(self, ref: LoraRef) -> None:
+        """A request's adapter, as it arrives (nothing is read yet: that waits for its admission, `take`);
+        a ValueError names what is wrong: LoRA off, a name or an id another adapter has, or an id of the
+        core's own range (adapters loaded by name) that is not loaded (unloaded since)."""
         if not self.enabled:
             raise ValueError("lora_request: LoRA is off in this engine (start it with enable_lora=True, "
                              "--enable-lora)")
         owner = self._by_name.get(ref.name)
         if owner is not None and owner != ref.int_id:
             raise ValueError(f"lora_request: the name {ref.name!r} belongs to lora_int_id {owner}, not {ref.int_id}")
+        known = self._known.get(ref.int_id)
+        if known is not None and known[0] != ref.name:
+            raise ValueError(f"lora_request: lora_int_id {ref.int_id} belongs to the adapter {known[0]!r}, "
+                             f"not {ref.name!r}")
+        if known is None and ref.int_id >= CORE_IDS:
+            raise ValueError(f"lora_request: no LoRA adapter {ref.name!r} is loaded (it was unloaded)")
+
+    def take(self, ref: LoraRef) -> int:
+        """The slot a request with `ref` runs with, held until `release` (read from its path where no load
+        of it is kept); a ValueError names what is wrong (check's, or an unreadable adapter)."""
+        self.check(ref)
         if ref.int_id not in self._known:
             self._load(ref.name, ref.int_id, ref.path, 0)
         return self._hold_current(ref.int_id)
@@ -80,7 +96,11 @@ class LoraTable:
             raise ValueError(f"the LoRA adapter {name!r} has lora_int_id {known}, not {int_id}")
         if known is None and int_id is not None and int_id in self._known:
             raise ValueError(f"lora_int_id {int_id} belongs to the adapter {self._known[int_id][0]!r}")
-        int_id = known if known is not None else int_id if int_id is not None else next(self._int_ids)
+        if int_id is None and known is None:
+            int_id = next(self._int_ids)
+            while int_id in self._known:  # a request's own id may lie in the core's range
+                int_id = next(self._int_ids)
+        int_id = known if known is not None else int_id
         generation = self._known[int_id][2] + 1 if int_id in self._known else 0
         slot = self._load(name, int_id, path, generation)
         self._trim()

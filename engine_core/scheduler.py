@@ -139,13 +139,19 @@ class Scheduler:
             index += 1
         is_preempted = self.num_preemptions > num_preemptions_before
         can_admit = self.can_admit and not is_preempted  # no admissions while memory is short, or held
+        skipped: list[Request] = []  # waiting for room for their adapter (max_loras): they keep their turn
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and can_admit:
             if not self._has_lora_room(self.waiting[0]):
-                break
+                if len(skipped) == self.max_num_seqs:
+                    break
+                skipped.append(self.waiting.popleft())
+                continue
             num_new = self._admit(self.waiting[0], budget, output)
             if num_new is None:
                 break
             budget -= num_new
+        for req in reversed(skipped):
+            self.waiting.appendleft(req)
         if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs and not output.spec_tokens:
             reqs = [self.requests[data.req_id] for data in output.cached_reqs]
             max_lens = [self.long_rope.max_len(req) for req in reqs]
@@ -179,6 +185,15 @@ class Scheduler:
         """Schedules the head of the waiting queue, after its cached prefix when it may read the cache;
         returns its scheduled tokens, or None when it must wait (no blocks, or its prefix is being
         computed by a running request and will be in the cache after this step)."""
+        if req.params.lora is not None and req.lora_slot < 0:  # its adapter read (and held) now
+            try:
+                req.lora_slot = self.loras.take(req.params.lora)
+            except ValueError as exc:  # this request alone fails, reported with the step's outputs
+                self.waiting.popleft()
+                req.finish(FinishReason.ERROR)
+                self.failed.append((req, str(exc)))
+                self._free(req)
+                return 0
         can_read_cache = self.kv_cache.index is not None and req.can_read_prefix_cache
         if can_read_cache and self._is_prefix_being_computed(req):
             return None
@@ -346,10 +361,11 @@ class Scheduler:
 
     def _has_lora_room(self, req: Request) -> bool:
         """At most max_loras adapters run in one step: a request of another adapter waits for room."""
-        if req.lora_slot < 0:
+        lora = req.params.lora
+        if lora is None:
             return True
-        running = {r.lora_slot for r in self.running if r.lora_slot >= 0}
-        return req.lora_slot in running or len(running) < self.max_loras
+        running = {r.params.lora.int_id for r in self.running if r.params.lora is not None}
+        return lora.int_id in running or len(running) < self.max_loras
 
     def _free(self, req: Request) -> None:
         if req.lora_slot >= 0 and self.loras is not None and req.req_id in self.requests:

@@ -89,13 +89,15 @@ class LLM(LLMControlVerbs):
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the chat template (the given one, else the tokenizer's) and
-        generates from it. A template that writes the BOS itself gets no second one from tokenizing."""
+        generates from it. A template that writes the BOS itself gets no second one from tokenizing.
+        `lora_request`: as `generate`'s."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         texts = [render_chat(self.tokenizer, c, chat_template, add_generation_prompt) for c in conversations]
         prompts = [{"prompt_token_ids": chat_prompt_token_ids(self.tokenizer, text)} for text in texts]
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs

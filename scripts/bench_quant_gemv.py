@@ -6,6 +6,7 @@ depend on the values).
     python scripts/bench_quant_gemv.py --shape 8192,2048 --rows 1,4,8,16
     python scripts/bench_quant_gemv.py --shape 151936,1536 --rows 1,16 --types Q6_K  # one type, no fp32
     python scripts/bench_quant_gemv.py --shape 8960,1536 --types Q4_K,Q6_K --int8  # beside integer mode's
+    python scripts/bench_quant_gemv.py --build avx2 --int8  # the kernels built as for an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_common import machine, median, print_table, write_json  # noqa: E402
 
+from worker.cpu.build import NARROWER_BUILDS  # noqa: E402
 from worker.cpu.kernels import load_cpu_kernels  # noqa: E402
 from worker.cpu.linear import gemv  # noqa: E402
 from worker.cpu.quant_linear import quant_gemv  # noqa: E402
@@ -56,10 +58,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--types", default="all", help="comma-separated names (Q6_K,fp32) or all")
     parser.add_argument("--int8", action="store_true", help="each type in integer mode too (gemv_int8.c)")
+    parser.add_argument("--build", choices=("native", *NARROWER_BUILDS), default="native",
+                        help="the kernels built for this CPU, or without AVX-512 (avx2), or without any vectors")
     parser.add_argument("--json", default="bench_out/quant_gemv.json")
     args = parser.parse_args()
     num_out, num_in = (int(n) for n in args.shape.split(","))
-    kernels = load_cpu_kernels()
+    kernels = load_cpu_kernels(extra_flags=NARROWER_BUILDS.get(args.build, ()))
     chosen = set(args.types.split(","))
     every = "all" in chosen
     weights = {

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_quant_kernels import NARROWER_BUILDS, random_blocks
+from test_quant_kernels import random_blocks
 
+from worker.cpu.build import NARROWER_BUILDS
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.quant_linear import quant_gemv
 from worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear

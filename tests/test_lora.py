@@ -150,6 +150,8 @@ def test_a_load_in_place_changes_the_answers_at_once(tiny_path, adapters, tmp_pa
         engine.unload_lora_adapter("policy")
         with pytest.raises(ValueError, match="policy"):
             engine.unload_lora_adapter("policy")
+        with pytest.raises(ValueError, match="unloaded"):  # a request naming it after: never read again
+            engine.generate(prompt, PARAMS, use_tqdm=False, lora_request=request)
 
 
 def test_what_is_not_built_is_refused_by_name_and_the_engine_goes_on(llm, adapters, tiny_path, tmp_path):
@@ -160,7 +162,8 @@ def test_what_is_not_built_is_refused_by_name_and_the_engine_goes_on(llm, adapte
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=lora(adapters, "every", 1))
     for request, words in [(LoRARequest("dora", 7, str(dora)), "DoRA"),
                            (LoRARequest("missing", 8, str(tmp_path / "nowhere")), "not found"),
-                           (LoRARequest("every", 9, adapters["every"][0]), "belongs to lora_int_id 1")]:
+                           (LoRARequest("every", 9, adapters["every"][0]), "belongs to lora_int_id 1"),
+                           (LoRARequest("other", 1, adapters["every"][0]), "lora_int_id 1 belongs to the adapter")]:
         with pytest.raises(Exception, match=words):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=request)
     big = tmp_path / "big"
@@ -176,9 +179,9 @@ def test_what_is_not_built_is_refused_by_name_and_the_engine_goes_on(llm, adapte
 def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernels, build):
     """csrc/lora_rows.c: the AVX-512 code (where this CPU has it), the AVX2 code and the generic code give
     the same bits, a row's the same alone as among other adapters' rows, and near torch's products."""
-    from test_quant_kernels import NARROWER_BUILDS
     from torch import nn
 
+    from worker.cpu.build import NARROWER_BUILDS
     from worker.cpu.kernels import load_cpu_kernels
     from worker.lora.adapter import LoraAdapter, LowRank, _linear
     from worker.lora.lora_ops import LoraOps
@@ -409,3 +412,49 @@ def test_the_fused_decode_forward_takes_the_adapters_with_the_op_by_op_bits(llm,
     finally:
         backend.fused = kept
     assert fused == op_by_op and fused_fusable == op_fusable
+
+
+def test_async_llm_takes_lora_request_and_equals_llm(llm, tiny_path, adapters):
+    import asyncio
+
+    from frontend import AsyncLLM
+
+    request = lora(adapters, "qv-rslora", 2)
+    expected = rows(llm.generate([{"prompt_token_ids": PROMPTS[1]}], PARAMS, use_tqdm=False, lora_request=request)[0])
+
+    async def main():
+        engine = AsyncLLM(tiny_path, multiprocess=False, enable_lora=True, num_kv_blocks=128)
+        try:
+            token_ids, finished = [], False
+            async for delta in engine.generate({"prompt_token_ids": PROMPTS[1]}, PARAMS, "a", lora_request=request):
+                token_ids += delta.outputs[0].token_ids
+                finished = delta.finished
+            return token_ids, finished
+        finally:
+            engine.shutdown()
+
+    token_ids, finished = asyncio.run(main())
+    assert finished and token_ids == expected[0]
+
+
+def test_a_bf16_base_takes_the_adapter_in_fp32(tiny_path, adapters):
+    """bf16 weights (the CPU's bf16 products round activations to bf16) with an fp32 adapter: near PEFT on
+    the same bf16 weights widened to fp32, within the suite's bf16 tolerance, and batch invariant."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.bfloat16).float()
+    peft_model = PeftModel.from_pretrained(base, adapters["every"][0]).eval()
+    request = lora(adapters, "every", 1)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    with LLM(tiny_path, multiprocess=False, dtype="bfloat16", enable_lora=True, num_kv_blocks=128) as bf16:
+        batched = bf16.generate(prompts, PARAMS, use_tqdm=False, lora_request=[request, None, request])
+        alone = bf16.generate(prompts[2:], PARAMS, use_tqdm=False, lora_request=request)
+    assert rows(alone[0]) == rows(batched[2])
+    worst = 0.0
+    for prompt, output in zip(PROMPTS, batched[:1]):
+        reference = hf_logprobs(peft_model, prompt + output.outputs[0].token_ids)
+        for step, entries in enumerate(output.outputs[0].logprobs):
+            row = reference[len(prompt) - 1 + step]
+            worst = max([worst, *(abs(v.logprob - row[t].item()) for t, v in entries.items())])
+    assert worst < 0.15, worst  # conftest's bf16 tolerance for the C kernels

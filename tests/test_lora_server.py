@@ -74,6 +74,9 @@ def test_adapters_by_name_load_inplace_unload_and_metrics(tiny_path, folders):
         assert served(client, "first") == expected["second"]  # the new load's numbers at once
         bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
         assert bad.status_code == 404 and "not found" in bad.text
+        smuggled = httpx.post(f"{url}/inference/v1/generate", json={  # a body cannot name a path itself
+            "model": "builtin:tiny", "token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "lora": ["x", 7, first]}})
+        assert smuggled.status_code == 400 and "lora" in smuggled.text
         metrics = httpx.get(f"{url}/metrics").text
         assert 'vllm:lora_requests_info{' in metrics and 'max_lora="2"' in metrics
         assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "second"}).status_code == 200

@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf_files import K_SCALE_FIELDS
 
+from worker.cpu.build import NARROWER_BUILDS
 from worker.cpu.kernels import load_cpu_kernels
 from worker.cpu.linear import gemv
 from worker.cpu.quant_linear import dequantize_rows, quant_gemv
@@ -27,11 +28,6 @@ SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), **{t: K_SCALE_FIELDS[QUANT_TYPES[t]
 ROWS = [*range(1, 41), 83, 300]  # decode sizes, then panels of many rows past a 256-row chunk
 # Each path of gemv_quant.c that the native build of an AVX-512 host does not take; on a narrower host
 # a build may equal the native one, and is checked all the same.
-NARROWER_BUILDS = {
-    "avx2": ("-mno-avx512f",),
-    "avx": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
-    "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx", "-mno-f16c"),
-}
 
 
 def random_blocks(ggml_type: int, num_out: int, num_in: int, seed: int) -> torch.Tensor:

@@ -21,6 +21,13 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# extra_flags that build the kernels as for a CPU with less: without AVX-512 (an AVX2 CPU), then without
+# AVX2 and FMA, then without any vector extension (the tests' and bench_quant_gemv.py's narrower builds)
+NARROWER_BUILDS = {
+    "avx2": ("-mno-avx512f",),
+    "avx": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
+    "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx", "-mno-f16c"),
+}
 # gcc tuned for AMD Zen (-march=native there) leaves a chain of multiply-adds up to 256 bits wide as a
 # multiply and an add (shorter latency on Zen); the kernels' fixed order is fused multiply-adds on every
 # CPU, and gemv_quant.c's intrinsics fuse, so gcc is told to keep every chain fused.

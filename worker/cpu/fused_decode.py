@@ -42,6 +42,9 @@ class FusedStep:
         self.pointer = ctypes.byref(desc)
 
 
+LORA_SHARE_ROWS = 64  # csrc/lora_rows.h: the rows lora_rows_share takes (a fused step has at most FUSED_MAX_ROWS)
+
+
 @dataclass
 class FusedLora:
     """A step's LoRA for decode_forward.c: each row's group [T] int32 (-1: none), the groups' parts of each
@@ -130,7 +133,8 @@ class FusedForward:
         if logits is not None:
             desc.logits = logits.data_ptr()
         if lora is not None:
-            assert lora.groups.shape[0] == num_tokens and len(lora.products) == 4 * len(self.caches) + 1
+            assert lora.groups.shape[0] == num_tokens <= LORA_SHARE_ROWS
+            assert len(lora.products) == 4 * len(self.caches) + 1
             desc.lora_groups, desc.num_lora_groups = lora.groups.data_ptr(), lora.num_groups
             desc.lora_products = ctypes.addressof(lora.products)
         return FusedStep(desc, (input_ids, rope_rows, slots, meta.plan, lora), logits)

@@ -23,6 +23,7 @@ from torch import nn
 from worker.models.quantized import block_values
 
 _PREFIX = "base_model.model."
+MAX_PRODUCT_RANK = 1024  # an adapter's ranks for one product, its parts together (csrc/lora_rows.c's bound)
 _QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _REFUSED_TRUE = {"use_dora": "DoRA", "use_qalora": "QA-LoRA", "lora_bias": "LoRA biases (lora_bias)"}
 
@@ -101,7 +102,8 @@ def read_adapter(path: str, name: str, model: nn.Module, max_rank: int) -> LoraA
     weights_file = folder / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise ValueError(f"LoRA adapter {path!r}: no adapter_model.safetensors (adapter_model.bin is not read)")
-    tensors = load_file(str(weights_file))
+    device = model.norm.weight.device  # the adapter lives where the model computes
+    tensors = {name: t.to(device) for name, t in load_file(str(weights_file)).items()}
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", 8))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     adapter = LoraAdapter(name, rank)
@@ -117,10 +119,18 @@ def read_adapter(path: str, name: str, model: nn.Module, max_rank: int) -> LoraA
         else:
             _whole_module(adapter, key, value, model, path)
     for module_name, pair in sorted(pairs.items()):
-        if set(pair) in ({"lora_A", "lora_B"}, {"lora_embedding_A", "lora_embedding_B"}):
-            _add_pair(adapter, module_name, pair, scale, model, path)
-        else:
+        if set(pair) not in ({"lora_A", "lora_B"}, {"lora_embedding_A", "lora_embedding_B"}):
             raise ValueError(f"LoRA adapter {path!r}: {module_name} lacks its A or B")
+        a, b = pair.get("lora_A", pair.get("lora_embedding_A")), pair.get("lora_B", pair.get("lora_embedding_B"))
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise ValueError(f"LoRA adapter {path!r}: {module_name} A {tuple(a.shape)} / B {tuple(b.shape)} "
+                             f"are not of its rank r={rank}")
+        _add_pair(adapter, module_name, pair, scale, model, path)
+    for parts in adapter.deltas.values():
+        if sum(p.a.weight.shape[0] for p in parts) > MAX_PRODUCT_RANK:
+            raise ValueError(f"LoRA adapter {path!r}: its targets of one product have {len(parts)} x r={rank} ranks, "
+                             f"more than the {MAX_PRODUCT_RANK} the kernels take (r <= {MAX_PRODUCT_RANK // 3} "
+                             "with q, k and v all targeted)")
     return adapter
 
 
@@ -137,7 +147,7 @@ def _whole_module(adapter: LoraAdapter, key: str, value: torch.Tensor, model: nn
         raise ValueError(f"LoRA adapter {path!r}: {key} has shape {tuple(value.shape)}, the model's "
                          f"{module} {tuple(values.shape)} (a resized vocabulary is not built)")
     if ".base_layer." in key:
-        if not torch.equal(value.to(values.dtype), values):
+        if not torch.equal(value.to(device=values.device, dtype=values.dtype), values):
             raise ValueError(f"LoRA adapter {path!r}: {key} differs from the model's {module}")
         return
     if not own.is_floating_point():

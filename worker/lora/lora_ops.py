@@ -108,7 +108,7 @@ class LoraOps:
     def fused_lora(self, model: nn.Module) -> FusedLora | None:
         """This step's adapters as the fused decode forward reads them (csrc/decode_forward.c: each layer's
         four products and lm_head), or None where it cannot take them: an adapter with an embedding LoRA or
-        its own table or lm_head (modules_to_save), or ranks past the kernel's bound."""
+        its own table or lm_head (modules_to_save). (An adapter's ranks were bounded when it was read.)"""
         if self.rows is None or any(a.embed_a is not None or a.embed_tokens is not None or a.lm_head is not None
                                     for a in self._present):
             return None
@@ -118,8 +118,7 @@ class LoraOps:
                        for m in (layer.qkv_proj, layer.o_proj, getattr(layer, "gate_up_proj", None),
                                  getattr(layer, "down_proj", None))] + [model.lm_head]
             arrays = [None if m is None else self._group_array(m) for m in modules]
-            ranks = [g.rank for array in arrays if array is not None for g in array]
-            self._arrays[key] = None if any(r > _MAX_RANK for r in ranks) else (
+            self._arrays[key] = (
                 (ctypes.c_void_p * len(arrays))(*[0 if a is None else ctypes.addressof(a) for a in arrays]), arrays)
         fused = self._arrays[key]
         if fused is None:
@@ -145,12 +144,12 @@ class LoraOps:
             x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), out.shape[1], rows.data_ptr(),
             ctypes.addressof(groups), len(groups), torch.get_num_threads(),
         )
-        if status != 0:
-            raise ValueError("a LoRA adapter's ranks for one product exceed 1024")
+        if status != 0:  # the ranks were bounded when the adapter was read (adapter.py): memory alone
+            raise MemoryError("LoRA's grouped products could not allocate their row lists")
 
 
 _EMPTY = LoraGroup(None, 0, 0, None)
-_MAX_RANK = 1024  # csrc/lora_rows.c's bound on an adapter's ranks for one product
+
 
 
 def _c_group(adapter: LoraAdapter, layer: nn.Module) -> LoraGroup:

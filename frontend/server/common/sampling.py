@@ -17,7 +17,9 @@ from pydantic import BaseModel
 from frontend.server.common.errors import APIError
 from protocol.sampling_params import SamplingParams
 
-SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+# What a request body may set: every field but the adapter, which only the request's "model" names (a
+# body naming a path would make the core read any folder of its host)
+SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__) - {"lora"}
 
 
 def same_name_fields(
