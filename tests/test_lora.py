@@ -183,7 +183,7 @@ def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernel
 
     from worker.cpu.build import NARROWER_BUILDS
     from worker.cpu.kernels import load_cpu_kernels
-    from worker.lora.adapter import LoraAdapter, LowRank, _linear
+    from worker.lora.adapter import LoraAdapter, LowRank, frozen_linear
     from worker.lora.lora_ops import LoraOps
 
     layer = nn.Linear(100, 70, bias=False)  # widths past whole runs of 16: the tails too
@@ -200,8 +200,8 @@ def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernel
     for slot in range(3):
         adapter = LoraAdapter(f"a{slot}", 8)
         adapter.deltas[layer] = [
-            LowRank(_linear(torch.randn(5 + slot, 100, generator=generator)),
-                    _linear(torch.randn(width, 5 + slot, generator=generator)), 0.5 + slot, start)
+            LowRank(frozen_linear(torch.randn(5 + slot, 100, generator=generator)),
+                    frozen_linear(torch.randn(width, 5 + slot, generator=generator)), 0.5 + slot, start)
             for start, width in ((0, 37), (37, 33))
         ]
         adapters[slot] = adapter

@@ -58,7 +58,8 @@ class LoraAdapter:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _linear(weight: torch.Tensor) -> nn.Linear:
+def frozen_linear(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear over `weight` (fp32, contiguous, no grad): an adapter's A or B as the backends' products take it."""
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     layer.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)
     return layer
@@ -153,7 +154,7 @@ def _whole_module(adapter: LoraAdapter, key: str, value: torch.Tensor, model: nn
     if not own.is_floating_point():
         raise ValueError(f"LoRA adapter {path!r}: modules_to_save {module} over a table kept in GGUF blocks is not built")
     if module == "lm_head":
-        adapter.lm_head = _linear(value)
+        adapter.lm_head = frozen_linear(value)
     else:
         adapter.embed_tokens = value.float().contiguous()
 
@@ -170,7 +171,7 @@ def _add_pair(adapter: LoraAdapter, name: str, pair: dict[str, torch.Tensor], sc
         if a.shape[1] != model.args.vocab_size or b.shape[0] != model.args.hidden_size:
             raise ValueError(f"LoRA adapter {path!r}: embed_tokens A {tuple(a.shape)} / B {tuple(b.shape)} "
                              "do not fit the model")
-        adapter.embed_a, adapter.embed_b, adapter.embed_scale = a.float().t().contiguous(), _linear(b), scale
+        adapter.embed_a, adapter.embed_b, adapter.embed_scale = a.float().t().contiguous(), frozen_linear(b), scale
         return
     a, b = pair["lora_A"], pair["lora_B"]
     if ".experts." in name or name.endswith((".gate", ".block_sparse_moe.gate")):
@@ -180,7 +181,7 @@ def _add_pair(adapter: LoraAdapter, name: str, pair: dict[str, torch.Tensor], sc
     in_features = module.in_features if hasattr(module, "in_features") else None
     if a.shape[0] != b.shape[1] or (in_features is not None and a.shape[1] != in_features) or start + b.shape[0] > out_features:
         raise ValueError(f"LoRA adapter {path!r}: {name} A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the model")
-    adapter.deltas.setdefault(module, []).append(LowRank(_linear(a), _linear(b), scale, start))
+    adapter.deltas.setdefault(module, []).append(LowRank(frozen_linear(a), frozen_linear(b), scale, start))
 
 
 def _target(model: nn.Module, name: str, path: str) -> tuple[nn.Module, int]:

@@ -127,6 +127,28 @@ static inline float sum_lanes(const float acc[GROUP]) {
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
+#if defined(INT8_VNNI) || defined(INT8_AVX2)
+/* A group's 8 integer sums of row r of x, of the unsigned weight bytes (Q6_K: each 16's already times its
+ * scale) -> the definition's I_j (the bytes' excess taken out with the activations' sums), then its
+ * floats into acc. The VNNI and the AVX2 code's one ending. */
+static inline __attribute__((always_inline)) __m256 finish_group(__m256i sums, __m256i sc16, int minus, __m256 scale,
+                                                                 __m256 offset, int has_offset, int type,
+                                                                 const struct int8_rows *a, int64_t r, int64_t gi,
+                                                                 __m256 acc) {
+    const int64_t K = a->K, blocks = K / QK;
+    const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->s16 + r * (K / 16) + 16 * gi));
+    if (type == TYPE_Q6_K)
+        sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 5)); /* 32 * sc-weighted sums */
+    else if (minus)
+        sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
+                                                         _mm256_set1_epi32(minus)));
+    const __m256 d = _mm256_loadu_ps(a->d + r * blocks + GROUP * gi);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d), acc);
+    if (has_offset) acc = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a->ds + r * blocks + GROUP * gi), acc);
+    return acc;
+}
+#endif
+
 #ifdef INT8_VNNI
 /* ---- AVX512-VNNI ---- */
 
@@ -145,54 +167,19 @@ static inline __m256i sum_blocks(__m512i z0, __m512i z1, __m512i z2, __m512i z3)
 /* The group against row r of x (group index gi: its blocks 8 gi ..), into acc. */
 static inline __attribute__((always_inline)) __m256 group_row(const struct group *g, int type, const struct int8_rows *a,
                                                               int64_t r, int64_t gi, __m256 acc) {
-    const int64_t K = a->K, blocks = K / QK;
+    const int64_t K = a->K;
     const int8_t *q = a->q + r * K + gi * QK_K;
     __m512i z[4];
     for (int i = 0; i < 4; i++) z[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[i], _mm512_loadu_si512(q + 64 * i));
-    const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->s16 + r * (K / 16) + 16 * gi));
-    __m256i sums;
-    if (type == TYPE_Q6_K) {
+    if (type == TYPE_Q6_K)
         for (int i = 0; i < 4; i++) z[i] = _mm512_mullo_epi32(z[i], g->lane_scale[i]);
-        sums = _mm256_sub_epi32(sum_blocks(z[0], z[1], z[2], z[3]),
-                                _mm256_slli_epi32(_mm256_madd_epi16(g->sc16, s16), 5)); /* 32 * sc-weighted sums */
-    } else {
-        sums = sum_blocks(z[0], z[1], z[2], z[3]);
-        if (g->minus)
-            sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
-                                                             _mm256_set1_epi32(g->minus)));
-    }
-    const __m256 d = _mm256_loadu_ps(a->d + r * blocks + GROUP * gi);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(g->scale, d), acc);
-    if (g->has_offset) acc = _mm256_fmadd_ps(g->offset, _mm256_loadu_ps(a->ds + r * blocks + GROUP * gi), acc);
-    return acc;
+    return finish_group(sum_blocks(z[0], z[1], z[2], z[3]), g->sc16, g->minus, g->scale, g->offset, g->has_offset,
+                        type, a, r, gi, acc);
 }
 
-/* ns weight rows (streams: rows far apart, so the memory reads of several run at once) against rows
- * r .. r + nr - 1 of x: sums[s][i] for weight row s and row r + i of x. Each (weight row, row of x)
- * pair is the definition's sequence whatever ns and nr are. */
-static inline __attribute__((always_inline)) void dot_rows(const uint8_t *rows[STREAMS], int ns, int type,
-                                                           const struct int8_rows *a, int64_t r, int nr,
-                                                           float sums[STREAMS][RG]) {
-    const int64_t blocks = a->K / QK, groups = blocks / GROUP;
-    const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
-    __m256 acc[STREAMS][RG];
-    for (int s = 0; s < ns; s++)
-        for (int i = 0; i < nr; i++) acc[s][i] = _mm256_setzero_ps();
-    for (int64_t gi = 0; gi < groups; gi++)
-        for (int s = 0; s < ns; s++) {
-            struct group g;
-            prefetch_ahead(rows[s] + gi * group_bytes, group_bytes);
-            make_group(rows[s] + gi * group_bytes, type, &g);
-            for (int i = 0; i < nr; i++) acc[s][i] = group_row(&g, type, a, r + i, gi, acc[s][i]);
-        }
-    for (int s = 0; s < ns; s++)
-        for (int i = 0; i < nr; i++) {
-            float lanes[GROUP];
-            _mm256_storeu_ps(lanes, acc[s][i]);
-            blocks_generic(rows[s], type, a, r + i, groups * GROUP, blocks, lanes); /* a tail of < 8 blocks */
-            sums[s][i] = sum_lanes(lanes);
-        }
-}
+#define VECTOR_GROUP struct group
+#define MAKE_GROUP make_group
+#define GROUP_ROW group_row
 #elif defined(INT8_AVX2)
 /* ---- AVX2: vpmaddubsw ---- */
 
@@ -208,7 +195,7 @@ static inline __m256i sum_eight(const __m256i z[GROUP]) {
 static inline __attribute__((always_inline)) __m256 group_row2(const struct group2 *g, int type,
                                                                const struct int8_rows *a, int64_t r, int64_t gi,
                                                                __m256 acc) {
-    const int64_t K = a->K, blocks = K / QK;
+    const int64_t K = a->K;
     const int8_t *q = a->q + r * K + gi * QK_K;
     __m256i z[GROUP];
     for (int j = 0; j < GROUP; j++) {
@@ -216,20 +203,18 @@ static inline __attribute__((always_inline)) __m256 group_row2(const struct grou
         if (type == TYPE_Q8_0) x = _mm256_sign_epi8(x, w), w = _mm256_sign_epi8(w, w); /* |w| and a * sign(w) */
         z[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), g->sc[j]);
     }
-    __m256i sums = sum_eight(z);
-    const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->s16 + r * (K / 16) + 16 * gi));
-    if (type == TYPE_Q6_K)
-        sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_madd_epi16(g->sc16, s16), 5)); /* 32 * sc-weighted sums */
-    else if (g->minus)
-        sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
-                                                         _mm256_set1_epi32(g->minus)));
-    const __m256 d = _mm256_loadu_ps(a->d + r * blocks + GROUP * gi);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(g->scale, d), acc);
-    if (g->has_offset) acc = _mm256_fmadd_ps(g->offset, _mm256_loadu_ps(a->ds + r * blocks + GROUP * gi), acc);
-    return acc;
+    return finish_group(sum_eight(z), g->sc16, g->minus, g->scale, g->offset, g->has_offset, type, a, r, gi, acc);
 }
 
-/* dot_rows of the VNNI code, with AVX2's groups. */
+#define VECTOR_GROUP struct group2
+#define MAKE_GROUP make_group2
+#define GROUP_ROW group_row2
+#endif
+
+#if defined(INT8_VNNI) || defined(INT8_AVX2)
+/* ns weight rows (streams: rows far apart, so the memory reads of several run at once) against rows
+ * r .. r + nr - 1 of x, in either vector code's groups (VECTOR_GROUP): sums[s][i] for weight row s and
+ * row r + i of x. Each (weight row, row of x) pair is the definition's sequence whatever ns and nr are. */
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *rows[STREAMS], int ns, int type,
                                                            const struct int8_rows *a, int64_t r, int nr,
                                                            float sums[STREAMS][RG]) {
@@ -240,10 +225,10 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *rows[S
         for (int i = 0; i < nr; i++) acc[s][i] = _mm256_setzero_ps();
     for (int64_t gi = 0; gi < groups; gi++)
         for (int s = 0; s < ns; s++) {
-            struct group2 g;
+            VECTOR_GROUP g;
             prefetch_ahead(rows[s] + gi * group_bytes, group_bytes);
-            make_group2(rows[s] + gi * group_bytes, type, &g);
-            for (int i = 0; i < nr; i++) acc[s][i] = group_row2(&g, type, a, r + i, gi, acc[s][i]);
+            MAKE_GROUP(rows[s] + gi * group_bytes, type, &g);
+            for (int i = 0; i < nr; i++) acc[s][i] = GROUP_ROW(&g, type, a, r + i, gi, acc[s][i]);
         }
     for (int s = 0; s < ns; s++)
         for (int i = 0; i < nr; i++) {

@@ -84,6 +84,18 @@ static inline int32_t block_sum(const uint8_t *row, int type, int64_t j, const i
 }
 
 
+#if defined(INT8_VNNI) || defined(INT8_AVX2)
+/* A Q4_K or Q5_K super-block's 8 sub-block scales d * sc_j and offsets -dmin * m_j, in block order. */
+static inline void k_group_scales(const uint8_t *b, __m256 *scale, __m256 *offset) {
+    uint64_t scales, mins;
+    k_unpack_scales(b + 4, &scales, &mins);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
+    *scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), sc);
+    *offset = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), m);
+}
+#endif
+
 #ifdef INT8_AVX2
 /* One group of 8 blocks of a weight row for AVX2: register j holds block j's 32 weights as unsigned bytes
  * (Q4_0's q, Q6_K's q, the K-quants' q; Q8_0's signed w, whose signs go onto the activations: |w| <= 128
@@ -118,12 +130,7 @@ static inline __attribute__((always_inline)) void make_group2(const uint8_t *b, 
             }
             g->w[j] = w;
         }
-        uint64_t scales, mins;
-        k_unpack_scales(b + 4, &scales, &mins);
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
-        g->scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), sc);
-        g->offset = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), m);
+        k_group_scales(b, &g->scale, &g->offset);
         g->has_offset = 1;
         return;
     }
@@ -187,12 +194,7 @@ static inline __attribute__((always_inline)) void group_k(const uint8_t *b, int 
             g->w[i] = _mm512_mask_add_epi8(g->w[i], _mm512_test_epi8_mask(qh, bit), g->w[i], _mm512_set1_epi8(16));
         }
     }
-    uint64_t scales, mins;
-    k_unpack_scales(b + 4, &scales, &mins);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
-    g->scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), sc);
-    g->offset = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), m);
+    k_group_scales(b, &g->scale, &g->offset);
     g->has_offset = 1;
     const __m512i p0 = g->w[0], p1 = g->w[1], p2 = g->w[2], p3 = g->w[3]; /* sub-blocks (0, 2) (1, 3) (4, 6) (5, 7) */
     g->w[0] = _mm512_shuffle_i64x2(p0, p1, 0x44), g->w[1] = _mm512_shuffle_i64x2(p0, p1, 0xee);
