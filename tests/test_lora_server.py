@@ -74,6 +74,12 @@ def test_adapters_by_name_load_inplace_unload_and_metrics(tiny_path, folders):
         assert served(client, "first") == expected["second"]  # the new load's numbers at once
         bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
         assert bad.status_code == 404 and "not found" in bad.text
+        scored = httpx.post(f"{url}/v1/score", json={"model": "first", "query": PROMPT[:3], "items": [PROMPT[3:]],
+                                                     "label_token_ids": [318, 257]})
+        assert scored.status_code == 200 and scored.json()["model"] == "first", scored.text
+        tokens = httpx.post(f"{url}/inference/v1/generate", json={
+            "model": "first", "token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0.0}})
+        assert tokens.status_code == 200 and tokens.json()["model"] == "first", tokens.text
         smuggled = httpx.post(f"{url}/inference/v1/generate", json={  # a body cannot name a path itself
             "model": "builtin:tiny", "token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "lora": ["x", 7, first]}})
         assert smuggled.status_code == 400 and "lora" in smuggled.text

@@ -61,5 +61,9 @@ class ServerState:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
         return lora
 
+    def answer_name(self, lora: LoraRef | None) -> str:
+        """The `model` an answer names: the adapter's where the request named one (as vLLM answers)."""
+        return self.served_model_name if lora is None else lora.name
+
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{self.started_at:x}{next(self._serials):06d}"

@@ -160,7 +160,7 @@ class ChatResponse:
             "id": self.generation.request_id,
             "object": kind,
             "created": self.created,
-            "model": self.server.served_model_name if self.generation.params.lora is None else self.body.model,
+            "model": self.server.answer_name(self.generation.params.lora),
             "choices": choices,
         }
 

@@ -117,7 +117,7 @@ class CompletionResponse:
             "id": self.generation.request_id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.server.served_model_name if self.generation.params.lora is None else self.body.model,
+            "model": self.server.answer_name(self.generation.params.lora),
             "choices": choices,
         }
 

@@ -69,7 +69,7 @@ async def inference_generate(request: Request, body: TokensRequest) -> Response:
     if body.stream:
         await start_checked(generation, body)
         return sse_response(_chunks(generation, body, params), generation.close)
-    return await until_disconnected(request, _whole(generation, body, params, server.served_model_name))
+    return await until_disconnected(request, _whole(generation, body, params, server.answer_name(lora)))
 
 
 def _sampling_params(fields: dict, num_prompt: int, max_model_len: int) -> SamplingParams:

@@ -76,7 +76,7 @@ async def sglang_score(request: Request, body: SglangScoreRequest) -> Response:
         )
     if not items:
         return JSONBytesResponse(
-            {"scores": [], "model": server.served_model_name, "usage": None, "object": "scoring"}
+            {"scores": [], "model": server.answer_name(lora), "usage": None, "object": "scoring"}
         )
     query = body.query if body.query is not None else ("" if isinstance(items[0], str) else [])
     prompts = []
@@ -95,7 +95,7 @@ async def sglang_score(request: Request, body: SglangScoreRequest) -> Response:
         scores = [_scores(row, body.apply_softmax) for row in logprobs]
         return {
             "scores": scores,
-            "model": server.served_model_name,
+            "model": server.answer_name(lora),
             "usage": _usage(prompts),
             "object": "scoring",
         }
@@ -127,7 +127,7 @@ async def vllm_generative_scoring(request: Request, body: VllmScoreRequest) -> R
             "id": request_id,
             "object": "list",
             "created": int(time.time()),
-            "model": server.served_model_name,
+            "model": server.answer_name(lora),
             "data": data,
             "usage": _usage(prompts),
         }
