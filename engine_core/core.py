@@ -56,6 +56,7 @@ class EngineCore:
         self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
         self.executor.allocate_kv_cache(self.num_kv_blocks)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.loras = LoraTable(self.executor, config.enable_lora, config.max_loras, config.max_cpu_loras)
         self.eos_token_ids = eos_token_ids(config.model)
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -66,12 +67,11 @@ class EngineCore:
             grammars=Grammars(config.model, self.vocab_size, self.eos_token_ids),
             speculative=config.speculative_config,
             long_rope_switch=args.long_rope_switch,
+            loras=self.loras,
         )
         self.tokenizer_fingerprint = tokenizer_fingerprint(config.model)
         self.limits = RequestLimits.of(self.facts())
         self.control = CoreControl(self.scheduler, self.executor, self._reset_kv_pool)
-        self.loras = LoraTable(self.executor, config.enable_lora, config.max_cpu_loras or config.max_loras)
-        self.scheduler.loras, self.scheduler.max_loras = self.loras, config.max_loras
         self.control.loras = self.loras
 
     def _reset_kv_pool(self) -> None:

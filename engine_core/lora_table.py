@@ -15,10 +15,13 @@ used first).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from protocol.sampling_params import LoraRef
+
+logger = logging.getLogger(__name__)
 
 CORE_IDS = 2**30  # lora_int_ids from here on are the core's own, for adapters loaded by name
 
@@ -30,14 +33,14 @@ class Slot:
     int_id: int
     path: str
     generation: int
-    num_bytes: int = 0
 
 
 class LoraTable:
-    def __init__(self, executor, enabled: bool, max_cpu_loras: int) -> None:
+    def __init__(self, executor, enabled: bool, max_loras: int = 1, max_cpu_loras: int | None = None) -> None:
         self.executor = executor  # add_lora(slot, name, path) -> bytes, remove_lora(slot)
         self.enabled = enabled
-        self.max_cpu_loras = max_cpu_loras
+        self.max_loras = max_loras  # adapters in one step
+        self.max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras  # idle loads kept
         self._known: dict[int, tuple[str, str, int]] = {}  # int_id -> (name, path, generation) of its latest load
         self._by_name: dict[str, int] = {}  # name -> int_id
         self._current: dict[int, Slot] = {}  # int_id -> its latest load, while loaded
@@ -67,6 +70,25 @@ class LoraTable:
                              f"not {ref.name!r}")
         if known is None and ref.int_id >= CORE_IDS:
             raise ValueError(f"lora_request: no LoRA adapter {ref.name!r} is loaded (it was unloaded)")
+
+    def has_room(self, req, running: list) -> bool:
+        """Whether `req` (a Request) may join the `running` requests: at most max_loras adapters a step."""
+        lora = req.params.lora
+        if lora is None:
+            return True
+        adapters = {r.params.lora.int_id for r in running if r.params.lora is not None}
+        return lora.int_id in adapters or len(adapters) < self.max_loras
+
+    def admit(self, req) -> str | None:
+        """Gives `req` (a Request being admitted) its adapter's slot where it names one and holds none yet;
+        the error that fails it, or None."""
+        if req.params.lora is None or req.lora_slot >= 0:
+            return None
+        try:
+            req.lora_slot = self.take(req.params.lora)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def take(self, ref: LoraRef) -> int:
         """The slot a request with `ref` runs with, held until `release` (read from its path where no load
@@ -139,7 +161,9 @@ class LoraTable:
 
     def _load(self, name: str, int_id: int, path: str, generation: int) -> Slot:
         slot = Slot(next(self._slot_ids), name, int_id, path, generation)
-        slot.num_bytes = self.executor.add_lora(slot.slot, name, path)  # a ValueError leaves all as it was
+        num_bytes = self.executor.add_lora(slot.slot, name, path)  # a ValueError leaves all as it was
+        logger.info("LoRA adapter %r (lora_int_id %d, load %d) read from %s: %.1f MiB", name, int_id, generation,
+                    path, num_bytes / 2**20)
         previous = self._current.get(int_id)
         self._slots[slot.slot], self._current[int_id] = slot, slot
         self._known[int_id], self._by_name[name] = (name, path, generation), int_id

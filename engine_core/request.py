@@ -10,6 +10,7 @@ from engine_core.prompt_rows import flavour_of
 from protocol.arrays import LogprobsArrays, RoutedExperts
 from protocol.messages import FinishReason
 from protocol.sampling_params import SamplingParams
+from protocol.step import NewRequestData
 
 
 class RequestStatus(enum.Enum):
@@ -106,6 +107,24 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def new_request_data(self, block_ids: list[int]) -> NewRequestData:
+        """What the worker is told when it first runs the request, or again after a preemption."""
+        params = self.params
+        return NewRequestData(
+            req_id=self.req_id,
+            token_ids=self.all_token_ids,
+            num_prompt_tokens=self.num_prompt_tokens,
+            sampling_params=params,
+            block_ids=list(block_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            prompt_logprobs_k=None if self.has_sent_prompt_logprobs else params.prompt_logprobs,
+            logprobs_k=params.logprobs,
+            logprobs_mode=self.logprobs_mode,
+            eos_token_ids=self.eos_token_ids,
+            is_long_rope=self.is_long_rope,
+            lora_slot=self.lora_slot,
+        )
 
     def add_prompt_logprobs(
         self,

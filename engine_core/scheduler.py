@@ -18,11 +18,11 @@ from engine_core.outputs import add_token_extras, make_output
 from engine_core.prompt_rows import flavour_of
 from engine_core.request import Request, RequestStatus
 from engine_core.speculation import SpeculationPolicy
-from engine_core.stop import check_stop
+from engine_core.stop import append_until_stop
 from engine_core.waiting_queue import WaitingQueue
 from protocol.config import SpeculativeConfig
 from protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from protocol.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from protocol.step import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:
@@ -36,6 +36,7 @@ class Scheduler:
         grammars: Grammars | None = None,
         speculative: SpeculativeConfig | None = None,
         long_rope_switch: int | None = None,
+        loras: LoraTable | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.long_rope = LongRopeRule(long_rope_switch, max_model_len)  # switch None: no LongRoPE
@@ -58,9 +59,7 @@ class Scheduler:
         # held; a frozen scheduler schedules nothing (running requests keep their blocks).
         self.can_admit = True
         self.is_frozen = False
-        # LoRA (engine_core/lora_table.py): a request's slot is released when it ends; max_loras a step
-        self.loras: LoraTable | None = None
-        self.max_loras = 1
+        self.loras = loras  # LoRA (engine_core/lora_table.py): slots taken at admission, released at the end
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -129,7 +128,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             if is_restarted:  # the worker takes it anew (its old state dropped first)
-                output.new_reqs.append(self._new_request_data(req, self.kv_cache.blocks_of(req.req_id)))
+                output.new_reqs.append(req.new_request_data(self.kv_cache.blocks_of(req.req_id)))
             else:
                 output.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
             self._commit(req, num_new, output)
@@ -141,7 +140,7 @@ class Scheduler:
         can_admit = self.can_admit and not is_preempted  # no admissions while memory is short, or held
         skipped: list[Request] = []  # waiting for room for their adapter (max_loras): they keep their turn
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and can_admit:
-            if not self._has_lora_room(self.waiting[0]):
+            if self.loras is not None and not self.loras.has_room(self.waiting[0], self.running):
                 if len(skipped) == self.max_num_seqs:
                     break
                 skipped.append(self.waiting.popleft())
@@ -173,9 +172,7 @@ class Scheduler:
             if not req.grammar.is_compiled:
                 pending.append(req)
             elif (error := req.grammar.error()) is not None:
-                req.finish(FinishReason.ERROR)
-                self.failed.append((req, error))
-                self._free(req)
+                self._fail(req, error)
             else:
                 self.grammars.start(req.grammar)
                 self.waiting.append(req)
@@ -185,15 +182,10 @@ class Scheduler:
         """Schedules the head of the waiting queue, after its cached prefix when it may read the cache;
         returns its scheduled tokens, or None when it must wait (no blocks, or its prefix is being
         computed by a running request and will be in the cache after this step)."""
-        if req.params.lora is not None and req.lora_slot < 0:  # its adapter read (and held) now
-            try:
-                req.lora_slot = self.loras.take(req.params.lora)
-            except ValueError as exc:  # this request alone fails, reported with the step's outputs
-                self.waiting.popleft()
-                req.finish(FinishReason.ERROR)
-                self.failed.append((req, str(exc)))
-                self._free(req)
-                return 0
+        error = self.loras.admit(req) if self.loras is not None else None  # its adapter read and held now
+        if error is not None:  # this request alone fails, reported with the step's outputs
+            self._fail(self.waiting.popleft(), error)
+            return 0
         can_read_cache = self.kv_cache.index is not None and req.can_read_prefix_cache
         if can_read_cache and self._is_prefix_being_computed(req):
             return None
@@ -208,7 +200,7 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(req)
         req.status = RequestStatus.RUNNING
-        output.new_reqs.append(self._new_request_data(req, self.kv_cache.blocks_of(req.req_id)))
+        output.new_reqs.append(req.new_request_data(self.kv_cache.blocks_of(req.req_id)))
         self._commit(req, num_new, output)
         return num_new
 
@@ -268,23 +260,6 @@ class Scheduler:
             if victim is req:
                 return None
 
-    def _new_request_data(self, req: Request, block_ids: list[int]) -> NewRequestData:
-        params = req.params
-        return NewRequestData(
-            req_id=req.req_id,
-            token_ids=req.all_token_ids,
-            num_prompt_tokens=req.num_prompt_tokens,
-            sampling_params=params,
-            block_ids=list(block_ids),
-            num_computed_tokens=req.num_computed_tokens,
-            prompt_logprobs_k=None if req.has_sent_prompt_logprobs else params.prompt_logprobs,
-            logprobs_k=params.logprobs,
-            logprobs_mode=req.logprobs_mode,
-            eos_token_ids=req.eos_token_ids,
-            is_long_rope=req.is_long_rope,
-            lora_slot=req.lora_slot,
-        )
-
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> dict[bytes, EngineCoreOutputs]:
@@ -310,7 +285,7 @@ class Scheduler:
             num_drafts = runner_output.num_draft_tokens.get(req_id, 0)
             if num_drafts:
                 self.speculation.record(req, num_drafts, len(token_ids) - 1)
-            num_new = self._append_tokens(req, token_ids)
+            num_new = append_until_stop(req, token_ids, self.max_model_len)
             row = logprob_rows.get(req_id)
             step_logprobs = (
                 [runner_output.logprobs[step] for step in range(num_new)] if row is not None else []
@@ -347,25 +322,11 @@ class Scheduler:
         if indexed and flavour is not None and not req.has_sent_prompt_logprobs:
             self.kv_cache.prompt_rows.store(indexed, req.prompt_logprob_parts, req.prompt_token_ids, flavour)
 
-    def _append_tokens(self, req: Request, token_ids: list[int]) -> int:
-        """Appends a window's tokens one by one; tokens after a stop are discarded. Returns how many stayed."""
-        for num, token_id in enumerate(token_ids, start=1):
-            req.append_token(token_id)
-            stop = check_stop(req, self.max_model_len)
-            if stop is None and req.grammar is not None and req.grammar.has_ended_after(token_id):
-                stop = FinishReason.STOP, None  # the grammar's output is complete
-            if stop is not None:
-                req.finish(*stop)
-                return num
-        return len(token_ids)
-
-    def _has_lora_room(self, req: Request) -> bool:
-        """At most max_loras adapters run in one step: a request of another adapter waits for room."""
-        lora = req.params.lora
-        if lora is None:
-            return True
-        running = {r.params.lora.int_id for r in self.running if r.params.lora is not None}
-        return lora.int_id in running or len(running) < self.max_loras
+    def _fail(self, req: Request, error: str) -> None:
+        """A request that cannot run (its grammar or its adapter): reported with the next outputs."""
+        req.finish(FinishReason.ERROR)
+        self.failed.append((req, error))
+        self._free(req)
 
     def _free(self, req: Request) -> None:
         if req.lora_slot >= 0 and self.loras is not None and req.req_id in self.requests:

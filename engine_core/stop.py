@@ -23,3 +23,17 @@ def check_stop(req: Request, max_model_len: int) -> tuple[FinishReason, int | No
     ):
         return FinishReason.LENGTH, None
     return None
+
+
+def append_until_stop(req: Request, token_ids: list[int], max_model_len: int) -> int:
+    """Appends a step's (or a window's) tokens one by one; those after a stop, or after the grammar's
+    output is complete, are discarded. Returns how many stayed."""
+    for num, token_id in enumerate(token_ids, start=1):
+        req.append_token(token_id)
+        stop = check_stop(req, max_model_len)
+        if stop is None and req.grammar is not None and req.grammar.has_ended_after(token_id):
+            stop = FinishReason.STOP, None
+        if stop is not None:
+            req.finish(*stop)
+            return num
+    return len(token_ids)

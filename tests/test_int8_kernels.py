@@ -215,3 +215,32 @@ def test_a_product_of_runs_of_two_types_is_each_runs_product(kernels):
 def test_a_width_of_no_whole_blocks_is_refused(kernels):
     with pytest.raises(ValueError, match="no product for ggml type"):
         quant_gemv(kernels, torch.randn(1, 100), torch.zeros(4, 100, dtype=torch.uint8), 99, None, is_int8=True)
+
+
+@pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m"])
+def test_narrower_builds_give_the_native_bits_on_trained_tensors(kernels, name):
+    """A trained file's blocks (Gemma 3's Q8_0, Q4_K and Q6_K; SmolLM2's Q8_0 and Q4_1), 512 rows of each
+    type's first tensor: the AVX2 and generic builds' integer products equal the native build's."""
+    import sys
+
+    import numpy as np
+    from conftest import ROOT
+    from gguf import GGUFReader
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from real_models import path_of
+
+    narrow = {build: load_cpu_kernels(extra_flags=NARROWER_BUILDS[build]) for build in ("avx2", "generic")}
+    seen = set()
+    for tensor in GGUFReader(str(path_of(name))).tensors:
+        ggml_type = int(tensor.tensor_type)
+        if ggml_type not in QUANT_TYPES or ggml_type in seen or len(tensor.shape) != 2:
+            continue
+        seen.add(ggml_type)
+        num_in, num_out = int(tensor.shape[0]), int(tensor.shape[1])
+        raw = torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(num_out, -1)[:512].copy())
+        x = torch.randn(5, num_in, generator=torch.Generator().manual_seed(0))
+        native = quant_gemv(kernels, x, raw, ggml_type, None, is_int8=True)
+        for build, built in narrow.items():
+            assert torch.equal(quant_gemv(built, x, raw, ggml_type, None, is_int8=True), native), (build, tensor.name)
+    assert len(seen) >= 2

@@ -141,6 +141,8 @@ def test_speculation_changes_nothing(q4_k_m_path):
         expected = plain.generate(repeated, params, use_tqdm=False)
     with int8_llm(q4_k_m_path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as speculating:
         outputs = speculating.generate(repeated, params, use_tqdm=False)
+        drafted = speculating.get_engine_stats().spec_num_draft_tokens
+    assert drafted > 0  # proposals were made and verified
     for out, want in zip(outputs, expected):
         assert rows_of([out]) == rows_of([want])
         assert [None if d is None else {t: (v.logprob, v.rank) for t, v in d.items()} for d in out.prompt_logprobs] == [

@@ -348,14 +348,17 @@ def test_speculation_multi_step_and_chunks_change_nothing_with_adapters(tiny_pat
     """ngram proposals verified with the adapters' deltas, decode windows of 4 steps, prefill in chunks of
     8 tokens: the same bits as plain steps, for requests of two adapters and none in one batch."""
     requests = [lora(adapters, "every", 1), lora(adapters, "qv-rslora", 2), None]
-    repeated = [{"prompt_token_ids": (p[:6] * 4)} for p in PROMPTS[:3]]  # repeats: ngram finds proposals
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    repeated = [{"prompt_token_ids": (p[:6] * 4)} for p in PROMPTS[:3]]
+    # three allowed ids: the greedy output loops, so ngram finds proposals (the logprobs stay raw: whole-vocabulary)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True, allowed_token_ids=[100, 200, 300])
     engines = {"plain": {}, "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
                "multi-step": {"num_scheduler_steps": 4}, "chunks of 8": {"max_num_batched_tokens": 8}}
     results = {}
     for name, extra in engines.items():
         with LLM(tiny_path, multiprocess=False, enable_lora=True, max_loras=2, num_kv_blocks=256, **extra) as llm:
             results[name] = [rows(o) for o in llm.generate(repeated, params, use_tqdm=False, lora_request=requests)]
+            if name == "ngram":  # proposals were made and verified with the adapters' deltas
+                assert llm.get_engine_stats().spec_num_draft_tokens > 0
     assert all(results[name] == results["plain"] for name in engines), [n for n in engines if results[n] != results["plain"]]
 
 
