@@ -216,7 +216,11 @@ class OutputProcessor:
             detokenize = completion.params.detokenize
             state.prompt_logprobs = [None] + to_position_dicts(output.prompt_logprobs, self.table, detokenize=detokenize)
         is_core_done = output.finish_reason is not None
-        num_kept, is_stopped = self._append_text(completion, output.new_token_ids, is_core_done)
+        text_ids = output.new_token_ids
+        if _ends_on_stop_token(output, completion.params):  # as vLLM: its id is kept, its text is not
+            text_ids = text_ids[:-1]
+        num_kept, is_stopped = self._append_text(completion, text_ids, is_core_done)
+        num_kept = len(output.new_token_ids) if not is_stopped else num_kept
         if output.new_logprobs is not None and completion.logprobs is not None:
             is_masked = completion.params.structured_outputs is not None  # its -inf entries are not shown
             positions = to_position_dicts(
@@ -254,6 +258,8 @@ class OutputProcessor:
                 detokenizer.flush()
             if self._check_stop_strings(completion, num_chars_before):
                 return num, True
+        if is_core_done and not token_ids:
+            detokenizer.flush()
         return len(token_ids), False
 
     def _check_stop_strings(self, completion: CompletionState, num_chars_before: int) -> bool:
@@ -339,3 +345,15 @@ def _completion_output(
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
     c.has_sent_finish = c.finish_reason is not None
     return delta
+
+
+def _ends_on_stop_token(output, params) -> bool:
+    """Whether the core finished the completion on an EOS or stop token id (its last new token), whose
+    text is left out of the completion's unless include_stop_str_in_output (as vLLM; with
+    skip_special_tokens false an EOS would otherwise end the text)."""
+    return (
+        output.finish_reason == FinishReason.STOP
+        and not isinstance(output.stop_reason, str)
+        and not params.include_stop_str_in_output
+        and bool(output.new_token_ids)
+    )
