@@ -46,8 +46,9 @@ UNSUPPORTED = [
     ("completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ("completions", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("completions", {"best_of_typo": 2}, "best_of_typo"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),  # no tools
+    ("chat", {"tools": []}, "tools"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ("chat", {"structured_outputs": {"choice": []}}, "structured_outputs"),
     ("chat", {"chat_template": "{{ x }}"}, "chat_template"),
@@ -68,7 +69,6 @@ def test_an_unimplemented_field_is_a_400_naming_it(client, endpoint, change, par
 def test_no_op_values_and_ignorable_fields_pass(client):
     harmless = {
         "response_format": {"type": "text"},
-        "tools": [],
         "tool_choice": "none",
         "use_beam_search": False,
         "user": "someone",

@@ -11,15 +11,26 @@ from collections.abc import Mapping, Sequence
 TEXT_PART_SEPARATOR = "\n"  # vLLM's "string" content format joins a message's text parts this way
 
 
+# Names the template call itself takes: a request's own template variables cannot be these
+RESERVED_TEMPLATE_NAMES = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+))
+
+
 def render_chat(
     tokenizer,
     messages: Sequence[Mapping],
     chat_template: str | None,
     add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    template_kwargs: Mapping | None = None,
 ) -> str:
     """The prompt text for `messages` (each {"role", "content"}, content a string or a list of
-    {"type": "text", "text"} parts). Raises ValueError when neither a template nor the tokenizer's own
-    is there, or when a message is malformed."""
+    {"type": "text", "text"} parts), with the `tools` ({"type": "function", "function": {...}} each) and
+    the template's own variables (`enable_thinking`, ...) for templates that read them. Raises
+    ValueError when neither a template nor the tokenizer's own is there, or when a message is malformed."""
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(
@@ -29,8 +40,13 @@ def render_chat(
     if not messages:
         raise ValueError("messages must hold at least one message")
     flat = [_flatten(i, message) for i, message in enumerate(messages)]
+    extra = dict(template_kwargs or {})
+    taken = sorted(RESERVED_TEMPLATE_NAMES & set(extra))
+    if taken:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
     return tokenizer.apply_chat_template(
-        flat, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+        flat, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+        tools=tools, **extra,
     )
 
 

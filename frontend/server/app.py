@@ -23,6 +23,7 @@ from frontend.server.common.logprob_json import JSONBytesResponse, token_text
 from frontend.server.lora import adapter_models, load_lora_adapter, unload_lora_adapter
 from frontend.server.openai.chat import create_chat_completion
 from frontend.server.openai.completions import create_completion
+from frontend.server.openai.responses import create_response
 from frontend.server.openai.schemas import DetokenizeRequest, TokenizeRequest
 from frontend.server.rl.control import RL_PATHS, rl_router
 from frontend.server.rl.inference_generate import INFERENCE_GENERATE_PATH, inference_generate
@@ -64,6 +65,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key, extra_paths=rl_paths)
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
+    app.post("/v1/responses")(create_response)
     app.get("/v1/models")(list_models)
     app.get("/health")(health)
     app.get("/metrics")(metrics)

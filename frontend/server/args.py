@@ -8,6 +8,8 @@ import argparse
 import os
 
 from frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES
+from frontend.server.parsers.reasoning import REASONING_PARSERS
+from frontend.server.parsers.registry import TOOL_PARSERS
 from protocol.config import ENGINE_ARG_HELP
 
 DEFAULT_MODEL = "builtin:smollm2"  # a real model (SmolLM2-135M-Instruct, Q4_1 GGUF), not random weights
@@ -108,6 +110,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora-modules", nargs="+", metavar="NAME=PATH",
         help="PEFT adapters loaded at start, each name=path or JSON {\"name\": ..., \"path\": ...} (needs --enable-lora)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="parse the model's tool calls when a request's tool_choice is auto (needs --tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser", choices=TOOL_PARSERS, default=None,
+        help="the format the model writes its tool calls in (docs/serving.md)",
+    )
+    parser.add_argument(
+        "--reasoning-parser", choices=REASONING_PARSERS, default=None,
+        help="separate the model's <think> reasoning into reasoning_content (docs/serving.md)",
     )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     engine = parser.add_argument_group("engine arguments (vLLM's names)")

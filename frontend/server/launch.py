@@ -23,6 +23,8 @@ def serve(args: argparse.Namespace) -> None:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not args.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser NAME")
     engine = AsyncLLM(model_to_serve(args), core_address=args.core_address, **engine_kwargs(args))
 
     @contextlib.asynccontextmanager
@@ -44,6 +46,9 @@ def serve(args: argparse.Namespace) -> None:
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             max_queued_requests=args.max_queued_requests,
             enable_lora=args.enable_lora,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)
         app = build_app(state, lifespan)

@@ -33,6 +33,9 @@ class ServerState:
     live: dict = field(default_factory=dict)  # SGLang /generate requests running, by rid (/abort_request)
     enable_lora: bool = False  # --enable-lora: adapters by name, and the load/unload routes (lora.py)
     loras: dict[str, LoraRef] = field(default_factory=dict)  # the adapters a request's "model" may name
+    enable_auto_tool_choice: bool = False  # tool_choice auto parsed by the tool_call_parser (tool_choice.py)
+    tool_call_parser: str | None = None  # parsers/tool_calls.py TOOL_PARSERS
+    reasoning_parser: str | None = None  # parsers/reasoning.py REASONING_PARSERS
 
     def __post_init__(self) -> None:
         if self.table is None:  # the engine's own: built once per tokenizer (128k entries for Llama 3)

@@ -21,34 +21,47 @@ from frontend.server.common.logprob_json import JSONBytesResponse, chat_content,
 from frontend.server.common.transport import sse_response, until_disconnected
 from frontend.server.openai.chat_prompt import chat_prompt, echo_text
 from frontend.server.openai.inputs import check_body_fields, prompt_scoring_k, sampling_params
+from frontend.server.openai.message_parts import ChoiceParser
 from frontend.server.openai.schemas import ChatCompletionRequest
-from frontend.server.openai.structured_fields import parse_grammar_off_the_loop
+from frontend.server.openai.structured_fields import parse_grammar_off_the_loop, structured_outputs_of
+from frontend.server.openai.tool_choice import NO_TOOLS, ToolPlan, tool_plan
+from frontend.server.parsers.reasoning import ThinkSplitter, is_thinking
 from frontend.server.state import ServerState
 
 
 async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
-    server: ServerState = request.app.state.server
+    response = await start_chat(request.app.state.server, body)
+    if body.stream:
+        await start_checked(response.generation, body)
+        return sse_response(response.chunks(), response.generation.close)
+    return await until_disconnected(request, response.whole())
+
+
+async def start_chat(server: ServerState, body: ChatCompletionRequest, prefix: str = "chatcmpl") -> ChatResponse:
+    """A checked chat request's prompt and generation, not yet started (the Responses API's too)."""
     lora = server.check_model(body.model)
     check_body_fields(body)
+    plan = tool_plan(server, body)
+    if plan.grammar is not None and structured_outputs_of(body) is not None:
+        message = "tool_choice required or a named function cannot be combined with structured outputs"
+        raise APIError(400, message, "tool_choice")
+    if not body.include_reasoning and server.reasoning_parser is None:
+        raise APIError(400, "include_reasoning: false needs a server started with --reasoning-parser", "include_reasoning")
     await parse_grammar_off_the_loop(body)
     prompt = await chat_prompt(server, body)
     generation = Generation(
         server.engine,
-        server.new_request_id("chatcmpl"),
+        server.new_request_id(prefix),
         [prompt],
-        _params(server, body, prompt),
+        _params(server, body, prompt, plan),
         server.metrics,
         server.admission,
         lora,
     )
-    response = ChatResponse(server, body, generation)
-    if body.stream:
-        await start_checked(generation, body)
-        return sse_response(response.chunks(), generation.close)
-    return await until_disconnected(request, response.whole())
+    return ChatResponse(server, body, generation, plan)
 
 
-def _params(server: ServerState, body: ChatCompletionRequest, prompt: PromptInput):
+def _params(server: ServerState, body: ChatCompletionRequest, prompt: PromptInput, plan: ToolPlan):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -58,19 +71,35 @@ def _params(server: ServerState, body: ChatCompletionRequest, prompt: PromptInpu
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     check_logprobs("top_logprobs", logprobs, server.facts)
     check_logprobs("prompt_logprobs", body.prompt_logprobs, server.facts)
-    return sampling_params(body, max_tokens, logprobs, prompt_scoring_k(body), server.facts.vocab_size)
+    overrides: dict = {}
+    if plan.grammar is not None:
+        overrides["structured_outputs"] = plan.grammar
+    if plan.fmt is not None and plan.fmt.keep_special_tokens:
+        overrides["skip_special_tokens"] = False  # the format's markers may be special tokens (as vLLM)
+    return sampling_params(body, max_tokens, logprobs, prompt_scoring_k(body), server.facts.vocab_size, overrides)
 
 
 class ChatResponse:
-    def __init__(self, server: ServerState, body: ChatCompletionRequest, generation: Generation) -> None:
-        self.server, self.body, self.generation = server, body, generation
+    def __init__(
+        self, server: ServerState, body: ChatCompletionRequest, generation: Generation, plan: ToolPlan = NO_TOOLS
+    ) -> None:
+        self.server, self.body, self.generation, self.plan = server, body, generation, plan
         self.created = int(time.time())
         self.num_tokens = [0] * body.n
         self.is_finished = [False] * body.n
         self.prompt_logprobs = None
         self.echo = echo_text(body)
+        self.parsers = [self._parser() for _ in range(body.n)]  # streaming's, one per choice
+
+    def _parser(self) -> ChoiceParser:
+        name = self.server.reasoning_parser
+        think = ThinkSplitter(is_thinking(name, self.body.chat_template_kwargs)) if name else None
+        return ChoiceParser(self.plan, think, self.body.include_reasoning)
 
     async def whole(self) -> Response:
+        return JSONBytesResponse(await self.whole_body())
+
+    async def whole_body(self) -> dict:
         merged = WholeChoices()
         try:
             await start_checked(self.generation, self.body)
@@ -88,16 +117,22 @@ class ChatResponse:
             body["prompt_logprobs"] = vllm_prompt_logprobs(positions, k, self.body.prompt_logprob_token_ids)
         if self.body.return_token_ids:
             body["prompt_token_ids"] = list(self.generation.prompts[0].token_ids)
-        return JSONBytesResponse(body)
+        return body
 
     def _message(self, index: int, merged: dict) -> dict:
-        """A whole answer's choice from its merged pieces: the content after the echo, as a message."""
+        """A whole answer's choice from its merged pieces: the content after the echo, as a message
+        (its reasoning and tool calls parsed out where the request and the server ask)."""
+        parser = self._parser()
+        text = merged.get("text", "")
+        message = parser.message(parser.feed(text, final=True), self.echo)
         choice = {
             "index": index,
-            "message": {"role": "assistant", "content": self.echo + merged.get("text", "")},
+            "message": message,
             "logprobs": merged.get("logprobs"),
-            "finish_reason": merged.get("finish_reason"),
+            "finish_reason": parser.finish_reason(merged.get("finish_reason")),
         }
+        if parser.is_parsing:
+            choice["raw_text"] = text
         if self.body.return_token_ids:
             choice["token_ids"] = merged.get("token_ids", [])
         if merged.get("finish_reason") is not None:
@@ -120,13 +155,18 @@ class ChatResponse:
                 chunk["prompt_token_ids"] = list(self.generation.prompts[0].token_ids)
             yield chunk
         async for piece in self._pieces():
+            parser = self.parsers[piece["index"]]
+            is_final = piece["finish_reason"] is not None
+            delta = parser.feed(piece["text"], is_final) if parser.is_parsing else {"content": piece["text"]}
             choice = {
                 "index": piece["index"],
-                "delta": {"content": piece["text"]},
+                "delta": delta,
                 "logprobs": piece["logprobs"],
-                "finish_reason": piece["finish_reason"],
+                "finish_reason": parser.finish_reason(piece["finish_reason"]),
                 "stop_reason": piece["stop_reason"],
             }
+            if parser.is_parsing:
+                choice["raw_text"] = piece["text"]
             if self.body.return_token_ids:
                 choice["token_ids"] = piece["token_ids"]
             for key in ("routed_experts", "sampling_mask"):

@@ -14,6 +14,7 @@ from frontend.server.common.errors import APIError
 from frontend.server.common.generation import PromptInput
 from frontend.server.common.inputs import tokenize
 from frontend.server.openai.schemas import ChatCompletionRequest
+from frontend.server.openai.tool_choice import template_message, template_tools
 
 REPLY_ROLE = "assistant"
 
@@ -22,7 +23,7 @@ async def chat_prompt(server, body: ChatCompletionRequest) -> PromptInput:
     if body.continue_final_message and body.add_generation_prompt:
         message = "continue_final_message and add_generation_prompt cannot both be true"
         raise APIError(400, message, "continue_final_message")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
     text = await asyncio.to_thread(_render, server, messages, body)
     token_ids = await tokenize(
         server, text, body.add_special_tokens, body.truncate_prompt_tokens, param="messages"
@@ -32,9 +33,14 @@ async def chat_prompt(server, body: ChatCompletionRequest) -> PromptInput:
 
 def _render(server, messages: list[dict], body: ChatCompletionRequest) -> str:
     try:
-        text = render_chat(server.tokenizer, messages, server.chat_template, body.add_generation_prompt)
+        text = render_chat(
+            server.tokenizer, messages, server.chat_template, body.add_generation_prompt,
+            template_tools(body), body.chat_template_kwargs,
+        )
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from exc
+    except Exception as exc:  # the template's own error (jinja2's raise_exception, a missing variable)
+        raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from exc
     if not body.continue_final_message:
         return text
     final = message_text(messages[-1])

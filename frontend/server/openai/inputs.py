@@ -95,9 +95,11 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     vocab_size: int,
+    overrides: dict | None = None,
 ) -> SamplingParams:
     """SamplingParams from the body's fields (unset ones keep vLLM's defaults), with the prompt-scoring
-    fields; a value SamplingParams refuses is a 400 naming its field."""
+    fields and what the handler decided in `overrides` (a tool choice's grammar); a value SamplingParams
+    refuses is a 400 naming its field."""
     check_prompt_scoring(body, prompt_logprobs)
     fields = {
         **same_name_fields(body, computed=_COMPUTED),
@@ -106,6 +108,7 @@ def sampling_params(
         "prompt_logprobs": prompt_logprobs,
         "logit_bias": logit_bias(body.logit_bias, vocab_size),
         "structured_outputs": structured_outputs_of(body) if isinstance(body, StructuredFields) else None,
+        **(overrides or {}),
     }
     names = frozenset(type(body).model_fields)
     return build_sampling_params(fields, lambda exc: bad_request_from_value_error(exc, names))

@@ -9,7 +9,7 @@ declared by `unsupported.UnsupportedFields`, refused by name unless they hold th
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -22,6 +22,7 @@ from frontend.server.common.fields import (
     Text,
 )
 from frontend.server.openai.structured_fields import StructuredFields
+from frontend.server.openai.tool_choice import ChatTool, ToolChoice
 from frontend.server.openai.unsupported import ChatUnsupportedFields, CompletionUnsupportedFields
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
@@ -85,10 +86,24 @@ class TextPart(StrictBody):
     text: Text
 
 
+class CalledFunction(StrictBody):
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class MessageToolCall(StrictBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(StrictBody):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # name, tool fields pass on
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # name, ... pass on
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
+    reasoning_content: Text | None = None  # an assistant's reasoning, for templates that render it
 
 
 class ChatCompletionRequest(SamplingFields, StructuredFields, ChatUnsupportedFields):
@@ -101,7 +116,11 @@ class ChatCompletionRequest(SamplingFields, StructuredFields, ChatUnsupportedFie
     continue_final_message: bool = False  # extend the last (assistant) message instead of a new one
     echo: bool = False  # the content begins with the last message's, when its role is the reply's
     add_special_tokens: bool = False  # the template writes the special tokens itself
-    parallel_tool_calls: bool | None = None  # ignorable: it only governs tools, which are refused
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without (tool_choice.py)
+    parallel_tool_calls: bool | None = None  # false: the first call only
+    include_reasoning: bool = True  # false: reasoning_content left out (needs --reasoning-parser)
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking)
 
 
 class TokenizeRequest(StrictBody):

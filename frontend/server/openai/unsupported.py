@@ -1,9 +1,7 @@
 """Request fields of OpenAI's and vLLM's APIs that coreserve does not implement (frontend process, HTTP).
 
 Each is declared (any JSON value) so that `refuse_unsupported` can answer a 400 naming it, with the
-reason, rather than a client's tool call getting unconstrained text (structured outputs are taken:
-frontend/server/openai/structured_fields.py). A field holding its
-no-op value (`use_beam_search: false`, `tools: []`) asks for
+reason, rather than silently ignored. A field holding its no-op value (`use_beam_search: false`) asks for
 nothing coreserve lacks and passes. Fields unknown to both APIs are refused by the schemas themselves
 (`extra="forbid"`). docs/serving.md lists the fields and these decisions.
 """
@@ -17,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 from frontend.server.common.errors import APIError
 from frontend.server.common.fields import same_json
 
-_TOOLS = "tool and function calling is not implemented"
+_TOOLS = "OpenAI's deprecated functions are not taken: use tools and tool_choice"
 _BEAM = "beam search is not implemented"
 _MEDIA = "only text models are served"
 _PD = "disaggregated prefill (KV transfer) is not implemented"
@@ -46,8 +44,6 @@ COMPLETION_ONLY: dict[str, tuple[list, str]] = {
     "prompt_embeds": ([], "prompts are text or token ids; embeddings are not taken"),
 }
 CHAT_ONLY: dict[str, tuple[list, str]] = {
-    "tools": ([[]], _TOOLS),
-    "tool_choice": (["none"], _TOOLS),
     "functions": ([[]], _TOOLS),
     "function_call": (["none"], _TOOLS),
     "audio": ([], _MEDIA),
@@ -55,10 +51,9 @@ CHAT_ONLY: dict[str, tuple[list, str]] = {
     "media_io_kwargs": ([], _MEDIA),
     "prediction": ([], "predicted outputs are not implemented"),
     "reasoning_effort": ([], "there is no reasoning mode"),
-    "include_reasoning": ([True], "there is no reasoning parser: the reasoning is in the content"),
-    # SGLang's: without a reasoning parser (none runs here) it ignores both, as here (the routers send them)
-    "separate_reasoning": ([True], "there is no reasoning parser to separate the reasoning with"),
-    "stream_reasoning": ([True], "there is no reasoning parser to stream the reasoning apart"),
+    # SGLang's: the reasoning parser (--reasoning-parser) always separates and streams it apart
+    "separate_reasoning": ([True], "the reasoning parser always separates the reasoning"),
+    "stream_reasoning": ([True], "the reasoning parser always streams the reasoning apart"),
     "verbosity": ([], "verbosity is not implemented"),
     "web_search_options": ([], "web search is not implemented"),
     "documents": ([], "documents for the chat template are not implemented"),
@@ -66,7 +61,6 @@ CHAT_ONLY: dict[str, tuple[list, str]] = {
         [],
         "per-request chat templates are not accepted (start the server with --chat-template)",
     ),
-    "chat_template_kwargs": ([], "chat template arguments are not implemented"),
 }
 
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)

@@ -1,0 +1,71 @@
+"""Tool calls through the openai client on a real tool-trained file whose template renders tools:
+Qwen2.5-Coder-0.5B-Instruct Q4_K_M (the suite's), or any real file named by CORESERVE_TOOLS_MODEL
+(`CORESERVE_TOOLS_MODEL=qwen2.5-coder-1.5b`: the 1.5B, fetched by `python scripts/real_models.py
+qwen2.5-coder-1.5b`). A weather conversation: a `required` call whose arguments follow the schema, the
+tool's answer, then `auto` and a named call, streamed and whole; every token's logprob returned."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jsonschema
+import openai
+import pytest
+from conftest import ROOT
+from server_harness import running_server
+from test_server_tools import NAMED, TOOLS, WEATHER_PARAMETERS, merged_stream
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from real_models import path_of  # noqa: E402
+
+NAME = os.environ.get("CORESERVE_TOOLS_MODEL", "qwen2.5-coder-0.5b")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client():
+    path = path_of(NAME)
+    assert path.exists(), f"{path} is missing: run `python scripts/real_models.py {NAME}`"
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-model-len", "1024"]
+    with running_server(*flags, model=str(path), startup_timeout_s=300) as (base, _):
+        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ask(client, messages, tool_choice, stream=False):
+    return client.chat.completions.create(
+        model=str(path_of(NAME)), messages=messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=96,
+        temperature=0, logprobs=True, stream=stream, extra_body={"return_token_ids": True},
+    )
+
+
+def test_weather_conversation_on_a_real_file(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = ask(client, messages, "required").choices[0]
+    assert first.finish_reason == "tool_calls"
+    call = first.message.tool_calls[0]
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert len(first.logprobs.content) == len(first.model_extra["token_ids"])
+    streamed = merged_stream(ask(client, messages, "required", stream=True))
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == [
+        (c.function.name, c.function.arguments) for c in first.message.tool_calls]
+    messages += [
+        first.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})},
+    ]
+    answer = ask(client, messages, "auto").choices[0]
+    raw = answer.model_extra["raw_text"]
+    if answer.message.tool_calls:  # a hermes call: parsed, its arguments JSON
+        assert answer.finish_reason == "tool_calls" and "<tool_call>" in raw
+        assert all(isinstance(json.loads(c.function.arguments), dict) for c in answer.message.tool_calls)
+    else:  # text (this file often writes its calls as a Markdown block): text it stays
+        assert answer.message.content == raw and answer.finish_reason in ("stop", "length")
+    streamed = merged_stream(ask(client, messages, "auto", stream=True))
+    assert streamed["token_ids"] == answer.model_extra["token_ids"]
+    assert streamed["content"] == (answer.message.content or "")
+    named = ask(client, messages[:1], NAMED).choices[0]
+    jsonschema.validate(json.loads(named.message.tool_calls[0].function.arguments), WEATHER_PARAMETERS)
+    streamed = merged_stream(ask(client, messages[:1], NAMED, stream=True))
+    assert streamed["calls"][0]["arguments"] == named.message.tool_calls[0].function.arguments
