@@ -37,6 +37,21 @@ def test_stop_token_id_ends_on_that_token(llm_inproc, reference):
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
 
 
+def test_a_stop_tokens_id_is_kept_and_its_text_is_not(llm_inproc, reference, tokenizer):
+    """As vLLM: the token that ended a completion is in token_ids (with its logprob), its text is in the
+    text only with include_stop_str_in_output."""
+    stop_id = reference.outputs[0].token_ids[5]
+    first = reference.outputs[0].token_ids.index(stop_id)
+    params = dict(max_tokens=20, stop_token_ids=[stop_id], logprobs=0, skip_special_tokens=False, **GREEDY)
+    completion = llm_inproc.generate(PROMPTS[0], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert completion.token_ids[-1] == stop_id and len(completion.logprobs) == len(completion.token_ids)
+    assert completion.text == tokenizer.decode(reference.outputs[0].token_ids[:first])
+    params["include_stop_str_in_output"] = True
+    included = llm_inproc.generate(PROMPTS[0], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert included.token_ids == completion.token_ids
+    assert included.text == tokenizer.decode(reference.outputs[0].token_ids[: first + 1])
+
+
 def test_stop_string_cuts_text_but_keeps_tokens_and_logprobs_aligned(llm_inproc, reference, tokenizer):
     full_text = reference.outputs[0].text
     stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]

@@ -220,7 +220,9 @@ class OutputProcessor:
         if _ends_on_stop_token(output, completion.params):  # as vLLM: its id is kept, its text is not
             text_ids = text_ids[:-1]
         num_kept, is_stopped = self._append_text(completion, text_ids, is_core_done)
-        num_kept = len(output.new_token_ids) if not is_stopped else num_kept
+        if len(text_ids) < len(output.new_token_ids) and not is_stopped:
+            completion.detokenizer.token_ids.append(output.new_token_ids[-1])  # the id, without its text
+            num_kept += 1
         if output.new_logprobs is not None and completion.logprobs is not None:
             is_masked = completion.params.structured_outputs is not None  # its -inf entries are not shown
             positions = to_position_dicts(

@@ -93,7 +93,10 @@ class ChatResponse:
 
     def _parser(self) -> ChoiceParser:
         name = self.server.reasoning_parser
-        think = ThinkSplitter(is_thinking(name, self.body.chat_template_kwargs)) if name else None
+        thinking = is_thinking(name, self.body.chat_template_kwargs) if name else False
+        if self.plan.grammar is not None:
+            thinking = False  # required's and named's grammar holds the output to the calls from its start
+        think = ThinkSplitter(thinking) if name else None
         return ChoiceParser(self.plan, think, self.body.include_reasoning)
 
     async def whole(self) -> Response:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+import jinja2
+
 from frontend.engine.chat_template import TEXT_PART_SEPARATOR, render_chat
 from frontend.server.common.errors import APIError
 from frontend.server.common.generation import PromptInput
@@ -39,7 +41,7 @@ def _render(server, messages: list[dict], body: ChatCompletionRequest) -> str:
         )
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from exc
-    except Exception as exc:  # the template's own error (jinja2's raise_exception, a missing variable)
+    except jinja2.TemplateError as exc:  # the template's own refusal (raise_exception) of these messages
         raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from exc
     if not body.continue_final_message:
         return text

@@ -86,13 +86,12 @@ class ChoiceParser:
         """`required`'s list of {"name", "parameters"}, once whole (none when it was cut short)."""
         try:
             items = json.loads(self.forced)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []
-        if not isinstance(items, list):
-            return []
-        calls = [
-            ToolCall(item["name"], arguments_text(item.get("parameters", {})))
-            for item in items
-            if isinstance(item, dict) and isinstance(item.get("name"), str)
-        ]
-        return [self._new_call(call) for call in calls]
+        calls = []
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                arguments = arguments_text(item.get("parameters", {}))
+                if arguments is not None:
+                    calls.append(self._new_call(ToolCall(item["name"], arguments)))
+        return calls

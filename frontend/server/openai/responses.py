@@ -58,7 +58,10 @@ class ResponsesRequest(StrictBody):
 
 
 async def create_response(request: Request, body: ResponsesRequest) -> Response:
-    chat_body = chat_request(body)
+    try:
+        chat_body = chat_request(body)
+    except (AttributeError, TypeError, KeyError) as exc:  # an item or part of the wrong shape
+        raise APIError(400, f"input or text has an item of the wrong shape: {exc}", "input") from exc
     response = await start_chat(request.app.state.server, chat_body, prefix="resp")
     shape = ResponseShape(body, response.generation.request_id, response.server.answer_name(response.generation.params.lora))
     if body.stream:
@@ -102,6 +105,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     fields.update({chat: getattr(body, name) for name, chat in names.items() if getattr(body, name) is not None})
     if LOGPROBS in (body.include or []):
         fields["logprobs"], fields["top_logprobs"] = True, body.top_logprobs or 0
+    if (body.text or {}).get("verbosity") is not None:
+        raise APIError(400, "text.verbosity is not implemented", "text")
     text_format = (body.text or {}).get("format")
     if text_format is not None and text_format.get("type") != "text":
         if text_format.get("type") == "json_schema":
@@ -229,32 +234,32 @@ class ResponseShape:
         open_item: dict | None = None  # the reasoning or message item being written
         calls: dict[int, dict] = {}
         usage, finish = None, None
+        every_logprob: list[dict] = []  # every generated token's, as the whole answer's message carries
         async for chunk in chunks:
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta, finish = choice["delta"], choice.get("finish_reason") or finish
                 logprobs = (choice.get("logprobs") or {}).get("content") or []
+                every_logprob += logprobs
                 for kind, text in (("reasoning", delta.get("reasoning_content")), ("message", delta.get("content"))):
                     if not text:
                         continue
                     if open_item is None or open_item["type"] != kind:
-                        for event in self._close(open_item, output):
+                        for event in self._close(open_item, output, every_logprob):
                             yield event
                         open_item = self._open(kind, output)
                         yield self._event("response.output_item.added", output_index=len(output) - 1,
-                                          item={**open_item, "status": "in_progress", "content": []})
+                                          item=_opened(open_item))
                         yield self._event("response.content_part.added", output_index=len(output) - 1,
                                           item_id=open_item["id"], content_index=0, part=_part(kind, ""))
                     open_item["text"] += text
                     name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
                     extra = {} if kind == "reasoning" else {"logprobs": logprobs}
-                    if kind == "message":
-                        open_item["logprobs"] += logprobs
                     yield self._event(name, output_index=len(output) - 1, item_id=open_item["id"],
                                       content_index=0, delta=text, **extra)
                 for call in delta.get("tool_calls") or []:
                     if call["index"] not in calls:
-                        for event in self._close(open_item, output):
+                        for event in self._close(open_item, output, every_logprob):
                             yield event
                         open_item = None
                         function = call["function"]
@@ -268,8 +273,11 @@ class ResponseShape:
                         item["arguments"] += arguments
                         yield self._event("response.function_call_arguments.delta", item_id=item["id"],
                                           output_index=output.index(item), delta=arguments)
-        for event in self._close(open_item, output):
+        for event in self._close(open_item, output, every_logprob):
             yield event
+        for item in output:
+            if item["type"] == "message":
+                item["content"][0]["logprobs"] = every_logprob
         for item in calls.values():
             item["status"] = "completed"
             index = output.index(item)
@@ -280,27 +288,34 @@ class ResponseShape:
         yield self._event("response.completed", response=self.envelope(status, output, usage))
 
     def _open(self, kind: str, output: list[dict]) -> dict:
-        item = {"type": kind, "id": _new_id("rs" if kind == "reasoning" else "msg"), "text": "", "logprobs": []}
+        item = {"type": kind, "id": _new_id("rs" if kind == "reasoning" else "msg"), "text": ""}
         output.append(item)
         return item
 
-    def _close(self, item: dict | None, output: list[dict]):
+    def _close(self, item: dict | None, output: list[dict], logprobs: list[dict]):
         """The done events of a reasoning or message item; the item becomes its final form in output."""
         if item is None:
             return []
         index = output.index(item)
         kind, text = item["type"], item["text"]
         final = (_reasoning_item(item["id"], text, "completed") if kind == "reasoning"
-                 else _message_item(item["id"], text, "completed", item["logprobs"]))
+                 else _message_item(item["id"], text, "completed", list(logprobs)))
         output[index] = final
         done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
-        extra = {} if kind == "reasoning" else {"logprobs": item["logprobs"]}
+        extra = {} if kind == "reasoning" else {"logprobs": list(logprobs)}
         return [
             self._event(done, output_index=index, item_id=item["id"], content_index=0, text=text, **extra),
             self._event("response.content_part.done", output_index=index, item_id=item["id"], content_index=0,
                         part=final["content"][0]),
             self._event("response.output_item.done", output_index=index, item=final),
         ]
+
+
+def _opened(item: dict) -> dict:
+    """A reasoning or message item as output_item.added announces it: empty, in progress."""
+    if item["type"] == "reasoning":
+        return {"type": "reasoning", "id": item["id"], "summary": [], "content": [], "status": "in_progress"}
+    return {"type": "message", "id": item["id"], "role": "assistant", "status": "in_progress", "content": []}
 
 
 def _status(finish_reason: str | None) -> str:

@@ -87,11 +87,13 @@ class TextPart(StrictBody):
 
 
 class CalledFunction(StrictBody):
+    model_config = ConfigDict(extra="ignore", strict=True)  # the openai client's parsed_arguments, ...
     name: str
     arguments: str  # JSON text, as OpenAI writes it
 
 
 class MessageToolCall(StrictBody):
+    model_config = ConfigDict(extra="ignore", strict=True)  # a streamed call's index, ...
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction

@@ -143,7 +143,7 @@ def template_message(message: dict) -> dict:
         if isinstance(arguments, str):
             try:
                 function["arguments"] = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass  # as written: a template that needs an object says so
         decoded.append({**call, "function": function})
     return {**message, "tool_calls": decoded}

@@ -65,7 +65,8 @@ def _call(obj: object) -> ToolCall | None:
         return None
     for key in ("arguments", "parameters"):
         if key in obj:
-            return ToolCall(obj["name"], arguments_text(obj[key]))
+            arguments = arguments_text(obj[key])
+            return None if arguments is None else ToolCall(obj["name"], arguments)
     return None
 
 

@@ -72,6 +72,8 @@ def _named_calls(rest: str, final: bool) -> list[Part]:
         except ValueError:
             if is_last and not final:
                 break  # not whole yet
+            text = None
+        if text is None:
             text = segment[brace:].strip()  # as vLLM: the arguments as written
         calls.append(ToolCall(name, text))
     return calls
@@ -80,7 +82,8 @@ def _named_calls(rest: str, final: bool) -> list[Part]:
 def _call(item: object) -> ToolCall | None:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
-    return ToolCall(item["name"], arguments_text(item.get("arguments", {})))
+    arguments = arguments_text(item.get("arguments", {}))
+    return None if arguments is None else ToolCall(item["name"], arguments)
 
 
 FORMAT = CallFormat("mistral", scan, make_id=mistral_call_id)

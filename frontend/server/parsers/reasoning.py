@@ -28,6 +28,8 @@ class ThinkSplitter:
         self.thinking = thinking
         self.text = ""
         self.sent = (0, 0)  # characters of reasoning and of content already sent
+        self.searched = 0  # where the next search for </think> starts (each feed searches its new text)
+        self.end: int | None = None  # where </think> is, once found
 
     def feed(self, delta: str, final: bool) -> tuple[str, str]:
         self.text += delta
@@ -43,7 +45,11 @@ class ThinkSplitter:
             text = body[len(START) :]
         elif not final and START.startswith(body):
             return "", ""  # the reply may yet open with <think>
-        end = text.find(END)
-        if end != -1:
+        if self.end is None:
+            found = text.find(END, max(0, self.searched - len(END)))
+            self.searched = len(text)
+            self.end = None if found == -1 else found
+        end = self.end
+        if end is not None:
             return text[:end], text[end + len(END) :]
         return (text if final else text[: len(text) - held_back(text, END)]), ""

@@ -44,17 +44,21 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
-def arguments_text(arguments: object) -> str:
+def arguments_text(arguments: object) -> str | None:
     """A call's arguments as JSON text, as vLLM writes them: an object as json.dumps writes it (non-ASCII
-    kept); a string that holds an object's JSON is that object (not encoded twice)."""
-    if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments)
-        except ValueError:
-            decoded = None
-        if isinstance(decoded, dict):
-            arguments = decoded
-    return json.dumps(arguments, ensure_ascii=False)
+    kept); a string that holds an object's JSON is that object (not encoded twice). None for what JSON
+    cannot hold (NaN, nesting past Python's recursion limit)."""
+    try:
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except ValueError:
+                decoded = None
+            if isinstance(decoded, dict):
+                arguments = decoded
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
 
 
 def held_back(tail: str, marker: str) -> int:
@@ -68,8 +72,9 @@ def held_back(tail: str, marker: str) -> int:
 class CallSplitter:
     """One choice's text, fed as it grows, to (content delta, new calls) under a format.
 
-    Content that is only whitespace is held until more content follows it, and dropped at the end when
-    the message has calls (the newlines a model writes around its calls are no answer). A final scan
+    Whitespace at the end of the content is held until more content follows it, and dropped at the end
+    when the message has calls (the newlines a model writes around its calls are no answer). A scan that
+    fails on text no format expects (JSON nested past the recursion limit) reads it all as content. A final scan
     may take back content a partial one gave (a reply that turns out to be calls, as vLLM parses it
     whole): what was streamed stays streamed, and the whole message has the final scan's content."""
 
@@ -82,14 +87,19 @@ class CallSplitter:
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
         self.text += delta
-        parts = self.fmt.scan(self.text, final)
+        try:
+            parts = self.fmt.scan(self.text, final)
+        except (RecursionError, MemoryError):
+            parts = [self.text] if final else []
         content = "".join(p for p in parts if isinstance(p, str))
         calls = [p for p in parts if isinstance(p, ToolCall)]
         if content.startswith(self.scanned):
             self.held += content[len(self.scanned) :]
             self.scanned = content
-        out = ""
-        if self.held.strip() or (final and not calls):
+        if final and not calls:
             out, self.held = self.held, ""
+        else:
+            out = self.held.rstrip()
+            self.held = self.held[len(out) :]
         fresh, self.sent_calls = calls[self.sent_calls :], max(self.sent_calls, len(calls))
         return out, fresh
