@@ -90,12 +90,19 @@ class LLM(LLMControlVerbs):
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the chat template (the given one, else the tokenizer's) and
         generates from it. A template that writes the BOS itself gets no second one from tokenizing.
-        `lora_request`: as `generate`'s."""
+        `lora_request`: as `generate`'s. `tools` (OpenAI's {"type": "function", "function": {...}}) and
+        `chat_template_kwargs` (`enable_thinking`, ...) go to the template, as vLLM's do; the calls in the
+        output are text here (the server parses them: docs/serving.md)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        texts = [render_chat(self.tokenizer, c, chat_template, add_generation_prompt) for c in conversations]
+        texts = [
+            render_chat(self.tokenizer, c, chat_template, add_generation_prompt, tools, chat_template_kwargs)
+            for c in conversations
+        ]
         prompts = [{"prompt_token_ids": chat_prompt_token_ids(self.tokenizer, text)} for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for output, text in zip(outputs, texts):

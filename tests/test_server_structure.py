@@ -40,7 +40,7 @@ def test_the_server_root_holds_at_most_eight_files_over_its_rooms():
     files = [p.name for p in SERVER.glob("*.py")]
     assert len(files) <= 8, files
     rooms = {p.name for p in SERVER.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert rooms == {"common", "openai", "rl", "scoring", "deploy"}, rooms
+    assert rooms == {"common", "parsers", "openai", "rl", "scoring", "deploy"}, rooms
 
 
 def test_samplingparams_is_built_in_one_module_of_the_frontend():
@@ -129,8 +129,9 @@ def server_imports(path: Path) -> set[str]:
 
 
 def test_rooms_stand_on_common_and_the_root_alone():
-    """A dialect's room may use common/ and the root (the app and its state); common/ uses no room, and
-    no room another: a change to one dialect stays in its room."""
+    """A dialect's room may use common/, parsers/ (a model's text to message parts) and the root (the app
+    and its state); common/ and parsers/ use no room, and no room another: a change to one dialect stays
+    in its room."""
     rooms = {"openai", "rl", "scoring", "deploy"}
     for path in python_files(SERVER):
         parts = path.relative_to(SERVER).parts

@@ -18,7 +18,7 @@ from server_harness import REPO, running_server
 
 from frontend.server.common.errors import APIError
 from frontend.server.openai.schemas import ChatCompletionRequest
-from frontend.server.openai.tool_choice import template_message, tool_plan
+from frontend.server.openai.tool_choice import tool_plan
 
 MODEL = "builtin:smollm2"
 WEATHER_PARAMETERS = {
@@ -162,9 +162,14 @@ def test_rollout_token_ids_are_the_templates_and_score_bit_for_bit(server, clien
     answer = ask(client, messages, "auto")
     prompt_ids = answer.model_extra["prompt_token_ids"]
     tokenizer = load_tokenizer(str(path_of("smollm2-135m")))
-    text = tokenizer.apply_chat_template([template_message(m) for m in messages], tools=TOOLS, tokenize=False,
+    as_templates_read = [*messages[:1], {**messages[1], "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, *messages[2:]]
+    text = tokenizer.apply_chat_template(as_templates_read, tools=TOOLS, tokenize=False,
                                          add_generation_prompt=True, enable_thinking=False)
     assert prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    tokenized = httpx.post(server + "/tokenize", timeout=60, json={
+        "model": MODEL, "messages": messages, "tools": TOOLS, "chat_template_kwargs": NO_THINKING["chat_template_kwargs"]})
+    assert tokenized.json()["tokens"] == prompt_ids
     completion_ids = answer.choices[0].model_extra["token_ids"]
     scored = httpx.post(server + "/v1/completions", timeout=120, json={
         "model": MODEL, "prompt": prompt_ids + completion_ids, "max_tokens": 0, "echo": True, "logprobs": 0})

@@ -12,7 +12,7 @@ import pytest
 from frontend.server.openai.message_parts import ChoiceParser
 from frontend.server.openai.tool_choice import NO_TOOLS, ToolPlan
 from frontend.server.parsers.reasoning import ThinkSplitter, is_thinking
-from frontend.server.parsers.registry import TOOL_FORMATS
+from frontend.server.parsers.splitter import TOOL_FORMATS
 
 PIECES = (1, 2, 3, 5, 8, 1000)
 
@@ -289,3 +289,52 @@ def test_required_and_named():
     parser = ChoiceParser(named, None)
     parser.feed("{}", final=True)
     assert parser.finish_reason("stop") == "stop"  # a named call keeps "stop", as OpenAI's
+
+
+VLLM_TOOLS = [  # the tools of vLLM's test_tool_choice_required
+    {"type": "function", "function": {"name": "get_current_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "state": {"type": "string"},
+                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_forecast", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+]
+VIENNA = {"name": "get_current_weather", "parameters": {"city": "Vienna"}}
+FORECAST = {"name": "get_forecast", "parameters": {"city": "Vienna", "days": 7}}
+
+
+@pytest.mark.parametrize(("output", "matches"), [
+    ([VIENNA], True),
+    ([VIENNA, FORECAST], True),
+    ([VIENNA, FORECAST, VIENNA, FORECAST], True),
+    ([{"name": "get_current_weather", "parameters": {"city": "Vienna", "state": "W", "unit": "celsius"}}], True),
+    (None, False),
+    ([], False),
+    ({}, False),
+    ([{}], False),
+    ([{"name": "get_current_weather"}], False),
+    ([{"name": "get_current_weather", "parameters": {}}], False),
+    ([{"name": "get_current_weather", "parameters": None}], False),
+    (VIENNA, False),
+    ([{"name": "get_current_weather", "parameters": {"city": "Vienna", "extra": 1}}], False),
+    ([{"name": "get_forecast", "parameters": {"city": "Vienna"}}], False),
+    ([{"name": "no_such_tool", "parameters": {"city": "Vienna"}}], False),
+    ([VIENNA, {}], False),
+])
+def test_required_schema_holds_what_vllms_does(output, matches):
+    """vLLM's test_tool_choice_required's outputs, against the schema `required` hands the grammar."""
+    from types import SimpleNamespace
+
+    import jsonschema
+
+    from frontend.server.openai.schemas import ChatCompletionRequest
+    from frontend.server.openai.tool_choice import tool_plan
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=VLLM_TOOLS, tool_choice="required")
+    plan = tool_plan(SimpleNamespace(enable_auto_tool_choice=False, tool_call_parser=None), body)
+    schema = json.loads(plan.grammar.json)
+    assert jsonschema.Draft202012Validator(schema).is_valid(output) == matches
+    if matches:  # and what the grammar let through becomes these calls
+        message = whole(ToolPlan("required"), json.dumps(output))
+        assert calls_of(message) == [(item["name"], item["parameters"]) for item in output]

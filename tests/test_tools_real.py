@@ -1,8 +1,9 @@
 """Tool calls through the openai client on a real tool-trained file whose template renders tools:
-Qwen2.5-Coder-0.5B-Instruct Q4_K_M (the suite's), or any real file named by CORESERVE_TOOLS_MODEL
-(`CORESERVE_TOOLS_MODEL=qwen2.5-coder-1.5b`: the 1.5B, fetched by `python scripts/real_models.py
-qwen2.5-coder-1.5b`). A weather conversation: a `required` call whose arguments follow the schema, the
-tool's answer, then `auto` and a named call, streamed and whole; every token's logprob returned."""
+Qwen2.5-Coder-1.5B-Instruct Q4_K_M (scripts/setup.sh fetches it), or another real file named by
+CORESERVE_TOOLS_MODEL (`qwen2.5-coder-0.5b`). A weather conversation: a `required` call whose arguments
+follow the schema, the tool's answer, then `auto` and a named call, streamed and whole; the prompt ids
+are the template's rendering of the history (tools, the call, the tool's answer), and every token's
+logprob equals /v1/completions' on those ids, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import sys
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -20,17 +22,22 @@ from test_server_tools import NAMED, TOOLS, WEATHER_PARAMETERS, merged_stream
 sys.path.insert(0, str(ROOT / "scripts"))
 from real_models import path_of  # noqa: E402
 
-NAME = os.environ.get("CORESERVE_TOOLS_MODEL", "qwen2.5-coder-0.5b")
+NAME = os.environ.get("CORESERVE_TOOLS_MODEL", "qwen2.5-coder-1.5b")
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def client():
+def server():
     path = path_of(NAME)
     assert path.exists(), f"{path} is missing: run `python scripts/real_models.py {NAME}`"
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-model-len", "1024"]
     with running_server(*flags, model=str(path), startup_timeout_s=300) as (base, _):
-        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def ask(client, messages, tool_choice, stream=False):
@@ -40,7 +47,7 @@ def ask(client, messages, tool_choice, stream=False):
     )
 
 
-def test_weather_conversation_on_a_real_file(client):
+def test_weather_conversation_on_a_real_file(server, client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = ask(client, messages, "required").choices[0]
     assert first.finish_reason == "tool_calls"
@@ -55,8 +62,10 @@ def test_weather_conversation_on_a_real_file(client):
         first.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})},
     ]
-    answer = ask(client, messages, "auto").choices[0]
+    whole = ask(client, messages, "auto")
+    answer = whole.choices[0]
     raw = answer.model_extra["raw_text"]
+    check_ids_and_logprobs(server, messages, whole)
     if answer.message.tool_calls:  # a hermes call: parsed, its arguments JSON
         assert answer.finish_reason == "tool_calls" and "<tool_call>" in raw
         assert all(isinstance(json.loads(c.function.arguments), dict) for c in answer.message.tool_calls)
@@ -69,3 +78,27 @@ def test_weather_conversation_on_a_real_file(client):
     jsonschema.validate(json.loads(named.message.tool_calls[0].function.arguments), WEATHER_PARAMETERS)
     streamed = merged_stream(ask(client, messages[:1], NAMED, stream=True))
     assert streamed["calls"][0]["arguments"] == named.message.tool_calls[0].function.arguments
+
+
+def check_ids_and_logprobs(server: str, messages: list[dict], answer) -> None:
+    """The prompt ids are the template's rendering of the history as templates read it (the call's
+    arguments an object), and the completion's logprobs equal /v1/completions' scoring, bit for bit."""
+    from frontend.engine.engine_args import load_tokenizer
+
+    tokenizer = load_tokenizer(str(path_of(NAME)))
+    history = [
+        {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                             for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in messages
+    ]
+    text = tokenizer.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<tools>" in text and "<tool_call>" in text and "<tool_response>" in text  # this template renders them
+    prompt_ids = answer.model_extra["prompt_token_ids"]
+    assert prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    completion_ids = answer.choices[0].model_extra["token_ids"]
+    scored = httpx.post(server + "/v1/completions", timeout=300, json={
+        "model": str(path_of(NAME)), "prompt": prompt_ids + completion_ids, "max_tokens": 0, "echo": True,
+        "logprobs": 0})
+    assert scored.status_code == 200, scored.text
+    expected = scored.json()["choices"][0]["logprobs"]["token_logprobs"][len(prompt_ids):]
+    assert [entry.logprob for entry in answer.choices[0].logprobs.content] == expected

@@ -6,6 +6,7 @@ given to `coreserve serve --chat-template`) or else the tokenizer's own; a model
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
 TEXT_PART_SEPARATOR = "\n"  # vLLM's "string" content format joins a message's text parts this way
@@ -61,7 +62,23 @@ def _flatten(index: int, message: Mapping) -> dict:
         text = content
     else:
         text = TEXT_PART_SEPARATOR.join(_part_text(index, part) for part in content)
-    return {**{k: v for k, v in message.items() if v is not None}, "content": text}
+    flat = {**{k: v for k, v in message.items() if v is not None}, "content": text}
+    return _decoded_calls(flat) if flat.get("role") == "assistant" and flat.get("tool_calls") else flat
+
+
+def _decoded_calls(message: dict) -> dict:
+    """An assistant's calls with their arguments as objects: OpenAI's messages carry them as JSON text,
+    and templates read objects (`tool_call.arguments | tojson`), as vLLM hands them over."""
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except (ValueError, RecursionError):
+                pass  # as written: a template that needs an object says so
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
 
 
 def _part_text(index: int, part: Mapping) -> str:

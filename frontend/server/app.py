@@ -25,6 +25,7 @@ from frontend.server.openai.chat import create_chat_completion
 from frontend.server.openai.completions import create_completion
 from frontend.server.openai.responses import create_response
 from frontend.server.openai.schemas import DetokenizeRequest, TokenizeRequest
+from frontend.server.openai.tool_choice import template_tools
 from frontend.server.rl.control import RL_PATHS, rl_router
 from frontend.server.rl.inference_generate import INFERENCE_GENERATE_PATH, inference_generate
 from frontend.server.rl.token_generate import GENERATE_PATH, abort_request, generate
@@ -191,7 +192,10 @@ def _tokenize(server: ServerState, body: TokenizeRequest) -> list[int]:
         return server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
-        text = render_chat(server.tokenizer, messages, server.chat_template, body.add_generation_prompt)
+        text = render_chat(
+            server.tokenizer, messages, server.chat_template, body.add_generation_prompt,
+            template_tools(body), body.chat_template_kwargs,
+        )
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from exc
     return server.tokenizer(text, add_special_tokens=False).input_ids

@@ -9,7 +9,7 @@ import os
 
 from frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES
 from frontend.server.parsers.reasoning import REASONING_PARSERS
-from frontend.server.parsers.registry import TOOL_PARSERS
+from frontend.server.parsers.splitter import TOOL_PARSERS
 from protocol.config import ENGINE_ARG_HELP
 
 DEFAULT_MODEL = "builtin:smollm2"  # a real model (SmolLM2-135M-Instruct, Q4_1 GGUF), not random weights

@@ -16,7 +16,7 @@ from frontend.server.common.errors import APIError
 from frontend.server.common.generation import PromptInput
 from frontend.server.common.inputs import tokenize
 from frontend.server.openai.schemas import ChatCompletionRequest
-from frontend.server.openai.tool_choice import template_message, template_tools
+from frontend.server.openai.tool_choice import template_tools
 
 REPLY_ROLE = "assistant"
 
@@ -25,7 +25,7 @@ async def chat_prompt(server, body: ChatCompletionRequest) -> PromptInput:
     if body.continue_final_message and body.add_generation_prompt:
         message = "continue_final_message and add_generation_prompt cannot both be true"
         raise APIError(400, message, "continue_final_message")
-    messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
     text = await asyncio.to_thread(_render, server, messages, body)
     token_ids = await tokenize(
         server, text, body.add_special_tokens, body.truncate_prompt_tokens, param="messages"

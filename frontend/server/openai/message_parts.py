@@ -13,7 +13,8 @@ import json
 
 from frontend.server.openai.tool_choice import NO_TOOLS, ToolPlan
 from frontend.server.parsers.reasoning import ThinkSplitter
-from frontend.server.parsers.tool_calls import CallSplitter, ToolCall, arguments_text, call_id
+from frontend.server.parsers.splitter import CallSplitter
+from frontend.server.parsers.tool_calls import ToolCall, arguments_text, call_id
 
 
 class ChoiceParser:

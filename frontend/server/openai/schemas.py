@@ -132,6 +132,8 @@ class TokenizeRequest(StrictBody):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[ChatTool] | None = None  # rendered by the template, as chat renders them
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(StrictBody):

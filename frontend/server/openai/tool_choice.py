@@ -7,13 +7,10 @@ them, the tools handed to the chat template, and what each choice asks of the ou
 - `required`: the output is held by the grammar to a JSON list of `{"name", "parameters"}` objects, one
   of the tools each, as vLLM builds it; `parallel_tool_calls: false` keeps the first call.
 - a named function: the output is held to that function's parameters schema and is its arguments.
-The assistant messages of the history carry their calls' arguments as JSON text (OpenAI's form); the
-templates read them as objects (`tool_call.arguments | tojson`), so they are decoded for the template.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -21,7 +18,7 @@ from pydantic import Field
 
 from frontend.server.common.errors import APIError
 from frontend.server.common.fields import StrictBody
-from frontend.server.parsers.registry import TOOL_FORMATS
+from frontend.server.parsers.splitter import TOOL_FORMATS
 from frontend.server.parsers.tool_calls import CallFormat
 from protocol.structured_outputs import StructuredOutputsParams
 
@@ -129,21 +126,3 @@ def template_tools(body) -> list[dict] | None:
     if not body.tools:
         return None
     return [tool.model_dump(exclude_unset=True) for tool in body.tools]
-
-
-def template_message(message: dict) -> dict:
-    """A history message as templates read it: an assistant's calls with their arguments as objects."""
-    calls = message.get("tool_calls")
-    if message.get("role") != "assistant" or not calls:
-        return message
-    decoded = []
-    for call in calls:
-        function = dict(call.get("function") or {})
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                function["arguments"] = json.loads(arguments)
-            except (ValueError, RecursionError):
-                pass  # as written: a template that needs an object says so
-        decoded.append({**call, "function": function})
-    return {**message, "tool_calls": decoded}

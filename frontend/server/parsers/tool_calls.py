@@ -1,5 +1,5 @@
-"""What every tool-call format shares: a call, a format, and the one splitter that turns any format's scan
-of a growing text into content and calls (frontend process, HTTP server; the formats by name: registry.py).
+"""What every tool-call format is made of: a call, a format, call ids, arguments as JSON text, markers
+held back (frontend process, HTTP server; the formats by name and the splitter: splitter.py).
 
 A format is a `scan(text, final)` function: the text's parts in order, each plain text (the message's
 content) or a `ToolCall`, covering a prefix of the text; what it leaves uncovered (a call not yet closed,
@@ -67,39 +67,3 @@ def held_back(tail: str, marker: str) -> int:
         if marker.startswith(tail[-size:]):
             return size
     return 0
-
-
-class CallSplitter:
-    """One choice's text, fed as it grows, to (content delta, new calls) under a format.
-
-    Whitespace at the end of the content is held until more content follows it, and dropped at the end
-    when the message has calls (the newlines a model writes around its calls are no answer). A scan that
-    fails on text no format expects (JSON nested past the recursion limit) reads it all as content. A final scan
-    may take back content a partial one gave (a reply that turns out to be calls, as vLLM parses it
-    whole): what was streamed stays streamed, and the whole message has the final scan's content."""
-
-    def __init__(self, fmt: CallFormat) -> None:
-        self.fmt = fmt
-        self.text = ""
-        self.scanned = ""  # the scanned content so far: sent, or held as whitespace
-        self.held = ""
-        self.sent_calls = 0
-
-    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
-        self.text += delta
-        try:
-            parts = self.fmt.scan(self.text, final)
-        except (RecursionError, MemoryError):
-            parts = [self.text] if final else []
-        content = "".join(p for p in parts if isinstance(p, str))
-        calls = [p for p in parts if isinstance(p, ToolCall)]
-        if content.startswith(self.scanned):
-            self.held += content[len(self.scanned) :]
-            self.scanned = content
-        if final and not calls:
-            out, self.held = self.held, ""
-        else:
-            out = self.held.rstrip()
-            self.held = self.held[len(out) :]
-        fresh, self.sent_calls = calls[self.sent_calls :], max(self.sent_calls, len(calls))
-        return out, fresh
