@@ -203,6 +203,9 @@ def test_reasoning_is_apart_from_the_content(client):
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", ""),
     ({"tool_choice": "sometimes"}, "tool_choice", ""),
     ({"functions": [{"name": "f"}]}, "functions", "use tools"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "more than one tool is named 'get_weather'"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"$ref": "#/$defs/missing"}}}]}, "tools", "make no grammar"),
     ({"chat_template_kwargs": {"tools": []}}, "messages", "chat_template_kwargs cannot set tools"),
 ])
 def test_bad_tool_fields_are_400s_naming_them(server, change, param, words):
@@ -286,6 +289,8 @@ def test_responses_api_reasoning_items(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="Hi", extra_body=grammar)
     assert info.value.body["param"] == "structured_outputs"
+    stored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=True)
+    assert stored.store is False  # nothing is stored; the default store: true is answered so, as vLLM
     for change, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                           ({"reasoning": {"effort": "high"}}, "reasoning")):
         with pytest.raises(openai.BadRequestError) as info:

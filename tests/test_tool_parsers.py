@@ -151,8 +151,13 @@ def test_llama3_json_prose_before_calls():
     text = "Here are the results: " + L6 + " Would you like to know more?"
     message = whole(auto("llama3_json"), text)
     assert message["content"] is None and [name for name, _ in calls_of(message)] == [n for n, _ in L6_CALLS]
-    merged = streamed(auto("llama3_json"), text, 7)
-    assert merged["content"].startswith("Here are the results: ") and len(merged["tool_calls"]) == 3
+    for size in PIECES[:-1]:  # the stream sends the prose up to the first brace, then the calls, once each
+        merged = streamed(auto("llama3_json"), text, size)
+        assert merged["content"] == "Here are the results:" and len(merged["tool_calls"]) == 3
+    merged = streamed(auto("llama3_json"), 'Sure {"name": "f", "parameters": {"a": 1}}', 8)
+    assert merged["content"] == "Sure" and [c["name"] for c in merged["tool_calls"].values()] == ["f"]
+    merged = streamed(auto("llama3_json"), "Use {x} in the format string.", 3)  # braces, no call: all content
+    assert merged["content"] == "Use {x} in the format string." and merged["tool_calls"] == {}
 
 
 P1 = "get_weather(city='San Francisco', metric='celsius')"

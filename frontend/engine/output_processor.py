@@ -260,8 +260,11 @@ class OutputProcessor:
                 detokenizer.flush()
             if self._check_stop_strings(completion, num_chars_before):
                 return num, True
-        if is_core_done and not token_ids:
+        if is_core_done and not token_ids:  # only the stop token came: what flushing releases is checked too
+            num_chars_before = len(detokenizer.text)
             detokenizer.flush()
+            if self._check_stop_strings(completion, num_chars_before):
+                return 0, True
         return len(token_ids), False
 
     def _check_stop_strings(self, completion: CompletionState, num_chars_before: int) -> bool:

@@ -7,11 +7,13 @@ and logprobs concatenate to the whole response's.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.engine.structured_outputs import check_structured_outputs
 from frontend.outputs import CompletionOutput
 from frontend.server.common.accumulate import WholeChoices
 from frontend.server.common.errors import APIError
@@ -48,6 +50,11 @@ async def start_chat(server: ServerState, body: ChatCompletionRequest, prefix: s
     if not body.include_reasoning and server.reasoning_parser is None:
         raise APIError(400, "include_reasoning: false needs a server started with --reasoning-parser", "include_reasoning")
     await parse_grammar_off_the_loop(body)
+    if plan.grammar is not None:  # the tools' grammar too, off the event loop, a bad schema named `tools`
+        try:
+            await asyncio.to_thread(check_structured_outputs, plan.grammar)
+        except ValueError as exc:
+            raise APIError(400, f"tools: the tools' schemas make no grammar: {exc}", "tools") from exc
     prompt = await chat_prompt(server, body)
     generation = Generation(
         server.engine,

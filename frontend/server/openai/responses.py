@@ -4,8 +4,9 @@ The body becomes a chat request (instructions and input items to messages, flat 
 chat's, `text.format` to `response_format`, `max_output_tokens` to `max_tokens`) and runs as one;
 its answer becomes the Response's output items, in OpenAI's order: reasoning (`--reasoning-parser`), the
 message, the function calls. Streamed, the chat chunks become Responses events, ending in
-`response.completed` (with status "incomplete" where the tokens ran out, as vLLM). Nothing is stored:
-`previous_response_id`, `store: true` and `background` are refused by name. docs/serving.md.
+`response.completed` (with status "incomplete" where the tokens ran out, as vLLM). Nothing is stored
+(`store: true` is answered `store: false`, as vLLM's without storage): `previous_response_id` and
+`background` are refused by name. docs/serving.md.
 """
 
 from __future__ import annotations
@@ -13,48 +14,15 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from typing import Any, Literal
 
-from pydantic import ConfigDict
 from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.server.common.errors import APIError
-from frontend.server.common.fields import Int64, StrictBody, Text
 from frontend.server.common.logprob_json import JSONBytesResponse
 from frontend.server.common.transport import sse_response, until_disconnected
 from frontend.server.openai.chat import start_chat
-from frontend.server.openai.schemas import ChatCompletionRequest
-
-LOGPROBS = "message.output_text.logprobs"
-
-
-class ResponsesRequest(StrictBody):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    model: str | None = None
-    input: Text | list[dict[str, Any]]
-    instructions: Text | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: Int64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_logprobs: Int64 | None = None
-    include: list[str] | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # the reasoning is the model's own (--reasoning-parser)
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, as on chat
-    stream: bool = False
-    store: bool | None = None
-    previous_response_id: str | None = None
-    background: bool | None = None
-    truncation: Literal["disabled"] | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    service_tier: Literal["auto", "default"] | None = None
+from frontend.server.openai.responses_input import ResponsesRequest, chat_request
 
 
 async def create_response(request: Request, body: ResponsesRequest) -> Response:
@@ -75,104 +43,6 @@ async def create_response(request: Request, body: ResponsesRequest) -> Response:
 async def _whole(shape: ResponseShape, response) -> Response:
     chat = await response.whole_body()
     return JSONBytesResponse(shape.response(chat["choices"][0], chat["usage"]))
-
-
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses body asks for; a 400 naming what it cannot."""
-    if body.previous_response_id is not None or body.store:
-        raise APIError(400, "responses are not stored: send the whole conversation in input", "previous_response_id"
-                       if body.previous_response_id is not None else "store")
-    if body.background:
-        raise APIError(400, "background responses are not implemented", "background")
-    if (body.reasoning or {}).get("effort") is not None:
-        raise APIError(400, "reasoning.effort is not implemented: the model reasons as its template makes it",
-                       "reasoning")
-    unknown = sorted(set(body.include or []) - {LOGPROBS, "reasoning.encrypted_content"})
-    if unknown:
-        raise APIError(400, f"include: {unknown[0]} is not supported", "include")
-    fields: dict[str, Any] = {"model": body.model, "messages": messages_of(body), "stream": body.stream}
-    if body.tools is not None:
-        fields["tools"] = [_chat_tool(tool) for tool in body.tools]
-    if isinstance(body.tool_choice, dict):
-        if body.tool_choice.get("type") != "function" or not isinstance(body.tool_choice.get("name"), str):
-            raise APIError(400, "tool_choice: only function tools are served", "tool_choice")
-        fields["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice["name"]}}
-    elif body.tool_choice is not None:
-        fields["tool_choice"] = body.tool_choice
-    names = {"parallel_tool_calls": "parallel_tool_calls", "max_output_tokens": "max_tokens",
-             "temperature": "temperature", "top_p": "top_p", "user": "user",
-             "chat_template_kwargs": "chat_template_kwargs"}
-    fields.update({chat: getattr(body, name) for name, chat in names.items() if getattr(body, name) is not None})
-    if LOGPROBS in (body.include or []):
-        fields["logprobs"], fields["top_logprobs"] = True, body.top_logprobs or 0
-    if (body.text or {}).get("verbosity") is not None:
-        raise APIError(400, "text.verbosity is not implemented", "text")
-    text_format = (body.text or {}).get("format")
-    if text_format is not None and text_format.get("type") != "text":
-        if text_format.get("type") == "json_schema":
-            schema = {k: text_format[k] for k in ("name", "description", "strict") if k in text_format}
-            fields["response_format"] = {"type": "json_schema", "json_schema": {**schema, "schema": text_format.get("schema")}}
-        else:
-            fields["response_format"] = {"type": text_format.get("type")}
-    if body.stream:
-        fields["stream_options"] = {"include_usage": True}
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValueError as exc:
-        raise APIError(400, f"this request does not make a chat request: {exc}", "input") from exc
-
-
-def _chat_tool(tool: dict) -> dict:
-    if tool.get("type") != "function":
-        raise APIError(400, f"tools: {tool.get('type')!r} tools are not served (function tools are)", "tools")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-    return {"type": "function", "function": function}
-
-
-def messages_of(body: ResponsesRequest) -> list[dict]:
-    """Instructions and input items as chat messages: an assistant's message, reasoning and calls in a
-    row are one assistant message; a call's output is a tool message."""
-    messages: list[dict] = []
-    if body.instructions is not None:
-        messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
-    for index, item in enumerate(body.input):
-        kind = item.get("type", "message")
-        last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
-        if kind == "message":
-            role, text = item.get("role"), _text_of(index, item.get("content"))
-            if role == "assistant" and last is not None and not last.get("content") and not last.get("tool_calls"):
-                last["content"] = text  # after its reasoning
-            else:
-                messages.append({"role": role, "content": text})
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            messages.append({"role": "assistant", "content": "",
-                             "reasoning_content": "".join(p.get("text", "") for p in parts)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if last is None:
-                last = {"role": "assistant", "content": ""}
-                messages.append(last)
-            last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": _text_of(index, item.get("output"))})
-        else:
-            raise APIError(400, f"input[{index}]: items of type {kind!r} are not served", "input")
-    return messages
-
-
-def _text_of(index: int, content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") in ("input_text", "output_text") for p in content
-    ):
-        return "".join(p.get("text", "") for p in content)
-    raise APIError(400, f"input[{index}]: content must be text (input_text or output_text parts)", "input")
 
 
 class ResponseShape:
@@ -227,82 +97,85 @@ class ResponseShape:
         return {"type": kind, "sequence_number": next(self._sequence), **fields}
 
     async def events(self, chunks):
-        """Chat chunks to Responses events: each item opened, its deltas, closed before the next."""
+        """Chat chunks to Responses events: each item opened, its deltas, and closed before the next opens."""
         yield self._event("response.created", response=self.envelope("in_progress", [], None))
         yield self._event("response.in_progress", response=self.envelope("in_progress", [], None))
-        output: list[dict] = []
-        open_item: dict | None = None  # the reasoning or message item being written
+        self.output: list[dict] = []
+        self.open_item: dict | None = None  # the reasoning, message or call being written
+        self.logprobs: list[dict] = []  # every generated token's, as the whole answer's message carries
         calls: dict[int, dict] = {}
         usage, finish = None, None
-        every_logprob: list[dict] = []  # every generated token's, as the whole answer's message carries
         async for chunk in chunks:
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta, finish = choice["delta"], choice.get("finish_reason") or finish
                 logprobs = (choice.get("logprobs") or {}).get("content") or []
-                every_logprob += logprobs
+                self.logprobs += logprobs
                 for kind, text in (("reasoning", delta.get("reasoning_content")), ("message", delta.get("content"))):
-                    if not text:
-                        continue
-                    if open_item is None or open_item["type"] != kind:
-                        for event in self._close(open_item, output, every_logprob):
+                    if text:
+                        for event in self._text(kind, text, logprobs):
                             yield event
-                        open_item = self._open(kind, output)
-                        yield self._event("response.output_item.added", output_index=len(output) - 1,
-                                          item=_opened(open_item))
-                        yield self._event("response.content_part.added", output_index=len(output) - 1,
-                                          item_id=open_item["id"], content_index=0, part=_part(kind, ""))
-                    open_item["text"] += text
-                    name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-                    extra = {} if kind == "reasoning" else {"logprobs": logprobs}
-                    yield self._event(name, output_index=len(output) - 1, item_id=open_item["id"],
-                                      content_index=0, delta=text, **extra)
                 for call in delta.get("tool_calls") or []:
                     if call["index"] not in calls:
-                        for event in self._close(open_item, output, every_logprob):
+                        for event in self._close("completed"):
                             yield event
-                        open_item = None
                         function = call["function"]
-                        item = _call_item(_new_id("fc"), call["id"], function["name"], "", "in_progress")
-                        calls[call["index"]] = item
-                        output.append(item)
-                        yield self._event("response.output_item.added", output_index=len(output) - 1, item=dict(item))
+                        calls[call["index"]] = self.open_item = _call_item(
+                            _new_id("fc"), call["id"], function["name"], "", "in_progress")
+                        self.output.append(self.open_item)
+                        yield self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                          item=dict(self.open_item))
                     item = calls[call["index"]]
                     arguments = call["function"].get("arguments") or ""
                     if arguments:
                         item["arguments"] += arguments
                         yield self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                          output_index=output.index(item), delta=arguments)
-        for event in self._close(open_item, output, every_logprob):
-            yield event
-        for item in output:
-            if item["type"] == "message":
-                item["content"][0]["logprobs"] = every_logprob
-        for item in calls.values():
-            item["status"] = "completed"
-            index = output.index(item)
-            yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                              arguments=item["arguments"], name=item["name"])
-            yield self._event("response.output_item.done", output_index=index, item=dict(item))
+                                          output_index=self.output.index(item), delta=arguments)
         status = _status(finish)
-        yield self._event("response.completed", response=self.envelope(status, output, usage))
+        for event in self._close(status):
+            yield event
+        for item in self.output:
+            if item["type"] == "message":
+                item["content"][0]["logprobs"] = self.logprobs
+        yield self._event("response.completed", response=self.envelope(status, self.output, usage))
 
-    def _open(self, kind: str, output: list[dict]) -> dict:
-        item = {"type": kind, "id": _new_id("rs" if kind == "reasoning" else "msg"), "text": ""}
-        output.append(item)
-        return item
+    def _text(self, kind: str, text: str, logprobs: list[dict]):
+        """A reasoning or message delta, in its item (opened here after closing another)."""
+        events = []
+        if self.open_item is None or self.open_item["type"] != kind:
+            events += self._close("completed")
+            self.open_item = {"type": kind, "id": _new_id("rs" if kind == "reasoning" else "msg"), "text": ""}
+            self.output.append(self.open_item)
+            index = len(self.output) - 1
+            events.append(self._event("response.output_item.added", output_index=index, item=_opened(self.open_item)))
+            events.append(self._event("response.content_part.added", output_index=index,
+                                      item_id=self.open_item["id"], content_index=0, part=_part(kind, "")))
+        self.open_item["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": logprobs}
+        events.append(self._event(name, output_index=len(self.output) - 1, item_id=self.open_item["id"],
+                                  content_index=0, delta=text, **extra))
+        return events
 
-    def _close(self, item: dict | None, output: list[dict], logprobs: list[dict]):
-        """The done events of a reasoning or message item; the item becomes its final form in output."""
+    def _close(self, status: str) -> list[dict]:
+        """The done events of the open item, which becomes its final form in the output."""
+        item, self.open_item = self.open_item, None
         if item is None:
             return []
-        index = output.index(item)
+        index = self.output.index(item)
+        if item["type"] == "function_call":
+            item["status"] = "completed"
+            return [
+                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"], name=item["name"]),
+                self._event("response.output_item.done", output_index=index, item=dict(item)),
+            ]
         kind, text = item["type"], item["text"]
         final = (_reasoning_item(item["id"], text, "completed") if kind == "reasoning"
-                 else _message_item(item["id"], text, "completed", list(logprobs)))
-        output[index] = final
+                 else _message_item(item["id"], text, status, list(self.logprobs)))
+        self.output[index] = final
         done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
-        extra = {} if kind == "reasoning" else {"logprobs": list(logprobs)}
+        extra = {} if kind == "reasoning" else {"logprobs": list(self.logprobs)}
         return [
             self._event(done, output_index=index, item_id=item["id"], content_index=0, text=text, **extra),
             self._event("response.content_part.done", output_index=index, item_id=item["id"], content_index=0,

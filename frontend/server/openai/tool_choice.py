@@ -67,6 +67,10 @@ def tool_plan(server, body) -> ToolPlan:
     if tools is not None and not tools:
         message = "`tools` must not be an empty array. Either provide at least one tool or omit the field."
         raise APIError(400, message, "tools")
+    names = [tool.function.name for tool in tools or []]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise APIError(400, f"tools: more than one tool is named {twice[0]!r}", "tools")
     if choice is None:
         choice = "auto" if tools else "none"
     if choice != "none" and not tools:
@@ -94,23 +98,25 @@ _EMPTY_OBJECT = {"type": "object", "properties": {}}
 
 def _required_schema(tools: list[ChatTool]) -> dict:
     """vLLM's schema for `required`: a list of one or more calls, each one tool's name and parameters;
-    the tools' `$defs` gathered at the top, where references to them point."""
-    defs: dict[str, Any] = {}
+    the tools' `$defs` (and draft-07's `definitions`) gathered at the top, where `#/$defs/...` references
+    point. A reference by path into a tool's own schema (`#/properties/...`, `#`) does not survive the
+    move: the grammar refuses it, a 400 naming `tools`."""
+    gathered: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
     variants = []
     for tool in tools:
         parameters = dict(tool.function.parameters or _EMPTY_OBJECT)
-        for name, schema in parameters.pop("$defs", {}).items():
-            if name in defs and defs[name] != schema:
-                message = f"Tool definition '{name}' has multiple schemas, which is not supported."
-                raise APIError(400, message, "tools")
-            defs[name] = schema
+        for key, defs in gathered.items():
+            for name, schema in (parameters.pop(key, None) or {}).items():
+                if name in defs and defs[name] != schema:
+                    message = f"Tool definition '{name}' has multiple schemas, which is not supported."
+                    raise APIError(400, message, "tools")
+                defs[name] = schema
         variants.append({
             "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
             "required": ["name", "parameters"],
         })
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
-    if defs:
-        schema["$defs"] = defs
+    schema.update({key: defs for key, defs in gathered.items() if defs})
     return schema
 
 

@@ -3,14 +3,15 @@
 
 As vLLM reads them: every object in the reply that is a call is one, and a reply with calls has no
 content; one with none is all content. While streaming, a reply that begins with `{` or the tag is held
-as calls, and one that begins otherwise is sent as content until the end shows whether it held calls.
+as calls; one that begins otherwise is sent as content up to its first `{` or tag, the rest held until
+the end shows whether it held calls (the prose before them was sent: the one way a stream differs).
 """
 
 from __future__ import annotations
 
 import json
 
-from frontend.server.parsers.tool_calls import CallFormat, Part, ToolCall, arguments_text, call_id
+from frontend.server.parsers.tool_calls import CallFormat, Part, ToolCall, arguments_text, call_id, held_back
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -25,7 +26,12 @@ def scan(text: str, final: bool) -> list[Part]:
         return _leading_calls(text, len(text) - len(body) + len(PYTHON_TAG))
     if body.startswith("{"):
         return _leading_calls(text, len(text) - len(body))
-    return [] if PYTHON_TAG.startswith(body) else [text]
+    if PYTHON_TAG.startswith(body):
+        return []
+    opens = [at for at in (text.find("{"), text.find(PYTHON_TAG)) if at != -1]
+    if opens:
+        return [text[: min(opens)]]  # prose, then what may be calls
+    return [text[: len(text) - held_back(text, PYTHON_TAG)]]
 
 
 def _leading_calls(text: str, pos: int) -> list[Part]:
