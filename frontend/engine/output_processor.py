@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from frontend.engine.completion_text import append_tokens
 from frontend.engine.logprob_rows import add_chosen, to_position_dicts
 from frontend.engine.token_extras import apply_extras, routed_experts
 from frontend.engine.token_text import IncrementalDetokenizer, TokenIdsOnly, TokenTable
@@ -216,13 +217,7 @@ class OutputProcessor:
             detokenize = completion.params.detokenize
             state.prompt_logprobs = [None] + to_position_dicts(output.prompt_logprobs, self.table, detokenize=detokenize)
         is_core_done = output.finish_reason is not None
-        text_ids = output.new_token_ids
-        if _ends_on_stop_token(output, completion.params):  # as vLLM: its id is kept, its text is not
-            text_ids = text_ids[:-1]
-        num_kept, is_stopped = self._append_text(completion, text_ids, is_core_done)
-        if len(text_ids) < len(output.new_token_ids) and not is_stopped:
-            completion.detokenizer.token_ids.append(output.new_token_ids[-1])  # the id, without its text
-            num_kept += 1
+        num_kept, is_stopped = append_tokens(completion, output)
         if output.new_logprobs is not None and completion.logprobs is not None:
             is_masked = completion.params.structured_outputs is not None  # its -inf entries are not shown
             positions = to_position_dicts(
@@ -240,50 +235,6 @@ class OutputProcessor:
             if output.finish_reason == FinishReason.ERROR:
                 state.error = RequestFailedError(output.error or "the engine core failed it without a reason")
         return is_stopped and not is_core_done
-
-    def _append_text(
-        self, completion: CompletionState, token_ids: list[int], is_core_done: bool
-    ) -> tuple[int, bool]:
-        """Detokenizes new tokens; with stop strings, one token at a time so that tokens after the one
-        completing a stop string (several arrive at once under multi-step) are dropped with their
-        logprobs. Returns (tokens kept, whether a stop string ended the completion)."""
-        detokenizer = completion.detokenizer
-        if not completion.params.stop:
-            detokenizer.append(token_ids)
-            if is_core_done:
-                detokenizer.flush()
-            return len(token_ids), False
-        for num, token_id in enumerate(token_ids, start=1):
-            num_chars_before = len(detokenizer.text)
-            detokenizer.append([token_id])
-            if is_core_done and num == len(token_ids):
-                detokenizer.flush()
-            if self._check_stop_strings(completion, num_chars_before):
-                return num, True
-        if is_core_done and not token_ids:  # only the stop token came: what flushing releases is checked too
-            num_chars_before = len(detokenizer.text)
-            detokenizer.flush()
-            if self._check_stop_strings(completion, num_chars_before):
-                return 0, True
-        return len(token_ids), False
-
-    def _check_stop_strings(self, completion: CompletionState, num_chars_before: int) -> bool:
-        params = completion.params
-        if not params.stop or completion.finish_reason == "error":
-            return False
-        if len(completion.token_ids) <= params.min_tokens:
-            return False
-        text = completion.detokenizer.text
-        start = max(0, num_chars_before - max(len(s) for s in params.stop) + 1)
-        hits = [(text.find(s, start), s) for s in params.stop]
-        hits = [(pos, s) for pos, s in hits if pos != -1]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        completion.text_end = pos + len(stop) if params.include_stop_str_in_output else pos
-        completion.finish_reason, completion.stop_reason = str(FinishReason.STOP), stop
-        return True
-
 
 def make_request_output(state: RequestState) -> RequestOutput:
     """Streaming with n > 1: a delta carries only the completions this step changed (new tokens or
@@ -350,15 +301,3 @@ def _completion_output(
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
     c.has_sent_finish = c.finish_reason is not None
     return delta
-
-
-def _ends_on_stop_token(output, params) -> bool:
-    """Whether the core finished the completion on an EOS or stop token id (its last new token), whose
-    text is left out of the completion's unless include_stop_str_in_output (as vLLM; with
-    skip_special_tokens false an EOS would otherwise end the text)."""
-    return (
-        output.finish_reason == FinishReason.STOP
-        and not isinstance(output.stop_reason, str)
-        and not params.include_stop_str_in_output
-        and bool(output.new_token_ids)
-    )

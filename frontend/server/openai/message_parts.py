@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from frontend.server.openai.tool_choice import NO_TOOLS, ToolPlan
+from frontend.server.openai.tool_choice import ToolPlan
 from frontend.server.parsers.reasoning import ThinkSplitter
 from frontend.server.parsers.splitter import CallSplitter
 from frontend.server.parsers.tool_calls import ToolCall, arguments_text, call_id
@@ -27,7 +27,7 @@ class ChoiceParser:
 
     @property
     def is_parsing(self) -> bool:
-        return self.think is not None or self.plan is not NO_TOOLS
+        return self.think is not None or self.plan.mode != "none"
 
     def feed(self, text: str, final: bool) -> dict:
         """The delta this text adds: any of reasoning_content, content, tool_calls."""
@@ -67,7 +67,7 @@ class ChoiceParser:
         message: dict = {"role": "assistant", "content": content}
         if self.think is not None:
             message["reasoning_content"] = whole.get("reasoning_content")
-        if self.plan is not NO_TOOLS:
+        if self.plan.mode != "none":
             calls = whole.get("tool_calls", [])
             message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
         return message

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.server.common.errors import APIError
+from frontend.server.common.inputs import start_checked
 from frontend.server.common.logprob_json import JSONBytesResponse
 from frontend.server.common.transport import sse_response, until_disconnected
 from frontend.server.openai.chat import start_chat
@@ -33,8 +34,6 @@ async def create_response(request: Request, body: ResponsesRequest) -> Response:
     response = await start_chat(request.app.state.server, chat_body, prefix="resp")
     shape = ResponseShape(body, response.generation.request_id, response.server.answer_name(response.generation.params.lora))
     if body.stream:
-        from frontend.server.common.inputs import start_checked
-
         await start_checked(response.generation, chat_body)
         return sse_response(shape.events(response.chunks()), response.generation.close)
     return await until_disconnected(request, _whole(shape, response))
