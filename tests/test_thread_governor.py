@@ -16,21 +16,24 @@ class FakeHost:
     """A /proc folder with the two files the governor reads, and a clock, moved by hand."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.now, self.waited_ns, self.idle_ticks = root, 100.0, 0, 0
+        self.root, self.now, self.waited_ns, self.idle_ticks, self.cpu_ticks = root, 100.0, 0, 0, 0
         (root / "self" / "task" / str(os.getpid())).mkdir(parents=True)
         self.write()
 
     def write(self) -> None:
         (self.root / "self" / "task" / str(os.getpid()) / "schedstat").write_text(f"123 {self.waited_ns} 7\n")
+        (self.root / "self" / "stat").write_text(f"{os.getpid()} (python3 (x)) R 1 2 3 4 5 6 7 8 9 10 "
+                                                 f"{self.cpu_ticks} 0 0 0 20 0 1 0\n")
         cpus = sorted(os.sched_getaffinity(0))
         lines = [f"cpu{n} 10 0 5 {self.idle_ticks // len(cpus)} 0 0 0 0 0 0" for n in cpus]
         other = f"cpu{max(cpus) + 1} 10 0 5 {10**9 + self.idle_ticks} 0 0 0 0 0 0"  # a CPU not ours: ignored
         (self.root / "stat").write_text("\n".join([f"cpu  10 0 5 {10**9} 0 0 0 0 0 0", *lines, other]) + "\n")
 
-    def advance(self, seconds: float, waited_s: float, idle_cores: float) -> None:
+    def advance(self, seconds: float, waited_s: float, idle_cores: float, used_cores: float = 0.0) -> None:
         self.now += seconds
         self.waited_ns += int(waited_s * 1e9)
         self.idle_ticks += int(idle_cores * seconds * os.sysconf("SC_CLK_TCK"))
+        self.cpu_ticks += int(used_cores * seconds * os.sysconf("SC_CLK_TCK"))
         self.write()
 
 
@@ -52,6 +55,25 @@ def test_a_shared_host_takes_one_thread_and_a_free_one_takes_them_all_back(tmp_p
     assert governor.before_step() == 2 and set_to == [1, 2] and governor.changes == 2
 
 
+def test_on_many_cores_a_shared_host_takes_the_cores_it_gets_not_one(tmp_path):
+    """Two engines of 16 threads on 16 cores: each gets about 8 cores' time while they contend, so each
+    steps on 8 threads (one would leave it a sixteenth of its speed); a busy loop beside one engine of 16
+    leaves it 15. When the cores are free again, all of them come back."""
+    host, set_to = FakeHost(tmp_path), []
+    governor = ThreadGovernor(16, period_s=0.25, clock=lambda: host.now, set_threads=set_to.append,
+                              proc=str(tmp_path))
+    host.advance(0.5, waited_s=0.2, idle_cores=0.0, used_cores=8.1)  # the other engine takes half
+    assert governor.before_step() == 8 and set_to == [8]
+    host.advance(0.5, waited_s=0.01, idle_cores=0.1, used_cores=8.0)  # 8 + 8: no one waits, nothing idle
+    assert governor.before_step() == 8
+    host.advance(0.5, waited_s=0.0, idle_cores=7.5, used_cores=8.0)  # the other one stopped
+    assert governor.before_step() == 8  # once may be a pause
+    host.advance(0.5, waited_s=0.0, idle_cores=7.5, used_cores=8.0)
+    assert governor.before_step() == 16 and set_to == [8, 16]
+    host.advance(0.5, waited_s=0.15, idle_cores=0.0, used_cores=14.8)  # a busy loop beside it
+    assert governor.before_step() == 15
+
+
 def test_without_proc_or_when_fixed_the_count_stays(tmp_path, monkeypatch):
     set_to = []
     governor = ThreadGovernor(2, clock=lambda: 1e9, set_threads=set_to.append, proc=str(tmp_path / "none"))
@@ -68,8 +90,8 @@ def test_this_hosts_proc_figures_are_read():
     governor = ThreadGovernor(max(2, torch.get_num_threads()), set_threads=lambda n: None)
     sample = governor.sample()
     assert sample is not None
-    now, waited_s, idle_s = sample
-    assert waited_s >= 0 and idle_s > 0 and now > 0
+    now, waited_s, idle_s, cpu_s = sample
+    assert waited_s >= 0 and idle_s > 0 and now > 0 and cpu_s > 0
 
 
 def test_a_guest_step_takes_fewer_threads_and_gives_the_hosts_count_back(tmp_path):

@@ -10,7 +10,10 @@ process needed: two engines on two cores each ran at 0.25x of their speed alone 
 So the count follows the host, measured every `period_s` from the kernel's own accounts:
 - the step's thread (this process's main thread, which takes part in every parallel region) waited
   for a CPU more than `CONTENDED` of the time (its run queue delay in /proc/self/task/<tid>/schedstat):
-  the host is shared, the steps go on one thread (no barrier to wait at, one core's worth of work);
+  the host is shared, the steps go on as many threads as the cores this process got (its CPU time in
+  /proc/self/stat) and those left idle, rounded, at least one: one on two cores beside another busy
+  process (no barrier to wait at, one core's worth of work), eight each for two engines of sixteen
+  threads on sixteen cores, which one thread each would leave at a sixteenth of their speed;
 - one thread, and the CPUs this process may use (its affinity's lines of /proc/stat) left `FREE` of
   each further core idle, twice in a row: back to all of them.
 An engine alone never meets the first (its threads have the cores), so it keeps its speed; where
@@ -90,9 +93,10 @@ class ThreadGovernor:
         wall = sample[0] - self._last[0]
         waited = (sample[1] - self._last[1]) / wall  # seconds the step's thread waited, per second
         idle_cores = (sample[2] - self._last[2]) / wall
+        got = (sample[3] - self._last[3]) / wall + idle_cores  # cores this process had, or could have had
         self._last = sample
         if self.threads > 1 and waited > CONTENDED:
-            self._set(1)
+            self._set(max(1, min(self.threads - 1, round(got))))
         elif self.threads < self.max_threads:
             is_free = min(idle_cores, self.max_threads) > FREE * (self.max_threads - self.threads)
             self._free_looks = self._free_looks + 1 if is_free else 0
@@ -108,11 +112,16 @@ class ThreadGovernor:
         self.changes += 1
         self.set_threads(threads)
 
-    def sample(self) -> tuple[float, float, float] | None:
-        """(now, the main thread's run-queue wait in seconds, idle CPU seconds of the host), or None."""
+    def sample(self) -> tuple[float, float, float, float] | None:
+        """(now, the main thread's run-queue wait in seconds, idle CPU seconds of the host, this process's
+        CPU seconds), or None."""
+        ticks = os.sysconf("SC_CLK_TCK")
         try:
             with open(f"{self.proc}/self/task/{self._step_thread}/schedstat") as f:
                 waited_ns = int(f.read().split()[1])
+            with open(f"{self.proc}/self/stat") as f:  # "pid (comm) state ... utime stime ..." (fields 14, 15)
+                fields = f.read().rsplit(")", 1)[1].split()
+                cpu_ticks = int(fields[11]) + int(fields[12])
             idle_ticks = 0
             with open(f"{self.proc}/stat") as f:
                 for line in f:  # "cpuN user nice system idle iowait ..." in clock ticks, the allowed CPUs'
@@ -121,7 +130,7 @@ class ThreadGovernor:
                         idle_ticks += int(fields[4]) + int(fields[5])
         except (OSError, ValueError, IndexError):
             return None
-        return self.clock(), waited_ns / 1e9, idle_ticks / os.sysconf("SC_CLK_TCK")
+        return self.clock(), waited_ns / 1e9, idle_ticks / ticks, cpu_ticks / ticks
 
 
 def _allowed_cpus() -> list[int]:
