@@ -18,6 +18,7 @@ import msgspec
 from protocol.addresses import is_loopback, split_address
 from protocol.config import ENGINE_ARG_HELP, EngineConfig, parse_speculative_config
 from protocol.curve_keys import KeyPair, load_allowed_keys, load_key_pair, make_key_pair
+from protocol.kv_events import parse_kv_events_config
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -75,6 +76,8 @@ def build_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> E
         }
         if "speculative_config" in values:  # JSON on the command line, vLLM's names
             values["speculative_config"] = parse_speculative_config(values["speculative_config"])
+        if "kv_events_config" in values:
+            values["kv_events_config"] = parse_kv_events_config(values["kv_events_config"])
         return msgspec.convert({"model": resolve_model(args.model), **values}, EngineConfig, strict=False)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         parser.error(_flag_error(str(exc)))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from engine_core.grammars import Grammars
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.kv_events import KVEventLog, KVEventPublisher
 from engine_core.lora_table import LoraTable
 from engine_core.request import Request, RequestStatus
 from engine_core.rl_control import CoreControl, pinned_error
@@ -55,7 +56,10 @@ class EngineCore:
         )
         self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
         self.executor.allocate_kv_cache(self.num_kv_blocks)
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        events = config.kv_events_config
+        self.kv_events = KVEventLog(config.block_size) if events is not None and events.is_publishing else None
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                       self.kv_events)
         self.loras = LoraTable(self.executor, config.enable_lora, config.max_loras, config.max_cpu_loras)
         self.eos_token_ids = eos_token_ids(config.model)
         self.scheduler = Scheduler(
@@ -73,14 +77,17 @@ class EngineCore:
         self.limits = RequestLimits.of(self.facts())
         self.control = CoreControl(self.scheduler, self.executor, self._reset_kv_pool)
         self.control.loras = self.loras
+        self.kv_publisher = KVEventPublisher(events) if self.kv_events is not None else None  # last: it binds
 
     def _reset_kv_pool(self) -> None:
         """A fresh block pool (after sleep freed the KV cache): every block free, nothing indexed."""
         assert not self.scheduler.running
         self.kv_cache = KVCacheManager(
-            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching, self.kv_events
         )
         self.scheduler.kv_cache = self.kv_cache
+        if self.kv_events is not None:
+            self.kv_events.cleared()
 
     def _backed_num_blocks(self, num_blocks: int) -> int:
         """The KV cache's pages are committed as blocks are first written, so a cache the host cannot
@@ -193,12 +200,23 @@ class EngineCore:
     def step(self) -> dict[bytes, EngineCoreOutputs]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
-        return self.control.stamp(self.scheduler.update_from_output(scheduler_output, runner_output))
+        outputs = self.control.stamp(self.scheduler.update_from_output(scheduler_output, runner_output))
+        self.publish_kv_events()
+        return outputs
+
+    def publish_kv_events(self) -> None:
+        """The prefix cache's events since the last call, as one batch (with --kv-events-config): after
+        each step, and after a command that cleared the cache between steps."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.kv_events.take())
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks, if any, and the grammar thread; the core is not used after this."""
+        """Stops the tensor-parallel ranks, if any, the grammar thread and the KV event publisher; the core
+        is not used after this."""
         self.scheduler.grammars.close()
         self.executor.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
 
 def _adapter_names(reqs) -> list[str]:

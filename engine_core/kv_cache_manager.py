@@ -8,19 +8,22 @@ free gap, leaving room on both sides. Adjacent blocks let the worker read a cont
 With prefix caching, blocks are reference counted: full blocks whose KV is written are indexed by
 their prefix (engine_core/prefix_index.py), requests share them, and a block no request holds keeps
 its content until a fresh block is needed and it is the least recently freed. Such blocks count as
-free: at idle every block is free or held only by the cache.
+free: at idle every block is free or held only by the cache. With a KV event log (engine_core/kv_events.py)
+each content newly indexed, evicted or cleared is told to it as it happens.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from engine_core.kv_events import KVEventLog
 from engine_core.prefix_index import PrefixIndex
 from engine_core.prompt_rows import Flavour, PromptRows
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 events: KVEventLog | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._is_free = np.ones(num_blocks, dtype=bool)  # empty: held by no request, indexing nothing
@@ -33,6 +36,7 @@ class KVCacheManager:
         self._unindexed: set[str] = set()  # requests holding blocks from before a prefix-cache reset
         self.num_queried_tokens = 0  # prompt tokens of requests that looked their prefix up
         self.num_hit_tokens = 0  # of those, tokens found in the cache
+        self.events = events if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,10 +88,11 @@ class KVCacheManager:
         num_computed: int,
         salt: str | None = None,
         is_long_rope: bool = False,
+        lora: tuple[int, str] | None = None,
     ) -> list[tuple[int, int]]:
         """Indexes the request's full blocks whose KV is written (positions below `num_computed`), under
         its cache `salt` and its LongRoPE factors; returns the newly indexed ones as (block number in the
-        request, the block holding the content)."""
+        request, the block holding the content). `lora` (its adapter's int id and name) is for the events."""
         if self.index is None or req_id in self._unindexed:
             return []
         chain, blocks, size = (
@@ -95,13 +100,32 @@ class KVCacheManager:
             self._req_blocks[req_id],
             self.block_size,
         )
-        indexed = []
+        indexed, stored = [], []  # stored: (parent content id or None, content id, tokens) of new contents
         for i in range(len(chain), min(num_computed // size, len(blocks))):
             tokens = _token_slice(prompt_ids, output_ids, i * size, (i + 1) * size)
             parent = chain[-1] if chain else self.index.root_of(salt, is_long_rope)
             chain.append(self.index.insert(parent, tokens, blocks[i]))
-            indexed.append((i, self.index.lookup(parent, tokens)))
+            holder = self.index.lookup(parent, tokens)
+            indexed.append((i, holder))
+            if self.events is not None and holder == blocks[i]:
+                stored.append((chain[-2] if len(chain) > 1 else None, chain[-1], tokens))
+        if stored:
+            self._tell_stored(stored, lora)
         return indexed
+
+    def _tell_stored(self, stored: list[tuple[int | None, int, tuple[int, ...]]], lora: tuple[int, str] | None) -> None:
+        """One BlockStored per run of new contents that follow each other in the chain."""
+        run: list[tuple[int | None, int, tuple[int, ...]]] = []
+        for entry in stored:
+            if run and entry[0] != run[-1][1]:
+                self._tell_run(run, lora)
+                run = []
+            run.append(entry)
+        self._tell_run(run, lora)
+
+    def _tell_run(self, run: list[tuple[int | None, int, tuple[int, ...]]], lora: tuple[int, str] | None) -> None:
+        self.events.stored([content for _, content, _ in run], run[0][0],
+                           [token for *_, tokens in run for token in tokens], lora)
 
     def num_indexed_tokens(self, req_id: str) -> int:
         """Tokens of the request's prefix that other requests can now read from the cache."""
@@ -126,8 +150,10 @@ class KVCacheManager:
         next_block = blocks[-1] + 1 if blocks else -1
         for _ in range(num_new):
             if self._num_free == 0:  # only cached blocks are left: the least recently freed is rewritten
-                next_block = self.index.evict_oldest()
+                next_block, content_id = self.index.evict_oldest()
                 self.prompt_rows.drop(next_block)
+                if self.events is not None:
+                    self.events.removed(content_id)
             else:
                 if not (0 <= next_block < self.num_blocks and self._is_free[next_block]):
                     next_block = self._fresh_start()
@@ -163,6 +189,8 @@ class KVCacheManager:
                 self._is_free[block] = True
                 self._num_free += 1
         self.index = PrefixIndex()
+        if self.events is not None:
+            self.events.cleared()
         self.prompt_rows.clear()
         self._req_chain = {req_id: [] for req_id in self._req_blocks}
         self._unindexed.update(self._req_blocks)

@@ -54,6 +54,11 @@ class LoraTable:
         """(name, path) of every adapter known (loaded now, or again at its next request)."""
         return sorted((name, path) for name, path, _ in self._known.values())
 
+    def adapter_of(self, slot: int) -> tuple[int, str]:
+        """The (int id, name) of the adapter loaded in `slot` (a KV event's lora_id and lora_name)."""
+        loaded = self._slots[slot]
+        return loaded.int_id, loaded.name
+
     def check(self, ref: LoraRef) -> None:
         """A request's adapter, as it arrives (nothing is read yet: that waits for its admission, `take`);
         a ValueError names what is wrong: LoRA off, a name or an id another adapter has, or an id of the

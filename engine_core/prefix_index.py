@@ -49,6 +49,12 @@ class PrefixIndex:
         root = ROOT if salt is None else salt
         return ("long_rope", root) if is_long_rope else root
 
+    def contents(self) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+        """Every indexed content: content id -> (its parent's content id, None for a chain's first block;
+        its tokens). What a subscriber of the KV events holds (engine_core/kv_events.py)."""
+        return {content_id: (parent if isinstance(parent, int) and parent != ROOT else None, tokens)
+                for (parent, tokens), content_id in self._entry_of.values()}
+
     def lookup(self, parent: int | Root, token_ids: tuple[int, ...]) -> int | None:
         return self._block_of.get((parent, token_ids))
 
@@ -73,9 +79,10 @@ class PrefixIndex:
         """A request takes an indexed block no one held: it must not be evicted while held."""
         del self._evictable[block]
 
-    def evict_oldest(self) -> int:
-        """Forgets the least recently released block and returns it, to be written anew."""
+    def evict_oldest(self) -> tuple[int, int]:
+        """Forgets the least recently released block; returns it, to be written anew, and the content id
+        it held."""
         block, _ = self._evictable.popitem(last=False)
-        key, _ = self._entry_of.pop(block)
+        key, content_id = self._entry_of.pop(block)
         del self._block_of[key]
-        return block
+        return block, content_id

@@ -316,7 +316,7 @@ class Scheduler:
         num_written = min(req.num_computed_tokens, req.num_tokens)
         indexed = self.kv_cache.cache_full_blocks(
             req.req_id, req.prompt_token_ids, req.output_token_ids, num_written, req.cache_salt,
-            req.is_long_rope,
+            req.is_long_rope, self.loras.adapter_of(req.lora_slot) if req.lora_slot >= 0 else None,
         )
         flavour = flavour_of(req.params)
         if indexed and flavour is not None and not req.has_sent_prompt_logprobs:

@@ -164,6 +164,7 @@ class CoreServer:
                 if not self.core.has_unfinished_requests():  # idle now: the outputs are queued first
                     logger.debug("heap released in %.4f s", release_heap())
             self.core.control.poll(self._outbox)  # a command waiting for running requests to finish
+            self.core.publish_kv_events()  # a command's clear, when no step follows it
             if time.monotonic() >= next_check:
                 self._check_liveness()
                 next_check = time.monotonic() + 1.0

@@ -6,6 +6,7 @@ from typing import Literal
 
 import msgspec
 
+from protocol.kv_events import KVEventsConfig
 from protocol.sampling_params import LogprobsMode
 
 
@@ -147,6 +148,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_cpu_loras: int | None = None
     # Speculative decoding (docs/speculative.md); None: off. A dict given to LLM/AsyncLLM is converted.
     speculative_config: SpeculativeConfig | None = None
+    # KV-cache events for routers (protocol/kv_events.py, docs/serving.md), vLLM's names; None: none sent.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -218,6 +221,9 @@ ENGINE_ARG_HELP = {
     "max_loras": "most LoRA adapters in one model step (default 1)",
     "max_lora_rank": "highest LoRA rank an adapter may have (default 16)",
     "max_cpu_loras": "LoRA adapters kept loaded while no request uses them (default: max_loras)",
+    "kv_events_config": "KV-cache events as JSON, vLLM's names: {\"enable_kv_cache_events\": true, "
+    "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": ..., \"topic\": "
+    "\"kv@pod@model\", \"buffer_steps\": 10000}: every block the prefix cache stores, evicts or clears",
     "quantized_activations": "float32 (the default, exact): GGUF weights kept quantized meet fp32 "
     "activations; int8 (integer mode): activations quantized to int8 blocks of 32, integer dot products, "
     "every bitwise guarantee kept, numbers near float32's (docs/quantized.md)",

@@ -179,7 +179,10 @@ def test_slimes_abort_until_idle_reads_v1_loads(http):
     assert in_flight() == 0 and not rollout.is_alive()
     load = http.get("/v1/loads").json()["loads"][0]
     assert 0 <= load["num_used_tokens"] <= load["num_total_tokens"] and load["max_running_requests"] > 0
-    assert http.get("/v1/loads", params={"include": "memory"}).status_code == 400
+    gateway = http.get("/v1/loads", params={"include": "core,disagg,queues,memory"})  # sgl-model-gateway's poll
+    assert gateway.status_code == 200 and gateway.json()["loads"][0]["num_total_reqs"] == 0
+    refused = http.get("/v1/loads", params={"include": "core,gpu"})
+    assert refused.status_code == 400 and "gpu" in refused.json()["error"]["message"]
 
 
 def test_a_stream_is_sglangs_cumulative_chunks(http):

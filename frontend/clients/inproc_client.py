@@ -65,6 +65,7 @@ class InprocClient:
             for batch in self.core.step().values():
                 self.pending.extend(self._outputs(batch))
             self.core.control.poll(outbox)
+        self.core.publish_kv_events()
         return replies[0]
 
     def get_outputs(self, timeout_s: float, wake_fd: int | None = None) -> list[EngineCoreOutput]:

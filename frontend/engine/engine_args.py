@@ -11,6 +11,7 @@ from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 from protocol.builtin_model import builtin_model_path
 from protocol.config import EngineConfig, parse_speculative_config
 from protocol.gguf_header import is_gguf
+from protocol.kv_events import parse_kv_events_config
 
 
 def make_config(model: str | None, engine_args: dict) -> EngineConfig:
@@ -24,6 +25,8 @@ def make_config(model: str | None, engine_args: dict) -> EngineConfig:
         path = builtin_model_path(model.split(":", 1)[1])
     if engine_args.get("speculative_config") is not None:
         engine_args = {**engine_args, "speculative_config": parse_speculative_config(engine_args["speculative_config"])}
+    if engine_args.get("kv_events_config") is not None:
+        engine_args = {**engine_args, "kv_events_config": parse_kv_events_config(engine_args["kv_events_config"])}
     try:  # convert, not the constructor: it checks every field's type (msgspec's __init__ does not)
         return msgspec.convert({"model": path, **engine_args}, EngineConfig)
     except msgspec.ValidationError as exc:

@@ -5,9 +5,7 @@ process, HTTP server). `build_app(ServerState)` makes it; nothing is global, so 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import hmac
-from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
@@ -20,6 +18,7 @@ from frontend.errors import EngineDeadError
 from frontend.server.common.errors import APIError, error_response, install_error_handlers
 from frontend.server.common.limits import BodyLimitMiddleware
 from frontend.server.common.logprob_json import JSONBytesResponse, token_text
+from frontend.server.deploy.router_probes import probe_router
 from frontend.server.lora import adapter_models, load_lora_adapter, unload_lora_adapter
 from frontend.server.openai.chat import create_chat_completion
 from frontend.server.openai.completions import create_completion
@@ -38,10 +37,6 @@ from frontend.server.scoring.label_scores import (
 from frontend.server.scoring.sequence_logprobs import SEQUENCE_LOGPROBS_PATH, get_sequence_logprobs
 from frontend.server.state import ServerState
 
-try:
-    _VERSION = version("coreserve")
-except PackageNotFoundError:  # run from a checkout that was not installed
-    _VERSION = "unknown"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -73,7 +68,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.post("/tokenize")(tokenize)
     app.post("/detokenize")(detokenize)
     app.get("/tokenizer_info")(tokenizer_info)
-    app.get("/v1/loads")(loads)  # SGLang's; slime polls it until a server is idle
+    app.include_router(probe_router())  # what routers and gateways read: /ready, /version, loads, info
     app.post(INFERENCE_GENERATE_PATH)(inference_generate)  # vLLM's tokens in, tokens out (prime-rl)
     app.post(SGLANG_SCORE_PATH)(sglang_score)  # label scoring for graders (scoring/label_scores.py)
     app.post(VLLM_SCORE_PATH)(vllm_generative_scoring)
@@ -127,30 +122,6 @@ async def list_models(request: Request) -> Response:
         "max_model_len": server.facts.max_model_len,
     }
     return JSONBytesResponse({"object": "list", "data": [model, *adapter_models(server)]})
-
-
-async def loads(request: Request, include: str | None = None) -> Response:
-    """SGLang's `GET /v1/loads?include=core`: one entry (this engine) with its running and waiting
-    requests and KV-token use, the fields slime sums to see a server idle."""
-    if include not in (None, "core", "all"):
-        raise APIError(400, f"include={include!r}: only core (or all, the same here) is served", "include")
-    server: ServerState = request.app.state.server
-    stats = await server.engine.get_engine_stats()
-    block_size = server.engine.config.block_size
-    total = stats.num_kv_blocks * block_size
-    used = (stats.num_kv_blocks - stats.num_free_kv_blocks) * block_size
-    load = {
-        "dp_rank": 0,
-        "num_running_reqs": stats.num_running,
-        "num_waiting_reqs": stats.num_waiting,
-        "num_used_tokens": used,
-        "num_total_tokens": total,
-        "max_total_num_tokens": total,
-        "max_running_requests": server.engine.config.max_num_seqs,
-        "token_usage": used / total if total else 0.0,
-    }
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    return JSONBytesResponse({"timestamp": now, "version": _VERSION, "loads": [load]})
 
 
 async def health(request: Request) -> Response:

@@ -58,6 +58,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "batch_invariant": (_boolean, None),
     "quantized_activations": (str, ("float32", "int8")),
     "speculative_config": (str, None),  # JSON, checked by name in make_config
+    "kv_events_config": (str, None),  # JSON, vLLM's names (protocol/kv_events.py)
     "num_threads": (int, None),  # the core's threads: replicas sharing a host take a core each
     "max_loras": (int, None),
     "max_lora_rank": (int, None),
