@@ -69,9 +69,9 @@ class KVEventLog:
 
 
 class KVEventPublisher:
-    """vLLM's ZeroMQ publisher: a PUB socket at `endpoint` sends [topic, seq, batch]; a ROUTER at
-    `replay_endpoint` (if given) sends the buffered batches from a sequence number on. Both sockets are
-    bound and used by the publisher's thread alone."""
+    """vLLM's ZeroMQ publisher: a PUB socket at `endpoint` (bound or connected: KVEventsConfig) sends
+    [topic, seq, batch]; a ROUTER bound at `replay_endpoint` (if given) sends the buffered batches from a
+    sequence number on. Both sockets are made and used by the publisher's thread alone."""
 
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None) -> None:
         self.config, self.data_parallel_rank = config, data_parallel_rank
@@ -82,7 +82,7 @@ class KVEventPublisher:
         self._thread.start()
         self._ready.wait()
         if self._failure is not None:  # a bad or taken endpoint fails the engine's start, naming it
-            raise ValueError(f"kv_events_config: cannot bind {self._failure}")
+            raise ValueError(f"kv_events_config: cannot open {self._failure}")
 
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
@@ -106,13 +106,17 @@ class KVEventPublisher:
         try:
             pub.setsockopt(zmq.SNDHWM, config.hwm)
             pub.setsockopt(zmq.LINGER, 1000)
-            pub.bind(config.endpoint)
+            endpoint, binds = config.publish_to
+            if binds:
+                pub.bind(endpoint)
+            else:  # a subscriber (llm-d's indexer) binds it: the engines connect
+                pub.connect(endpoint)
             if config.replay_endpoint is not None:
                 replay = context.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
                 replay.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
-            self._failure = f"{exc} ({config.endpoint}, replay {config.replay_endpoint})"
+            self._failure = f"{exc} ({config.publish_to[0]}, replay {config.replay_endpoint})"
             for socket in (pub, replay):
                 if socket is not None:
                     socket.close(linger=0)

@@ -1,7 +1,7 @@
 """KV-cache events (frontend and engine-core processes, and any subscriber): vLLM's `--kv-events-config`
 and the msgpack schema its subscribers read (llm-d's precise prefix scorer, routers, NVIDIA Dynamo).
 
-A subscriber connects a SUB socket to `endpoint` and receives, per engine step that stored, evicted or
+A subscriber connects a SUB socket to `endpoint` (or binds it, for engines that connect) and receives, per engine step that stored, evicted or
 cleared a prefix-cache block, three frames: the topic, a sequence number (8 bytes, big-endian) and a
 msgpack `KVEventBatch`: `[ts, [event, ...], data_parallel_rank]`, each event an array whose first element
 names it: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
@@ -19,17 +19,20 @@ from typing import Literal
 
 import msgspec
 
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 MEDIUM = "GPU"  # vLLM's name for an engine's own KV tier (its block pool), whatever the device
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
 class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's KVEventsConfig names. Unlike vLLM, the default endpoint is loopback (nothing listens
-    beyond this host unless told to: give `tcp://*:5557` for vLLM's)."""
+    """vLLM's KVEventsConfig names and rules: the PUB socket binds an endpoint with a wildcard host (`*`,
+    `::`) or an ipc:// or inproc:// one, and connects to any other (llm-d's indexer binds, its engines
+    connect to it). Unlike vLLM, no endpoint given binds loopback (DEFAULT_ENDPOINT), not every
+    interface: give `tcp://*:5557` for vLLM's default."""
 
     enable_kv_cache_events: bool = False
     publisher: Literal["null", "zmq"] | None = None  # None: "zmq" when enabled, else "null"
-    endpoint: str = "tcp://127.0.0.1:5557"  # the PUB socket binds here (":" in a tcp port: bound, not connected)
+    endpoint: str | None = None  # None: bind DEFAULT_ENDPOINT
     replay_endpoint: str | None = None  # the ROUTER socket answering replay requests; None: no replay
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # the PUB socket's send high-water mark, in messages
@@ -43,6 +46,14 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def is_publishing(self) -> bool:
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @property
+    def publish_to(self) -> tuple[str, bool]:
+        """(the PUB socket's endpoint, whether it binds there rather than connects)."""
+        if self.endpoint is None:
+            return DEFAULT_ENDPOINT, True
+        endpoint = self.endpoint
+        return endpoint, "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def parse_kv_events_config(value: object) -> KVEventsConfig | None:

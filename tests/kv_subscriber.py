@@ -1,0 +1,111 @@
+"""A subscriber of vLLM's KV-cache events as the routers that read them do (llm-d's indexer, a
+kv_aware router), written from their published schema, for the tests: it applies each engine's events in
+order (its cache contents: engine hash -> (parent hash, tokens)) and derives llm-d's block keys from the
+token ids: FNV-1a 64 over canonical CBOR of [parent key, the block's tokens, null], the chain's root
+FNV-1a 64 over CBOR of [FNV-1a 64 of the hash seed, null, the model's (or the adapter's) name].
+"""
+
+from __future__ import annotations
+
+import cbor2
+import msgspec
+import zmq
+
+FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
+
+
+def fnv1a_64(data: bytes) -> int:
+    value = FNV_OFFSET
+    for byte in data:
+        value = ((value ^ byte) * FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return value
+
+
+def llm_d_key(parent: int, tokens: list[int]) -> int:
+    return fnv1a_64(cbor2.dumps([parent, list(tokens), None], canonical=True))
+
+
+def llm_d_root(model: str, seed: str = "") -> int:
+    return fnv1a_64(cbor2.dumps([fnv1a_64(seed.encode()), None, model], canonical=True))
+
+
+class EngineView:
+    """One engine's cache contents as its events tell them, and llm-d's keys of its blocks."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # engine hash -> (parent, tokens)
+        self.keys: dict[int, int] = {}  # engine hash -> llm-d key
+        self.lora_names: list[str | None] = []  # of every BlockStored, in order
+        self.num_removed = 0  # blocks the engine said it evicted
+
+    def apply(self, event: list) -> None:
+        kind = event[0]
+        if kind == "BlockStored":
+            hashes, parent, tokens, block_size, _lora_id, medium, lora_name = event[1:8]
+            assert medium == "GPU" and len(tokens) == block_size * len(hashes)
+            self.lora_names.append(lora_name)
+            key = self.keys[parent] if parent is not None else llm_d_root(lora_name or self.model)
+            for i, block_hash in enumerate(hashes):
+                chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
+                assert block_hash not in self.blocks, "a content announced twice"
+                self.blocks[block_hash] = (parent, chunk)
+                key = llm_d_key(key, list(chunk))
+                self.keys[block_hash], parent = key, block_hash
+        elif kind == "BlockRemoved":
+            self.num_removed += len(event[1])
+            for block_hash in event[1]:
+                del self.blocks[block_hash]
+                del self.keys[block_hash]
+        else:
+            assert kind == "AllBlocksCleared", event
+            self.blocks.clear()
+            self.keys.clear()
+
+    def hit_blocks(self, token_ids: list[int], block_size: int = 16, lora_name: str | None = None) -> int:
+        """llm-d's view of a prompt's cached prefix: its leading full blocks whose keys some block holds,
+        of those the engine may read (never the last token: its logits are computed)."""
+        held, key, count = set(self.keys.values()), llm_d_root(lora_name or self.model), 0
+        for start in range(0, len(token_ids) - 1 - block_size + 1, block_size):
+            key = llm_d_key(key, token_ids[start : start + block_size])
+            if key not in held:
+                break
+            count += 1
+        return count
+
+
+class Subscriber:
+    """SUB sockets on engines' endpoints (connected), their events applied per topic as they come."""
+
+    def __init__(self, endpoints: dict[str, str], model: str) -> None:
+        self.context = zmq.Context()
+        self.views = {topic: EngineView(model) for topic in endpoints}
+        self.seqs: dict[str, list[int]] = {topic: [] for topic in endpoints}
+        self.sockets = []
+        for topic, endpoint in endpoints.items():
+            socket = self.context.socket(zmq.SUB)
+            socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            socket.connect(endpoint)
+            self.sockets.append(socket)
+        self.poller = zmq.Poller()
+        for socket in self.sockets:
+            self.poller.register(socket, zmq.POLLIN)
+
+    def drain(self, quiet_s: float = 0.3) -> int:
+        """Applies every batch that arrives until none has for quiet_s; returns how many."""
+        count = 0
+        while ready := dict(self.poller.poll(quiet_s * 1000)):
+            for socket in ready:
+                topic, seq, payload = socket.recv_multipart()
+                ts, events, _rank = msgspec.msgpack.decode(payload)
+                assert isinstance(ts, float) and events
+                self.seqs[topic.decode()].append(int.from_bytes(seq, "big"))
+                for event in events:
+                    self.views[topic.decode()].apply(event)
+                count += 1
+        return count
+
+    def close(self) -> None:
+        for socket in self.sockets:
+            socket.close(linger=0)
+        self.context.term()
