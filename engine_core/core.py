@@ -57,6 +57,8 @@ class EngineCore:
         self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
         self.executor.allocate_kv_cache(self.num_kv_blocks)
         events = config.kv_events_config
+        if events is not None and events.is_publishing and not config.enable_prefix_caching:
+            logger.warning("kv_events_config: prefix caching is off, so no KV-cache events are sent")
         self.kv_events = KVEventLog(config.block_size) if events is not None and events.is_publishing else None
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                        self.kv_events)

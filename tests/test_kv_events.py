@@ -64,8 +64,14 @@ def test_the_events_rebuild_the_prefix_index_and_llm_ds_keys_predict_every_hit(t
         view, index = subscriber.views["kv@pod-a@tiny"], lambda: llm.engine.client.core.kv_cache.index
         hits = 0
         for i, request in enumerate(workload(60, seed=4)):
-            if i == 30:
-                llm.reset_prefix_cache()  # as a weight update does: AllBlocksCleared
+            if i in (30, 45):  # a reset (as a weight update does), a sleep: AllBlocksCleared
+                subscriber.drain()
+                assert view.blocks
+                if i == 30:
+                    llm.reset_prefix_cache()
+                else:
+                    llm.sleep(1)
+                    llm.wake_up()
                 subscriber.drain()
                 assert view.blocks == {} == index().contents()
             predicted = view.hit_blocks(request["ids"], BLOCK, "ad" if request["lora"] else None)
