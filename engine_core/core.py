@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from engine_core.grammars import Grammars
 from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.kv_events import KVEventLog, KVEventPublisher
+from engine_core.kv_event_log import KVEventLog
+from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.lora_table import LoraTable
 from engine_core.request import Request, RequestStatus
 from engine_core.rl_control import CoreControl, pinned_error
@@ -57,12 +58,14 @@ class EngineCore:
         self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
         self.executor.allocate_kv_cache(self.num_kv_blocks)
         events = config.kv_events_config
-        if events is not None and events.is_publishing and not config.enable_prefix_caching:
+        is_publishing = events is not None and events.is_publishing
+        if is_publishing and not config.enable_prefix_caching:
             logger.warning("kv_events_config: prefix caching is off, so no KV-cache events are sent")
-        self.kv_events = KVEventLog(config.block_size) if events is not None and events.is_publishing else None
+        self.kv_events = KVEventLog(config.block_size) if is_publishing and config.enable_prefix_caching else None
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                        self.kv_events)
         self.loras = LoraTable(self.executor, config.enable_lora, config.max_loras, config.max_cpu_loras)
+        self.loras.on_drop = lambda slot: self.kv_cache.forget_lora_load(slot)  # the pool of the moment
         self.eos_token_ids = eos_token_ids(config.model)
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -84,8 +87,10 @@ class EngineCore:
     def _reset_kv_pool(self) -> None:
         """A fresh block pool (after sleep freed the KV cache): every block free, nothing indexed."""
         assert not self.scheduler.running
+        previous = self.kv_cache.index
         self.kv_cache = KVCacheManager(
-            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching, self.kv_events
+            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching, self.kv_events,
+            previous.next_content_id if previous is not None else 1,
         )
         self.scheduler.kv_cache = self.kv_cache
         if self.kv_events is not None:

@@ -8,22 +8,22 @@ free gap, leaving room on both sides. Adjacent blocks let the worker read a cont
 With prefix caching, blocks are reference counted: full blocks whose KV is written are indexed by
 their prefix (engine_core/prefix_index.py), requests share them, and a block no request holds keeps
 its content until a fresh block is needed and it is the least recently freed. Such blocks count as
-free: at idle every block is free or held only by the cache. With a KV event log (engine_core/kv_events.py)
-each content newly indexed, evicted or cleared is told to it as it happens.
+free: at idle every block is free or held only by the cache. With a KV event log (engine_core/kv_event_log.py)
+each content newly indexed, evicted, forgotten or cleared is told to it as it happens.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine_core.kv_events import KVEventLog
+from engine_core.kv_event_log import KVEventLog
 from engine_core.prefix_index import PrefixIndex
 from engine_core.prompt_rows import Flavour, PromptRows
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, first_content_id: int = 1) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._is_free = np.ones(num_blocks, dtype=bool)  # empty: held by no request, indexing nothing
@@ -31,7 +31,7 @@ class KVCacheManager:
         self._num_refs = [0] * num_blocks  # requests holding each block
         self._req_blocks: dict[str, list[int]] = {}
         self._req_chain: dict[str, list[int]] = {}  # content ids of a request's first indexed blocks
-        self.index = PrefixIndex() if enable_prefix_caching else None
+        self.index = PrefixIndex(first_content_id) if enable_prefix_caching else None
         self.prompt_rows = PromptRows(block_size)  # prompt logprob rows of indexed blocks
         self._unindexed: set[str] = set()  # requests holding blocks from before a prefix-cache reset
         self.num_queried_tokens = 0  # prompt tokens of requests that looked their prefix up
@@ -95,11 +95,11 @@ class KVCacheManager:
         request, the block holding the content). `lora` (its adapter's int id and name) is for the events."""
         if self.index is None or req_id in self._unindexed:
             return []
-        chain, blocks, size = (
-            self._req_chain.setdefault(req_id, []),
-            self._req_blocks[req_id],
-            self.block_size,
-        )
+        chain = self._req_chain.setdefault(req_id, [])
+        if chain and not self.index.is_live(chain[-1]):  # its prefix's content (another's block) is gone:
+            self._unindexed.add(req_id)  # what follows could never be found again
+            return []
+        blocks, size = self._req_blocks[req_id], self.block_size
         indexed, stored = [], []  # stored: (parent content id or None, content id, tokens) of new contents
         for i in range(len(chain), min(num_computed // size, len(blocks))):
             tokens = _token_slice(prompt_ids, output_ids, i * size, (i + 1) * size)
@@ -188,12 +188,32 @@ class KVCacheManager:
             if self.index.is_cached(block) and self._num_refs[block] == 0:
                 self._is_free[block] = True
                 self._num_free += 1
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(self.index.next_content_id)
         if self.events is not None:
             self.events.cleared()
         self.prompt_rows.clear()
         self._req_chain = {req_id: [] for req_id in self._req_blocks}
         self._unindexed.update(self._req_blocks)
+
+    def forget_lora_load(self, slot: int) -> None:
+        """A LoRA load is gone (replaced, unloaded or trimmed): the chains keyed by it can never be read
+        again, so they are forgotten now (their blocks free, or their requests' until they end) and
+        their removal told, rather than kept until evicted."""
+        if self.index is None:
+            return
+
+        def is_forgotten(root) -> bool:
+            if isinstance(root, tuple) and root[0] == "long_rope":
+                root = root[1]
+            return isinstance(root, tuple) and root[0] == "lora" and root[1] == slot
+
+        for block, content_id, was_evictable in self.index.forget_roots(is_forgotten):
+            self.prompt_rows.drop(block)
+            if was_evictable:
+                self._is_free[block] = True
+                self._num_free += 1
+            if self.events is not None:
+                self.events.removed(content_id)
 
     def _fresh_start(self) -> int:
         """The middle of the largest free gap (its start, when the gap opens the pool)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.sampling_params import LoraRef
@@ -49,6 +50,7 @@ class LoraTable:
         self._holders: dict[int, int] = {}  # slot -> requests holding it
         self._slot_ids = itertools.count()
         self._int_ids = itertools.count(CORE_IDS)  # ids of adapters loaded by name alone (the server's)
+        self.on_drop: Callable[[int], None] = lambda slot: None  # a load gone: its KV can never be read again
 
     def adapters(self) -> list[tuple[str, str]]:
         """(name, path) of every adapter known (loaded now, or again at its next request)."""
@@ -194,3 +196,4 @@ class LoraTable:
         self._idle.pop(slot, None)
         del self._slots[slot]
         self.executor.remove_lora(slot)
+        self.on_drop(slot)

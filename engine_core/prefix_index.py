@@ -21,11 +21,13 @@ BlockKey = tuple[int | Root, tuple[int, ...]]  # (the parent's content id, or a 
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, first_content_id: int = ROOT + 1) -> None:
+        """`first_content_id`: where a reset's new index goes on counting, so no id names two contents."""
         self._block_of: dict[BlockKey, int] = {}  # key -> block holding that content
         self._entry_of: dict[int, tuple[BlockKey, int]] = {}  # block -> (its key, its content id)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed blocks no request holds, LRU first
-        self._next_content_id = ROOT + 1
+        self._live: set[int] = set()  # the content ids indexed now
+        self.next_content_id = first_content_id
 
     @property
     def num_cached_blocks(self) -> int:
@@ -51,7 +53,7 @@ class PrefixIndex:
 
     def contents(self) -> dict[int, tuple[int | None, tuple[int, ...]]]:
         """Every indexed content: content id -> (its parent's content id, None for a chain's first block;
-        its tokens). What a subscriber of the KV events holds (engine_core/kv_events.py)."""
+        its tokens). What a subscriber of the KV events holds (engine_core/kv_event_log.py)."""
         return {content_id: (parent if isinstance(parent, int) and parent != ROOT else None, tokens)
                 for (parent, tokens), content_id in self._entry_of.values()}
 
@@ -65,11 +67,16 @@ class PrefixIndex:
         existing = self._block_of.get(key)
         if existing is not None:
             return self._entry_of[existing][1]
-        content_id = self._next_content_id
-        self._next_content_id += 1
+        content_id = self.next_content_id
+        self.next_content_id += 1
         self._block_of[key] = block
         self._entry_of[block] = (key, content_id)
+        self._live.add(content_id)
         return content_id
+
+    def is_live(self, content_id: int) -> bool:
+        """Whether `content_id` is indexed now (a chain may go on from it)."""
+        return content_id in self._live
 
     def release(self, block: int) -> None:
         """No request holds `block` any more: it may be evicted, after the blocks released before it."""
@@ -85,4 +92,21 @@ class PrefixIndex:
         block, _ = self._evictable.popitem(last=False)
         key, content_id = self._entry_of.pop(block)
         del self._block_of[key]
+        self._live.discard(content_id)
         return block, content_id
+
+    def forget_roots(self, is_forgotten) -> list[tuple[int, int, bool]]:
+        """Forgets every chain whose root `is_forgotten(root)` says no request can name again (a LoRA
+        load gone), and every block after them: [(block, content id, whether no request held it)]. A
+        child is indexed after its parent, so one pass in the order of indexing finds them all."""
+        gone: set[int] = set()
+        forgotten = []
+        for block, ((parent, _), content_id) in list(self._entry_of.items()):
+            is_root = not (isinstance(parent, int) and parent != ROOT)
+            if (is_root and is_forgotten(parent)) or (not is_root and parent in gone):
+                gone.add(content_id)
+                key, _ = self._entry_of.pop(block)
+                del self._block_of[key]
+                self._live.discard(content_id)
+                forgotten.append((block, content_id, self._evictable.pop(block, False) is None))
+        return forgotten

@@ -200,6 +200,8 @@ class CoreControl:
             self.executor.collective_rpc("check_weights", {"path": args.path})
             self._copy_weights(args.path)
             self.weight_version += 1
+            if not self.is_kv_asleep:  # the KV kept was computed with the old weights
+                self.scheduler.kv_cache.reset_prefix_cache()
         if "kv_cache" in tags and self.is_kv_asleep:
             self.executor.collective_rpc("wake_up", {"kv_cache": True, "path": None})
             self.is_kv_asleep = False

@@ -40,8 +40,9 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     topic: str = ""  # the first frame of every message (llm-d: "kv@<pod>@<model>")
 
     def __post_init__(self) -> None:
-        if self.buffer_steps < 0 or self.hwm < 0 or self.max_queue_size < 1:
-            raise ValueError("kv_events_config buffer_steps and hwm must be >= 0, max_queue_size >= 1")
+        if self.buffer_steps < 0 or not 0 <= self.hwm < 2**31 or self.max_queue_size < 1:
+            raise ValueError("kv_events_config: buffer_steps must be >= 0, hwm in 0..2**31-1 (0: none), "
+                             "max_queue_size >= 1")
 
     @property
     def is_publishing(self) -> bool:

@@ -7,9 +7,13 @@ FNV-1a 64 over CBOR of [FNV-1a 64 of the hash seed, null, the model's (or the ad
 
 from __future__ import annotations
 
+import time
+
 import cbor2
 import msgspec
 import zmq
+
+from protocol.kv_events import END_OF_REPLAY
 
 FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
@@ -75,20 +79,23 @@ class EngineView:
 
 
 class Subscriber:
-    """SUB sockets on engines' endpoints (connected), their events applied per topic as they come."""
+    """SUB sockets on engines' endpoints (connected), their batches applied per topic in sequence order as
+    they come; a gap in the numbers (batches sent before the subscription took hold) is filled from the
+    engine's replay socket, as vllm-router's subscriber does, and must be filled."""
 
-    def __init__(self, endpoints: dict[str, str], model: str) -> None:
+    def __init__(self, endpoints: dict[str, str], model: str, replays: dict[str, str] | None = None) -> None:
         self.context = zmq.Context()
         self.views = {topic: EngineView(model) for topic in endpoints}
         self.seqs: dict[str, list[int]] = {topic: [] for topic in endpoints}
-        self.sockets = []
+        self.replays = replays or {}
+        self.num_replayed = 0  # batches taken from a replay socket
+        self.sockets = {}
+        self.poller = zmq.Poller()
         for topic, endpoint in endpoints.items():
             socket = self.context.socket(zmq.SUB)
             socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
             socket.connect(endpoint)
-            self.sockets.append(socket)
-        self.poller = zmq.Poller()
-        for socket in self.sockets:
+            self.sockets[socket] = topic
             self.poller.register(socket, zmq.POLLIN)
 
     def drain(self, quiet_s: float = 0.3) -> int:
@@ -97,13 +104,48 @@ class Subscriber:
         while ready := dict(self.poller.poll(quiet_s * 1000)):
             for socket in ready:
                 topic, seq, payload = socket.recv_multipart()
-                ts, events, _rank = msgspec.msgpack.decode(payload)
-                assert isinstance(ts, float) and events
-                self.seqs[topic.decode()].append(int.from_bytes(seq, "big"))
-                for event in events:
-                    self.views[topic.decode()].apply(event)
+                self._take(topic.decode(), int.from_bytes(seq, "big"), payload)
                 count += 1
         return count
+
+    def wait_for(self, topic: str, next_seq: int, timeout_s: float = 30.0) -> None:
+        """Applies batches until every one numbered below next_seq is."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.seqs[topic]) < next_seq:
+            assert time.monotonic() < deadline, f"batches up to {next_seq} did not arrive"
+            self.drain(0.01)
+
+    def _take(self, topic: str, seq: int, payload: bytes) -> None:
+        applied = self.seqs[topic]
+        if seq > len(applied):
+            self._replay(topic, len(applied))  # from the first one missing, this one too if buffered
+        if seq < len(applied):  # applied already (replayed)
+            return
+        assert seq == len(applied), f"batches {len(applied)}..{seq - 1} were lost"
+        self._apply(topic, seq, payload)
+
+    def _replay(self, topic: str, start: int) -> None:
+        if topic not in self.replays:
+            return
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.connect(self.replays[topic])
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        while True:
+            assert dealer.poll(10_000), "the replay socket did not answer"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_OF_REPLAY:
+                break
+            if int.from_bytes(seq, "big") == len(self.seqs[topic]):
+                self._apply(topic, int.from_bytes(seq, "big"), payload)
+                self.num_replayed += 1
+        dealer.close(linger=0)
+
+    def _apply(self, topic: str, seq: int, payload: bytes) -> None:
+        ts, events, _rank = msgspec.msgpack.decode(payload)
+        assert isinstance(ts, float) and events
+        for event in events:
+            self.views[topic].apply(event)
+        self.seqs[topic].append(seq)
 
     def close(self) -> None:
         for socket in self.sockets:

@@ -48,13 +48,14 @@ QUESTIONS = ["What is the first step?", "Why does that work?", "Give me one more
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    """{topic: (url, events endpoint)} for two servers publishing their KV-cache events."""
+    """{topic: (url, events endpoint)} for two servers publishing their KV-cache events (replay beside)."""
     folder, path = tmp_path_factory.mktemp("kv"), builtin_model_path(MODEL)
     with contextlib.ExitStack() as stack:
         servers = {}
         for name in ("a", "b"):
             topic, endpoint = f"kv@pod-{name}@{MODEL}", f"ipc://{folder}/events-{name}"
-            events = f'{{"enable_kv_cache_events": true, "endpoint": "{endpoint}", "topic": "{topic}"}}'
+            events = (f'{{"enable_kv_cache_events": true, "endpoint": "{endpoint}", "topic": "{topic}", '
+                      f'"replay_endpoint": "{endpoint}-replay"}}')
             url, _ = stack.enter_context(running_server(
                 "--served-model-name", MODEL, "--num-threads", "1", "--kv-events-config", events,
                 "--enable-prompt-tokens-details", model=path))
@@ -87,7 +88,8 @@ def test_routing_by_the_events_longest_prefix_finds_the_ideal_hits(replicas):
     rng = random.Random(5)
     bodies = [body_of(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(40)]
     urls = {topic: url for topic, (url, _) in replicas.items()}
-    subscriber = Subscriber({topic: endpoint for topic, (_, endpoint) in replicas.items()}, model=MODEL)
+    subscriber = Subscriber({topic: endpoint for topic, (_, endpoint) in replicas.items()}, model=MODEL,
+                            replays={topic: endpoint + "-replay" for topic, (_, endpoint) in replicas.items()})
     time.sleep(0.3)  # the SUB sockets' subscriptions reach the publishers
     served = dict.fromkeys(urls, 0)
     prompts, cached, routed = [], 0, []

@@ -212,6 +212,21 @@ def test_sleep_level_2_drops_the_weights_and_wake_needs_a_checkpoint(harness, ti
     assert torch.allclose(prompt_logprobs(harness, "after"), before, atol=1e-6)
 
 
+def test_wake_up_with_a_checkpoint_while_awake_forgets_the_old_weights_kv(harness, tiny_path, tmp_path):
+    """New weights through wake_up on an engine whose KV cache never slept: the cached prefixes were
+    computed with the old weights, so they are forgotten (a request after it reads none, and its
+    logprobs are HF's on the new weights)."""
+    hf = load_hf(tiny_path)
+    prompt_logprobs(harness, "before")
+    assert harness.core.kv_cache.num_cached_blocks > 0
+    save_file(perturbed_state(hf, 0.2, seed=3), str(tmp_path / "w.safetensors"))
+    harness.command("wake_up", tags=["weights"], path=str(tmp_path / "w.safetensors"))
+    assert harness.replies[-1].error is None and harness.core.kv_cache.num_cached_blocks == 0
+    after = prompt_logprobs(harness, "after")
+    assert harness.of("after")[0].num_cached_tokens == 0
+    assert torch.allclose(after, hf_prompt_logprobs(hf), atol=HF_TOLERANCE)
+
+
 def test_reset_prefix_cache_forgets_every_cached_block(harness):
     harness.add("a", SamplingParams(temperature=0.0, max_tokens=2))
     harness.run()

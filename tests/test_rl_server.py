@@ -165,8 +165,11 @@ def test_slimes_weight_sync_and_memory_calls(http, tiny_path, tmp_path):
 
 def test_pause_holds_new_requests_until_resume(http):
     assert http.post("/pause", params={"mode": "bogus"}).json()["error"]["param"] == "mode"
+    assert http.get("/ready").json() == {"status": "ready"}
     assert http.post("/pause", params={"mode": "abort"}).status_code == 200
     assert http.get("/is_paused").json() == {"is_paused": True}
+    not_ready = http.get("/ready")  # a router's readiness probe sends elsewhere while paused
+    assert not_ready.status_code == 503 and "paused" in not_ready.json()["error"]["message"]
     replies = []
     waiter = threading.Thread(target=lambda: replies.append(http.post("/v1/completions", json=SCORE)))
     waiter.start()
@@ -175,13 +178,14 @@ def test_pause_holds_new_requests_until_resume(http):
     assert http.post("/resume").status_code == 200
     waiter.join(timeout=60)
     assert replies[0].status_code == 200
-    assert http.get("/is_paused").json() == {"is_paused": False}
+    assert http.get("/is_paused").json() == {"is_paused": False} and http.get("/ready").status_code == 200
 
 
 def test_sleep_and_wake_up_levels_one_and_two(http, tiny_path, tmp_path):
     assert http.post("/sleep", params={"level": 3}).json()["error"]["param"] == "level"
     assert http.post("/sleep", params={"level": 1}).status_code == 200
     assert http.get("/is_sleeping").json() == {"is_sleeping": True, "level": 1}
+    assert http.get("/ready").status_code == 503 and "asleep" in http.get("/ready").text
     assert http.post("/wake_up").status_code == 200
     assert http.get("/is_sleeping").json() == {"is_sleeping": False, "level": 0}
     scored(http)

@@ -56,6 +56,9 @@ def test_health_is_503_within_two_seconds_of_the_core_dying(server):
         time.sleep(0.05)
     response = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+    ready = httpx.get(base + "/ready")  # a router's readiness probe says so too
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "engine_dead"
+    assert httpx.get(base + "/version").json()["version"]  # what does not need the engine still answers
     assert proc.poll() is None  # the server itself stays up to say so
 
 

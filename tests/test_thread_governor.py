@@ -58,7 +58,8 @@ def test_a_shared_host_takes_one_thread_and_a_free_one_takes_them_all_back(tmp_p
 def test_on_many_cores_a_shared_host_takes_the_cores_it_gets_not_one(tmp_path):
     """Two engines of 16 threads on 16 cores: each gets about 8 cores' time while they contend, so each
     steps on 8 threads (one would leave it a sixteenth of its speed); a busy loop beside one engine of 16
-    leaves it 15. When the cores are free again, all of them come back."""
+    leaves it 15. When the cores are free again, all of them come back; short of that, one more thread
+    for each core left idle."""
     host, set_to = FakeHost(tmp_path), []
     governor = ThreadGovernor(16, period_s=0.25, clock=lambda: host.now, set_threads=set_to.append,
                               proc=str(tmp_path))
@@ -72,6 +73,17 @@ def test_on_many_cores_a_shared_host_takes_the_cores_it_gets_not_one(tmp_path):
     assert governor.before_step() == 16 and set_to == [8, 16]
     host.advance(0.5, waited_s=0.15, idle_cores=0.0, used_cores=14.8)  # a busy loop beside it
     assert governor.before_step() == 15
+    host.advance(0.5, waited_s=0.3, idle_cores=0.0, used_cores=5.3)  # three engines share the cores
+    assert governor.before_step() == 5
+    host.advance(0.5, waited_s=0.0, idle_cores=5.9, used_cores=5.0)  # one stopped: about 6 cores idle
+    assert governor.before_step() == 5
+    host.advance(0.5, waited_s=0.0, idle_cores=5.9, used_cores=5.0)  # twice: it grows into them
+    assert governor.before_step() == 11
+    host.advance(0.5, waited_s=0.25, idle_cores=0.0, used_cores=8.0)  # the other grew too: 8 each
+    assert governor.before_step() == 8
+    host.advance(0.5, waited_s=0.0, idle_cores=0.6, used_cores=8.0)  # less than FREE of a core idle
+    host.advance(0.5, waited_s=0.0, idle_cores=0.6, used_cores=8.0)
+    assert governor.before_step() == 8
 
 
 def test_without_proc_or_when_fixed_the_count_stays(tmp_path, monkeypatch):

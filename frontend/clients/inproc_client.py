@@ -29,6 +29,7 @@ class InprocClient:
 
         self.core = EngineCore(config)
         if self.core.tokenizer_fingerprint != fingerprint:
+            self.core.close()
             raise ValueError(
                 "the engine core refused this frontend: its tokenizer does not match the model's"
             )

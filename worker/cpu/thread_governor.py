@@ -14,8 +14,11 @@ So the count follows the host, measured every `period_s` from the kernel's own a
   /proc/self/stat) and those left idle, rounded, at least one: one on two cores beside another busy
   process (no barrier to wait at, one core's worth of work), eight each for two engines of sixteen
   threads on sixteen cores, which one thread each would leave at a sixteenth of their speed;
-- one thread, and the CPUs this process may use (its affinity's lines of /proc/stat) left `FREE` of
-  each further core idle, twice in a row: back to all of them.
+- fewer threads than it may take, and the CPUs this process may use (its affinity's lines of /proc/stat)
+  left `FREE` of each further core idle, twice in a row: back to all of them; short of that, one more
+  thread for each core left at least `FREE` idle, twice in a row (three engines sharing sixteen cores,
+  one of them stopped: the other two grow into the cores it left, and back to eight each if they
+  then wait for a CPU).
 An engine alone never meets the first (its threads have the cores), so it keeps its speed; where
 /proc is not there (not Linux), or with CORESERVE_FIXED_THREADS=1 in the environment, the count never
 changes. In a process that is not the engine's own (`guest`: LLM(multiprocess=False) runs in the user's
@@ -98,11 +101,12 @@ class ThreadGovernor:
         if self.threads > 1 and waited > CONTENDED:
             self._set(max(1, min(self.threads - 1, round(got))))
         elif self.threads < self.max_threads:
+            spare = int(min(idle_cores, self.max_threads) + 1 - FREE)  # cores left at least FREE idle
             is_free = min(idle_cores, self.max_threads) > FREE * (self.max_threads - self.threads)
-            self._free_looks = self._free_looks + 1 if is_free else 0
+            self._free_looks = self._free_looks + 1 if is_free or spare >= 1 else 0
             if self._free_looks >= 2:  # twice in a row: a pause between the other's steps is not its end
                 self._free_looks = 0
-                self._set(self.max_threads)
+                self._set(self.max_threads if is_free else min(self.max_threads, self.threads + spare))
         return self.threads
 
     def _set(self, threads: int) -> None:
@@ -115,8 +119,8 @@ class ThreadGovernor:
     def sample(self) -> tuple[float, float, float, float] | None:
         """(now, the main thread's run-queue wait in seconds, idle CPU seconds of the host, this process's
         CPU seconds), or None."""
-        ticks = os.sysconf("SC_CLK_TCK")
         try:
+            ticks = os.sysconf("SC_CLK_TCK")
             with open(f"{self.proc}/self/task/{self._step_thread}/schedstat") as f:
                 waited_ns = int(f.read().split()[1])
             with open(f"{self.proc}/self/stat") as f:  # "pid (comm) state ... utime stime ..." (fields 14, 15)
@@ -128,7 +132,7 @@ class ThreadGovernor:
                     fields = line.split()
                     if fields and fields[0] in self._cpus:
                         idle_ticks += int(fields[4]) + int(fields[5])
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError, IndexError, AttributeError):  # not Linux: no /proc, no sysconf
             return None
         return self.clock(), waited_ns / 1e9, idle_ticks / ticks, cpu_ticks / ticks
 

@@ -2,12 +2,13 @@
 readiness (`/ready`), `/version`, the engine's load in SGLang's shapes (`/v1/loads`, and `/get_load`
 which sgl-model-gateway polls), and the model and server facts the gateway asks for when a worker joins
 (`/model_info`, `/server_info` and their older `/get_` names). vLLM's metric names (/metrics,
-common/metrics.py) and the KV-cache events (engine_core/kv_events.py) are the rest of a router's view;
+common/metrics.py) and the KV-cache events (engine_core/kv_event_publisher.py) are the rest of a router's view;
 docs/serving.md "More than one machine" says which router reads what.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from importlib.metadata import PackageNotFoundError, version
 
@@ -26,6 +27,9 @@ except PackageNotFoundError:  # run from a checkout that was not installed
     VERSION = "unknown"
 
 
+READY_WAIT_S = 1.0  # the longest /ready waits for the engine's state: a command ahead of it means busy
+
+
 def probe_router() -> APIRouter:
     router = APIRouter()
     router.get("/ready")(ready)
@@ -40,15 +44,19 @@ def probe_router() -> APIRouter:
 
 
 async def ready(request: Request) -> Response:
-    """200 while the engine takes new requests now; 503 saying why while it is dead, asleep or paused
-    (an RL weight update), so that a router sends its requests elsewhere meanwhile."""
+    """200 while the engine takes new requests now; 503 saying why while it is dead, asleep, paused, or
+    busy with a control command (a weight update, a sleep or wake) that holds its answer past
+    READY_WAIT_S, so that a router sends its requests elsewhere meanwhile."""
     engine = request.app.state.server.engine
     try:
         if engine.is_dead:
             raise EngineDeadError(engine.dead_reason)
-        state = await engine.control_state()
+        state = await asyncio.wait_for(engine.control_state(), READY_WAIT_S)
     except EngineDeadError as exc:
         return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+    except asyncio.TimeoutError:
+        return error_response(503, "the engine is busy with a control command (a weight update, sleep or wake)",
+                              code="not_ready")
     if state.sleep_level > 0:
         return error_response(503, f"the engine is asleep (level {state.sleep_level})", code="not_ready")
     if state.is_paused:
