@@ -59,8 +59,8 @@ def test_the_events_rebuild_the_prefix_index_and_llm_ds_keys_predict_every_hit(t
               "replay_endpoint": replay, "topic": "kv@pod-a@tiny", "buffer_steps": 10_000}
     adapter = LoRARequest("ad", 7, str(tmp_path / "adapter"))
     subscriber = Subscriber({"kv@pod-a@tiny": endpoint}, model="tiny", replays={"kv@pod-a@tiny": replay})
-    with LLM(tiny_path, multiprocess=False, kv_events_config=config, num_kv_blocks=30, enable_lora=True,
-             max_num_batched_tokens=256) as llm:
+    with subscriber, LLM(tiny_path, multiprocess=False, kv_events_config=config, num_kv_blocks=30,
+                         enable_lora=True, max_num_batched_tokens=256) as llm:
         core = llm.engine.client.core
         view, index = subscriber.views["kv@pod-a@tiny"], lambda: core.kv_cache.index
 
@@ -97,7 +97,6 @@ def test_the_events_rebuild_the_prefix_index_and_llm_ds_keys_predict_every_hit(t
         caught_up()
         assert view.blocks == index().contents()  # the events' contents are the index's, content for content
         assert hits >= 20 and view.lora_names.count("ad") >= 5 and view.num_removed >= 20, (hits, view.num_removed)
-    subscriber.close()
 
 
 def test_replay_sends_the_buffered_batches_from_a_sequence_number(tiny_path, tmp_path):
@@ -108,26 +107,28 @@ def test_replay_sends_the_buffered_batches_from_a_sequence_number(tiny_path, tmp
             llm.generate([{"prompt_token_ids": list(range(100 + start, 140 + start))}],
                          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
         context = zmq.Context()
-        dealer = context.socket(zmq.DEALER)
-        dealer.connect(replay)
-        dealer.send_multipart([b"", (2).to_bytes(8, "big")])
-        replayed = []
-        while True:
-            assert dealer.poll(10_000), "no answer from the replay socket"
-            empty, seq, payload = dealer.recv_multipart()
-            if seq == END_OF_REPLAY:
-                assert empty == b"" and payload == b""
-                break
-            replayed.append(int.from_bytes(seq, "big"))
-            batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
-            assert batch.events and batch.ts > 0
-        dealer.send_multipart([b"", b"bad"])  # a malformed request is dropped; the socket answers the next
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        again = []
-        while (frames := dealer.recv_multipart())[1] != END_OF_REPLAY:
-            again.append(int.from_bytes(frames[1], "big"))
-        dealer.close(linger=0)
-        context.term()
+        try:
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVTIMEO, 10_000)  # no answer: zmq.Again, not a hang
+            dealer.connect(replay)
+            dealer.send_multipart([b"", (2).to_bytes(8, "big")])
+            replayed = []
+            while True:
+                assert dealer.poll(10_000), "no answer from the replay socket"
+                empty, seq, payload = dealer.recv_multipart()
+                if seq == END_OF_REPLAY:
+                    assert empty == b"" and payload == b""
+                    break
+                replayed.append(int.from_bytes(seq, "big"))
+                batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+                assert batch.events and batch.ts > 0
+            dealer.send_multipart([b"", b"bad"])  # a malformed request is dropped; the socket answers the next
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            again = []
+            while (frames := dealer.recv_multipart())[1] != END_OF_REPLAY:
+                again.append(int.from_bytes(frames[1], "big"))
+        finally:
+            context.destroy(linger=0)
     assert len(replayed) == 4 and replayed == sorted(replayed) and replayed[0] >= 2  # the last buffer_steps
     assert again == replayed  # the same buffered batches, nothing from before them
 

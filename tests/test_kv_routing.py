@@ -93,7 +93,7 @@ def test_routing_by_the_events_longest_prefix_finds_the_ideal_hits(replicas):
     time.sleep(0.3)  # the SUB sockets' subscriptions reach the publishers
     served = dict.fromkeys(urls, 0)
     prompts, cached, routed = [], 0, []
-    try:
+    with subscriber:
         for body in bodies:
             ids = httpx.post(urls[next(iter(urls))] + "/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
             prompts.append(ids)
@@ -107,8 +107,6 @@ def test_routing_by_the_events_longest_prefix_finds_the_ideal_hits(replicas):
             cached += details.cached_tokens if details else 0
             routed.append(_answer_of(response.choices[0]))
             subscriber.drain(0.05)
-    finally:
-        subscriber.close()
     ideal = ideal_hits(prompts)
     print(f"prompt tokens read from the caches: {cached} of the ideal {ideal}; requests served: {served}")
     assert ideal > 0 and cached >= 0.9 * ideal, (cached, ideal)
