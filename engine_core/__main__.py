@@ -16,9 +16,8 @@ import time
 import msgspec
 
 from protocol.addresses import is_loopback, split_address
-from protocol.config import ENGINE_ARG_HELP, EngineConfig, parse_speculative_config
+from protocol.config import ENGINE_ARG_HELP, EngineConfig, parse_kv_events_config, parse_speculative_config
 from protocol.curve_keys import KeyPair, load_allowed_keys, load_key_pair, make_key_pair
-from protocol.kv_events import parse_kv_events_config
 
 
 def make_parser() -> argparse.ArgumentParser:

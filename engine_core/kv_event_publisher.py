@@ -21,7 +21,8 @@ from collections import deque
 import msgspec
 import zmq
 
-from protocol.kv_events import END_OF_REPLAY, AllBlocksCleared, KVEvent, KVEventBatch, KVEventsConfig
+from protocol.config import KVEventsConfig
+from protocol.kv_events import END_OF_REPLAY, AllBlocksCleared, KVEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,6 @@ from typing import Literal
 
 import msgspec
 
-from protocol.kv_events import KVEventsConfig
 from protocol.sampling_params import LogprobsMode
 
 
@@ -73,14 +72,7 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
     a `builtin:` draft is resolved to its path."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, (str, bytes)):
-        try:
-            value = msgspec.json.decode(value)
-        except msgspec.DecodeError as exc:
-            raise ValueError(f"speculative_config is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
-    value = dict(value)
+    value = dict(_json_object(value, "speculative_config"))
     if value.get("method") is None and value.get("model") is not None:
         value["method"] = "draft_model"
     method = value.get("method")
@@ -103,6 +95,66 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
         return msgspec.convert(value, SpeculativeConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"bad speculative_config: {exc}") from exc
+
+
+def _json_object(value: object, name: str) -> dict:
+    """A config given as a dict or as JSON text, as a dict; a ValueError naming `name` otherwise."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{name} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (JSON object), got {type(value).__name__}")
+    return value
+
+
+DEFAULT_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:5557"
+
+
+class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's KVEventsConfig names and rules: the PUB socket binds an endpoint with a wildcard host (`*`,
+    `::`) or an ipc:// or inproc:// one, and connects to any other (llm-d's indexer binds, its engines
+    connect to it). Unlike vLLM, no endpoint given binds loopback (DEFAULT_KV_EVENTS_ENDPOINT), not every
+    interface: give `tcp://*:5557` for vLLM's default."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None  # None: "zmq" when enabled, else "null"
+    endpoint: str | None = None  # None: bind DEFAULT_KV_EVENTS_ENDPOINT
+    replay_endpoint: str | None = None  # the ROUTER socket answering replay requests; None: no replay
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark, in messages
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread before the newest are dropped
+    topic: str = ""  # the first frame of every message (llm-d: "kv@<pod>@<model>")
+
+    def __post_init__(self) -> None:
+        if self.buffer_steps < 0 or not 0 <= self.hwm < 2**31 or self.max_queue_size < 1:
+            raise ValueError("kv_events_config: buffer_steps must be >= 0, hwm in 0..2**31-1 (0: none), "
+                             "max_queue_size >= 1")
+
+    @property
+    def is_publishing(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @property
+    def publish_to(self) -> tuple[str, bool]:
+        """(the PUB socket's endpoint, whether it binds there rather than connects)."""
+        if self.endpoint is None:
+            return DEFAULT_KV_EVENTS_ENDPOINT, True
+        endpoint = self.endpoint
+        return endpoint, "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def parse_kv_events_config(value: object) -> KVEventsConfig | None:
+    """`kv_events_config` as a user gives it (a dict, JSON text, or the struct), vLLM's names; an unknown
+    name or a wrong type is a ValueError naming it."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    value = _json_object(value, "kv_events_config")
+    try:
+        return msgspec.convert(value, KVEventsConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad kv_events_config: {exc}") from exc
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,7 +200,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_cpu_loras: int | None = None
     # Speculative decoding (docs/speculative.md); None: off. A dict given to LLM/AsyncLLM is converted.
     speculative_config: SpeculativeConfig | None = None
-    # KV-cache events for routers (protocol/kv_events.py, docs/serving.md), vLLM's names; None: none sent.
+    # KV-cache events for routers (the schema: protocol/kv_events.py; docs/serving.md), vLLM's names; None: none sent.
     kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:

@@ -175,3 +175,25 @@ def wait_until_idle(http: httpx.Client, timeout_s: float = 2.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+@contextlib.contextmanager
+def running_router_process(command: list[str], base: str, name: str, startup_timeout_s: float = 60.0):
+    """A router or gateway (`command`, listening at `base`) until its /v1/models answers; stopped after."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            assert proc.poll() is None, f"{name} exited with {proc.returncode}: {proc.stderr.read()[:1500]}"
+            assert time.monotonic() < deadline, f"{name} did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

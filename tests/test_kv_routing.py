@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import random
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ import httpx
 import openai
 import pytest
 from kv_subscriber import Subscriber
-from server_harness import free_port, running_server
+from server_harness import free_port, running_router_process, running_server
 from test_router import answer, metric
 
 from protocol.builtin_model import builtin_model_path
@@ -120,29 +119,11 @@ def _answer_of(choice) -> tuple:
     return choice.text, lp.tokens, lp.token_logprobs, [sorted(d.items()) for d in lp.top_logprobs]
 
 
-@contextlib.contextmanager
 def running_gateway(*workers: str):
     port = free_port()
     command = [GATEWAY, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
                "--log-level", "warn", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"the gateway exited with {proc.returncode}: {proc.stderr.read()[:1500]}"
-            assert time.monotonic() < deadline, "the gateway did not start"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return running_router_process(command, f"http://127.0.0.1:{port}", "the gateway")
 
 
 def test_behind_sglangs_gateway_every_answer_is_one_servers_alone(replicas):

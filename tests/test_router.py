@@ -8,11 +8,9 @@ The router's view: vLLM's metric names on /metrics with sane values under load, 
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from server_harness import free_port, running_server
+from server_harness import free_port, running_router_process, running_server
 
 from protocol.builtin_model import builtin_model_path
 
@@ -54,30 +52,12 @@ def answer(client: openai.OpenAI, body: dict) -> tuple:
     return choice.text, lp.tokens, lp.token_logprobs, [sorted(d.items()) for d in lp.top_logprobs]
 
 
-@contextlib.contextmanager
 def running_router(*workers: str):
     port = free_port()
     command = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                "--worker-urls", *workers, "--log-level", "warning"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}: {proc.stderr.read()[:1500]}"
-            assert time.monotonic() < deadline, "vllm-router did not start"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return running_router_process(command, f"http://127.0.0.1:{port}", "vllm-router")
 
 
 def metric(base: str, name: str) -> float:

@@ -9,9 +9,8 @@ import msgspec
 
 from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 from protocol.builtin_model import builtin_model_path
-from protocol.config import EngineConfig, parse_speculative_config
+from protocol.config import EngineConfig, parse_kv_events_config, parse_speculative_config
 from protocol.gguf_header import is_gguf
-from protocol.kv_events import parse_kv_events_config
 
 
 def make_config(model: str | None, engine_args: dict) -> EngineConfig:
