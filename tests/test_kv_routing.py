@@ -85,7 +85,7 @@ def _common(a: list[int], b: list[int]) -> int:
 
 def test_routing_by_the_events_longest_prefix_finds_the_ideal_hits(replicas):
     rng = random.Random(5)
-    bodies = [body_of(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(40)]
+    bodies = [body_of(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(32)]
     urls = {topic: url for topic, (url, _) in replicas.items()}
     subscriber = Subscriber({topic: endpoint for topic, (_, endpoint) in replicas.items()}, model=MODEL,
                             replays={topic: endpoint + "-replay" for topic, (_, endpoint) in replicas.items()})
@@ -109,7 +109,7 @@ def test_routing_by_the_events_longest_prefix_finds_the_ideal_hits(replicas):
     ideal = ideal_hits(prompts)
     print(f"prompt tokens read from the caches: {cached} of the ideal {ideal}; requests served: {served}")
     assert ideal > 0 and cached >= 0.9 * ideal, (cached, ideal)
-    assert min(served.values()) >= 8, served  # both serve: new system prompts go to the one with fewer
+    assert min(served.values()) >= 6, served  # both serve: new system prompts go to the one with fewer
     with openai.OpenAI(base_url=urls[f"kv@pod-a@{MODEL}"] + "/v1", api_key="none", max_retries=0) as client:
         assert [answer(client, body) for body in bodies] == routed  # one server alone: the same bits
 
@@ -128,7 +128,7 @@ def running_gateway(*workers: str):
 
 def test_behind_sglangs_gateway_every_answer_is_one_servers_alone(replicas):
     rng = random.Random(6)
-    bodies = [body_of(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(32)]
+    bodies = [body_of(rng.choice(SYSTEMS), rng.choice(QUESTIONS)) for _ in range(24)]
     for i, body in enumerate(bodies):  # seeded sampling too: a seed's tokens do not depend on the replica
         if i % 3 == 0:
             body.update(temperature=0.8, seed=i)

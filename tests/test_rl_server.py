@@ -171,7 +171,11 @@ def test_pause_holds_new_requests_until_resume(http):
     not_ready = http.get("/ready")  # a router's readiness probe sends elsewhere while paused
     assert not_ready.status_code == 503 and "paused" in not_ready.json()["error"]["message"]
     replies = []
-    waiter = threading.Thread(target=lambda: replies.append(http.post("/v1/completions", json=SCORE)))
+    def wait_for_completion() -> None:  # on a connection of its own: the main client's stays free for /resume
+        with httpx.Client(base_url=http.base_url, headers=http.headers, timeout=60) as own:
+            replies.append(own.post("/v1/completions", json=SCORE))
+
+    waiter = threading.Thread(target=wait_for_completion)
     waiter.start()
     waiter.join(timeout=2.0)
     assert waiter.is_alive() and not replies  # accepted, waiting in the queue
