@@ -116,7 +116,7 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """vLLM's KVEventsConfig names and rules: the PUB socket binds an endpoint with a wildcard host (`*`,
     `::`) or an ipc:// or inproc:// one, and connects to any other (llm-d's indexer binds, its engines
     connect to it). Unlike vLLM, no endpoint given binds loopback (DEFAULT_KV_EVENTS_ENDPOINT), not every
-    interface: give `tcp://*:5557` for vLLM's default."""
+    interface (vLLM's default); a wildcard host must be given to listen beyond this host."""
 
     enable_kv_cache_events: bool = False
     publisher: Literal["null", "zmq"] | None = None  # None: "zmq" when enabled, else "null"
