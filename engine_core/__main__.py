@@ -57,7 +57,8 @@ def make_parser() -> argparse.ArgumentParser:
     for field in EngineConfig.__struct_fields__:
         if field != "model":
             flag = "--" + field.replace("_", "-")
-            parser.add_argument(flag, dest=field, default=None, help=ENGINE_ARG_HELP.get(field, ""))
+            many = {"nargs": "+", "metavar": "DIR"} if field == "lora_allowed_roots" else {}  # a tuple field
+            parser.add_argument(flag, dest=field, default=None, help=ENGINE_ARG_HELP.get(field, ""), **many)
     return parser
 
 

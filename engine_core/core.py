@@ -64,7 +64,8 @@ class EngineCore:
         self.kv_events = KVEventLog(config.block_size) if is_publishing and config.enable_prefix_caching else None
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                        self.kv_events)
-        self.loras = LoraTable(self.executor, config.enable_lora, config.max_loras, config.max_cpu_loras)
+        self.loras = LoraTable(self.executor, config.enable_lora, config.max_loras, config.max_cpu_loras,
+                               config.lora_allowed_roots)
         self.loras.on_drop = lambda slot: self.kv_cache.forget_lora_load(slot)  # the pool of the moment
         self.eos_token_ids = eos_token_ids(config.model)
         self.scheduler = Scheduler(
@@ -259,6 +260,8 @@ def runner_spec(config: EngineConfig, owns_process: bool = False) -> RunnerSpec:
         max_lora_rank=config.max_lora_rank,
         num_threads=config.num_threads,
         speculative=config.speculative_config,
+        fill_empty_with_nan=config.fill_empty_with_nan,
+        check_tensors=config.check_tensors,
     )
 
 

@@ -8,6 +8,12 @@ dropped batch was never sent, so a subscriber that finds a gap replay cannot fil
 engine's state). The first batch, number 0, clears everything: a subscriber that kept an engine's state
 across a restart starts again from nothing. Both sockets, and their ZeroMQ context, belong to the
 publisher's thread alone; should it die, the engine logs why once and goes on without events.
+
+An engine that connects (to llm-d's indexer, which binds) does so with an XPUB, which a SUB takes for a
+PUB: ZeroMQ drops what a publisher sends before a subscriber's subscription has reached it (the TCP
+connection is made after `connect`, and a SUB that binds sends its subscription only once its own thread
+next uses it), so until a subscription to its topic arrives the thread takes no batch off the queue (they
+wait there, up to `max_queue_size`); then it sends them all, in order, batch 0 too.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ POLL_S = 0.05  # the publisher thread's longest wait for a batch, between looks 
 
 
 class KVEventPublisher:
-    """vLLM's ZeroMQ publisher: a PUB socket at `endpoint` (bound or connected: KVEventsConfig) sends
-    [topic, seq, batch]; a ROUTER bound at `replay_endpoint` (if given) sends the buffered batches from a
+    """vLLM's ZeroMQ publisher: a PUB socket bound at `endpoint` (or an XPUB connected there: KVEventsConfig)
+    sends [topic, seq, batch]; a ROUTER bound at `replay_endpoint` (if given) sends the buffered batches from a
     sequence number on."""
 
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None) -> None:
@@ -81,11 +87,11 @@ class KVEventPublisher:
         context, config = zmq.Context(), self.config
         sockets = []
         try:
-            pub = context.socket(zmq.PUB)
+            endpoint, binds = config.publish_to
+            pub = context.socket(zmq.PUB if binds else zmq.XPUB)  # an XPUB hears the subscription come
             sockets.append(pub)
             pub.setsockopt(zmq.SNDHWM, config.hwm)
             pub.setsockopt(zmq.LINGER, 1000)
-            endpoint, binds = config.publish_to
             if binds:
                 pub.bind(endpoint)
             else:  # a subscriber (llm-d's indexer) binds it: the engines connect
@@ -104,20 +110,30 @@ class KVEventPublisher:
         finally:
             self._ready.set()
         try:
-            self._serve(pub, replay)
+            self._serve(pub, replay, subscribed=binds)
         except Exception as exc:  # noqa: BLE001 - logged; the engine goes on without events
             self._failure = f"the publisher thread failed: {exc!r}"
             logger.exception("KV events publisher failed")
         finally:
             self._close(context, sockets)
 
-    def _serve(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+    def _serve(self, pub: zmq.Socket, replay: zmq.Socket | None, subscribed: bool) -> None:
+        """Sends each batch as it comes and answers replay requests; on an XPUB (`subscribed` False), only
+        from the first subscription to the topic on."""
         encoder, topic = msgspec.msgpack.Encoder(), self.config.topic.encode()
         buffered: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)  # (seq, payload), latest
+        xpub = pub.socket_type == zmq.XPUB
         while True:
             if replay is not None:
                 while replay.poll(0):
                     _answer_replay(replay, buffered)
+            if xpub:  # read every time: unread subscriptions would pile up
+                subscribed = _heard_subscription(pub, topic) or subscribed
+            if not subscribed:  # batches wait in the queue: sent now, they would be dropped
+                if self._stop.is_set():
+                    return
+                pub.poll(int(POLL_S * 1000))
+                continue
             try:
                 seq, batch = self._batches.get(timeout=POLL_S)
             except queue.Empty:
@@ -133,6 +149,16 @@ class KVEventPublisher:
         for socket in sockets:
             socket.close()
         context.term()
+
+
+def _heard_subscription(xpub: zmq.Socket, topic: bytes) -> bool:
+    """Reads the (un)subscriptions waiting on an XPUB socket; whether one subscribes (b"\\x01" + prefix) to a
+    prefix of `topic`."""
+    heard = False
+    while xpub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        message = xpub.recv()
+        heard = heard or (message[:1] == b"\x01" and topic.startswith(message[1:]))
+    return heard
 
 
 def _answer_replay(replay: zmq.Socket, buffered: deque[tuple[int, bytes]]) -> None:

@@ -9,7 +9,9 @@ two versions; the
 prefix cache keys a LoRA request's blocks by its slot (Request.cache_root), so no request reads KV
 computed under another adapter or another load of its own. A slot no request holds is dropped when the
 adapter was loaded again, unloaded, or when more than max_cpu_loras idle slots are kept (least recently
-used first).
+used first). Where `allowed_roots` is set, every load's path must lie under one of them, resolved in this
+process with symlinks followed (`allowed_path`), and the resolved folder is
+what the runner reads.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from protocol.sampling_params import LoraRef
 
@@ -37,11 +40,13 @@ class Slot:
 
 
 class LoraTable:
-    def __init__(self, executor, enabled: bool, max_loras: int = 1, max_cpu_loras: int | None = None) -> None:
+    def __init__(self, executor, enabled: bool, max_loras: int = 1, max_cpu_loras: int | None = None,
+                 allowed_roots: tuple[str, ...] | None = None) -> None:
         self.executor = executor  # add_lora(slot, name, path) -> bytes, remove_lora(slot)
         self.enabled = enabled
         self.max_loras = max_loras  # adapters in one step
         self.max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras  # idle loads kept
+        self.allowed_roots = allowed_roots  # folders every adapter path lies under (None: any)
         self._known: dict[int, tuple[str, str, int]] = {}  # int_id -> (name, path, generation) of its latest load
         self._by_name: dict[str, int] = {}  # name -> int_id
         self._current: dict[int, Slot] = {}  # int_id -> its latest load, while loaded
@@ -167,8 +172,9 @@ class LoraTable:
         return current.slot
 
     def _load(self, name: str, int_id: int, path: str, generation: int) -> Slot:
+        read_path = allowed_path(path, self.allowed_roots)  # a ValueError (as add_lora's) leaves all as it was
         slot = Slot(next(self._slot_ids), name, int_id, path, generation)
-        num_bytes = self.executor.add_lora(slot.slot, name, path)  # a ValueError leaves all as it was
+        num_bytes = self.executor.add_lora(slot.slot, name, read_path)
         logger.info("LoRA adapter %r (lora_int_id %d, load %d) read from %s: %.1f MiB", name, int_id, generation,
                     path, num_bytes / 2**20)
         previous = self._current.get(int_id)
@@ -197,3 +203,33 @@ class LoraTable:
         del self._slots[slot]
         self.executor.remove_lora(slot)
         self.on_drop(slot)
+
+
+def allowed_path(path: str, roots: tuple[str, ...] | None) -> str:
+    """The adapter folder the runner reads: `path` as given where `roots` is None; else `path` resolved
+    (symlinks followed) where it, and every entry directly in it (adapter_config.json and
+    adapter_model.safetensors may be links), lie under one of `roots` (resolved too); a ValueError naming
+    `path` where they do not. Checked before the path's existence, so a refusal says nothing of what lies
+    outside the roots."""
+    if roots is None:
+        return path
+    try:
+        bases = [Path(root).resolve() for root in roots]
+        folder = Path(path).resolve()
+        inside = any(folder.is_relative_to(base) for base in bases)
+        for entry in _entries(folder) if inside else []:
+            inside = inside and any(entry.resolve().is_relative_to(base) for base in bases)
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        inside = False
+    if not inside:
+        raise ValueError(f"lora_path {path!r} is not under the allowed LoRA roots (lora_allowed_roots, "
+                         "--lora-allowed-roots)")
+    return str(folder)
+
+
+def _entries(folder: Path) -> list[Path]:
+    """What is directly in `folder`; nothing where it is not a readable folder (the reader says why)."""
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []

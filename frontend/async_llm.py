@@ -88,6 +88,7 @@ class AsyncLLM(AsyncLLMControlVerbs):
             model, multiprocess=multiprocess, core_address=core_address, engine_args=engine_args
         )
         self.config, self.tokenizer = self.engine.config, self.engine.tokenizer
+        self.templates = self.engine.templates  # the chat templates' sandbox (the server renders there)
         self.facts: HandshakeReply = self.engine.facts  # the limits requests are checked against
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()

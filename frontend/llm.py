@@ -100,7 +100,10 @@ class LLM(LLMControlVerbs):
         output are text here (the server parses them: docs/serving.md)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         texts = [
-            render_chat(self.tokenizer, c, chat_template, add_generation_prompt, tools, chat_template_kwargs)
+            render_chat(
+                self.engine.templates, self.tokenizer, c, chat_template, add_generation_prompt, tools,
+                chat_template_kwargs,
+            )
             for c in conversations
         ]
         prompts = [{"prompt_token_ids": chat_prompt_token_ids(self.tokenizer, text)} for text in texts]

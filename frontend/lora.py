@@ -1,6 +1,7 @@
 """vLLM's `LoRARequest` (frontend process): the adapter a request runs with, given to `generate` (one,
 or one a prompt) as `lora_request=`. The core loads `lora_path` (a PEFT folder on the core's host) the
-first time it meets `lora_int_id` and keeps it under that id (docs/lora.md)."""
+first time it meets `lora_int_id` and keeps it under that id; where the engine has lora_allowed_roots, the
+path must lie under one of them (docs/lora.md)."""
 
 from __future__ import annotations
 

@@ -198,10 +198,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Folders every LoRA adapter's path must lie under, resolved in the core with symlinks followed
+    # (--lora-modules, a LoRARequest's lora_path, /v1/load_lora_adapter); None: any path the core can read.
+    lora_allowed_roots: tuple[str, ...] | None = None
     # Speculative decoding (docs/speculative.md); None: off. A dict given to LLM/AsyncLLM is converted.
     speculative_config: SpeculativeConfig | None = None
     # KV-cache events for routers (the schema: protocol/kv_events.py; docs/serving.md), vLLM's names; None: none sent.
     kv_events_config: KVEventsConfig | None = None
+    # Debugging: every floating torch.empty of the core filled with NaN, so that a buffer a kernel leaves
+    # partly unwritten turns the logprobs NaN (worker/nan_empties.py); slower, never changes a correct bit.
+    fill_empty_with_nan: bool = False
+    # Weights holding a NaN or an infinity refused at load, update_weights and wake_up (llama.cpp's
+    # --check-tensors, on here); False skips the pass (its cost: docs/untrusted_files.md).
+    check_tensors: bool = True
 
     def __post_init__(self) -> None:
         positive = {
@@ -232,6 +241,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.lora_allowed_roots is not None and (not self.lora_allowed_roots or not all(self.lora_allowed_roots)):
+            raise ValueError(f"lora_allowed_roots must name at least one folder (None: any path), got "
+                             f"{list(self.lora_allowed_roots)}")
         spec = self.speculative_config
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not built")
@@ -273,6 +285,12 @@ ENGINE_ARG_HELP = {
     "max_loras": "most LoRA adapters in one model step (default 1)",
     "max_lora_rank": "highest LoRA rank an adapter may have (default 16)",
     "max_cpu_loras": "LoRA adapters kept loaded while no request uses them (default: max_loras)",
+    "fill_empty_with_nan": "debugging: fill every floating torch.empty of the core with NaN, so memory a kernel "
+    "leaves unwritten shows as NaN logprobs (slower; default false)",
+    "check_tensors": "refuse weights holding NaN or infinities at load and in weight updates (default true; "
+    "false skips the pass, about 7%% of the 1.5B GGUF's load: docs/untrusted_files.md)",
+    "lora_allowed_roots": "folders a LoRA adapter's path must lie under (resolved, symlinks followed) for "
+    "every load; default: any path the engine core can read, so set it for a server others reach",
     "kv_events_config": "KV-cache events as JSON, vLLM's names: {\"enable_kv_cache_events\": true, "
     "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": ..., \"topic\": "
     "\"kv@pod@model\", \"buffer_steps\": 10000}: every block the prefix cache stores, evicts or clears",

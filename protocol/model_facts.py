@@ -39,7 +39,10 @@ def eos_token_ids(model_dir: str) -> list[int]:
     ids: list[int] = []
     for name in ("config.json", "generation_config.json"):
         eos = _read_json(Path(model_dir) / name).get("eos_token_id")
-        for token_id in [eos] if isinstance(eos, int) else eos or []:
+        listed = [eos] if isinstance(eos, int) else eos or []
+        if not isinstance(listed, list) or not all(_is_token_id(t) for t in listed):
+            raise ValueError(f"{name} of {model_dir}: eos_token_id={eos!r} must be a token id or a list of them")
+        for token_id in listed:
             if token_id not in ids:
                 ids.append(token_id)
     return ids
@@ -64,5 +67,18 @@ def generation_defaults(model_dir: str) -> dict:
     return {field: config[key] for key, field in _SAMPLING_DEFAULTS.items() if config.get(key) is not None}
 
 
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+    """The file's JSON object, {} without the file; a ValueError naming it when it is not one."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{path} is not a JSON file: {type(exc).__name__}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must be a JSON object, not {type(value).__name__}")
+    return value

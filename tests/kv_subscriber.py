@@ -79,22 +79,31 @@ class EngineView:
 
 
 class Subscriber:
-    """SUB sockets on engines' endpoints (connected), their batches applied per topic in sequence order as
-    they come; a gap in the numbers (batches sent before the subscription took hold) is filled from the
-    engine's replay socket, as vllm-router's subscriber does, and must be filled."""
+    """SUB sockets on engines' endpoints (connected, or bound where the engines connect: `binds`, llm-d's
+    indexer), their batches applied per topic in sequence order as they come; a gap in the numbers
+    (batches sent before the subscription took hold) is filled from the engine's replay socket, as
+    vllm-router's subscriber does, and must be filled, but for batch 0 alone (AllBlocksCleared: to a view
+    that holds nothing yet, missing it changes nothing)."""
 
-    def __init__(self, endpoints: dict[str, str], model: str, replays: dict[str, str] | None = None) -> None:
+    def __init__(self, endpoints: dict[str, str], model: str, replays: dict[str, str] | None = None,
+                 binds: bool = False) -> None:
         self.context = zmq.Context()
         self.views = {topic: EngineView(model) for topic in endpoints}
-        self.seqs: dict[str, list[int]] = {topic: [] for topic in endpoints}
+        self.seqs: dict[str, list[int]] = {topic: [] for topic in endpoints}  # applied, in order
+        self.received: dict[str, list[int]] = {topic: [] for topic in endpoints}  # off the SUB socket, in order
         self.replays = replays or {}
         self.num_replayed = 0  # batches taken from a replay socket
         self.sockets = {}
+        self.monitors: list[zmq.Socket] = []  # each socket's connections made (the handshake done)
         self.poller = zmq.Poller()
         for topic, endpoint in endpoints.items():
             socket = self.context.socket(zmq.SUB)
             socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            socket.connect(endpoint)
+            self.monitors.append(socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+            if binds:
+                socket.bind(endpoint)
+            else:
+                socket.connect(endpoint)
             self.sockets[socket] = topic
             self.poller.register(socket, zmq.POLLIN)
 
@@ -104,9 +113,17 @@ class Subscriber:
         while ready := dict(self.poller.poll(quiet_s * 1000)):
             for socket in ready:
                 topic, seq, payload = socket.recv_multipart()
+                self.received[topic.decode()].append(int.from_bytes(seq, "big"))
                 self._take(topic.decode(), int.from_bytes(seq, "big"), payload)
                 count += 1
         return count
+
+    def wait_connected(self, timeout_s: float = 10.0) -> None:
+        """Waits until each socket has made a connection (what an engine that binds sends from then on
+        reaches it, once the subscription has crossed: microseconds)."""
+        for monitor in self.monitors:
+            assert monitor.poll(timeout_s * 1000), "no connection made"
+            monitor.recv_multipart()
 
     def wait_for(self, topic: str, next_seq: int, timeout_s: float = 30.0) -> None:
         """Applies batches until every one numbered below next_seq is."""
@@ -124,6 +141,8 @@ class Subscriber:
             self._replay(topic, len(applied))  # from the first one missing, this one too if buffered
         if seq < len(applied):  # applied already (replayed)
             return
+        if seq == 1 and not applied:  # batch 0 lost to the connection being made: there was nothing to clear
+            applied.append(0)
         assert seq == len(applied), f"batches {len(applied)}..{seq - 1} were lost"
         self._apply(topic, seq, payload)
 

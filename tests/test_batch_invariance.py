@@ -99,11 +99,14 @@ def test_prompt_logprobs_of_the_generated_sequence_equal_its_sample_logprobs(llm
 @pytest.fixture(scope="module")
 def chunked(tiny_path):
     """Engines whose steps hold at most 16, 64 and 512 tokens (longer prompts prefill in chunks), prefix
-    caching on; and one at 512 without it, whose runs are all cold."""
-    engines = {chunk: LLM(tiny_path, multiprocess=False, max_num_batched_tokens=chunk, num_kv_blocks=256)
+    caching on; and one at 512 without it, whose runs are all cold. All with every torch.empty filled
+    with NaN (worker/nan_empties.py): equal bits prove no unwritten byte reaches a logprob."""
+    engines = {chunk: LLM(tiny_path, multiprocess=False, max_num_batched_tokens=chunk, num_kv_blocks=256,
+                          fill_empty_with_nan=True)
                for chunk in (16, 64, 512)}
     engines["cold"] = LLM(
-        tiny_path, multiprocess=False, max_num_batched_tokens=512, enable_prefix_caching=False
+        tiny_path, multiprocess=False, max_num_batched_tokens=512, enable_prefix_caching=False,
+        fill_empty_with_nan=True,
     )
     yield engines
     for engine in engines.values():
@@ -143,7 +146,7 @@ def test_one_and_two_threads_give_the_same_bits(llm, reference):
 
 
 def test_multi_step_8_equals_1(tiny_path, reference):
-    with LLM(tiny_path, multiprocess=False, num_scheduler_steps=8) as llm:
+    with LLM(tiny_path, multiprocess=False, num_scheduler_steps=8, fill_empty_with_nan=True) as llm:
         outputs = llm.generate(random_prompts(32, 0), SAMPLED, use_tqdm=False)
     assert [sampled_rows(o) for o in outputs] == reference
 

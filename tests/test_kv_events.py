@@ -4,12 +4,15 @@ a small cache (shared prefixes, generated blocks, evictions, a cache_salt chain,
 reset), the contents the events tell equal the engine's prefix index, content for content; llm-d's keys
 (FNV-1a 64 over CBOR of the ids, blocks of 16), derived from the events alone, predict before each request
 exactly the prefix the engine then reports read from its cache; the replay socket sends the buffered
-batches again from a sequence number on. The config takes vLLM's names and refuses others by name.
+batches again from a sequence number on; in both of vLLM's layouts (the engine binds, or connects to a
+subscriber bound first, llm-d's) every batch after the first arrives. The config takes vLLM's names and
+refuses others by name.
 """
 
 from __future__ import annotations
 
 import random
+import socket
 
 import msgspec
 import pytest
@@ -131,6 +134,36 @@ def test_replay_sends_the_buffered_batches_from_a_sequence_number(tiny_path, tmp
             context.destroy(linger=0)
     assert len(replayed) == 4 and replayed == sorted(replayed) and replayed[0] >= 2  # the last buffer_steps
     assert again == replayed  # the same buffered batches, nothing from before them
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("engine_binds", [True, False], ids=["engine-binds-ipc", "engine-connects-tcp"])
+def test_every_batch_after_the_first_arrives_whichever_side_binds(tiny_path, tmp_path, engine_binds):
+    """The engine binds (ipc://) and the subscriber connects; or the subscriber binds loopback TCP first
+    and the engine connects (llm-d's indexer), the subscriber not reading while the engine runs. No replay
+    socket: batch 0 alone may be missed (sent as the engine starts)."""
+    endpoint = f"ipc://{tmp_path}/kv-events" if engine_binds else f"tcp://127.0.0.1:{free_loopback_port()}"
+    config = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv@pod-a@tiny"}
+    subscriber = Subscriber({"kv@pod-a@tiny": endpoint}, model="tiny", binds=not engine_binds)
+    with subscriber, LLM(tiny_path, multiprocess=False, kv_events_config=config, num_kv_blocks=8) as llm:
+        publisher = llm.engine.client.core.kv_publisher
+        assert publisher.config.publish_to == (endpoint, engine_binds)
+        if engine_binds:  # what an engine that binds sends before a subscriber connects is a late joiner's gap
+            subscriber.wait_connected()
+        for start in range(0, 40, 10):  # 40 tokens in, 20 out, on 8 blocks: stores and evictions
+            llm.generate([{"prompt_token_ids": list(range(100 + start, 140 + start))}],
+                         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        sent = publisher.next_seq
+        subscriber.wait_for("kv@pod-a@tiny", sent, timeout_s=10)
+        view, contents = subscriber.views["kv@pod-a@tiny"].blocks, llm.engine.client.core.kv_cache.index.contents()
+    received = subscriber.received["kv@pod-a@tiny"]
+    assert sent >= 6 and publisher.num_dropped == 0 and view == contents
+    assert received in (list(range(sent)), list(range(1, sent))), (sent, received)
 
 
 def test_the_config_takes_vllms_names_and_refuses_others_by_name():

@@ -8,7 +8,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from frontend import LLM, SamplingParams
-from frontend.engine.chat_template import render_chat
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -43,7 +42,7 @@ def chat_llm(family_model, tmp_path_factory):
 def test_chat_equals_generate_on_the_rendered_prompt_with_one_bos(chat_llm):
     tokenizer = chat_llm.get_tokenizer()
     (chat,) = chat_llm.chat(MESSAGES, GREEDY, use_tqdm=False)
-    rendered = render_chat(tokenizer, MESSAGES, None, True)
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert rendered.startswith(tokenizer.bos_token) and chat.prompt == rendered
     token_ids = tokenizer(rendered, add_special_tokens=False).input_ids
     assert chat.prompt_token_ids == token_ids and token_ids.count(tokenizer.bos_token_id) == 1

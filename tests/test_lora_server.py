@@ -133,6 +133,8 @@ def test_vllm_static_and_dynamic_lora_lineage(vllm_server, folders):
     ({"r": 1024}, "is greater than max_lora_rank"),
     ({"bias": "all"}, "Adapter bias cannot be used without bias_enabled"),
     ({"use_dora": True}, "does not yet support DoRA"),
+    ({"r": 0}, "r must be a positive integer, got 0"),  # coreserve's own: an adapter is untrusted input
+    ({"lora_alpha": float("inf")}, "lora_alpha must be a finite number >= 0, got inf"),
 ])  # vLLM's fourth case, modules_to_save ["lm_head"], is served here (issue 52 asks for it)
 def test_vllm_dynamic_lora_bad_requests(vllm_server, folders, tmp_path, config_change, expected_error):
     folder = tmp_path / "changed"
@@ -147,6 +149,23 @@ def test_vllm_dynamic_lora_bad_requests(vllm_server, folders, tmp_path, config_c
             await client.post("load_lora_adapter", cast_to=str,
                               body={"lora_name": "notfound", "lora_path": "/not/an/adapter"})
     run_async(vllm_server, body)
+
+
+def test_a_nan_in_an_adapter_is_a_400_naming_the_tensor_and_the_server_goes_on(vllm_server, folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan"
+    shutil.copytree(folders[0], folder)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, folder / "adapter_model.safetensors")
+    load = httpx.post(f"{vllm_server}/v1/load_lora_adapter", json={"lora_name": "nan", "lora_path": str(folder)})
+    assert load.status_code == 400 and f"{key!r} holds non-finite values" in load.text, load.text
+    assert "success" not in load.text.lower()
+    assert "nan" not in {m["id"] for m in httpx.get(f"{vllm_server}/v1/models").json()["data"]}
+    served = httpx.post(f"{vllm_server}/v1/completions", json={"model": "zephyr-lora", "prompt": PROMPT, "max_tokens": 2})
+    assert served.status_code == 200, served.text
 
 
 def test_vllm_many_adapters_at_once_and_bad_loads_break_nothing(vllm_server, folders, tmp_path):

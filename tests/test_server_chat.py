@@ -8,7 +8,6 @@ import pytest
 from server_harness import CHATML, chat_template_file, running_server
 
 from frontend import SamplingParams
-from frontend.engine.chat_template import render_chat
 
 SYSTEM, QUESTION = "You are terse.", "Name a colour."
 
@@ -32,7 +31,8 @@ def test_chat_logprobs_equal_llm_with_exact_bytes(client, llm_inproc, tokenizer)
         model="tiny-chat", messages=messages(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
     )
     flat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
-    ids = tokenizer(render_chat(tokenizer, flat, CHATML, True), add_special_tokens=False).input_ids
+    text = tokenizer.apply_chat_template(flat, chat_template=CHATML, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
     expected = llm_inproc.generate(ids, params, use_tqdm=False)[0].outputs[0]
     choice = result.choices[0]

@@ -103,16 +103,28 @@ def check_ids_and_logprobs(server: str, messages: list[dict], answer) -> None:
 
 def test_llm_chat_and_the_server_render_tools_alike():
     """LLM.chat's tools and chat_template_kwargs reach the template as the server's do (render_chat, one
-    function): the history's call arguments, JSON text in OpenAI's messages, decoded for the template."""
+    function): the history's call arguments, JSON text in OpenAI's messages, decoded for the template; the
+    sandbox's text is apply_chat_template's on the real template."""
     from frontend.engine.chat_template import render_chat
     from frontend.engine.engine_args import load_tokenizer
+    from frontend.engine.template_sandbox import TemplateSandbox
 
     tokenizer = load_tokenizer(str(path_of(NAME)))
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     messages = [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
-    text = render_chat(tokenizer, messages, None, True, TOOLS, {"enable_thinking": False})
+    sandbox = TemplateSandbox(30.0, 1 << 20, num_workers=1)
+    try:
+        text = render_chat(sandbox, tokenizer, messages, None, True, TOOLS, {"enable_thinking": False})
+        with pytest.raises(ValueError, match="cannot set tools"):
+            render_chat(sandbox, tokenizer, messages, None, True, None, {"tools": []})
+    finally:
+        sandbox.close()
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert '"name": "get_time"' in text and "<tool_response>\nrain\n</tool_response>" in text
-    with pytest.raises(ValueError, match="cannot set tools"):
-        render_chat(tokenizer, messages, None, True, None, {"tools": []})
+    decoded = [*messages[:1], {**messages[1], "tool_calls": [{**call, "function": {
+        "name": "get_weather", "arguments": {"city": "Oslo"}}}]}, messages[2]]
+    expected = tokenizer.apply_chat_template(
+        decoded, tools=TOOLS, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert text == expected

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from protocol.step import ModelRunnerOutput, SchedulerOutput
+from worker import nan_empties
 from worker.backend import Backend, choose_backend
 from worker.lora.adapter import read_adapter
 from worker.lora.lora_ops import LoraOps
@@ -55,13 +56,16 @@ class ModelRunner(RunnerControl):
         on_progress: Callable[[], None] | None = None,
         group: TensorParallelGroup | None = None,
     ) -> None:
+        self.holds_nan_fill = spec.fill_empty_with_nan
+        if self.holds_nan_fill:
+            nan_empties.hold()
         self.device = pick_device(spec.device) if group is None else group.device
         self.block_size = spec.block_size
         self.group = group
         shard = None if group is None else Shard(group.rank, group.size)
         begun = time.perf_counter()
         self.backend: Backend = choose_backend(spec, self.device, is_sharded=group is not None)
-        self.model = load_model(spec.model, spec.dtype, self.device, shard, self.backend.place)
+        self.model = load_model(spec.model, spec.dtype, self.device, shard, self.backend.place, spec.check_tensors)
         self.last_step_at = 0.0  # time.monotonic() of the last step with tokens: the backend's collapse waits
         self.backend.adopt(self.model, is_busy=self._stepped_lately)
         if group is not None:
@@ -69,7 +73,7 @@ class ModelRunner(RunnerControl):
         logger.info("startup: model load %.3f s (%s backend)", time.perf_counter() - begun, self.backend.name)
         self.dtype = self.backend.activation_dtype(self.model.embed_tokens.weight.dtype)  # activations, KV
         self.vocab_size = self.model.args.vocab_size
-        self.weights = WeightStore(self.model, shard)
+        self.weights = WeightStore(self.model, shard, spec.check_tensors)
         self.states: dict[str, RequestState] = {}
         self.asking_extras: set[str] = set()  # live requests that ask for a step extra (worker/step_extras.py)
         self.kv_caches: list[torch.Tensor] = []
@@ -96,6 +100,9 @@ class ModelRunner(RunnerControl):
         """The model lives in this process: only what runs beside the steps stops (the huge-page
         collapse, which would hold the weights seconds after an in-process engine closed)."""
         self.backend.close()
+        if self.holds_nan_fill:
+            self.holds_nan_fill = False
+            nan_empties.release()
 
     @property
     def model_args(self):  # LlamaArgs (this rank's share of the heads under tensor parallelism)

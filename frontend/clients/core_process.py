@@ -38,7 +38,10 @@ def spawn_core(config: EngineConfig, address: str, error_path: str) -> subproces
         error_path,
     ]
     logger.info("startup: spawning the engine core at %.3f (unix)", time.time())
-    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+    # A session of its own: a SIGTERM or Ctrl+C sent to this process's group (systemd, a terminal) reaches
+    # this process alone, which drains and then stops the core (close_connection); a core whose parent
+    # dies stops by itself (--parent-pid, checked each second).
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _core_log_level() -> str:

@@ -1,13 +1,16 @@
 """Chat messages to one prompt string through a Jinja chat template (frontend process).
 
-Shared by the HTTP server's /v1/chat/completions and `LLM.chat`: the template is the caller's (a file
-given to `coreserve serve --chat-template`) or else the tokenizer's own; a model without one cannot chat.
+Shared by the HTTP server's /v1/chat/completions, /v1/responses, /tokenize and `LLM.chat`: the template
+is the caller's (a file given to `coreserve serve --chat-template`) or else the tokenizer's own; a model
+without one cannot chat. It renders in the engine's TemplateSandbox, never in this process.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+
+from frontend.engine.template_sandbox import TemplateSandbox
 
 TEXT_PART_SEPARATOR = "\n"  # vLLM's "string" content format joins a message's text parts this way
 
@@ -21,6 +24,7 @@ RESERVED_TEMPLATE_NAMES = frozenset((
 
 
 def render_chat(
+    sandbox: TemplateSandbox,
     tokenizer,
     messages: Sequence[Mapping],
     chat_template: str | None,
@@ -30,8 +34,25 @@ def render_chat(
 ) -> str:
     """The prompt text for `messages` (each {"role", "content"}, content a string or a list of
     {"type": "text", "text"} parts), with the `tools` ({"type": "function", "function": {...}} each) and
-    the template's own variables (`enable_thinking`, ...) for templates that read them. Raises
-    ValueError when neither a template nor the tokenizer's own is there, or when a message is malformed."""
+    the template's own variables (`enable_thinking`, ...) for templates that read them, rendered in the
+    sandbox as transformers' `apply_chat_template` renders it. Raises ValueError when neither a template
+    nor the tokenizer's own is there, when a message is malformed, or when the render fails or passes a
+    limit of the sandbox (frontend/engine/template_sandbox.py)."""
+    return sandbox.render(*chat_render_args(
+        tokenizer, messages, chat_template, add_generation_prompt, tools, template_kwargs
+    ))
+
+
+def chat_render_args(
+    tokenizer,
+    messages: Sequence[Mapping],
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    template_kwargs: Mapping | None = None,
+) -> tuple[str, list[dict], list[dict] | None, dict, bool]:
+    """`TemplateSandbox.render`'s arguments: what `apply_chat_template` hands its renderer (the template
+    it picks, the tokenizer's special tokens beside the caller's variables)."""
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(
@@ -45,10 +66,8 @@ def render_chat(
     taken = sorted(RESERVED_TEMPLATE_NAMES & set(extra))
     if taken:
         raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
-    return tokenizer.apply_chat_template(
-        flat, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-        tools=tools, **extra,
-    )
+    template = tokenizer.get_chat_template(template, tools)  # a name of one of several templates, too
+    return template, flat, tools, {**tokenizer.special_tokens_map, **extra}, add_generation_prompt
 
 
 def _flatten(index: int, message: Mapping) -> dict:

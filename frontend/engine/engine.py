@@ -26,6 +26,7 @@ from frontend.clients.client_protocol import CoreClient
 from frontend.engine.engine_parts import EngineParts, build_engine_parts
 from frontend.engine.input_processor import InputProcessor, PromptType, cache_salt_of
 from frontend.engine.output_processor import OutputProcessor, ProcessedOutputs
+from frontend.engine.template_sandbox import TemplateSandbox
 from frontend.engine.token_text import TokenTable
 from frontend.engine.weights_buffer import WeightsBuffer
 from frontend.outputs import RequestOutput
@@ -66,6 +67,7 @@ class FrontendEngine:
         self.client: CoreClient = parts.client
         self.inputs: InputProcessor = parts.inputs
         self.outputs: OutputProcessor = parts.outputs
+        self.templates: TemplateSandbox = parts.templates
         self._serials = itertools.count()  # submission ids: unique however often a request id is reused
         self._nonces = itertools.count(1)  # control commands'
         self.weights_buffer = WeightsBuffer()  # update_weights' tensors, kept between updates
@@ -291,6 +293,7 @@ class FrontendEngine:
         return reply
 
     def shutdown(self) -> None:
+        self.templates.close()
         self.client.shutdown()
         self.weights_buffer.release()  # the shared-memory weights file, where an update wrote one
 

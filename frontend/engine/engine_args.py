@@ -36,13 +36,16 @@ def load_tokenizer(model_dir: str):
     """The folder's tokenizer, or a GGUF file's (converted once, then cached: frontend/engine/gguf_tokenizer.py)."""
     folder = gguf_tokenizer_folder(model_dir) if is_gguf(model_dir) else model_dir
     direct = direct_tokenizer_class(folder)
-    if direct is not None:
-        import transformers
+    try:
+        if direct is not None:
+            import transformers
 
-        return getattr(transformers, direct).from_pretrained(folder)
-    from transformers import AutoTokenizer  # it imports torch (seconds), through the model configs
+            return getattr(transformers, direct).from_pretrained(folder)
+        from transformers import AutoTokenizer  # it imports torch (seconds), through the model configs
 
-    return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - a tokenizer file is input: whatever it makes transformers raise
+        raise ValueError(f"the tokenizer of {model_dir} cannot be loaded: {exc!r}") from exc
 
 
 # Tokenizer classes that AutoTokenizer itself loads for a model of these types (or for a folder without
@@ -62,7 +65,9 @@ def direct_tokenizer_class(folder: str) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
+    """The file's JSON object; {} where there is none (the loader names what is wrong with it)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
         return {}
+    return value if isinstance(value, dict) else {}

@@ -17,6 +17,7 @@ from frontend.engine.engine_args import load_tokenizer, make_config
 from frontend.engine.input_processor import InputProcessor
 from frontend.engine.model_checks import check_model_folder
 from frontend.engine.output_processor import OutputProcessor
+from frontend.engine.template_sandbox import DEFAULT_CHARS_PER_POSITION, DEFAULT_TIMEOUT_S, TemplateSandbox
 from frontend.engine.token_text import TokenTable
 from protocol.config import EngineConfig
 from protocol.curve_keys import load_key_pair, load_public_key
@@ -33,6 +34,7 @@ class EngineParts:
     client: CoreClient
     inputs: InputProcessor
     outputs: OutputProcessor
+    templates: TemplateSandbox  # where chat templates render (LLM.chat, the server's chat routes)
 
 
 def build_engine_parts(
@@ -40,8 +42,13 @@ def build_engine_parts(
 ) -> EngineParts:
     """`core_address`: a daemon, or a list of daemons that hold the same model (data parallel).
     `engine_args` may also hold the connection's CURVE keys (with core_address): `curve_server_key`,
-    the daemon's public key file, and `curve_client_keys`, this client's key pair file (0600)."""
+    the daemon's public key file, and `curve_client_keys`, this client's key pair file (0600); and the
+    chat templates' limits, this process's alone: `chat_template_timeout` (seconds) and
+    `chat_template_max_chars` (None: 32 characters a position of max_model_len)."""
     engine_args = dict(engine_args)
+    template_limits = (
+        engine_args.pop("chat_template_timeout", None), engine_args.pop("chat_template_max_chars", None)
+    )
     curve = _client_curve(
         engine_args.pop("curve_server_key", None), engine_args.pop("curve_client_keys", None)
     )
@@ -69,13 +76,26 @@ def build_engine_parts(
         except ValueError:
             client.shutdown()
             raise
+    try:
+        templates = template_sandbox(*template_limits, facts.max_model_len)
+    except ValueError:
+        client.shutdown()
+        raise
     return EngineParts(
         config=config,
         tokenizer=tokenizer,
         client=client,
         inputs=InputProcessor(tokenizer, facts, core_max_model_len=client.facts.max_model_len),
         outputs=OutputProcessor(TokenTable(tokenizer)),
+        templates=templates,
     )
+
+
+def template_sandbox(timeout_s: float | None, max_chars: int | None, max_model_len: int) -> TemplateSandbox:
+    """The chat templates' sandbox, its defaults a few seconds and a multiple of the context in characters."""
+    if max_chars is None:
+        max_chars = DEFAULT_CHARS_PER_POSITION * max_model_len
+    return TemplateSandbox(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, max_chars)
 
 
 def _make_client(

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from frontend.engine.gguf_vocab_checks import check_gguf_vocabulary
 from protocol.builtin_model import default_cache_dir
 from protocol.gguf_header import read_gguf_header
 
@@ -41,6 +42,10 @@ def gguf_tokenizer_folder(path: str, cache_dir: Path | None = None) -> str:
 def _convert(path: str, folder: Path) -> None:
     from transformers import AutoTokenizer
 
+    check_gguf_vocabulary(read_gguf_header(path))
     source = Path(path).resolve()
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    except Exception as exc:  # noqa: BLE001 - what the checks above cannot foresee (a merge of unknown tokens)
+        raise ValueError(f"{path}: the GGUF file's tokenizer cannot be converted: {exc!r}") from exc
     tokenizer.save_pretrained(str(folder))

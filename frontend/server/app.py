@@ -13,18 +13,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend.engine.chat_template import render_chat
 from frontend.errors import EngineDeadError
 from frontend.server.common.errors import APIError, error_response, install_error_handlers
 from frontend.server.common.limits import BodyLimitMiddleware
 from frontend.server.common.logprob_json import JSONBytesResponse, token_text
+from frontend.server.deploy.drain import DrainMiddleware
 from frontend.server.deploy.router_probes import probe_router
 from frontend.server.lora import adapter_models, load_lora_adapter, unload_lora_adapter
 from frontend.server.openai.chat import create_chat_completion
+from frontend.server.openai.chat_prompt import render_messages
 from frontend.server.openai.completions import create_completion
 from frontend.server.openai.responses import create_response
 from frontend.server.openai.schemas import DetokenizeRequest, TokenizeRequest
-from frontend.server.openai.tool_choice import template_tools
 from frontend.server.rl.control import RL_PATHS, rl_router
 from frontend.server.rl.inference_generate import INFERENCE_GENERATE_PATH, inference_generate
 from frontend.server.rl.token_generate import GENERATE_PATH, abort_request, generate
@@ -59,6 +59,7 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
             else frozenset()
         ) | {INFERENCE_GENERATE_PATH, VLLM_SCORE_PATH}
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key, extra_paths=rl_paths)
+    app.add_middleware(DrainMiddleware, drain=server.drain)  # outermost: counts and refuses every request
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
     app.post("/v1/responses")(create_response)
@@ -146,7 +147,12 @@ async def tokenize(request: Request, body: TokenizeRequest) -> Response:
     server.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", "prompt")
-    token_ids = await asyncio.to_thread(_tokenize, server, body)  # off the event loop: any length is counted
+    text, add_special_tokens = body.prompt, body.add_special_tokens
+    if body.messages is not None:  # rendered as chat renders it; the template writes the special tokens
+        text = await render_messages(server, [m.model_dump(exclude_none=True) for m in body.messages], body)
+        add_special_tokens = False
+    tokenizer = server.tokenizer  # off the event loop: any length is counted
+    token_ids = await asyncio.to_thread(lambda: tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
     strs = [token_text(server.table.decode_token(t)) for t in token_ids] if body.return_token_strs else None
     return JSONBytesResponse(
         {
@@ -156,20 +162,6 @@ async def tokenize(request: Request, body: TokenizeRequest) -> Response:
             "token_strs": strs,
         }
     )
-
-
-def _tokenize(server: ServerState, body: TokenizeRequest) -> list[int]:
-    if body.messages is None:
-        return server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = render_chat(
-            server.tokenizer, messages, server.chat_template, body.add_generation_prompt,
-            template_tools(body), body.chat_template_kwargs,
-        )
-    except ValueError as exc:
-        raise APIError(400, str(exc), "messages") from exc
-    return server.tokenizer(text, add_special_tokens=False).input_ids
 
 
 async def tokenizer_info(request: Request) -> Response:

@@ -8,6 +8,7 @@ import argparse
 import os
 
 from frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES
+from frontend.server.deploy.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from frontend.server.parsers.reasoning import REASONING_PARSERS
 from frontend.server.parsers.splitter import TOOL_PARSERS
 from protocol.config import ENGINE_ARG_HELP
@@ -40,6 +41,16 @@ def _non_negative(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds (0 or more), got {text!r}")
+    return seconds
+
+
 # engine argument -> (type, choices); each becomes --flag-with-dashes, passed on only when given
 _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "max_model_len": (int, None),
@@ -63,7 +74,12 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "max_loras": (int, None),
     "max_lora_rank": (int, None),
     "max_cpu_loras": (int, None),
+    "check_tensors": (_boolean, None),
 }
+
+
+# The server process's own limits, passed to AsyncLLM beside the engine arguments
+_FRONTEND_LIMITS = ("chat_template_timeout", "chat_template_max_chars")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +93,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chat-template", metavar="FILE", help="a Jinja chat template (default: the tokenizer's)"
+    )
+    parser.add_argument(
+        "--chat-template-timeout", type=float, default=None, metavar="S",
+        help="stop a chat template's render after S seconds (waiting for a renderer included) with a 400 "
+        "(default 5; templates render in worker processes: docs/serving.md, Untrusted files)",
+    )
+    parser.add_argument(
+        "--chat-template-max-chars", type=_positive, default=None, metavar="N",
+        help="refuse a rendered chat prompt over N characters with a 400 (default 32 x max_model_len)",
     )
     parser.add_argument(
         "--core-address", metavar="ADDR", action="append",
@@ -113,6 +138,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="PEFT adapters loaded at start, each name=path or JSON {\"name\": ..., \"path\": ...} (needs --enable-lora)",
     )
     parser.add_argument(
+        "--lora-allowed-roots", nargs="+", metavar="DIR",
+        help=ENGINE_ARG_HELP["lora_allowed_roots"] + " (a 400 names a path outside them; docs/lora.md)",
+    )
+    parser.add_argument(
         "--enable-auto-tool-choice", action="store_true",
         help="parse the model's tool calls when a request's tool_choice is auto (needs --tool-call-parser)",
     )
@@ -124,6 +153,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser", choices=REASONING_PARSERS, default=None,
         help="separate the model's <think> reasoning into reasoning_content (docs/serving.md)",
     )
+    parser.add_argument(
+        "--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+        help="on SIGTERM or SIGINT, refuse new requests (/ready too) with a 503 and let those in flight "
+        "finish for up to SECONDS, then answer the rest with an error and exit 0; 0 ends them at once; "
+        f"a second signal ends the wait (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}; vLLM's default is 0)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     engine = parser.add_argument_group("engine arguments (vLLM's names)")
     for name, (kind, choices) in _ENGINE_FLAGS.items():
@@ -134,7 +169,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine arguments that were given, as AsyncLLM keyword arguments."""
-    given = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    names = (*_ENGINE_FLAGS, *_FRONTEND_LIMITS, "lora_allowed_roots")  # the last: DIR [DIR ...]
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     return {**given, "enable_lora": True} if getattr(args, "enable_lora", False) else given
 
 

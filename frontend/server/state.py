@@ -11,6 +11,7 @@ from frontend.engine.token_text import TokenTable
 from frontend.server.common.errors import APIError
 from frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES, Admission, PromptBound
 from frontend.server.common.metrics import ServerMetrics
+from frontend.server.deploy.drain import Drain
 from protocol.sampling_params import LoraRef
 
 
@@ -36,6 +37,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False  # tool_choice auto parsed by the tool_call_parser (tool_choice.py)
     tool_call_parser: str | None = None  # parsers/tool_calls.py TOOL_PARSERS
     reasoning_parser: str | None = None  # parsers/reasoning.py REASONING_PARSERS
+    drain: Drain = field(default_factory=Drain)  # requests in flight; new ones refused once a stop began
 
     def __post_init__(self) -> None:
         if self.table is None:  # the engine's own: built once per tokenizer (128k entries for Llama 3)
@@ -45,6 +47,8 @@ class ServerState:
         if self.admission is None:
             self.admission = Admission(self.engine.config.max_num_seqs, self.max_queued_requests)
         self.metrics.name(self.served_model_name, self.engine)
+        if self.chat_template or getattr(self.tokenizer, "chat_template", None):
+            self.engine.templates.start()  # the renderers import now, not on the first chat request
 
     @property
     def tokenizer(self):

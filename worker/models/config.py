@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.models.config_checks import check_config_numbers
 from worker.models.family import GELU_TANH, SILU, Family, family_of
 from worker.models.layer_spec import LayerSpec, global_rope_config, layer_specs, rope_spec
 from worker.models.rope import RopeSpec, long_rope_switch
@@ -91,6 +92,7 @@ class LlamaArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> LlamaArgs:
+        check_config_numbers(config)
         family = family_of(config)
         _refuse_unsupported(config, family)
         num_heads = config["num_attention_heads"]

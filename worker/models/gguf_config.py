@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.gguf_header import GGUFHeader
+from worker.models.config_checks import check_config_numbers
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ _KEYS = {
 }
 _REFUSED_KEYS = ("expert_shared_count", "attention.logit_softcapping")
 _ROPE_SCALINGS = ("none", "linear", "yarn")
+GGUF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
 def gguf_architecture(header: GGUFHeader) -> str:
@@ -127,6 +129,7 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
         raise ValueError(f"{header.path}: a {arch} GGUF without q/k/v biases is not a {architecture} model")
     if rules.head_dim_from_rope:  # its RoPE covers whole heads: the rotary dimension is the head's
         config.setdefault("head_dim", int(meta.get(f"{arch}.rope.dimension_count", 0)) or None)
+    check_config_numbers(config, {v: f"{arch}.{k}" for k, v in _KEYS.items()}, GGUF_REQUIRED_KEYS)
     config.update(_family_keys(header, arch, config))
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     config.update({k: int(v) for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})

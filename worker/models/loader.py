@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from torch import nn
 from protocol.gguf_header import is_gguf, read_gguf_header
 from worker.models import gguf_quantized, gguf_weights, safetensors_files
 from worker.models.config import LlamaArgs
+from worker.models.config_checks import check_layer_indices, check_model_fits_file
 from worker.models.family import family_of
+from worker.models.finite_weights import check_finite_model
 from worker.models.gguf_config import hf_config_from_gguf
 from worker.models.gguf_quantized import quantization_plan
 from worker.models.llama import LlamaModel
@@ -38,7 +41,16 @@ def read_config(model_dir: str) -> dict:
     """config.json, or what a GGUF file's metadata says in its keys."""
     if is_gguf(model_dir):
         return hf_config_from_gguf(read_gguf_header(model_dir))
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested past the parser
+        raise ValueError(f"{path} is not a JSON file: {type(exc).__name__}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must be a JSON object, not {type(config).__name__}")
+    return config
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
@@ -73,6 +85,7 @@ def load_model(
     device: torch.device,
     shard: Shard | None = None,
     place: Callable[[LlamaModel], None] | None = None,
+    check_tensors: bool = True,
 ) -> LlamaModel:
     """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"); "auto" keeps a GGUF
     file's Q8_0/Q4_0/Q4_1 weights in their blocks (gguf_quantized.py), the rest in fp32. `shard`: this
@@ -81,6 +94,8 @@ def load_model(
     weights to live, so they are written once, there)."""
     config = read_config(model_dir)
     args = LlamaArgs.from_hf_config(config)
+    file_shapes = _file_shapes(model_dir)
+    check_layer_indices(args.num_layers, file_shapes, model_dir)
     if shard is not None and family_of(config).has_fused_checkpoint:
         raise ValueError(
             "tensor_parallel_size > 1 with a Phi-3 checkpoint (its fused qkv_proj and gate_up_proj split "
@@ -100,6 +115,8 @@ def load_model(
     rotaries = {name: getattr(model, name) for name in ("rotary", "rotary_local") if getattr(model, name) is not None}
     for name in rotaries:
         delattr(model, name)
+    if shard is None:  # a rank holds a part of each tensor
+        check_model_fits_file(_num_elements(model.parameters()), sum(map(math.prod, file_shapes.values())), model_dir)
     _allocate(model, dtype, device)  # uninitialized: every byte is read below
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -109,8 +126,20 @@ def load_model(
         quantize_modules(model, quantization_plan(model_dir, model, functools.partial(weight_destination, args)))
     if place is not None:
         place(model)
-    load_weights(model, model_dir, shard)
+    load_weights(model, model_dir, shard, check_tensors)
     return model.eval().requires_grad_(False)
+
+
+def _file_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as the file's header states it (no tensor data read)."""
+    if is_gguf(model_dir):
+        return {t.name: t.dims for t in read_gguf_header(model_dir).tensors}
+    return {e.name: e.shape for e in safetensors_files.list_tensors(model_dir)}
+
+
+def _num_elements(tensors) -> int:
+    """Elements of distinct tensors (a tied embedding once)."""
+    return sum({id(t): t.numel() for t in tensors}.values())
 
 
 def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
@@ -131,7 +160,8 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> Non
                 table[name] = made[id(tensor)]
 
 
-def load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None:
+def load_weights(model: LlamaModel, model_dir: str, shard: Shard | None, check_tensors: bool = True) -> None:
+    """Every tensor of the file into the model; `check_tensors`: none may hold a NaN or an infinity."""
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[str, int] = {}  # parameter name -> elements written
     source = gguf_weights if is_gguf(model_dir) else safetensors_files
@@ -145,6 +175,7 @@ def load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None
         if name not in params:
             raise ValueError(f"{model_dir}: weight {entry.name} does not belong to this model's config")
         param = params[name]
+        _check_shape(entry, param, rows, shard, model_dir)
         if param.dtype == torch.uint8:  # a module kept in the file's blocks
             destination = block_rows(param, rows)
             gguf_quantized.read_blocks_into(entry, destination, shard)
@@ -162,6 +193,25 @@ def load_weights(model: LlamaModel, model_dir: str, shard: Shard | None) -> None
     missing = [n for n, p in params.items() if n not in shared and filled.get(n) != p.numel()]
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+    if check_tensors:
+        check_finite_model(model, model_dir)
+
+
+def _check_shape(entry, param: torch.Tensor, rows: slice | None, shard: Shard | None, model_dir: str) -> None:
+    """The tensor's shape is the one the config gives its place (not just as many values): checked before
+    a byte is read. Under tensor parallelism a split tensor's part is checked as it is cut."""
+    if shard is not None and is_split(entry.name):
+        return
+    if param.dtype == torch.uint8:  # [rows, row bytes] of blocks: the rows, and a matrix
+        expected = (block_rows(param, rows).shape[0], None)
+        is_fit = len(entry.shape) == 2 and entry.shape[0] == expected[0]
+    else:
+        expected = tuple((param.data[rows] if rows is not None else param.data).shape)
+        is_fit = tuple(entry.shape) == expected
+    if not is_fit:
+        wanted = [size if size is not None else "..." for size in expected]
+        raise ValueError(f"{model_dir}: tensor {entry.name} has shape {list(entry.shape)}; this model's config "
+                         f"makes it {wanted}")
 
 
 def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None] | None:

@@ -17,9 +17,10 @@ from worker.models.weight_update import check_weights, update_weights_from_path
 
 
 class WeightStore:
-    def __init__(self, model: LlamaModel, shard: Shard | None) -> None:
+    def __init__(self, model: LlamaModel, shard: Shard | None, check_tensors: bool = True) -> None:
         self.model = model
         self.shard = shard
+        self.check_tensors = check_tensors  # NaN and infinities refused in new weights
         self.dropped: list[tuple[torch.nn.Parameter, torch.Size]] = []  # sleep level 2: the weights' shapes
 
     @property
@@ -46,16 +47,16 @@ class WeightStore:
         safetensors file (the frontend's tensors) is checked whole first; a folder or GGUF file goes
         through the loader, which needs every weight or raises a ValueError."""
         if not self.dropped:
-            return update_weights_from_path(self.model, path, self.shard)
+            return update_weights_from_path(self.model, path, self.shard, self.check_tensors)
         is_file = path.endswith(".safetensors")
         if is_file:
             self.check(path)
         self._allocate(renew_memory)
         try:
             if is_file:
-                update_weights_from_path(self.model, path, self.shard)
+                update_weights_from_path(self.model, path, self.shard, self.check_tensors)
             else:
-                load_weights(self.model, path, self.shard)
+                load_weights(self.model, path, self.shard, self.check_tensors)
         except BaseException:
             self.drop()
             raise

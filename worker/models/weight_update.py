@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from worker.models.finite_weights import check_finite_tensor
 from worker.models.llama import LlamaModel
 from worker.models.loader import weight_destination  # the loader's one map of HF names
 from worker.models.sharding import Shard, is_split, rank_part
@@ -41,10 +42,15 @@ def safetensors_paths(path: str) -> list[Path]:
     raise ValueError(f"update_weights: {path} is neither a safetensors file nor a folder holding some")
 
 
-def update_weights_from_path(model: LlamaModel, path: str, shard: Shard | None = None) -> int:
-    """Loads every tensor of `path` into the model; returns how many tensors changed."""
+def update_weights_from_path(
+    model: LlamaModel, path: str, shard: Shard | None = None, check_tensors: bool = True
+) -> int:
+    """Loads every tensor of `path` into the model; returns how many tensors changed. `check_tensors`:
+    a NaN or an infinity anywhere refuses the update before anything is copied."""
     with _opened(path) as named:
         plan = plan_update(model, [(n, tuple(s.get_shape())) for n, s in named.items()], shard)
+        for name, _ in plan if check_tensors else ():  # read before any copy: a bad one leaves the old weights
+            check_finite_tensor(named[name][:], name, "update_weights refused, the weights are unchanged")
         for name, target in plan:
             copy_into(target, named[name], name, shard)
     return len(plan)

@@ -188,4 +188,6 @@ def _spawn(spec: WorkerSpec) -> subprocess.Popen:
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "worker.parallel.rank", msgspec.json.encode(spec).decode()]
-    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+    # A session of its own: a signal to the core's group (Ctrl+C on a daemon) reaches the core alone, which
+    # stops its ranks (close); a rank whose core dies stops by itself.
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)

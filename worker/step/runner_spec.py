@@ -25,3 +25,5 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # The runner has its process to itself (a spawned core, a daemon, a rank): the thread governor may set
     # the process's torch threads. False in a user's process (LLM(multiprocess=False)): never touched.
     owns_process: bool = False
+    fill_empty_with_nan: bool = False  # EngineConfig's debug switch (worker/nan_empties.py)
+    check_tensors: bool = True  # EngineConfig's: weights holding NaN or infinities refused where they enter

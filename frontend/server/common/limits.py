@@ -92,12 +92,18 @@ class PromptBound:
 
     def check(self, text: str, max_model_len: int, param: str) -> None:
         """A 400, before tokenizing, for a text that must have at least max_model_len tokens."""
-        num_min = self.min_tokens(text)
+        self._refuse(len(text), self.min_tokens(text), max_model_len, param)
+
+    def check_length(self, num_chars: int, max_model_len: int, param: str) -> None:
+        """`check` for a text known by its length alone (a character is at least a byte)."""
+        self._refuse(num_chars, -(-num_chars // (NORMALIZER_SLACK * self.max_token_bytes)), max_model_len, param)
+
+    def _refuse(self, num_chars: int, num_min: int, max_model_len: int, param: str) -> None:
         if num_min >= max_model_len:
             raise APIError(
                 400,
                 f"This model's maximum context length is {max_model_len} tokens; the {param} "
-                f"({len(text)} characters) has at least {num_min} tokens",
+                f"({num_chars} characters) has at least {num_min} tokens",
                 param,
             )
 

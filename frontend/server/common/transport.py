@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import anyio
 from sse_starlette import EventSourceResponse
@@ -26,6 +27,7 @@ from frontend.server.common.errors import error_body
 from frontend.server.common.logprob_json import to_json
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
@@ -45,6 +47,28 @@ async def until_disconnected(request: Request, work: Awaitable[Response]) -> Res
                 await task
     if task.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+class ClientGone(Exception):
+    """The client left while its request was still being prepared (its chat template rendering)."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `work` cancelled and ClientGone raised once the client is gone: for what runs
+    before a response exists (a chat template's render, stopped with its task)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientGone()
     return task.result()
 
 

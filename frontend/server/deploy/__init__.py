@@ -1,1 +1,2 @@
-"""Ways to deploy the server beyond `coreserve serve` (frontend process): Ray Serve."""
+"""What deploying the server needs beyond its answers (frontend process): draining on SIGTERM, the
+probes routers read, Ray Serve."""

@@ -46,7 +46,8 @@ def probe_router() -> APIRouter:
 async def ready(request: Request) -> Response:
     """200 while the engine takes new requests now; 503 saying why while it is dead, asleep, paused, or
     busy with a control command (a weight update, a sleep or wake) that holds its answer past
-    READY_WAIT_S, so that a router sends its requests elsewhere meanwhile."""
+    READY_WAIT_S, so that a router sends its requests elsewhere meanwhile. While the server drains before
+    it stops, drain.py's middleware answers the 503 instead (`shutting_down`)."""
     engine = request.app.state.server.engine
     try:
         if engine.is_dead:

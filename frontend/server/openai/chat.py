@@ -20,7 +20,13 @@ from frontend.server.common.errors import APIError
 from frontend.server.common.generation import Generation, PromptInput
 from frontend.server.common.inputs import check_logprobs, check_prompts, start_checked
 from frontend.server.common.logprob_json import JSONBytesResponse, chat_content, vllm_prompt_logprobs
-from frontend.server.common.transport import sse_response, until_disconnected
+from frontend.server.common.transport import (
+    CLIENT_CLOSED_REQUEST,
+    ClientGone,
+    sse_response,
+    unless_disconnected,
+    until_disconnected,
+)
 from frontend.server.openai.chat_prompt import chat_prompt, echo_text
 from frontend.server.openai.inputs import check_body_fields, prompt_scoring_k, sampling_params
 from frontend.server.openai.message_parts import ChoiceParser
@@ -32,7 +38,10 @@ from frontend.server.state import ServerState
 
 
 async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
-    response = await start_chat(request.app.state.server, body)
+    try:  # a client gone while its template renders stops the render
+        response = await unless_disconnected(request, start_chat(request.app.state.server, body))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     if body.stream:
         await start_checked(response.generation, body)
         return sse_response(response.chunks(), response.generation.close)

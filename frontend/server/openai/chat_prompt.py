@@ -1,17 +1,16 @@
 """A chat request's messages to its prompt: the template, vLLM's `continue_final_message` and `echo`
 (frontend process, HTTP server).
 
-Rendering and tokenizing run in a worker thread, after a rendered text that cannot fit the context is
-refused untokenized, so that one long conversation delays no other request's tokens.
+The template renders in the engine's sandbox (frontend/engine/template_sandbox.py: a worker process under
+a time limit, a text cap and a memory cap, killed when the request goes); tokenizing runs in a worker
+thread, after a rendered text that cannot fit the context is refused untokenized, so that one long
+conversation delays no other request's tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
-
-import jinja2
-
-from frontend.engine.chat_template import TEXT_PART_SEPARATOR, render_chat
+from frontend.engine.chat_template import TEXT_PART_SEPARATOR, chat_render_args
+from frontend.engine.template_sandbox import TemplateTooLong
 from frontend.server.common.errors import APIError
 from frontend.server.common.generation import PromptInput
 from frontend.server.common.inputs import tokenize
@@ -26,23 +25,31 @@ async def chat_prompt(server, body: ChatCompletionRequest) -> PromptInput:
         message = "continue_final_message and add_generation_prompt cannot both be true"
         raise APIError(400, message, "continue_final_message")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    text = await asyncio.to_thread(_render, server, messages, body)
+    text = await _render(server, messages, body)
     token_ids = await tokenize(
         server, text, body.add_special_tokens, body.truncate_prompt_tokens, param="messages"
     )
     return PromptInput(text, token_ids)
 
 
-def _render(server, messages: list[dict], body: ChatCompletionRequest) -> str:
+async def render_messages(server, messages: list[dict], body) -> str:
+    """The body's messages through the template (a chat's, a Responses' or /tokenize's body); a 400 naming
+    `messages` for a malformed one, the template's own refusal (raise_exception) or a limit passed."""
     try:
-        text = render_chat(
+        args = chat_render_args(
             server.tokenizer, messages, server.chat_template, body.add_generation_prompt,
             template_tools(body), body.chat_template_kwargs,
         )
+        return await server.engine.templates.render_async(*args)
+    except TemplateTooLong as exc:  # the context's refusal where the length alone says it cannot fit
+        server.prompt_bound.check_length(exc.num_chars, server.facts.max_model_len, "messages")
+        raise APIError(400, str(exc), "messages") from exc
     except ValueError as exc:
         raise APIError(400, str(exc), "messages") from exc
-    except jinja2.TemplateError as exc:  # the template's own refusal (raise_exception) of these messages
-        raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from exc
+
+
+async def _render(server, messages: list[dict], body: ChatCompletionRequest) -> str:
+    text = await render_messages(server, messages, body)
     if not body.continue_final_message:
         return text
     final = message_text(messages[-1])

@@ -21,7 +21,13 @@ from starlette.responses import Response
 from frontend.server.common.errors import APIError
 from frontend.server.common.inputs import start_checked
 from frontend.server.common.logprob_json import JSONBytesResponse
-from frontend.server.common.transport import sse_response, until_disconnected
+from frontend.server.common.transport import (
+    CLIENT_CLOSED_REQUEST,
+    ClientGone,
+    sse_response,
+    unless_disconnected,
+    until_disconnected,
+)
 from frontend.server.openai.chat import start_chat
 from frontend.server.openai.responses_input import ResponsesRequest, chat_request
 
@@ -31,7 +37,10 @@ async def create_response(request: Request, body: ResponsesRequest) -> Response:
         chat_body = chat_request(body)
     except (AttributeError, TypeError, KeyError) as exc:  # an item or part of the wrong shape
         raise APIError(400, f"input or text has an item of the wrong shape: {exc}", "input") from exc
-    response = await start_chat(request.app.state.server, chat_body, prefix="resp")
+    try:  # a client gone while its template renders stops the render
+        response = await unless_disconnected(request, start_chat(request.app.state.server, chat_body, prefix="resp"))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     shape = ResponseShape(body, response.generation.request_id, response.server.answer_name(response.generation.params.lora))
     if body.stream:
         await start_checked(response.generation, chat_body)

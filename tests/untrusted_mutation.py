@@ -1,0 +1,86 @@
+"""The vocabulary of the untrusted-input fuzzer (tests/untrusted_fuzz.py): the valid inputs it starts from
+(`Bases`), one mutation of one of them (`Mutation`: what it changes, and the function that writes the
+mutated copy), and the helpers the mutation modules share: odd values, a folder that links a base's files,
+a safetensors file rewritten around a new header.
+
+A mutation writes only under the case's own folder; the bases are never changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+HUGE_INTS = (2**31, 2**32 - 1, 2**40, 2**63 - 1, 2**64 - 1)
+# What a JSON number can be replaced by: extremes, the wrong type, NaN as a float and as a string
+ODD_JSON_VALUES = (0, -1, 1, 2**31, 2**63, 2**64 + 1, 10**30, 1.5, -0.0, float("nan"), float("inf"), "NaN", "12",
+                   "", True, None, [], [1], {}, {"a": 1})
+
+
+@dataclass(frozen=True)
+class Bases:
+    """The valid inputs, made once per run (tests/untrusted_fuzz_child.py's `make_bases`)."""
+
+    gguf: str  # a small llama GGUF file (tests/gguf_files.py's model, a 512-token vocabulary)
+    hf: str  # the built-in tiny model's folder: read only, mutations copy or link its files
+    lora: str  # a PEFT adapter folder for the tiny model (rank 2: q_proj, v_proj, down_proj)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    kind: str  # the family of mutation, the report's rows: "gguf-header", "hf-config", "lora", ...
+    description: str  # what was changed, enough to redo it by hand
+    target: str  # what the child loads from the written path: "model", "lora" or "template"
+    make: Callable[[Bases, Path], str]  # writes the mutated input under the folder, returns its path
+
+
+def linked_copy(source: str, folder: Path, replaced: dict[str, bytes | None]) -> Path:
+    """`folder` holding a link to each file of `source`, except `replaced`'s names: written with their
+    bytes, or left out (None). Links keep the tiny model's 114 MB of weights off the disk."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in Path(source).iterdir():
+        if item.name not in replaced:
+            os.symlink(item.resolve(), folder / item.name)
+    for name, data in replaced.items():
+        if data is not None:
+            (folder / name).write_bytes(data)
+    return folder
+
+
+def json_bytes(value: object) -> bytes:
+    """JSON as Python writes it: NaN and Infinity are written bare, as some exporters do."""
+    return json.dumps(value, indent=1).encode()
+
+
+def safetensors_parts(path: str) -> tuple[dict, int]:
+    """A valid safetensors file's header (a dict) and where its data section starts."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)), 8 + length
+
+
+def rewrite_safetensors(source: str, destination: Path, header: bytes | dict, header_len: int | None = None,
+                        patches: dict[int, bytes] | None = None) -> None:
+    """`source`'s data section behind a new header (raw bytes, or a dict to write as JSON); `header_len`:
+    the length field when it should lie; `patches`: bytes to overwrite at offsets of the data section."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    _, data_start = safetensors_parts(source)
+    with open(source, "rb") as src, open(destination, "wb") as dst:
+        dst.write(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw)
+        src.seek(data_start)
+        shutil.copyfileobj(src, dst, 16 << 20)
+        for offset, data in (patches or {}).items():
+            dst.seek(8 + len(raw) + offset)
+            dst.write(data)
+
+
+def float_bytes(value: float, dtype: str) -> bytes:
+    """One value in a safetensors dtype's bytes (F32, F16, BF16)."""
+    if dtype == "BF16":
+        return struct.pack("<f", value)[2:]
+    return struct.pack({"F32": "<f", "F16": "<e", "F64": "<d"}[dtype], value)
