@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from frontend.clients.client_protocol import CoreClient
 from frontend.control_verbs import LLMControlVerbs
-from frontend.engine.chat_template import render_chat
+from frontend.engine.chat_template import chat_render_args
 from frontend.engine.engine import FrontendEngine
 from frontend.engine.input_processor import InputProcessor, PromptType
 from frontend.engine.output_processor import OutputProcessor
@@ -100,9 +100,8 @@ class LLM(LLMControlVerbs):
         output are text here (the server parses them: docs/serving.md)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         texts = [
-            render_chat(
-                self.engine.templates, self.tokenizer, c, chat_template, add_generation_prompt, tools,
-                chat_template_kwargs,
+            self.engine.templates.render(
+                *chat_render_args(self.tokenizer, c, chat_template, add_generation_prompt, tools, chat_template_kwargs)
             )
             for c in conversations
         ]

@@ -1,5 +1,5 @@
 """coreserve behind an OpenAI router from PyPI (vllm-router, the vLLM project's): two servers on the real
-SmolLM2, one thread each, a mixed load of 120 requests with logprobs through the router (some sharing
+SmolLM2, one thread each, a mixed load of 64 requests with logprobs through the router (some sharing
 prefixes, greedy and seeded), every one answered, both replicas serving, and every response's tokens
 and logprobs equal, bit for bit, to the same request sent alone to one server with nothing else
 running: routing cannot change a result. A replica in another dtype is caught by the same comparison.
@@ -82,13 +82,13 @@ SERVE = ("--served-model-name", MODEL, "--num-threads", "1")
 
 
 def test_two_replicas_behind_vllm_router_answer_with_a_single_servers_bits():
-    bodies = workload(120, seed=1)
+    bodies = workload(64, seed=1)
     path = builtin_model_path("smollm2")
     with running_server(*SERVE, model=path) as (a, _), running_server(*SERVE, model=path) as (b, _):
         with running_router(a, b) as router:
             routed = through_router(router, bodies)
         served = [metric(server, "vllm:request_success_total") for server in (a, b)]
-        assert all(count >= 30 for count in served) and sum(served) >= 120, served  # both replicas served
+        assert all(count >= 16 for count in served) and sum(served) >= 64, served  # both replicas served
         assert metric(a, "vllm:prefix_cache_hits_total") > 0
         assert alone(a, bodies) == routed  # the same bits, whichever replica and neighbours
 

@@ -102,10 +102,10 @@ def check_ids_and_logprobs(server: str, messages: list[dict], answer) -> None:
 
 
 def test_llm_chat_and_the_server_render_tools_alike():
-    """LLM.chat's tools and chat_template_kwargs reach the template as the server's do (render_chat, one
-    function): the history's call arguments, JSON text in OpenAI's messages, decoded for the template; the
+    """LLM.chat's tools and chat_template_kwargs reach the template as the server's do (chat_render_args,
+    one function): the history's call arguments, JSON text in OpenAI's messages, decoded for the template; the
     sandbox's text is apply_chat_template's on the real template."""
-    from frontend.engine.chat_template import render_chat
+    from frontend.engine.chat_template import chat_render_args
     from frontend.engine.engine_args import load_tokenizer
     from frontend.engine.template_sandbox import TemplateSandbox
 
@@ -115,9 +115,9 @@ def test_llm_chat_and_the_server_render_tools_alike():
                 {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
     sandbox = TemplateSandbox(30.0, 1 << 20, num_workers=1)
     try:
-        text = render_chat(sandbox, tokenizer, messages, None, True, TOOLS, {"enable_thinking": False})
+        text = sandbox.render(*chat_render_args(tokenizer, messages, None, True, TOOLS, {"enable_thinking": False}))
         with pytest.raises(ValueError, match="cannot set tools"):
-            render_chat(sandbox, tokenizer, messages, None, True, None, {"tools": []})
+            chat_render_args(tokenizer, messages, None, True, None, {"tools": []})
     finally:
         sandbox.close()
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text

@@ -3,7 +3,7 @@ one or a few mutations of each kind (GGUF header numbers, nested arrays, alignme
 tokenizer, the tensor list, a truncation, a NaN weight; config.json, safetensors headers and values, shard
 names that leave the folder; LoRA configs and tensors; hostile chat templates), each loaded as the engine
 loads it in one child process: each is refused with the engine's ValueError (or loads) within 10 s and
-512 MiB of growth, and afterwards a real engine in that process answers. About 20 s."""
+512 MiB of growth, and afterwards a real engine in that process answers. About 17 s."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ pytestmark = pytest.mark.slow
 
 SAMPLE = (
     "tensor count = 18446744073709551615",
-    "'tokenizer.ggml.tokens' count = 4611686018427387904",
     "'blk.0.attn_q.weight' dims[0] = 4294967295",
     "'output.weight' offset = 18446744073709551552",
     "an extra key nested 100000 arrays deep",
@@ -22,34 +21,27 @@ SAMPLE = (
     "llama.block_count = 10000000 (u32)",
     "llama.embedding_length = 2147483648 (u32)",
     "llama.attention.head_count = 4 (u32), llama.attention.head_count_kv = 3 (u32)",
-    "llama.attention.layer_norm_rms_epsilon = nan (f32)",
     "llama.rope.freq_base = -10000.0 (f32)",
     "tokenizer.ggml.bos_token_id = 512 (u32)",
     "tokenizer.ggml.tokens: token 300 a copy of token 299",
-    "tokenizer.ggml.tokens: token 300 empty",
-    "tensor blk.1.ffn_down.weight dropped",
     "tensor blk.0.attn_q.weight renamed 'blk.7.attn_q.weight'",
     "cut at the first tensor info",
     "token_embd.weight: value at byte 0 = nan",
     "config.json: num_hidden_layers = 18446744073709551617",
     "config.json: num_attention_heads = 8, num_key_value_heads = 3",
-    "config.json: rms_norm_eps = nan",
     "config.json: a list",
     "model.safetensors: header length 2^64-1",
     "model.safetensors: model.layers.0.self_attn.k_proj.weight data_offsets = [0, 9223372036854775808]",
     "model.safetensors: model.embed_tokens.weight[0] = nan",
     "model.safetensors.index.json: every tensor in ../x.safetensors",
-    "model.safetensors.index.json: every tensor in /etc/passwd",
     "tokenizer.json: not JSON",
     "adapter_config.json: r = 0",
     "adapter_config.json: lora_alpha = nan",
-    "adapter_config.json: a list",
     "adapter_model.safetensors: base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight: B [257, 2], wider "
     "than q_proj",
     "adapter_model.safetensors: base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: A[0, 0] = NaN",
     "a loop of 10^10 steps",
     "'x' * 10**9",
-    "recursion through a macro",
 )
 
 

@@ -5,7 +5,7 @@ ended, with the case's seconds and peak memory growth.
 A model file goes through the frontend's chain (check_model_folder, tokenizer_fingerprint, load_tokenizer,
 generation_defaults) and the core's (load_model with dtype "auto" on the CPU, eos_token_ids), each chain
 stopping at its first error, as the process would. An adapter goes through worker/lora/adapter.py's
-read_adapter against the tiny model; a chat template through render_chat in the engine's TemplateSandbox
+read_adapter against the tiny model; a chat template through chat_render_args in the engine's TemplateSandbox
 with its default limits. A step that loads returns a summary, compared with the base's, so that an
 accepted mutation can be told from one that silently changed the model.
 
@@ -221,13 +221,14 @@ def check_lora(state: _State, path: str, report: Callable[[str], None]) -> list[
 
 
 def check_template(state: _State, path: str, report: Callable[[str], None]) -> list[dict]:
-    from frontend.engine.chat_template import render_chat
+    from frontend.engine.chat_template import chat_render_args
 
     template = CHATML if path == "base" else Path(path).read_text()
-    def render() -> dict:
-        return {"characters": len(render_chat(state.sandbox, state.tokenizer, MESSAGES, template, True))}
 
-    return _run_chain("frontend", [("render_chat", render)], report)
+    def render() -> dict:
+        return {"characters": len(state.sandbox.render(*chat_render_args(state.tokenizer, MESSAGES, template, True)))}
+
+    return _run_chain("frontend", [("render", render)], report)
 
 
 CHECKS = {"model": check_model, "lora": check_lora, "template": check_template}

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from frontend.engine.template_sandbox import TemplateSandbox
-
 TEXT_PART_SEPARATOR = "\n"  # vLLM's "string" content format joins a message's text parts this way
 
 
@@ -23,26 +21,6 @@ RESERVED_TEMPLATE_NAMES = frozenset((
 ))
 
 
-def render_chat(
-    sandbox: TemplateSandbox,
-    tokenizer,
-    messages: Sequence[Mapping],
-    chat_template: str | None,
-    add_generation_prompt: bool,
-    tools: list[dict] | None = None,
-    template_kwargs: Mapping | None = None,
-) -> str:
-    """The prompt text for `messages` (each {"role", "content"}, content a string or a list of
-    {"type": "text", "text"} parts), with the `tools` ({"type": "function", "function": {...}} each) and
-    the template's own variables (`enable_thinking`, ...) for templates that read them, rendered in the
-    sandbox as transformers' `apply_chat_template` renders it. Raises ValueError when neither a template
-    nor the tokenizer's own is there, when a message is malformed, or when the render fails or passes a
-    limit of the sandbox (frontend/engine/template_sandbox.py)."""
-    return sandbox.render(*chat_render_args(
-        tokenizer, messages, chat_template, add_generation_prompt, tools, template_kwargs
-    ))
-
-
 def chat_render_args(
     tokenizer,
     messages: Sequence[Mapping],
@@ -51,8 +29,12 @@ def chat_render_args(
     tools: list[dict] | None = None,
     template_kwargs: Mapping | None = None,
 ) -> tuple[str, list[dict], list[dict] | None, dict, bool]:
-    """`TemplateSandbox.render`'s arguments: what `apply_chat_template` hands its renderer (the template
-    it picks, the tokenizer's special tokens beside the caller's variables)."""
+    """`TemplateSandbox.render`'s arguments for `messages` (each {"role", "content"}, content a string or
+    a list of {"type": "text", "text"} parts), with the `tools` ({"type": "function", "function": {...}}
+    each) and the template's own variables (`enable_thinking`, ...) for templates that read them: what
+    `apply_chat_template` hands its renderer (the template it picks, the tokenizer's special tokens
+    beside the caller's variables), so that the sandbox's text is its text. Raises ValueError when
+    neither a template nor the tokenizer's own is there, or when a message is malformed."""
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(

@@ -35,19 +35,10 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobod
 
 async def until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
     """`work`'s response, or `work` cancelled (its engine requests aborted) once the client is gone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
+        return await unless_disconnected(request, work)
+    except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return task.result()
 
 
 class ClientGone(Exception):
