@@ -35,7 +35,9 @@ def eos_token_ids(model_dir: str) -> list[int]:
     its config.json names one), in that order, each once. A GGUF file's: `tokenizer.ggml.eos_token_id`."""
     if is_gguf(model_dir):
         eos = read_gguf_header(model_dir).metadata.get("tokenizer.ggml.eos_token_id")
-        return [] if eos is None else [int(eos)]
+        if eos is not None and not _is_token_id(eos):
+            raise ValueError(f"{model_dir}: tokenizer.ggml.eos_token_id={eos!r} is not a token id")
+        return [] if eos is None else [eos]
     ids: list[int] = []
     for name in ("config.json", "generation_config.json"):
         eos = _read_json(Path(model_dir) / name).get("eos_token_id")

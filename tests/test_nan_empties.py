@@ -38,8 +38,10 @@ def uneven_heads(tmp_path_factory) -> str:
 
 
 def test_heads_that_are_not_a_multiple_of_the_kv_heads_are_refused_at_load(uneven_heads):
+    empty = torch.empty
     with pytest.raises(Exception, match="num_attention_heads=4 is not a multiple of num_key_value_heads=3"):
-        LLM(uneven_heads, multiprocess=False)
+        LLM(uneven_heads, multiprocess=False, fill_empty_with_nan=True)
+    assert torch.empty is empty  # a start that fails gives the NaN fill back
 
 
 def test_with_the_check_disabled_the_switch_turns_the_unwritten_head_nan(uneven_heads, monkeypatch):
@@ -48,5 +50,6 @@ def test_with_the_check_disabled_the_switch_turns_the_unwritten_head_nan(uneven_
     with LLM(uneven_heads, multiprocess=False, fill_empty_with_nan=True) as llm:
         (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
     completion = output.outputs[0]
+    assert len(completion.token_ids) == len(completion.logprobs) == 2
     assert all(math.isnan(entry[token].logprob) for token, entry in zip(completion.token_ids, completion.logprobs))
     assert torch.empty is empty  # the switch went with its engine

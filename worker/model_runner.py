@@ -56,9 +56,19 @@ class ModelRunner(RunnerControl):
         on_progress: Callable[[], None] | None = None,
         group: TensorParallelGroup | None = None,
     ) -> None:
-        self.holds_nan_fill = spec.fill_empty_with_nan
-        if self.holds_nan_fill:
+        self.holds_nan_fill = False
+        if spec.fill_empty_with_nan:  # given back by close(), or here when the start fails
             nan_empties.hold()
+            self.holds_nan_fill = True
+        try:
+            self._start(spec, on_progress, group)
+        except BaseException:
+            self._release_nan_fill()
+            raise
+
+    def _start(
+        self, spec: RunnerSpec, on_progress: Callable[[], None] | None, group: TensorParallelGroup | None
+    ) -> None:
         self.device = pick_device(spec.device) if group is None else group.device
         self.block_size = spec.block_size
         self.group = group
@@ -100,6 +110,9 @@ class ModelRunner(RunnerControl):
         """The model lives in this process: only what runs beside the steps stops (the huge-page
         collapse, which would hold the weights seconds after an in-process engine closed)."""
         self.backend.close()
+        self._release_nan_fill()
+
+    def _release_nan_fill(self) -> None:
         if self.holds_nan_fill:
             self.holds_nan_fill = False
             nan_empties.release()

@@ -55,10 +55,13 @@ class _Worker:
     def __init__(self, memory_bytes: int) -> None:
         self.memory_bytes = memory_bytes
         self.process: subprocess.Popen | None = None
+        self.is_closed = False  # the sandbox closed: no process starts again
 
     def render(self, request: bytes, deadline: float, cancelled: threading.Event | None) -> dict:
         if self.process is None or self.process.poll() is not None:
             self.start()
+        if self.process is None:
+            raise RenderCancelled()  # closed meanwhile
         try:
             self.process.stdin.write(_LENGTH.pack(len(request)) + request)
             self.process.stdin.flush()
@@ -71,6 +74,8 @@ class _Worker:
         return reply
 
     def start(self) -> None:
+        if self.is_closed:
+            return
         self.process = subprocess.Popen(
             [sys.executable, str(_WORKER_FILE), str(self.memory_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
@@ -97,7 +102,7 @@ class _Worker:
     def _read(self, size: int, deadline: float, cancelled: threading.Event | None) -> bytes:
         fd, chunks, done = self.process.stdout.fileno(), [], 0
         while done < size:
-            if cancelled is not None and cancelled.is_set():
+            if self.is_closed or (cancelled is not None and cancelled.is_set()):
                 raise RenderCancelled()
             left = deadline - time.monotonic()
             if left <= 0:
@@ -107,7 +112,9 @@ class _Worker:
                 continue
             chunk = os.read(fd, min(size - done, 1 << 20))
             if not chunk:
-                raise ChildProcessError(f"the chat template's worker exited (code {self.process.wait()})")
+                process = self.process
+                code = process.wait() if process is not None else "closed"
+                raise ChildProcessError(f"the chat template's worker exited (code {code})")
             chunks.append(chunk)
             done += len(chunk)
         return b"".join(chunks)
@@ -144,35 +151,46 @@ class TemplateSandbox:
         variables: dict,
         add_generation_prompt: bool,
         cancelled: threading.Event | None = None,
+        deadline: float | None = None,
     ) -> str:
-        """The rendered text; a ValueError naming the limit or the template's own error."""
+        """The rendered text; a ValueError naming the limit or the template's own error. `deadline`
+        (time.monotonic()): where the request's time limit began earlier (queued for a thread)."""
         request = _encode({
             "template": template, "messages": messages, "tools": tools, "variables": variables,
             "add_generation_prompt": add_generation_prompt, "max_chars": self.max_chars,
         })
-        deadline = time.monotonic() + self.timeout_s
-        if cancelled is not None and cancelled.is_set():
-            raise RenderCancelled()
-        try:
-            worker = self._idle.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise ValueError(self._time_message()) from None
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        worker = self._idle_worker(deadline, cancelled)
         try:
             reply = worker.render(request, deadline, cancelled)
         except TimeoutError:
             raise ValueError(self._time_message()) from None
-        except ChildProcessError as exc:  # killed by the system (the cap reached outside Python's heap)
-            raise ValueError(f"the chat template's render failed: {exc}; its memory limit is "
-                             f"{worker.memory_bytes >> 20} MiB") from None
+        except (ChildProcessError, OSError) as exc:  # killed by the system, or its pipe broke
+            raise ValueError(f"the chat template's render failed: {exc} (its memory limit is "
+                             f"{worker.memory_bytes >> 20} MiB)") from None
         finally:
             self._idle.put(worker)
         return self._text(reply, worker)
 
+    def _idle_worker(self, deadline: float, cancelled: threading.Event | None) -> _Worker:
+        """A free worker, waited for until the deadline or the request's cancellation."""
+        while True:
+            if cancelled is not None and cancelled.is_set():
+                raise RenderCancelled()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ValueError(self._time_message())
+            try:
+                return self._idle.get(timeout=min(left, _POLL_S))
+            except queue.Empty:
+                continue
+
     async def render_async(self, *args) -> str:
         """`render` off the event loop; cancelling the awaiting task kills the render."""
-        cancelled = threading.Event()
+        cancelled, deadline = threading.Event(), time.monotonic() + self.timeout_s  # a queued wait counts too
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._threads, functools.partial(self.render, *args, cancelled=cancelled))
+        call = functools.partial(self.render, *args, cancelled=cancelled, deadline=deadline)
+        future = loop.run_in_executor(self._threads, call)
         try:
             return await future
         except asyncio.CancelledError:
@@ -187,6 +205,7 @@ class TemplateSandbox:
 
     def close(self) -> None:
         for worker in self._workers:
+            worker.is_closed = True  # a render still reading ends as cancelled, and starts nothing
             worker.kill()
         self._threads.shutdown(wait=False, cancel_futures=True)
 

@@ -63,7 +63,7 @@ def check_config_numbers(
         raise ValueError(f"{name('num_attention_heads')}={heads} is not a multiple of "
                          f"{name('num_key_value_heads')}={kv_heads}: each KV head must serve whole query heads")
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    if head_dim < 1:
+    if config["hidden_size"] < heads:
         raise ValueError(f"{name('hidden_size')}={config['hidden_size']} has fewer features than "
                          f"{name('num_attention_heads')}={heads} heads")
     positions = config.get("max_position_embeddings") or 2048

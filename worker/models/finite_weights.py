@@ -60,7 +60,10 @@ def _scales_are_finite(run: torch.Tensor, ggml_type: int) -> bool:
     """run: [rows, row bytes] uint8 of one ggml type. An fp16 is NaN or infinite when its five exponent
     bits are all set: tested on the scales' bits where they lie, both scales of a block in one 32-bit
     word where the block is whole words (one pass over the blocks: the pass is memory-bound)."""
-    raw = run.detach().cpu().reshape(-1).numpy()
+    if run.device.type != "cpu":  # the exponent bits tested where the blocks lie: no copy to the host
+        words = run.detach().reshape(-1).view(torch.int16).view(-1, QUANT_TYPES[ggml_type][1] // 2)
+        return not any(bool(((words[:, o // 2] & 0x7C00) == 0x7C00).any()) for o in _SCALE_OFFSETS[ggml_type])
+    raw = run.detach().reshape(-1).numpy()
     block_bytes, offsets = QUANT_TYPES[ggml_type][1], _SCALE_OFFSETS[ggml_type]
     if len(offsets) == 2 and block_bytes % 4 == 0:
         pairs = raw.view(np.uint32).reshape(-1, block_bytes // 4)[:, offsets[0] // 4]

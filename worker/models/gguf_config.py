@@ -132,7 +132,7 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     check_config_numbers(config, {v: f"{arch}.{k}" for k, v in _KEYS.items()}, GGUF_REQUIRED_KEYS)
     config.update(_family_keys(header, arch, config))
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    config.update({k: int(v) for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})
+    config.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})  # checked
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in config.items() if v is not None}
 
 
@@ -153,11 +153,15 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
         rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
         keys["partial_rotary_factor"] = rotary / head_dim
         long, short = _rope_factors(header)
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if long is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+            raise ValueError(f"{header.path}: LongRoPE factors need {arch}.rope.scaling.original_context_length, "
+                             f"a positive integer (got {original!r})")
         if long is not None:
             keys["rope_parameters"] = {
                 "rope_type": "longrope", "rope_theta": float(config.get("rope_theta", 10000.0)),
                 "long_factor": long, "short_factor": short, "partial_rotary_factor": rotary / head_dim,
-                "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+                "original_max_position_embeddings": original,
             }
             attention = meta.get(f"{arch}.rope.scaling.attn_factor")
             if attention is not None and not _is_default_attention(float(attention), config, keys["rope_parameters"]):

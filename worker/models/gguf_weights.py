@@ -82,7 +82,7 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
             yield from _expert_entries(info, path, name)
             continue
         minus_one = rules.norms_plus_one and name.endswith("norm.weight")
-        yield GGUFEntry(name, info, path, tuple(reversed(info.dims)), _num_bytes(info), interleaved, minus_one)
+        yield GGUFEntry(name, info, path, tuple(reversed(info.dims)), info.num_bytes, interleaved, minus_one)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> tuple[str, str | None]:
@@ -107,7 +107,7 @@ def _expert_entries(info: GGUFTensorInfo, path: str, prefix: str) -> Iterator[GG
         raise ValueError(f"tensor {info.name}: an experts tensor has 3 dimensions, not {len(info.dims)}")
     columns, rows, num_experts = info.dims
     role = _EXPERTS[info.name.split(".")[2]]
-    num_bytes = _num_bytes(info) // num_experts
+    num_bytes = info.num_bytes // num_experts
     for expert in range(num_experts):
         one = GGUFTensorInfo(info.name, info.ggml_type, (columns, rows), info.offset + expert * num_bytes)
         yield GGUFEntry(f"{prefix}.{expert}.{role}.weight", one, path, (rows, columns), num_bytes, None)
@@ -172,15 +172,6 @@ def _undo_pair_interleave(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _num_rows(info: GGUFTensorInfo) -> int:
     return int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
-
-
-def _num_bytes(info: GGUFTensorInfo) -> int:
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
-    if info.dims[0] % block_size:
-        raise ValueError(f"tensor {info.name}: rows of {info.dims[0]} do not fill {block_size}-value blocks")
-    return info.dims[0] // block_size * type_size * _num_rows(info)
 
 
 def _type_name(ggml_type: int) -> str:

@@ -116,7 +116,7 @@ def load_model(
     for name in rotaries:
         delattr(model, name)
     if shard is None:  # a rank holds a part of each tensor
-        check_model_fits_file(_num_elements(model.parameters()), sum(map(math.prod, file_shapes.values())), model_dir)
+        check_model_fits_file(sum(p.numel() for p in model.parameters()), sum(map(math.prod, file_shapes.values())), model_dir)
     _allocate(model, dtype, device)  # uninitialized: every byte is read below
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -135,11 +135,6 @@ def _file_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     if is_gguf(model_dir):
         return {t.name: t.dims for t in read_gguf_header(model_dir).tensors}
     return {e.name: e.shape for e in safetensors_files.list_tensors(model_dir)}
-
-
-def _num_elements(tensors) -> int:
-    """Elements of distinct tensors (a tied embedding once)."""
-    return sum({id(t): t.numel() for t in tensors}.values())
 
 
 def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -1,0 +1,1 @@
+"""The worker: model, paged KV cache, sampler and logprobs. Runs in the engine-core process."""
