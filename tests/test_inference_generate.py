@@ -42,7 +42,9 @@ def test_a_rollout_equals_the_python_apis_bits(server, llm_inproc):
 
 
 def test_streamed_chunks_add_up_to_the_whole_answer(server):
-    body = {"token_ids": PROMPT, "sampling_params": ROLLOUT, "stream": True, "stream_options": {"include_usage": True}}
+    """48 tokens: long enough that a loaded host's reader still sees them in several chunks."""
+    rollout = {**ROLLOUT, "max_tokens": 48}
+    body = {"token_ids": PROMPT, "sampling_params": rollout, "stream": True, "stream_options": {"include_usage": True}}
     token_ids, logprobs, usage, num_chunks = [], [], None, 0
     with httpx.stream("POST", server + "/inference/v1/generate", json=body, timeout=60) as response:
         for line in response.iter_lines():
@@ -54,11 +56,11 @@ def test_streamed_chunks_add_up_to_the_whole_answer(server):
                 token_ids += choice["token_ids"]
                 logprobs += [c["logprob"] for c in choice["logprobs"]["content"]]
             usage = chunk.get("usage", usage)
-    whole = httpx.post(server + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": ROLLOUT},
+    whole = httpx.post(server + "/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": rollout},
                        timeout=60).json()["choices"][0]
     assert token_ids == whole["token_ids"] and logprobs == [c["logprob"] for c in whole["logprobs"]["content"]]
     assert num_chunks > 1
-    assert usage["completion_tokens"] == 12
+    assert usage["completion_tokens"] == 48
 
 
 def test_teacher_scoring_with_prompt_logprobs(server, llm_inproc):
