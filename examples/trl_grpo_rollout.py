@@ -26,9 +26,9 @@ import tempfile
 
 import torch
 
-from frontend import LLM, LoRARequest
-from protocol.builtin_model import builtin_model_path
-from protocol.sampling_params import SamplingParams
+from coreserve import LLM, LoRARequest
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.protocol.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sky is"]
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, median, print_table, timed, write_json  # noqa: E402
 from bench_dtype import run, workload  # noqa: E402
 
-from frontend import LLM  # noqa: E402
+from coreserve import LLM  # noqa: E402
 
 MODES = {"off": False, "invariant": True}  # the first is each ratio's baseline
 

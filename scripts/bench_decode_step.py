@@ -28,12 +28,12 @@ import torch  # noqa: E402
 from bench_common import machine, prompts_of_lengths, write_json  # noqa: E402
 from stream_read import load_stream_sum  # noqa: E402
 
-from engine_core.core import EngineCore  # noqa: E402
-from frontend.engine.engine_args import load_tokenizer, make_config  # noqa: E402
-from protocol.messages import EngineCoreRequest  # noqa: E402
-from protocol.sampling_params import SamplingParams  # noqa: E402
-from worker.cpu.huge_pages import huge_page_bytes  # noqa: E402
-from worker.cpu.linear import linear  # noqa: E402
+from coreserve.engine_core.core import EngineCore  # noqa: E402
+from coreserve.frontend.engine.engine_args import load_tokenizer, make_config  # noqa: E402
+from coreserve.protocol.messages import EngineCoreRequest  # noqa: E402
+from coreserve.protocol.sampling_params import SamplingParams  # noqa: E402
+from coreserve.worker.cpu.huge_pages import huge_page_bytes  # noqa: E402
+from coreserve.worker.cpu.linear import linear  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -24,7 +24,7 @@ from bench_common import (  # noqa: E402
     write_json,
 )
 
-from frontend import LLM, SamplingParams  # noqa: E402
+from coreserve import LLM, SamplingParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import prompts_of_lengths  # noqa: E402
 
-from frontend import LLM, SamplingParams  # noqa: E402
+from coreserve import LLM, SamplingParams  # noqa: E402
 
 
 class GcTimer:

@@ -1,4 +1,4 @@
-"""The C few-row products (worker/cpu/csrc/gemv.c) against MKL on one decode step's shapes of a built-in
+"""The C few-row products (coreserve/worker/cpu/csrc/gemv.c) against MKL on one decode step's shapes of a built-in
 preset, by row count: ms for all the step's linear layers (lm_head included), turn about in one run.
 
 Columns: fp32 weights by the C kernel and by MKL (the transposed way the engine used before, and
@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_common import machine, print_table, write_json  # noqa: E402
 
-from protocol.builtin_model import GPT2_VOCAB_SIZE, PRESETS  # noqa: E402
-from worker.cpu.kernels import load_cpu_kernels  # noqa: E402
-from worker.cpu.linear import gemv, transposed_linear  # noqa: E402
+from coreserve.protocol.builtin_model import GPT2_VOCAB_SIZE, PRESETS  # noqa: E402
+from coreserve.worker.cpu.kernels import load_cpu_kernels  # noqa: E402
+from coreserve.worker.cpu.linear import gemv, transposed_linear  # noqa: E402
 
 
 def step_shapes(preset: str) -> list[tuple[int, int]]:

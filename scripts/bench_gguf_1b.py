@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, median, write_json  # noqa: E402
 from bench_llama_cpp import LLAMA_SERVER, distance, start, throughput  # noqa: E402
 
-from protocol.gguf_header import read_gguf_header  # noqa: E402
+from coreserve.protocol.gguf_header import read_gguf_header  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_QUANTIZE = LLAMA_SERVER.parent / "llama-quantize"

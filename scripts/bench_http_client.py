@@ -75,7 +75,7 @@ class LocalServer:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        command = [sys.executable, "-m", "frontend", "serve", args.model, "--port", str(port)]
+        command = [sys.executable, "-m", "coreserve", "serve", args.model, "--port", str(port)]
         command += ["--log-level", "warning", "--num-scheduler-steps", str(args.num_scheduler_steps)]
         command += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype]
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]

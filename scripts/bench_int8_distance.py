@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, write_json  # noqa: E402
 from bench_llama_cpp import LLAMA_SERVER, PROMPTS, gguf_path, start  # noqa: E402
 
-from frontend.llm import LLM  # noqa: E402
-from protocol.sampling_params import SamplingParams  # noqa: E402
+from coreserve.frontend.llm import LLM  # noqa: E402
+from coreserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 
 def llama_rows(base: str, prompt: str, tokens: int, top: int) -> tuple[list[int], list[int], list[dict[int, float]]]:

@@ -86,7 +86,7 @@ def main() -> None:
 
 def gguf_path(model: str) -> str:
     if model == "builtin:smollm2":
-        from protocol.builtin_model import smollm2_path
+        from coreserve.protocol.builtin_model import smollm2_path
 
         return smollm2_path()
     return model
@@ -113,7 +113,7 @@ class start:
     def __enter__(self) -> start:
         port = _free_port()
         if self.name == "coreserve":
-            command = [sys.executable, "-m", "frontend", "serve", self.gguf, "--port", str(port), "--log-level",
+            command = [sys.executable, "-m", "coreserve", "serve", self.gguf, "--port", str(port), "--log-level",
                        "warning", "--max-num-seqs", str(max(32, self.concurrency)), "--served-model-name", "m"]
             command += (["--dtype", self.dtype] if self.dtype else []) + self.extra
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -161,8 +161,8 @@ def distance(gguf: str, binary: str, max_tokens: int) -> dict:
     """llama.cpp's greedy tokens' logprobs against the fp32-dequantized model's for the same tokens."""
     with start("llama.cpp", gguf, binary, 1) as server:
         theirs = [_llama_tokens(server.base, prompt, min(max_tokens, 32)) for prompt in PROMPTS]
-    from frontend.llm import LLM
-    from protocol.sampling_params import SamplingParams
+    from coreserve.frontend.llm import LLM
+    from coreserve.protocol.sampling_params import SamplingParams
 
     llm = LLM(gguf, dtype="float32")
     try:

@@ -31,10 +31,10 @@ CHILD = """
 import json, logging, sys, time
 started, clock = time.time(), time.perf_counter()
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-for name in ("frontend", "engine_core", "worker"):
+for name in ("coreserve",):
     logging.getLogger(name).setLevel(logging.INFO)
-from frontend.llm import LLM
-from protocol.sampling_params import SamplingParams
+from coreserve.frontend.llm import LLM
+from coreserve.protocol.sampling_params import SamplingParams
 imported = time.perf_counter()
 llm = LLM(sys.argv[1])
 built = time.perf_counter()
@@ -119,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if args.hf_folder:
-        from protocol.builtin_model import builtin_model_path
+        from coreserve.protocol.builtin_model import builtin_model_path
 
         model = hf_folder(
             builtin_model_path(model.split(":", 1)[1]) if model.startswith("builtin:") else model

@@ -29,7 +29,7 @@ from bench_common import machine, median, write_json  # noqa: E402
 from real_models import path_of  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from frontend import LLM, LoRARequest, SamplingParams  # noqa: E402
+from coreserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

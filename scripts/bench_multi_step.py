@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, median, print_table, prompts_of_lengths, timed, write_json  # noqa: E402
 
-from frontend import LLM, SamplingParams  # noqa: E402
+from coreserve import LLM, SamplingParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,9 +38,9 @@ def parse_args() -> argparse.Namespace:
 def core_only(args: argparse.Namespace) -> None:
     """Per-token step time of an N=1 core and an N=steps core on the same requests, in this process:
     what a window can save is at most what a single step spends outside the model."""
-    from engine_core.core import EngineCore
-    from frontend.engine.engine_args import load_tokenizer, make_config
-    from protocol.messages import EngineCoreRequest
+    from coreserve.engine_core.core import EngineCore
+    from coreserve.frontend.engine.engine_args import load_tokenizer, make_config
+    from coreserve.protocol.messages import EngineCoreRequest
 
     configs = {
         n: make_config(args.model, {"max_num_seqs": args.num_requests, "num_scheduler_steps": n})

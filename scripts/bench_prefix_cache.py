@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, median, print_table, prompts_of_lengths, write_json  # noqa: E402
 
-from frontend import AsyncLLM, SamplingParams  # noqa: E402
+from coreserve import AsyncLLM, SamplingParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

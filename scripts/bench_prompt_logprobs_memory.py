@@ -1,6 +1,6 @@
 """Memory of scoring long prompts with prompt_logprobs=20 (issue 43): what prompt logprobs add to a
 request's peak memory does not grow with the prompt, because the vocabulary-wide logits exist 256
-positions at a time (worker/sampling/prompt_logprobs.py) and a step holds at most
+positions at a time (coreserve/worker/sampling/prompt_logprobs.py) and a step holds at most
 max_num_batched_tokens of activations.
 
     python scripts/bench_prompt_logprobs_memory.py        # SmolLM2, bench_out/prompt_logprobs_memory.json
@@ -31,7 +31,7 @@ LENGTHS = (500, 1000, 2000, 4000, 8000, 16000)
 CONTEXT = 16384
 PROBE = r"""
 import json, random, sys
-from frontend import LLM, SamplingParams
+from coreserve import LLM, SamplingParams
 length, k = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2]))
 def peak():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
@@ -50,7 +50,7 @@ def long_context_copy() -> str:
     """SmolLM2's GGUF file with `llama.context_length` = CONTEXT, written in place in a byte copy."""
     from gguf import GGUFReader
 
-    from protocol.builtin_model import builtin_model_path
+    from coreserve.protocol.builtin_model import builtin_model_path
 
     copy = ROOT / "bench_out" / f"smollm2-context-{CONTEXT}.gguf"
     copy.parent.mkdir(exist_ok=True)

@@ -1,4 +1,4 @@
-"""The quantized products (worker/cpu/csrc/gemv_quant.c) of one weight matrix, every kept GGUF type against
+"""The quantized products (coreserve/worker/cpu/csrc/gemv_quant.c) of one weight matrix, every kept GGUF type against
 the fp32 product (gemv.c) of the same shape, by row count, turn about in one run: ms a product (median)
 and GB/s of the weight's bytes. The blocks are random bytes with small fp16 scales (speed does not
 depend on the values).
@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_common import machine, median, print_table, write_json  # noqa: E402
 
-from worker.cpu.build import NARROWER_BUILDS  # noqa: E402
-from worker.cpu.kernels import load_cpu_kernels  # noqa: E402
-from worker.cpu.linear import gemv  # noqa: E402
-from worker.cpu.quant_linear import quant_gemv  # noqa: E402
-from worker.models.quantized import QUANT_TYPES  # noqa: E402
+from coreserve.worker.cpu.build import NARROWER_BUILDS  # noqa: E402
+from coreserve.worker.cpu.kernels import load_cpu_kernels  # noqa: E402
+from coreserve.worker.cpu.linear import gemv  # noqa: E402
+from coreserve.worker.cpu.quant_linear import quant_gemv  # noqa: E402
+from coreserve.worker.models.quantized import QUANT_TYPES  # noqa: E402
 
 SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # fp16 d (and m/dmin)
 

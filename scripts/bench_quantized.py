@@ -29,10 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, median, print_table, prompts_of_lengths, timed, write_json  # noqa: E402
 
-from frontend import LLM, SamplingParams  # noqa: E402
-from protocol.builtin_model import builtin_model_path  # noqa: E402
+from coreserve import LLM, SamplingParams  # noqa: E402
+from coreserve.protocol.builtin_model import builtin_model_path  # noqa: E402
 
-_CORE_IMPORTS = "import torch, transformers, engine_core.__main__, worker.model_runner"
+_CORE_IMPORTS = "import torch, transformers, coreserve.engine_core.__main__, coreserve.worker.model_runner"
 _BLOCK_SIZE = 16  # tokens per KV-cache block, set on the engine with the pool's size
 
 
@@ -58,8 +58,8 @@ def model_path(name: str) -> str:
 
 def kv_bytes_per_position(path: str) -> int:
     """fp32 K and V of every layer for one position."""
-    from worker.models.config import LlamaArgs
-    from worker.models.loader import read_config
+    from coreserve.worker.models.config import LlamaArgs
+    from coreserve.worker.models.loader import read_config
 
     a = LlamaArgs.from_hf_config(read_config(path))
     return 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
@@ -71,7 +71,7 @@ def step_bytes(path: str, dtype: str, context: int) -> int:
     import torch
     from torch import nn
 
-    from worker.models.loader import load_model
+    from coreserve.worker.models.loader import load_model
 
     model = load_model(path, dtype, torch.device("cpu"))
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
@@ -99,7 +99,7 @@ def baseline_rss() -> dict[str, float]:
 def core_pid() -> int:
     import psutil
 
-    children = [c for c in psutil.Process().children(recursive=True) if "engine_core" in " ".join(c.cmdline())]
+    children = [c for c in psutil.Process().children(recursive=True) if "coreserve.engine_core" in " ".join(c.cmdline())]
     assert len(children) == 1, children
     return children[0].pid
 
@@ -146,7 +146,7 @@ def kv_blocks(args, concurrency: int) -> int:
 def main() -> None:
     args = parse_args()
     path = model_path(args.model)
-    from frontend.engine.engine_args import load_tokenizer
+    from coreserve.frontend.engine.engine_args import load_tokenizer
 
     tokenizer = load_tokenizer(path)
     concurrencies = [int(c) for c in args.concurrency.split(",")]

@@ -31,7 +31,7 @@ from bench_common import machine, median, write_json  # noqa: E402
 from server_harness import running_server  # noqa: E402
 from test_router import running_router  # noqa: E402
 
-from protocol.builtin_model import builtin_model_path  # noqa: E402
+from coreserve.protocol.builtin_model import builtin_model_path  # noqa: E402
 
 NAME = "smollm2"
 

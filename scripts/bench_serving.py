@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from bench_common import machine, prompts_of_lengths, sharegpt_like_lengths, write_json  # noqa: E402
 from bench_http_client import HttpDriver, LocalServer  # noqa: E402
 
-from frontend import AsyncLLM, SamplingParams  # noqa: E402
+from coreserve import AsyncLLM, SamplingParams  # noqa: E402
 
 ENGINE_ARGS = (
     "model",
@@ -207,7 +207,7 @@ def make_engine(args) -> AsyncLLM | LocalServer:
 
 def load_workload_tokenizer(model: str):
     """The model's tokenizer without an engine (--base-url runs make no AsyncLLM)."""
-    from frontend.engine.engine_args import load_tokenizer, make_config
+    from coreserve.frontend.engine.engine_args import load_tokenizer, make_config
 
     return load_tokenizer(make_config(model, {}).model)
 

@@ -38,7 +38,7 @@ PROMPTS = ["The capital of France is", "Write a short story about a robot who le
 
 
 def engine(model: str, requests: int, max_tokens: int, barrier, results) -> None:
-    from frontend import LLM, SamplingParams
+    from coreserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(model) as llm:
@@ -80,7 +80,7 @@ def timeline_engine(model: str, fixed: bool, length_s: float, barrier, results) 
 
     if fixed:
         os.environ["CORESERVE_FIXED_THREADS"] = "1"  # read by the core the LLM spawns
-    from frontend import LLM, SamplingParams
+    from coreserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ends = []

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, print_table, write_json  # noqa: E402
 
-from frontend import LLM, SamplingParams  # noqa: E402
-from protocol.builtin_model import builtin_model_path  # noqa: E402
+from coreserve import LLM, SamplingParams  # noqa: E402
+from coreserve.protocol.builtin_model import builtin_model_path  # noqa: E402
 
 CODE = '''def read_config(path):
     with open(path) as f:

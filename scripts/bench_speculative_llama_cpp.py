@@ -27,7 +27,7 @@ from bench_common import machine, print_table, write_json  # noqa: E402
 from bench_llama_cpp import start  # noqa: E402
 from bench_speculative import COPY_CHATS, FREE_CHATS  # noqa: E402
 
-from protocol.builtin_model import builtin_model_path  # noqa: E402
+from coreserve.protocol.builtin_model import builtin_model_path  # noqa: E402
 
 BINARY = Path.home() / ".cache/coreserve/llama.cpp-0.3.36/build/bin/llama-server"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, median, print_table, prompts_of_lengths, timed, write_json  # noqa: E402
 
-from frontend import LLM, SamplingParams  # noqa: E402
-from protocol.structured_outputs import StructuredOutputsParams  # noqa: E402
+from coreserve import LLM, SamplingParams  # noqa: E402
+from coreserve.protocol.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

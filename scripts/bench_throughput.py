@@ -21,7 +21,7 @@ from bench_common import (  # noqa: E402
     write_json,
 )
 
-from frontend import LLM, SamplingParams  # noqa: E402
+from coreserve import LLM, SamplingParams  # noqa: E402
 
 ENGINE_CONFIGS = {
     "engine": {},

@@ -7,7 +7,7 @@ fused forward rebuilt over the new weights' addresses), reset_prefix_cache.
     .venv/bin/python scripts/bench_update_weights.py [--model builtin:smollm2] [--repeats 5]
         [--daemon] [--tensor-parallel-size 2] [--num-threads N] [--dtype float32]
 
---daemon starts `python -m engine_core` on an ipc socket and attaches to it (else the frontend spawns
+--daemon starts `python -m coreserve.engine_core` on an ipc socket and attaches to it (else the frontend spawns
 its core). The first --first updates run right after the engine starts, as an RL loop's first syncs
 do (the core may still be collapsing its weights into huge pages then), and are reported beside the
 settled median. Prints a table and writes JSON (--out). The machine is shared and noisy: note its load.
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--settle", type=float, default=12.0,
                         help="seconds between start and the first update: a new core spends its first "
-                        "idle seconds collapsing its weights into huge pages (worker/cpu/huge_pages.py)")
+                        "idle seconds collapsing its weights into huge pages (coreserve/worker/cpu/huge_pages.py)")
     parser.add_argument("--first", type=int, default=3,
                         help="updates right after the engine starts (reported apart), before the settling")
     parser.add_argument("--daemon", action="store_true", help="through an attached daemon")
@@ -50,9 +50,9 @@ def main() -> None:
 
     import torch
 
-    from engine_core.core import EngineCore
-    from protocol.builtin_model import builtin_model_path
-    from protocol.config import EngineConfig
+    from coreserve.engine_core.core import EngineCore
+    from coreserve.protocol.builtin_model import builtin_model_path
+    from coreserve.protocol.config import EngineConfig
 
     model = builtin_model_path(args.model[8:]) if args.model.startswith("builtin:") else args.model
     engine = {"num_kv_blocks": 64, "tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype}
@@ -90,7 +90,7 @@ def main() -> None:
 
 @contextmanager
 def _engine(model: str, engine: dict, is_daemon: bool):
-    from frontend import LLM
+    from coreserve import LLM
 
     if not is_daemon:
         with LLM(model, **engine) as llm:
@@ -99,7 +99,7 @@ def _engine(model: str, engine: dict, is_daemon: bool):
     folder = tempfile.mkdtemp(prefix="coreserve-bench-")
     address = f"ipc://{folder}/core"
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in engine.items()]
-    command = [sys.executable, "-m", "engine_core", "--model", model, "--address", address, *flags]
+    command = [sys.executable, "-m", "coreserve.engine_core", "--model", model, "--address", address, *flags]
     daemon = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         while not os.path.exists(f"{folder}/core.in"):  # it binds once its model is loaded
@@ -115,7 +115,7 @@ def _engine(model: str, engine: dict, is_daemon: bool):
 
 def _hf_named(model):
     """The engine model's weights under HF names (fused row blocks split back)."""
-    from worker.models.loader import weight_destination
+    from coreserve.worker.models.loader import weight_destination
 
     a = model.args
     names = ["model.embed_tokens.weight", "model.norm.weight"]

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine, median, print_table, write_json  # noqa: E402
 from real_models import CACHE  # noqa: E402
 
-from protocol.builtin_model import builtin_model_path  # noqa: E402
-from worker.models.config import LlamaArgs  # noqa: E402
-from worker.models.finite_weights import check_finite_model  # noqa: E402
-from worker.models.loader import load_model, read_config  # noqa: E402
+from coreserve.protocol.builtin_model import builtin_model_path  # noqa: E402
+from coreserve.worker.models.config import LlamaArgs  # noqa: E402
+from coreserve.worker.models.finite_weights import check_finite_model  # noqa: E402
+from coreserve.worker.models.loader import load_model, read_config  # noqa: E402
 
 DEFAULT_MODELS = ["builtin:smollm2", str(CACHE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")]
 

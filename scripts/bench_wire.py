@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from bench_common import machine, print_table, write_json  # noqa: E402
 
-from protocol.arrays import LogprobsArrays  # noqa: E402
-from protocol.codec import Codec  # noqa: E402
-from protocol.messages import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
+from coreserve.protocol.arrays import LogprobsArrays  # noqa: E402
+from coreserve.protocol.codec import Codec  # noqa: E402
+from coreserve.protocol.messages import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 
 
 def step_message(num_reqs: int, k: int | None, rng) -> EngineCoreOutputs:

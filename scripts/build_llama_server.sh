@@ -8,7 +8,7 @@
 #   scripts/build_llama_server.sh            # -> ~/.cache/coreserve/llama.cpp-0.3.36/build/bin/llama-server
 #                                            #    and .../bin/llama-quantize
 #   ~/.cache/coreserve/llama.cpp-0.3.36/build/bin/llama-server -m "$(.venv/bin/python -c \
-#       'from protocol.builtin_model import builtin_model_path; print(builtin_model_path("smollm2"))')" \
+#       'from coreserve.protocol.builtin_model import builtin_model_path; print(builtin_model_path("smollm2"))')" \
 #       --port 8081 -t 2 -np 32 -c 16384 --cont-batching
 #
 # Heavy (minutes of both cores): run it on a quiet machine. Needs cmake and a C++ compiler.

@@ -15,8 +15,8 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
-from frontend import LLM, SamplingParams
-from frontend.engine.engine_args import make_config
+from coreserve import LLM, SamplingParams
+from coreserve.frontend.engine.engine_args import make_config
 
 PROMPTS = [
     "The capital of France is",

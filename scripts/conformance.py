@@ -51,7 +51,7 @@ CHUNK_TOKENS = 32  # the batched run's token budget: the long prompt is prefille
 def run_engine(path: str, dtype: str, max_tokens: int, k: int) -> dict:
     """Each prompt alone, then all batched under a small token budget: per prompt, its prompt ids, the
     prompt logprob rows and the sampled tokens with their rows (each row: [[token id, logprob], ...])."""
-    from frontend import LLM, SamplingParams
+    from coreserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=k, prompt_logprobs=k,
                             ignore_eos=True)

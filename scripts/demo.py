@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from frontend import LLM, SamplingParams
+from coreserve import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "The three primary colours are", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

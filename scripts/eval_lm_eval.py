@@ -4,7 +4,7 @@ server, the way lm-eval users score a model with `local-completions`.
     (lm-eval[api]==0.4.13 is in the test extras)
     python scripts/eval_lm_eval.py        # builtin:smollm2; --model PATH for another
 
-It starts `python -m frontend serve MODEL` on a free loopback port, writes the set as a local lm-eval
+It starts `python -m coreserve serve MODEL` on a free loopback port, writes the set as a local lm-eval
 task (a YAML file, `--include_path`), saves the engine's tokenizer as a folder for lm-eval to tokenize
 with, runs lm-eval's `local-completions` model on the task (echo, logprobs: its log-likelihood
 requests), and prints lm-eval's accuracy next to the one computed here from the per-item
@@ -58,7 +58,7 @@ def main() -> None:
         tokenizer_dir = save_tokenizer(args.model, work_dir / "tokenizer")
         port = free_port()
         server = subprocess.Popen(
-            [sys.executable, "-m", "frontend", "serve", args.model, "--port", str(port), "--log-level", "warning",
+            [sys.executable, "-m", "coreserve", "serve", args.model, "--port", str(port), "--log-level", "warning",
              "--served-model-name", "coreserve"],
             cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
         )
@@ -75,7 +75,7 @@ def main() -> None:
 
 def save_tokenizer(model: str, folder: Path) -> str:
     """The tokenizer the engine uses, saved as a Hugging Face folder lm-eval can load."""
-    from frontend.llm import LLM
+    from coreserve.frontend.llm import LLM
 
     llm = LLM(model)
     try:

@@ -58,7 +58,7 @@ SMOLLM2 = RealModel("smollm2-135m", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 
 def path_of(name: str) -> Path:
     """Where a real model's file is (or will be, once fetched)."""
     if name == SMOLLM2.name:
-        from protocol.builtin_model import smollm2_path
+        from coreserve.protocol.builtin_model import smollm2_path
 
         return Path(smollm2_path())
     return CACHE / MODELS[name].file

@@ -241,7 +241,7 @@ def plot(result: dict, path: str) -> None:
 def start_server(model: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "frontend", "serve", model, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "coreserve", "serve", model, "--port", str(port),
                              "--log-level", "warning", "--served-model-name", "m", *flags], cwd=ROOT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from worker.cpu.build import find_compiler, load_library
+from coreserve.worker.cpu.build import find_compiler, load_library
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "stream_read.c"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from protocol.builtin_model import builtin_model_path  # noqa: E402
+from coreserve.protocol.builtin_model import builtin_model_path  # noqa: E402
 
 _COPIED = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
 _COPIED_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")

@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from gguf_fuzz_files import peaked_init  # noqa: E402  (the family models' init, the fuzzer's too)
 from real_tokenizers import real_tokenizer_path  # noqa: E402  (tests/: the family tests' tokenizers)
 
-from protocol.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
+from coreserve.protocol.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
 
 # The suite's weight dtype: `CORESERVE_TEST_DTYPE=bfloat16` (`make test-bf16`) hands every engine the tests
 # build a bf16 copy of the same checkpoint (the engine's dtype "auto" takes the checkpoint's), so in
@@ -148,7 +148,7 @@ def _write_bf16_copy(source: Path, copy: Path) -> None:
 @pytest.fixture(scope="session")
 def kernels():
     """The CPU kernels built for this machine (modules with their own `kernels` fixture use theirs)."""
-    from worker.cpu.kernels import load_cpu_kernels
+    from coreserve.worker.cpu.kernels import load_cpu_kernels
 
     loaded = load_cpu_kernels()
     assert loaded is not None, "this machine has a C compiler: the kernels must build"
@@ -167,7 +167,7 @@ def qwen_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
-    from frontend.engine.engine_args import load_tokenizer
+    from coreserve.frontend.engine.engine_args import load_tokenizer
 
     return load_tokenizer(tiny_path)
 
@@ -195,7 +195,7 @@ def hf_logprobs(model, token_ids: list[int]):
 
 @pytest.fixture(scope="session")
 def llm_inproc(tiny_path):
-    from frontend import LLM
+    from coreserve import LLM
 
     llm = LLM(tiny_path, multiprocess=False, max_num_batched_tokens=256, num_kv_blocks=512)
     yield llm
@@ -204,7 +204,7 @@ def llm_inproc(tiny_path):
 
 @pytest.fixture(scope="session")
 def llm_mp(tiny_path):
-    from frontend import LLM
+    from coreserve import LLM
 
     llm = LLM(tiny_path, max_num_batched_tokens=256, num_kv_blocks=512)
     yield llm
@@ -239,13 +239,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_daemon(model: str, address: str, *flags: str, timeout_s: float = 120.0):
-    """`python -m engine_core` on `address`, returned once it listens (its ipc socket file exists)."""
+    """`python -m coreserve.engine_core` on `address`, returned once it listens (its ipc socket file exists)."""
     import subprocess
     import sys
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_core", "--model", model, "--address", address, *flags],
+        [sys.executable, "-m", "coreserve.engine_core", "--model", model, "--address", address, *flags],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
@@ -270,12 +270,12 @@ def running_daemon(model: str, address: str, *flags: str):
 
 
 def run_daemon_command(*args: str, timeout: float = 120):
-    """`python -m engine_core ARGS` to its end (a command-line mistake, keygen): its CompletedProcess."""
+    """`python -m coreserve.engine_core ARGS` to its end (a command-line mistake, keygen): its CompletedProcess."""
     import subprocess
     import sys
 
     return subprocess.run(
-        [sys.executable, "-m", "engine_core", *args],
+        [sys.executable, "-m", "coreserve.engine_core", *args],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,

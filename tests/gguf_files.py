@@ -16,7 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.builtin_model import GPT2_VOCAB_SIZE, ModelSpec, make_config, make_tokenizer, make_weights
+from coreserve.protocol.builtin_model import (
+    GPT2_VOCAB_SIZE,
+    ModelSpec,
+    make_config,
+    make_tokenizer,
+    make_weights,
+)
 
 SPEC = ModelSpec(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512, seed=5)
 # byte offset of each K-quant block's fp16 scale fields (d, and dmin where it has one)

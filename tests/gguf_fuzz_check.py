@@ -21,7 +21,7 @@ from gguf_fuzz import FuzzCase
 from gguf_fuzz_files import write_case
 
 HF_TOLERANCE = 1e-4
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # worker/models/quantized.py's QUANT_TYPES
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # coreserve/worker/models/quantized.py's QUANT_TYPES
 
 
 @dataclass
@@ -72,8 +72,8 @@ def must_keep(types: dict[str, tuple[str, str]]) -> list[str]:
 
 
 def run_engine(path: str, dtype: str, case: FuzzCase) -> EngineRun:
-    from frontend import LLM, SamplingParams
-    from worker.models.quantized import QuantEmbedding, QuantLinear
+    from coreserve import LLM, SamplingParams
+    from coreserve.worker.models.quantized import QuantEmbedding, QuantLinear
 
     params = [SamplingParams(**request) for request in case.requests]
     prompts = [{"prompt_token_ids": list(ids)} for ids in case.prompts]

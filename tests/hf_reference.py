@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.builtin_model import default_cache_dir
+from coreserve.protocol.builtin_model import default_cache_dir
 
 REFERENCE_DIR = default_cache_dir() / "hf-reference"
 RESULTS_VERSION = 2  # bump when what a result holds changes (2: untied GGUF outputs kept)

@@ -1,4 +1,4 @@
-"""Helpers for the server tests (tests/test_server_*.py): a real `python -m frontend serve` process on a
+"""Helpers for the server tests (tests/test_server_*.py): a real `python -m coreserve serve` process on a
 free loopback port, and readers of its responses. Each test module starts one server."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from protocol.builtin_model import builtin_model_path
+from coreserve.protocol.builtin_model import builtin_model_path
 
 API_KEY = "sk-test-coreserve"
 MODEL = "builtin:tiny"
@@ -38,7 +38,7 @@ def running_server(
     *flags: str, startup_timeout_s: float = 180.0, model: str | None = None, omit_model: bool = False,
     new_session: bool = False,
 ):
-    """`python -m frontend serve MODEL --port P FLAGS` until /health answers; yields (url, process).
+    """`python -m coreserve serve MODEL --port P FLAGS` until /health answers; yields (url, process).
     MODEL: builtin:tiny (its bf16 copy in bf16 mode), or `model` as given (e.g. the SmolLM2 GGUF);
     `omit_model`: none at all (the command's default, builtin:smollm2). `new_session`: the server leads
     a process group of its own, which a test may signal whole (os.killpg(proc.pid, ...)). At the end a
@@ -48,7 +48,7 @@ def running_server(
     command = [
         sys.executable,
         "-m",
-        "frontend",
+        "coreserve",
         "serve",
         *([] if omit_model else [model] if model else served_model()),
         "--port",
@@ -89,12 +89,12 @@ def served_model() -> list[str]:
 
 
 def core_pids(server_pid: int) -> list[int]:
-    """The `python -m engine_core` processes the server spawned (none when attached to a daemon)."""
+    """The `python -m coreserve.engine_core` processes the server spawned (none when attached to a daemon)."""
     try:
         children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
     except OSError:
         return []
-    return [int(c) for c in children if b"engine_core" in _cmdline(int(c))]
+    return [int(c) for c in children if b"coreserve.engine_core" in _cmdline(int(c))]
 
 
 def _cmdline(pid: int) -> bytes:

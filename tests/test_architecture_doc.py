@@ -12,8 +12,8 @@ PACKAGES = ["protocol", "frontend", "engine_core", "worker"]
 def test_the_architecture_map_names_every_module_and_c_source():
     text = (ROOT / "docs" / "architecture.md").read_text()
     lines = text.splitlines()
-    files = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"]
-    files += list((ROOT / "worker" / "cpu" / "csrc").glob("*.c"))
+    files = [p for package in PACKAGES for p in (ROOT / "coreserve" / package).rglob("*.py") if p.name != "__init__.py"]
+    files += list((ROOT / "coreserve" / "worker" / "cpu" / "csrc").glob("*.c"))
     missing = []
     for path in files:
         relative = path.relative_to(ROOT).as_posix()

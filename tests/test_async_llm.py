@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from conftest import PROMPTS, stream_then_abort
 
-from frontend import AsyncLLM, SamplingParams
+from coreserve import AsyncLLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_abort_ends_the_stream_with_finish_reason_abort(engine):
 
 
 def test_shutdown_ends_open_streams_with_engine_dead_error(tiny_path):
-    from frontend import EngineDeadError
+    from coreserve import EngineDeadError
 
     async def main(engine):
         params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
@@ -153,7 +153,7 @@ def test_n_greater_than_one_streams_each_finished_completion_once(engine, llm_in
 
 def test_an_engine_call_that_fails_fails_its_caller_alone(engine):
     """EngineCall, the engine thread's command for engine-wide calls: an error goes to the caller only."""
-    from frontend.engine.engine import FrontendEngine
+    from coreserve.frontend.engine.engine import FrontendEngine
 
     async def main():
         with pytest.raises(ZeroDivisionError):

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from conftest import PROMPTS
 
-from frontend import AsyncLLM, SamplingParams
+from coreserve import AsyncLLM, SamplingParams
 
 LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)

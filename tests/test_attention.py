@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.sampling_params import SamplingParams
-from worker.backend import TorchBackend
-from worker.cpu.backend import CpuBackend
-from worker.cpu.kernels import load_cpu_kernels
-from worker.cpu.ops import CpuOps
-from worker.models.loader import load_model
-from worker.models.ops import TorchOps
-from worker.step.attention import AttentionSpec
-from worker.step.input_batch import RequestState, build_step_inputs
+from coreserve.protocol.sampling_params import SamplingParams
+from coreserve.worker.backend import TorchBackend
+from coreserve.worker.cpu.backend import CpuBackend
+from coreserve.worker.cpu.kernels import load_cpu_kernels
+from coreserve.worker.cpu.ops import CpuOps
+from coreserve.worker.models.loader import load_model
+from coreserve.worker.models.ops import TorchOps
+from coreserve.worker.step.attention import AttentionSpec
+from coreserve.worker.step.input_batch import RequestState, build_step_inputs
 
 BLOCK_SIZE = 8
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from conftest import PROMPTS, free_blocks_are_all
 
-from frontend import AsyncLLM, RequestFailedError, SamplingParams
+from coreserve import AsyncLLM, RequestFailedError, SamplingParams
 
 OK = SamplingParams(temperature=0.0, max_tokens=4)
 

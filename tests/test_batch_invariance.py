@@ -14,9 +14,9 @@ import torch
 from conftest import IS_BF16_MODE, running_daemon
 from server_harness import running_server
 
-from frontend import LLM
-from protocol.builtin_model import builtin_model_path
-from protocol.sampling_params import SamplingParams
+from coreserve import LLM
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.protocol.sampling_params import SamplingParams
 
 SAMPLED = SamplingParams(max_tokens=16, logprobs=5, temperature=0.6, seed=1234)
 
@@ -100,7 +100,7 @@ def test_prompt_logprobs_of_the_generated_sequence_equal_its_sample_logprobs(llm
 def chunked(tiny_path):
     """Engines whose steps hold at most 16, 64 and 512 tokens (longer prompts prefill in chunks), prefix
     caching on; and one at 512 without it, whose runs are all cold. All with every torch.empty filled
-    with NaN (worker/nan_empties.py): equal bits prove no unwritten byte reaches a logprob."""
+    with NaN (coreserve/worker/nan_empties.py): equal bits prove no unwritten byte reaches a logprob."""
     engines = {chunk: LLM(tiny_path, multiprocess=False, max_num_batched_tokens=chunk, num_kv_blocks=256,
                           fill_empty_with_nan=True)
                for chunk in (16, 64, 512)}

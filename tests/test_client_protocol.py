@@ -6,10 +6,10 @@ import inspect
 
 import pytest
 
-from frontend.clients.client_protocol import CoreClient
-from frontend.clients.core_client import MPClient
-from frontend.clients.inproc_client import InprocClient
-from frontend.clients.multi_core_client import MultiCoreClient
+from coreserve.frontend.clients.client_protocol import CoreClient
+from coreserve.frontend.clients.core_client import MPClient
+from coreserve.frontend.clients.inproc_client import InprocClient
+from coreserve.frontend.clients.multi_core_client import MultiCoreClient
 
 PROTOCOL_METHODS = [
     name

@@ -11,10 +11,10 @@ import pytest
 import zmq
 from conftest import PROMPTS, free_blocks_are_all, run_daemon_command, running_daemon
 
-from frontend import LLM, SamplingParams
-from protocol import PROTOCOL_VERSION
-from protocol.codec import Codec
-from protocol.messages import (
+from coreserve import LLM, SamplingParams
+from coreserve.protocol import PROTOCOL_VERSION
+from coreserve.protocol.codec import Codec
+from coreserve.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
@@ -22,7 +22,7 @@ from protocol.messages import (
     HandshakeReply,
     Hello,
 )
-from protocol.model_facts import tokenizer_fingerprint
+from coreserve.protocol.model_facts import tokenizer_fingerprint
 
 NESTED_FRAME = b"\x92\xa4beat" + b"\x91" * 1000 + b"\x90"
 OK = SamplingParams(temperature=0.0, max_tokens=4)

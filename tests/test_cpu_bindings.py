@@ -1,4 +1,4 @@
-"""The Python/C seam (worker/cpu/bindings.py): the ctypes mirrors of the C structs have
+"""The Python/C seam (coreserve/worker/cpu/bindings.py): the ctypes mirrors of the C structs have
 the C side's size and field offsets, and every exported function is bound with a named signature."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import ctypes
 
 import pytest
 
-from worker.cpu.bindings import SIGNATURES, LayerDesc, ModelDesc, QuantPart, StepDesc
-from worker.cpu.kernels import load_cpu_kernels
+from coreserve.worker.cpu.bindings import SIGNATURES, LayerDesc, ModelDesc, QuantPart, StepDesc
+from coreserve.worker.cpu.kernels import load_cpu_kernels
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 import zmq
 from conftest import PROMPTS, ROOT, run_daemon_command
 
-from frontend import LLM, SamplingParams
-from protocol.curve_keys import load_key_pair, make_key_pair
+from coreserve import LLM, SamplingParams
+from coreserve.protocol.curve_keys import load_key_pair, make_key_pair
 
 
 def free_port_pair() -> int:
@@ -45,7 +45,7 @@ def daemon(tiny_path, keys):
         [
             sys.executable,
             "-m",
-            "engine_core",
+            "coreserve.engine_core",
             "--model",
             tiny_path,
             "--address",

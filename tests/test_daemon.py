@@ -1,4 +1,4 @@
-"""The core as a daemon: several frontends attach to one `python -m engine_core`, each sees only its own
+"""The core as a daemon: several frontends attach to one `python -m coreserve.engine_core`, each sees only its own
 outputs; a frontend with another tokenizer is refused; the daemon outlives its clients."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from conftest import (
     start_daemon,
 )
 
-from frontend import LLM, SamplingParams
+from coreserve import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def test_a_frontend_with_another_tokenizer_is_refused(daemon, tiny_path, tmp_pat
 
 def test_the_daemon_refuses_a_non_loopback_address_without_the_flag(tiny_path):
     result = subprocess.run(
-        [sys.executable, "-m", "engine_core", "--model", tiny_path, "--address", "tcp://0.0.0.0:5999"],
+        [sys.executable, "-m", "coreserve.engine_core", "--model", tiny_path, "--address", "tcp://0.0.0.0:5999"],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
@@ -103,7 +103,7 @@ def test_command_line_mistakes_are_one_line_and_exit_code_2(args, message):
 
 
 def test_every_engine_flag_has_help():
-    from protocol.config import EngineConfig
+    from coreserve.protocol.config import EngineConfig
 
     text = " ".join(run_daemon_command("--help").stdout.split())
     for field in EngineConfig.__struct_fields__:
@@ -166,8 +166,8 @@ def test_sigterm_removes_the_socket_files_and_ipv6_loopback_serves(tiny_path, tm
 
 def test_attaching_to_a_silent_address_fails_within_the_attach_timeout_naming_it(tiny_path, tmp_path, monkeypatch):
     """The wait is ATTACH_TIMEOUT_S (15 s); shortened here so the suite does not sit through it."""
-    from frontend import EngineDeadError
-    from frontend.clients import core_client
+    from coreserve import EngineDeadError
+    from coreserve.frontend.clients import core_client
 
     assert core_client.ATTACH_TIMEOUT_S == 15.0
     monkeypatch.setattr(core_client, "ATTACH_TIMEOUT_S", 2.0)
@@ -192,7 +192,7 @@ def start_faulty_core(model: str, address: str, fault: str) -> subprocess.Popen:
 
 
 def test_a_fatal_core_error_reaches_the_client_with_its_message(tiny_path, tmp_path):
-    from frontend import EngineDeadError
+    from coreserve import EngineDeadError
 
     address = f"ipc://{tmp_path}/core"
     proc = start_faulty_core(tiny_path, address, "step")

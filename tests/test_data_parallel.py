@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import PROMPTS, free_blocks_are_all, start_daemon
 
-from frontend import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from coreserve import LLM, AsyncLLM, EngineDeadError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend import SamplingParams
+from coreserve import SamplingParams
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return"]
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import PROMPTS, free_blocks_are_all
 
-from frontend import LLM, EngineDeadError, SamplingParams
+from coreserve import LLM, EngineDeadError, SamplingParams
 
 OK = SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -118,7 +118,7 @@ def test_shutdown_leaves_no_process_or_socket_file(tiny_path):
 def test_a_frontend_too_busy_to_listen_does_not_declare_a_live_core_dead(tiny_path):
     """Heartbeats that wait unread in the socket prove the core alive: the frontend's own pause (a
     loaded machine, a long detokenization) is not the core's silence."""
-    from protocol.messages import EngineCoreRequest
+    from coreserve.protocol.messages import EngineCoreRequest
 
     with LLM(tiny_path, num_kv_blocks=64) as llm:
         llm.client.dead_after_s = 1.0

@@ -1,5 +1,5 @@
-"""The families as one table (worker/models/family.py, and gguf_config.py's GGUF_ARCHS): no family
-named in a comparison anywhere in worker/, and each layer's frozen spec read from config.json once."""
+"""The families as one table (coreserve/worker/models/family.py, and gguf_config.py's GGUF_ARCHS): no family
+named in a comparison anywhere in coreserve/worker/, and each layer's frozen spec read from config.json once."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from worker.models.config import LlamaArgs
-from worker.models.family import FAMILIES, GELU_TANH, SILU
-from worker.models.gguf_config import GGUF_ARCHS
-from worker.step.attention import AttentionSpec
+from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.family import FAMILIES, GELU_TANH, SILU
+from coreserve.worker.models.gguf_config import GGUF_ARCHS
+from coreserve.worker.step.attention import AttentionSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY_NAMES = (
@@ -45,7 +45,7 @@ def family_tests(source: str) -> list[int]:
 def test_no_module_branches_on_a_family_name():
     found = [
         f"{path.relative_to(ROOT)}:{line}"
-        for path in sorted((ROOT / "worker").rglob("*.py"))
+        for path in sorted((ROOT / "coreserve" / "worker").rglob("*.py"))
         for line in family_tests(path.read_text())
     ]
     assert not found, f"a family named outside its table entry: {found}"

@@ -1,4 +1,4 @@
-"""The fused decode forward (worker/cpu/fused_decode.py, worker/cpu/csrc/decode_forward.c) against the op-by-op path
+"""The fused decode forward (coreserve/worker/cpu/fused_decode.py, coreserve/worker/cpu/csrc/decode_forward.c) against the op-by-op path
 of the same model on the same paged cache: bit for bit, for every family's features (q/k/v and o
 biases, sliding window, tied embeddings, Qwen3's per-head q/k norms), fp32 and bf16
 weights, with and without the bf16 dot instruction, one row and many; and its lm_head products equal
@@ -11,13 +11,13 @@ import dataclasses
 import pytest
 import torch
 
-from protocol.sampling_params import SamplingParams
-from worker.cpu.attention_plan import cpu_attention_plan
-from worker.cpu.fused_decode import FUSED_MAX_ROWS, FusedForward
-from worker.cpu.kernels import load_cpu_kernels
-from worker.cpu.ops import CpuOps, apply_cpu_backend
-from worker.models.loader import load_model
-from worker.step.input_batch import RequestState, build_step_inputs
+from coreserve.protocol.sampling_params import SamplingParams
+from coreserve.worker.cpu.attention_plan import cpu_attention_plan
+from coreserve.worker.cpu.fused_decode import FUSED_MAX_ROWS, FusedForward
+from coreserve.worker.cpu.kernels import load_cpu_kernels
+from coreserve.worker.cpu.ops import CpuOps, apply_cpu_backend
+from coreserve.worker.models.loader import load_model
+from coreserve.worker.step.input_batch import RequestState, build_step_inputs
 
 BLOCK_SIZE = 8
 # llama3.1 carries q/k/v and o biases, mistral a window of 24 (the prompts cross it), qwen2 q/k/v

@@ -1,4 +1,4 @@
-"""worker/cpu/csrc/fused_ops.c against torch's ops: RMSNorm (with and without the residual add before it) as
+"""coreserve/worker/cpu/csrc/fused_ops.c against torch's ops: RMSNorm (with and without the residual add before it) as
 HF writes it, SiLU-and-multiply, and RoPE with the KV-cache write; one token (the calling thread alone)
 and many (threaded)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.cpu.kernels import load_cpu_kernels, rms_norm, rope_write_kv, silu_mul
+from coreserve.worker.cpu.kernels import load_cpu_kernels, rms_norm, rope_write_kv, silu_mul
 
 
 @pytest.mark.parametrize("num_tokens, hidden", [(1, 768), (3, 17), (700, 256)])  # 700: threaded

@@ -11,9 +11,9 @@ import pytest
 from conftest import PROMPTS, free_blocks_are_all, running_daemon
 from test_core_boundary import RawClient
 
-from frontend import LLM, SamplingParams
-from protocol.messages import AbortRequests, EngineCoreRequest, GetStats, Goodbye, Heartbeat, Hello
-from protocol.model_facts import tokenizer_fingerprint
+from coreserve import LLM, SamplingParams
+from coreserve.protocol.messages import AbortRequests, EngineCoreRequest, GetStats, Goodbye, Heartbeat, Hello
+from coreserve.protocol.model_facts import tokenizer_fingerprint
 
 NUM_FRAMES = 10_000
 ODD_VALUES = [

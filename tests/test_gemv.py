@@ -1,4 +1,4 @@
-"""The C few-row products (worker/cpu/csrc/gemv.c through worker/cpu/linear.gemv) against float64 references of
+"""The C few-row products (coreserve/worker/cpu/csrc/gemv.c through coreserve/worker/cpu/linear.gemv) against float64 references of
 torch's ops, on odd shapes, one row and many; bf16 with the dot instruction and the forced fallback."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.cpu.kernels import load_cpu_kernels
-from worker.cpu.linear import gemv
+from coreserve.worker.cpu.kernels import load_cpu_kernels
+from coreserve.worker.cpu.linear import gemv
 
 SHAPES = [(1, 1), (5, 17), (37, 45), (100, 768), (67, 1000)]  # (out, in): tails past 4, 16 and 32
 ROWS = [1, 2, 3, 4, 5, 8, 16, 33]  # 1-4: one weight row at a time; 5 on: blocks of four

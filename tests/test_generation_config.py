@@ -1,6 +1,6 @@
 """generation_config.json: every EOS id it lists stops generation; its sampling defaults are
 `LLM.get_default_sampling_params()` and apply when generate gets no SamplingParams, never over the
-user's (protocol/model_facts.py, frontend/llm.py)."""
+user's (coreserve/protocol/model_facts.py, coreserve/frontend/llm.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import FAMILY_PROMPTS_SHORT
 
-from frontend import LLM, AsyncLLM, SamplingParams
-from protocol.model_facts import eos_token_ids, generation_defaults
+from coreserve import LLM, AsyncLLM, SamplingParams
+from coreserve.protocol.model_facts import eos_token_ids, generation_defaults
 
 
 def _with_generation_config(source: str, folder: Path, generation_config: dict) -> str:

@@ -1,4 +1,4 @@
-"""GGUF files as checkpoints (worker/models/gguf_*.py, protocol/gguf_header.py): every supported tensor
+"""GGUF files as checkpoints (coreserve/worker/models/gguf_*.py, coreserve/protocol/gguf_header.py): every supported tensor
 type dequantizes to exactly the values transformers' GGUF loader gives, q/k in HF's row order; a GGUF
 runs to the same numbers as its safetensors twin, in process, spawned and as a daemon (the tokenizer
 fingerprint agrees across processes); what is not supported is refused by name."""
@@ -14,12 +14,12 @@ import torch
 from conftest import HF_TOLERANCE, hf_logprobs, running_daemon
 from gguf_files import SPEC, write_gguf_model, write_twin
 
-from frontend import LLM, SamplingParams
-from frontend.engine.engine_args import load_tokenizer
-from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
-from protocol.model_facts import eos_token_ids, tokenizer_fingerprint
-from worker.models.gguf_weights import SUPPORTED_TYPES
-from worker.models.loader import load_model
+from coreserve import LLM, SamplingParams
+from coreserve.frontend.engine.engine_args import load_tokenizer
+from coreserve.frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
+from coreserve.protocol.model_facts import eos_token_ids, tokenizer_fingerprint
+from coreserve.worker.models.gguf_weights import SUPPORTED_TYPES
+from coreserve.worker.models.loader import load_model
 
 ALL_TYPES = [
     "F32",
@@ -205,7 +205,7 @@ def test_unsupported_architectures_tensor_types_and_rope_tensors_are_refused_by_
     _write_with(tmp_path / "f64.gguf", extra_tensor=("output.weight", np.zeros((8, 32), dtype=np.float64)))
     with pytest.raises(ValueError, match="F64"):
         list(
-            __import__("worker.models.gguf_weights", fromlist=["x"]).list_tensors(str(tmp_path / "f64.gguf"))
+            __import__("coreserve.worker.models.gguf_weights", fromlist=["x"]).list_tensors(str(tmp_path / "f64.gguf"))
         )
     _write_with(tmp_path / "rope.gguf", extra_tensor=("rope_freqs.weight", np.ones(16, dtype=np.float32)))
     with pytest.raises(ValueError, match="rope_freqs"):

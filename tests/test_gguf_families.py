@@ -11,9 +11,9 @@ import pytest
 from conftest import HF_TOLERANCE, hf_logprobs, load_hf
 from gguf_families import write_family_gguf, write_family_twin
 
-from frontend import LLM, SamplingParams
-from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
-from worker.models.quantized import QuantLinear
+from coreserve import LLM, SamplingParams
+from coreserve.frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
+from coreserve.worker.models.quantized import QuantLinear
 
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "phi3", "phi4-mini", "gemma2", "gemma3"]
 PROMPTS = [[(7 * i + 3 * j) % 20000 + 100 for j in range(n)] for i, n in enumerate((5, 23, 40, 61))]

@@ -1,4 +1,4 @@
-"""GGUF weights kept in their blocks (dtype "auto", worker/models/gguf_quantized.py and quantized.py): a
+"""GGUF weights kept in their blocks (dtype "auto", coreserve/worker/models/gguf_quantized.py and quantized.py): a
 whole model run quantized in memory gives the bits of the same file dequantized to fp32 at load, sample
 and prompt logprobs (==) and greedy tokens, batched and each prompt alone, fused decode included: the
 real SmolLM2 Q4_1 file (Q8_0 tied embeddings) and small random Q8_0 / Q4_0 files. The quantized model
@@ -13,11 +13,17 @@ import pytest
 import torch
 from gguf_files import write_gguf_model
 
-from frontend import LLM, SamplingParams
-from protocol.builtin_model import builtin_model_path
-from worker.models.loader import load_model
-from worker.models.quantized import QUANT_PARTS, QuantEmbedding, QuantLinear, block_values, dequantize
-from worker.models.sharding import Shard
+from coreserve import LLM, SamplingParams
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.worker.models.loader import load_model
+from coreserve.worker.models.quantized import (
+    QUANT_PARTS,
+    QuantEmbedding,
+    QuantLinear,
+    block_values,
+    dequantize,
+)
+from coreserve.worker.models.sharding import Shard
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5)
 SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at a temperature of",

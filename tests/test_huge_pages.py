@@ -1,4 +1,4 @@
-"""worker/cpu/huge_pages.py: the linear weights move into one huge-page mapping, values and ties intact."""
+"""coreserve/worker/cpu/huge_pages.py: the linear weights move into one huge-page mapping, values and ties intact."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.cpu.huge_pages import collapse_in_background, huge_page_bytes, move_linear_weights_to_huge_pages
-from worker.models.loader import load_model
+from coreserve.worker.cpu.huge_pages import (
+    collapse_in_background,
+    huge_page_bytes,
+    move_linear_weights_to_huge_pages,
+)
+from coreserve.worker.models.loader import load_model
 
 
 def test_weights_move_with_their_values_dtypes_and_ties(tiny_path):

@@ -1,7 +1,7 @@
 """The import graph's rules: imports run one way, frontend -> protocol <- engine_core -> worker
 (module-level imports); no two modules import each other, even through a chain or inside a function,
-nor two sub-packages (worker.models, worker.parallel) through any of their modules;
-the core enters worker/ through one module; no module imports another's private names; no socket
+nor two sub-packages (coreserve.worker.models, coreserve.worker.parallel) through any of their modules;
+the core enters coreserve/worker/ through one module; no module imports another's private names; no socket
 path pickles."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "coreserve"  # the one top-level package; the four roles are its folders
 PACKAGES = ["protocol", "frontend", "engine_core", "worker"]
 ALLOWED = {
     "protocol": {"protocol"},
@@ -19,18 +20,24 @@ ALLOWED = {
     "engine_core": {"engine_core", "protocol", "worker"},
     "worker": {"worker", "protocol"},
 }
-# The core reaches the model only through worker/executor.py; torch stays below it.
-CORE_ENTRY = "worker.executor"
+# The core reaches the model only through coreserve/worker/executor.py; torch stays below it.
+CORE_ENTRY = "coreserve.worker.executor"
 NEVER_AT_MODULE_LEVEL = {"protocol": {"torch"}, "frontend": {"torch"}, "engine_core": {"torch"}}
+
+
+def role(name: str) -> str:
+    """The role folder a dotted name lies in (coreserve.worker.x -> worker), or its top name (torch)."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "coreserve" and len(parts) > 1 else parts[0]
 
 
 def module_level_imports(path: Path) -> set[str]:
     names = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {role(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(role(node.module))
     return names
 
 
@@ -38,9 +45,9 @@ def all_imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {role(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(role(node.module))
     return names
 
 
@@ -50,7 +57,7 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    return {module_name(path): path for package in PACKAGES for path in (PKG / package).rglob("*.py")}
 
 
 def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -97,16 +104,16 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The sub-packages (worker.models, worker.parallel, frontend.clients ...) and the sub-packages
+    """The sub-packages (coreserve.worker.models, coreserve.worker.parallel, coreserve.frontend.clients ...) and the sub-packages
     their modules import, at module level or inside a function, but for their own ancestors and
-    descendants: a package's own modules (worker/model_runner.py, worker/backend.py) are the
+    descendants: a package's own modules (coreserve/worker/model_runner.py, coreserve/worker/backend.py) are the
     ground its sub-packages stand on, or the top that puts them together."""
     modules = project_modules()
 
     def package(name: str) -> str | None:
         is_package = name in modules and modules[name].name == "__init__.py"
         owner = name if is_package else name.rpartition(".")[0]
-        return owner if "." in owner else None  # worker, frontend: the one-way rule's
+        return owner if owner.count(".") >= 2 else None  # coreserve.worker, coreserve.frontend: the one-way rule's
 
     def related(a: str, b: str) -> bool:
         return a == b or a.startswith(b + ".") or b.startswith(a + ".")
@@ -122,7 +129,7 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_run_one_way(package):
-    for path in (ROOT / package).rglob("*.py"):
+    for path in (PKG / package).rglob("*.py"):
         project = module_level_imports(path) & set(PACKAGES)
         assert project <= ALLOWED[package], (
             f"{path.relative_to(ROOT)} imports {sorted(project - ALLOWED[package])}"
@@ -140,12 +147,12 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path)
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from worker.executor import Executor\n")
-    assert imported_modules(probe, project_modules()) == {"worker.executor"}
+    probe.write_text("def f():\n    from coreserve.worker.executor import Executor\n")
+    assert imported_modules(probe, project_modules()) == {"coreserve.worker.executor"}
 
 
 def test_no_two_sub_packages_import_each_other_even_through_others():
-    """worker.models -> worker.parallel -> worker.models is a cycle even where no module imports itself:
+    """coreserve.worker.models -> coreserve.worker.parallel -> coreserve.worker.models is a cycle even where no module imports itself:
     a sub-package's modules may use another's only where that one never needs it back."""
     cycle = find_cycle(package_graph(import_graph()))
     assert cycle is None, "package cycle: " + " -> ".join(cycle)
@@ -154,13 +161,13 @@ def test_no_two_sub_packages_import_each_other_even_through_others():
 def test_the_package_check_finds_a_cycle_no_module_check_sees():
     """Two sub-packages that use each other through different modules: no module cycle, a package one."""
     graph = {
-        "worker.models.loader": {"worker.parallel.sharding"},
-        "worker.parallel.sharding": {"worker.models.config"},
-        "worker.models.config": set(),
-        "worker.model_runner": {"worker.models.loader", "worker.parallel.sharding"},
+        "coreserve.worker.models.loader": {"coreserve.worker.parallel.sharding"},
+        "coreserve.worker.parallel.sharding": {"coreserve.worker.models.config"},
+        "coreserve.worker.models.config": set(),
+        "coreserve.worker.model_runner": {"coreserve.worker.models.loader", "coreserve.worker.parallel.sharding"},
     }
     assert find_cycle(graph) is None
-    assert find_cycle(package_graph(graph)) == ["worker.models", "worker.parallel", "worker.models"]
+    assert find_cycle(package_graph(graph)) == ["coreserve.worker.models", "coreserve.worker.parallel", "coreserve.worker.models"]
 
 
 def test_the_core_enters_worker_through_one_module():
@@ -168,20 +175,20 @@ def test_the_core_enters_worker_through_one_module():
     entries = {
         target
         for name, targets in graph.items()
-        if name.startswith("engine_core")
+        if name.startswith("coreserve.engine_core")
         for target in targets
-        if target.startswith("worker")
+        if target.startswith("coreserve.worker")
     }
-    assert entries == {CORE_ENTRY}, f"engine_core/ imports {sorted(entries)} of worker/"
+    assert entries == {CORE_ENTRY}, f"coreserve/engine_core/ imports {sorted(entries)} of coreserve/worker/"
 
 
 def test_no_module_imports_a_private_name_of_another():
     modules = project_modules()
     offenders = []
     for folder in [*PACKAGES, "scripts", "tests", "examples"]:
-        for path in (ROOT / folder).rglob("*.py"):
+        for path in (PKG / folder if folder in PACKAGES else ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                if isinstance(node, ast.ImportFrom) and node.module and role(node.module) in PACKAGES:
                     private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
                     offenders += [f"{path.relative_to(ROOT)}: {node.module}.{name}" for name in private]
                 elif isinstance(node, ast.Import):
@@ -193,7 +200,7 @@ def test_no_module_imports_a_private_name_of_another():
 def test_nothing_asks_an_executor_or_runner_what_it_can_do():
     """One control shape: the Executor protocol's verbs, called, never probed with hasattr."""
     for package in ("engine_core", "worker"):
-        for path in (ROOT / package).rglob("*.py"):
+        for path in (PKG / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr":
                     subject = ast.unparse(node.args[0])
@@ -203,7 +210,7 @@ def test_nothing_asks_an_executor_or_runner_what_it_can_do():
 def test_nothing_reaches_into_a_runners_private_members():
     """A draft model runs its own runner as a step does, through `prepare` and `forward_and_sample`."""
     for package in ("engine_core", "worker"):
-        for path in (ROOT / package).rglob("*.py"):
+        for path in (PKG / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                     subject = ast.unparse(node.value)
@@ -212,7 +219,7 @@ def test_nothing_reaches_into_a_runners_private_members():
 
 def test_only_the_in_process_client_reaches_into_the_core_and_nothing_pickles():
     for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
+        for path in (PKG / package).rglob("*.py"):
             imports = all_imports(path)
             assert not imports & {"pickle", "cloudpickle", "dill"}, path
             assert "recv_pyobj" not in path.read_text() and "send_pyobj" not in path.read_text()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from server_harness import running_server
 
-from frontend import SamplingParams
+from coreserve import SamplingParams
 
 PROMPT = [464, 3139, 286, 4881, 318, 262, 1388, 1748, 286]
 ROLLOUT = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, "logprobs": 2, "seed": 7, "ignore_eos": True}

@@ -1,4 +1,4 @@
-"""Integer mode's products (worker/cpu/csrc/gemv_int8.c through quant_linear.py, quantized_activations=
+"""Integer mode's products (coreserve/worker/cpu/csrc/gemv_int8.c through quant_linear.py, quantized_activations=
 "int8"): the C equals a numpy statement of the definition in docs/quantized.md bit for bit (the
 activations' int8 blocks, integer sums, the fixed order of fused multiply-adds), the AVX512-VNNI code
 equals the AVX2 code and the generic code of narrower builds bit for bit, and an output is the same bits at every row
@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_quant_kernels import random_blocks
 
-from worker.cpu.build import NARROWER_BUILDS
-from worker.cpu.kernels import load_cpu_kernels
-from worker.cpu.quant_linear import quant_gemv
-from worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear
+from coreserve.worker.cpu.build import NARROWER_BUILDS
+from coreserve.worker.cpu.kernels import load_cpu_kernels
+from coreserve.worker.cpu.quant_linear import quant_gemv
+from coreserve.worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear
 
 TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 WIDTHS = {2: 352, 3: 352, 8: 352, 12: 768, 13: 768, 14: 768}  # Q*_0: 11 blocks, so a tail after 8

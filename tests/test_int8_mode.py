@@ -20,8 +20,8 @@ from gguf_files import write_gguf_model
 from server_harness import running_server
 from test_batch_invariance import sampled_rows, scoring_mismatches
 
-from frontend import LLM, SamplingParams
-from worker.models.quantized import QuantLinear
+from coreserve import LLM, SamplingParams
+from coreserve.worker.models.quantized import QuantLinear
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from real_models import path_of  # noqa: E402

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_core.kv_cache_manager import KVCacheManager
+from coreserve.engine_core.kv_cache_manager import KVCacheManager
 
 
 def test_allocates_whole_blocks_and_grows_only_when_needed():
@@ -35,8 +35,8 @@ def test_the_event_log_mirrors_the_index_when_a_chains_prefix_is_another_request
     """B computed the same first block as A privately (its chain goes on from A's content); A ends and
     its block is evicted: B's next full block would hang from a content gone, which no request could
     ever find, so it is not indexed, and no event names a parent that was removed."""
-    from engine_core.kv_event_log import KVEventLog
-    from protocol.kv_events import BlockRemoved, BlockStored
+    from coreserve.engine_core.kv_event_log import KVEventLog
+    from coreserve.protocol.kv_events import BlockRemoved, BlockStored
 
     log = KVEventLog(block_size=2)
     kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True, events=log)

@@ -1,4 +1,4 @@
-"""KV-cache events (vLLM's --kv-events-config; protocol/kv_events.py, engine_core/kv_event_log.py, kv_event_publisher.py), read over a
+"""KV-cache events (vLLM's --kv-events-config; coreserve/protocol/kv_events.py, coreserve/engine_core/kv_event_log.py, kv_event_publisher.py), read over a
 real ZeroMQ socket by a subscriber written from the schema (tests/kv_subscriber.py): after a mixed load on
 a small cache (shared prefixes, generated blocks, evictions, a cache_salt chain, a LoRA adapter's chain, a
 reset), the contents the events tell equal the engine's prefix index, content for content; llm-d's keys
@@ -21,9 +21,9 @@ import zmq
 from conftest import IS_BF16_MODE
 from kv_subscriber import Subscriber
 
-from frontend import LLM, LoRARequest, SamplingParams
-from frontend.engine.engine_args import make_config
-from protocol.kv_events import END_OF_REPLAY, KVEventBatch
+from coreserve import LLM, LoRARequest, SamplingParams
+from coreserve.frontend.engine.engine_args import make_config
+from coreserve.protocol.kv_events import END_OF_REPLAY, KVEventBatch
 
 BLOCK = 16
 SYSTEMS = [[(37 * s + 11 * j) % 4000 + 100 for j in range(40)] for s in range(4)]  # 2.5 blocks each

@@ -27,7 +27,7 @@ from kv_subscriber import Subscriber
 from server_harness import free_port, running_router_process, running_server
 from test_router import answer, metric
 
-from protocol.builtin_model import builtin_model_path
+from coreserve.protocol.builtin_model import builtin_model_path
 
 MODEL, BLOCK = "smollm2", 16
 GATEWAY = shutil.which("smg") or str(Path(sys.executable).parent / "smg")

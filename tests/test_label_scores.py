@@ -14,8 +14,8 @@ from conftest import IS_BF16_MODE
 from hf_reference import gguf_reference
 from server_harness import API_KEY, running_server
 
-from frontend.engine.engine_args import load_tokenizer
-from protocol.builtin_model import builtin_model_path
+from coreserve.frontend.engine.engine_args import load_tokenizer
+from coreserve.protocol.builtin_model import builtin_model_path
 
 TOLERANCE = 0.3 if IS_BF16_MODE else 1e-4  # on logprobs (test_real_model.py's bounds)
 CASES = [  # SGLang's: (query, items, item_first)

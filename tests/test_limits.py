@@ -1,11 +1,11 @@
-"""The wire's frame limits (protocol/limits.py): the frontend's largest frame fits the core's cap."""
+"""The wire's frame limits (coreserve/protocol/limits.py): the frontend's largest frame fits the core's cap."""
 
 from __future__ import annotations
 
-from protocol.codec import Codec
-from protocol.limits import MAX_INPUT_FRAME_BYTES, MAX_TOKEN_BYTES, MAX_TOKENS_PER_FRAME
-from protocol.messages import EngineCoreRequest
-from protocol.sampling_params import INT64_MAX, SamplingParams
+from coreserve.protocol.codec import Codec
+from coreserve.protocol.limits import MAX_INPUT_FRAME_BYTES, MAX_TOKEN_BYTES, MAX_TOKENS_PER_FRAME
+from coreserve.protocol.messages import EngineCoreRequest
+from coreserve.protocol.sampling_params import INT64_MAX, SamplingParams
 
 
 def test_a_frame_of_the_most_prompt_tokens_at_their_widest_fits_the_cores_frame_limit():

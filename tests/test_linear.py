@@ -1,4 +1,4 @@
-"""worker/cpu/linear.py: each row count takes a path that agrees with torch; bf16 weights on the CPU
+"""coreserve/worker/cpu/linear.py: each row count takes a path that agrees with torch; bf16 weights on the CPU
 (fp32 activations, bf16 products) against Hugging Face's bf16 run, with the stated tolerances."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import PROMPTS, hf_logprobs
 
-from frontend import LLM, SamplingParams
-from worker.cpu.kernels import load_cpu_kernels
-from worker.cpu.linear import amx_product, linear
-from worker.model_runner import ModelRunner
-from worker.step.runner_spec import RunnerSpec
+from coreserve import LLM, SamplingParams
+from coreserve.worker.cpu.kernels import load_cpu_kernels
+from coreserve.worker.cpu.linear import amx_product, linear
+from coreserve.worker.model_runner import ModelRunner
+from coreserve.worker.step.runner_spec import RunnerSpec
 
 # scripts/compare_bf16_logprobs.py measured on `tiny` (docs/decisions.md, CPU kernels): the largest
 # |logprob difference| 0.18 against HF's bf16 run (whose activations are bf16 throughout) and 0.046

@@ -8,7 +8,7 @@ import re
 import pytest
 from conftest import PROMPTS
 
-from frontend import SamplingParams
+from coreserve import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -42,7 +42,7 @@ def test_truncate_prompt_tokens_keeps_the_last_n_tokens(llm_inproc, tokenizer):
 
 
 def test_truncate_prompt_tokens_minus_one_fits_a_long_prompt_into_max_model_len(tiny_path):
-    from frontend import LLM
+    from coreserve import LLM
 
     with LLM(tiny_path, multiprocess=False, max_model_len=32, num_kv_blocks=16) as llm:
         long = list(range(100, 200))

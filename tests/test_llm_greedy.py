@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import HF_TOLERANCE, PROMPTS, free_blocks_are_all, hf_logprobs, load_hf
 
-from frontend import LLM, SamplingParams
+from coreserve import LLM, SamplingParams
 
 TOLERANCE = HF_TOLERANCE  # 1e-4 with fp32 weights; conftest states the bf16 one
 

@@ -5,7 +5,7 @@ log-likelihood equals HF's on the same token ids within 1e-4 (fp32):
   `tokenizer_backend=remote`, which reads `/tokenizer_info`, tokenizes with `/tokenize` and decodes with
   `/detokenize` (lm_eval/utils.py's RemoteTokenizer);
 - in process, its `vllm` model (lm_eval/models/vllm_causallms.py) on coreserve's `LLM` through
-  frontend/vllm_shim.py, no vLLM installed: `python -m frontend.vllm_shim -m lm_eval --model vllm`.
+  coreserve/frontend/vllm_shim.py, no vLLM installed: `python -m coreserve.frontend.vllm_shim -m lm_eval --model vllm`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from conftest import IS_BF16_MODE
 from hf_reference import gguf_reference, gguf_reference_folder
 from server_harness import running_server
 
-from frontend.engine.engine_args import load_tokenizer
-from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
-from protocol.builtin_model import builtin_model_path
+from coreserve.frontend.engine.engine_args import load_tokenizer
+from coreserve.frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
+from coreserve.protocol.builtin_model import builtin_model_path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from eval_lm_eval import DATA, TASK  # noqa: E402
@@ -56,7 +56,7 @@ def test_the_vllm_backend_on_coreserves_llm_gets_hfs_loglikelihoods(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
     dtype = "bfloat16" if IS_BF16_MODE else "float32"
     command = [
-        sys.executable, "-m", "frontend.vllm_shim", "-m", "lm_eval", "--model", "vllm",
+        sys.executable, "-m", "coreserve.frontend.vllm_shim", "-m", "lm_eval", "--model", "vllm",
         "--model_args", f"pretrained={folder},dtype={dtype},max_model_len=2048,num_threads=2",
         "--batch_size", "auto",
     ]

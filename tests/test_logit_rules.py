@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import HF_TOLERANCE, PROMPTS
 
-from frontend import SamplingParams
+from coreserve import SamplingParams
 
 TOL = HF_TOLERANCE
 GREEDY = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_the_core_refuses_out_of_vocabulary_rule_ids_it_was_sent(llm_mp, field):
     import msgspec
     from conftest import free_blocks_are_all
 
-    from frontend import RequestFailedError
+    from coreserve import RequestFailedError
 
     bad = SamplingParams(**GREEDY, **{field: {60000: 1.0} if field == "logit_bias" else [60000]})
     facts = llm_mp.input_processor.facts
@@ -170,10 +170,10 @@ def test_the_core_refuses_out_of_vocabulary_rule_ids_it_was_sent(llm_mp, field):
 
 def test_a_batch_without_rules_builds_none_and_samples_from_the_logits_themselves():
     """No per-step cost for rows without rules: no tensors built, and greedy rows get no logits copy."""
-    from worker.sampling.logprobs import TorchSamplingOps
-    from worker.sampling.metadata import build_sampling_metadata
-    from worker.sampling.sampler import Sampler
-    from worker.step.input_batch import RequestState
+    from coreserve.worker.sampling.logprobs import TorchSamplingOps
+    from coreserve.worker.sampling.metadata import build_sampling_metadata
+    from coreserve.worker.sampling.sampler import Sampler
+    from coreserve.worker.step.input_batch import RequestState
 
     def states(params):
         return [RequestState(str(i), [3, 9], 2, params, [0], 2, None, None, False, []) for i in range(3)]
@@ -191,7 +191,7 @@ def test_a_batch_without_rules_builds_none_and_samples_from_the_logits_themselve
 
 
 def test_multi_step_windows_apply_the_rules_at_every_step(tiny_path):
-    from frontend import LLM
+    from coreserve import LLM
 
     params = [
         SamplingParams(**GREEDY, logprobs=3, logit_bias={262: 4.0, 50: 7.0}, logprobs_mode="processed"),
@@ -210,7 +210,7 @@ def test_multi_step_windows_apply_the_rules_at_every_step(tiny_path):
 
 
 def test_the_engine_default_mode_may_be_a_logits_mode(tiny_path, hf_tiny):
-    from frontend import LLM
+    from coreserve import LLM
 
     with LLM(tiny_path, num_kv_blocks=64, logprobs_mode="raw_logits") as llm:
         output = llm.generate(PROMPTS[3], SamplingParams(**GREEDY, logprobs=4), use_tqdm=False)[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import HF_TOLERANCE, IS_BF16_MODE, PROMPTS, free_blocks_are_all, hf_logprobs
 
-from frontend import LLM, SamplingParams
+from coreserve import LLM, SamplingParams
 
 TOL = HF_TOLERANCE  # 1e-4 with fp32 weights; conftest states the bf16 one
 
@@ -203,7 +203,7 @@ def test_logprob_objects_behave_like_vllms_and_stay_out_of_the_cyclic_gc(llm_inp
     import gc
     import pickle
 
-    from frontend import Logprob
+    from coreserve import Logprob
 
     entry = Logprob(-0.25, 1, "a")
     assert entry == Logprob(logprob=-0.25, rank=1, decoded_token="a")
@@ -221,8 +221,8 @@ def test_cumulative_logprob_has_the_same_bits_one_token_or_a_window_at_a_time():
     """A multi-step output carries N tokens; its sum must be N = 1's, which adds one value at a time."""
     import numpy as np
 
-    from frontend.engine.logprob_rows import add_chosen
-    from protocol.arrays import LogprobsArrays
+    from coreserve.frontend.engine.logprob_rows import add_chosen
+    from coreserve.protocol.arrays import LogprobsArrays
 
     # 24 positions from near-certain (-1e-9) to unlikely (-30): float32 values whose float64 partial
     # sums round, so grouping them by window (a numpy sum per output, say) would change the bits.

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import HF_TOLERANCE, IS_BF16_MODE, hf_logprobs
 
-from frontend import LLM, LoRARequest, SamplingParams
+from coreserve import LLM, LoRARequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(IS_BF16_MODE, reason="PEFT's fp32 forward is the reference")
 
@@ -181,10 +181,10 @@ def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernel
     the same bits, a row's the same alone as among other adapters' rows, and near torch's products."""
     from torch import nn
 
-    from worker.cpu.build import NARROWER_BUILDS
-    from worker.cpu.kernels import load_cpu_kernels
-    from worker.lora.adapter import LoraAdapter, LowRank, frozen_linear
-    from worker.lora.lora_ops import LoraOps
+    from coreserve.worker.cpu.build import NARROWER_BUILDS
+    from coreserve.worker.cpu.kernels import load_cpu_kernels
+    from coreserve.worker.lora.adapter import LoraAdapter, LowRank, frozen_linear
+    from coreserve.worker.lora.lora_ops import LoraOps
 
     layer = nn.Linear(100, 70, bias=False)  # widths past whole runs of 16: the tails too
 
@@ -229,8 +229,8 @@ def test_a_gguf_base_kept_in_blocks_with_fused_projections_equals_peft(family_mo
     blocks (the adapter in fp32): PEFT's unmerged forward on the blocks' fp32 values is the reference."""
     from gguf_families import write_family_gguf, write_family_twin
 
-    from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
-    from worker.models.quantized import QuantLinear
+    from coreserve.frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
+    from coreserve.worker.models.quantized import QuantLinear
 
     path = tmp_path / "phi3-q8_0.gguf"
     expected = write_family_gguf(family_model("phi3"), "phi3", path, weight_type="Q8_0")
@@ -255,11 +255,11 @@ def test_a_gguf_base_kept_in_blocks_with_fused_projections_equals_peft(family_mo
 
 
 def test_the_lora_table_keeps_each_request_on_the_load_it_started_with():
-    """engine_core/lora_table.py with a recording executor (pure logic): a load in place gives new
+    """coreserve/engine_core/lora_table.py with a recording executor (pure logic): a load in place gives new
     requests a new slot while the running ones keep theirs, the old slot goes with its last request,
     idle loads past max_cpu_loras are dropped and read again when asked for."""
-    from engine_core.lora_table import LoraTable
-    from protocol.sampling_params import LoraRef
+    from coreserve.engine_core.lora_table import LoraTable
+    from coreserve.protocol.sampling_params import LoraRef
 
     class Executor:
         def __init__(self):
@@ -420,7 +420,7 @@ def test_the_fused_decode_forward_takes_the_adapters_with_the_op_by_op_bits(llm,
 def test_async_llm_takes_lora_request_and_equals_llm(llm, tiny_path, adapters):
     import asyncio
 
-    from frontend import AsyncLLM
+    from coreserve import AsyncLLM
 
     request = lora(adapters, "qv-rslora", 2)
     expected = rows(llm.generate([{"prompt_token_ids": PROMPTS[1]}], PARAMS, use_tqdm=False, lora_request=request)[0])

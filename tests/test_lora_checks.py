@@ -1,4 +1,4 @@
-"""An adapter is untrusted input (worker/lora/adapter.py and adapter_files.py, engine_core/lora_table.py's
+"""An adapter is untrusted input (coreserve/worker/lora/adapter.py and adapter_files.py, coreserve/engine_core/lora_table.py's
 allowed_path): each A and B is checked against its own target's sizes (a k_proj B as wide as k and v
 together is refused, never written into v's columns), r, lora_alpha and the config's shape by field, every
 value finite, naming the tensor; a refused load in place leaves the old adapter serving; with
@@ -19,7 +19,7 @@ import torch
 from conftest import IS_BF16_MODE
 from test_lora import PARAMS, PROMPTS, rows, write_adapter
 
-from frontend import LLM, LoRARequest
+from coreserve import LLM, LoRARequest
 
 pytestmark = pytest.mark.skipif(IS_BF16_MODE, reason="PEFT's adapters are written in fp32")
 
@@ -152,9 +152,9 @@ def test_allowed_roots_refuse_a_path_outside_and_a_link_out(engine, good, roots)
 
 
 def test_the_server_and_the_daemon_take_several_roots():
-    from engine_core.__main__ import build_config, make_parser
-    from frontend.engine.engine_args import make_config
-    from frontend.server.args import add_serve_arguments, engine_kwargs
+    from coreserve.engine_core.__main__ import build_config, make_parser
+    from coreserve.frontend.engine.engine_args import make_config
+    from coreserve.frontend.server.args import add_serve_arguments, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -1,4 +1,4 @@
-"""LoRA through the HTTP server (frontend/server/lora.py), driven by the official openai client:
+"""LoRA through the HTTP server (coreserve/frontend/server/lora.py), driven by the official openai client:
 `--enable-lora --lora-modules`, `"model": <adapter>` giving the in-process engine's numbers with that
 adapter, /v1/models listing adapters with their parent, /v1/load_lora_adapter (load_inplace included) and
 /v1/unload_lora_adapter, vllm:lora_requests_info in /metrics, and the refusals."""
@@ -17,7 +17,7 @@ from conftest import IS_BF16_MODE
 from server_harness import running_server
 from test_lora import ALL_TARGETS, write_adapter
 
-from frontend import LLM, LoRARequest, SamplingParams
+from coreserve import LLM, LoRARequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(IS_BF16_MODE, reason="PEFT's adapters are written in fp32")
 

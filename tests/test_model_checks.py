@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from frontend import LLM, EngineDeadError
-from frontend.engine.model_checks import check_model_folder
+from coreserve import LLM, EngineDeadError
+from coreserve.frontend.engine.model_checks import check_model_folder
 
 
 def copy_model(src: str, dst: Path, skip: tuple[str, ...] = ()) -> Path:

@@ -15,8 +15,8 @@ import pytest
 from conftest import HF_TOLERANCE, HF_TOLERANCE_TORCH_PATH, IS_BF16_MODE, hf_logprobs, load_hf
 from test_batch_invariance import sampled_rows, scoring_mismatches
 
-from frontend import LLM, SamplingParams
-from worker.models.config import LlamaArgs
+from coreserve import LLM, SamplingParams
+from coreserve.worker.models.config import LlamaArgs
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 INVARIANCE_PARAMS = [

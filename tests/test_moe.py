@@ -14,8 +14,8 @@ from conftest import load_hf
 from test_batch_invariance import sampled_rows
 from test_model_families import FAMILY_PROMPTS
 
-from frontend import LLM, SamplingParams
-from frontend.errors import RequestFailedError
+from coreserve import LLM, SamplingParams
+from coreserve.frontend.errors import RequestFailedError
 
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5, return_routed_experts=True)

@@ -15,7 +15,7 @@ from conftest import (
     stream_then_abort,
 )
 
-from frontend import LLM, AsyncLLM, SamplingParams
+from coreserve import LLM, AsyncLLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """No uninitialized memory reaches an output: the heads check refuses a model whose attention would
-leave heads unwritten, and the NaN switch (worker/nan_empties.py) proves it would have: with the check
+leave heads unwritten, and the NaN switch (coreserve/worker/nan_empties.py) proves it would have: with the check
 disabled, 4 query heads over 3 KV heads turn the logprobs NaN, where without the switch they were
 whatever the heap held. (tests/test_batch_invariance.py runs its engines under the switch.)"""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import _SMALL, FAMILY_CONFIGS, peaked_init, real_tokenizer_path
 
-from frontend import LLM, SamplingParams
-from worker.models import config as config_module
+from coreserve import LLM, SamplingParams
+from coreserve.worker.models import config as config_module
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0, logprobs=1)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from frontend import LLM, SamplingParams
-from frontend.errors import RequestFailedError
+from coreserve import LLM, SamplingParams
+from coreserve.frontend.errors import RequestFailedError
 
 
 def test_pinned_requests_run_on_their_version_and_fail_on_another(tiny_path):

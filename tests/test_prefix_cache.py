@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from conftest import PROMPTS, assert_same_positions, free_blocks_are_all
 
-from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.request import Request
-from engine_core.scheduler import Scheduler
-from frontend import LLM, SamplingParams
-from protocol.sampling_params import SamplingParams as Params
-from protocol.step import ModelRunnerOutput
+from coreserve import LLM, SamplingParams
+from coreserve.engine_core.kv_cache_manager import KVCacheManager
+from coreserve.engine_core.request import Request
+from coreserve.engine_core.scheduler import Scheduler
+from coreserve.protocol.sampling_params import SamplingParams as Params
+from coreserve.protocol.step import ModelRunnerOutput
 
 BLOCK = 4
 

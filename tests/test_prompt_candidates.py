@@ -11,9 +11,9 @@ import torch
 from conftest import IS_BF16_MODE, TEST_DTYPE
 from hf_reference import gguf_reference_folder, one_torch_thread
 
-from frontend import LLM, SamplingParams
-from protocol.builtin_model import builtin_model_path
-from protocol.sampling_params import MAX_PROMPT_CANDIDATES
+from coreserve import LLM, SamplingParams
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.protocol.sampling_params import MAX_PROMPT_CANDIDATES
 
 TEXT = "The capital of France is Paris, and the capital of Italy is Rome."
 CANDIDATES = [11, 314, 1743, 30, 7]  # fixed ids: some in a position's top-k, most far below it

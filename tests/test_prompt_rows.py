@@ -1,4 +1,4 @@
-"""Prompt logprobs kept with the prefix cache (engine_core/prompt_rows.py): a warm request computes only
+"""Prompt logprobs kept with the prefix cache (coreserve/engine_core/prompt_rows.py): a warm request computes only
 its uncached positions and returns every position's rows equal, bit for bit, to a cold run's: the rows'
 bookkeeping alone, then the engine on the built-in model and on SmolLM2 against the cache off."""
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from conftest import PROMPTS, TEST_DTYPE, free_blocks_are_all
 
-from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.prompt_rows import MAX_EDGES
-from frontend import LLM, SamplingParams
-from protocol.arrays import LogprobsArrays
-from protocol.builtin_model import builtin_model_path
+from coreserve import LLM, SamplingParams
+from coreserve.engine_core.kv_cache_manager import KVCacheManager
+from coreserve.engine_core.prompt_rows import MAX_EDGES
+from coreserve.protocol.arrays import LogprobsArrays
+from coreserve.protocol.builtin_model import builtin_model_path
 
 BLOCK = 4
 

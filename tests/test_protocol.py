@@ -6,9 +6,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from protocol.arrays import LogprobsArrays
-from protocol.codec import Codec
-from protocol.messages import (
+from coreserve.protocol.arrays import LogprobsArrays
+from coreserve.protocol.codec import Codec
+from coreserve.protocol.messages import (
     AddRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -18,7 +18,7 @@ from protocol.messages import (
     GetStats,
     Heartbeat,
 )
-from protocol.sampling_params import SamplingParams
+from coreserve.protocol.sampling_params import SamplingParams
 
 
 def random_logprobs(rows: int, cols: int, seed: int = 0) -> LogprobsArrays:

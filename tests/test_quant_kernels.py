@@ -1,4 +1,4 @@
-"""The C products of GGUF block weights (worker/cpu/csrc/gemv_quant.c through worker/cpu/quant_linear.py):
+"""The C products of GGUF block weights (coreserve/worker/cpu/csrc/gemv_quant.c through coreserve/worker/cpu/quant_linear.py):
 their dequantization is gguf's numpy one bit for bit, and their products are gemv_f32's on those values
 bit for bit (torch.equal) for every row count 1..40 and prefill sizes, one thread and two, and within
 fp32 rounding of float64. The kernels build for the CPU they run on, so the builds for narrower x86
@@ -13,11 +13,11 @@ import pytest
 import torch
 from gguf_files import K_SCALE_FIELDS
 
-from worker.cpu.build import NARROWER_BUILDS
-from worker.cpu.kernels import load_cpu_kernels
-from worker.cpu.linear import gemv
-from worker.cpu.quant_linear import dequantize_rows, quant_gemv
-from worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear, block_values, dequantize
+from coreserve.worker.cpu.build import NARROWER_BUILDS
+from coreserve.worker.cpu.kernels import load_cpu_kernels
+from coreserve.worker.cpu.linear import gemv
+from coreserve.worker.cpu.quant_linear import dequantize_rows, quant_gemv
+from coreserve.worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear, block_values, dequantize
 
 TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 SHAPES = [(37, 96), (100, 576), (67, 1536)]  # (out, in): odd feature counts, SmolLM2's widths

@@ -1,4 +1,4 @@
-"""coreserve on Ray Serve (frontend/server/deploy/ray_serve.py): a local Ray cluster (`ray start --head` on
+"""coreserve on Ray Serve (coreserve/frontend/server/deploy/ray_serve.py): a local Ray cluster (`ray start --head` on
 127.0.0.1 inside the test, stopped at the end) deploying two replicas of the built-in tiny model behind
 Ray Serve's prefix-affinity router. The official openai client gets answers equal, bit for bit, to one
 `coreserve serve` alone; `/update_weights` moves every replica's weight_version together, and a
@@ -24,7 +24,7 @@ import openai
 import pytest
 from server_harness import free_port, running_server
 
-from protocol.builtin_model import builtin_model_path
+from coreserve.protocol.builtin_model import builtin_model_path
 
 RAY = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
 NAME = "tiny"
@@ -35,7 +35,7 @@ def ray_app():
     import ray
     from ray import serve
 
-    from frontend.server.deploy.ray_serve import build_ray_app
+    from coreserve.frontend.server.deploy.ray_serve import build_ray_app
 
     port, http_port = free_port(), free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -122,7 +122,7 @@ class StandInReplicas:
 
 
 def ingress_update(replicas: StandInReplicas, path: str) -> tuple[int, dict]:
-    from frontend.server.deploy.ray_serve import CoreserveIngress
+    from coreserve.frontend.server.deploy.ray_serve import CoreserveIngress
 
     ingress = SimpleNamespace(_broadcast=replicas.broadcast, checkpoint="the model")
     response = asyncio.run(CoreserveIngress.func_or_class._update_all(ingress, path))

@@ -17,8 +17,8 @@ from conftest import IS_BF16_MODE, TEST_DTYPE, running_daemon
 from hf_reference import HFReference, RowScores, gguf_reference
 from server_harness import API_KEY, running_server
 
-from frontend import LLM, SamplingParams
-from protocol.builtin_model import builtin_model_path
+from coreserve import LLM, SamplingParams
+from coreserve.protocol.builtin_model import builtin_model_path
 
 PROMPTS = [
     "The capital of France is",

@@ -1,4 +1,4 @@
-"""engine_core/server.py's release_heap: the freed pages glibc keeps in its heap go back to the OS; and
+"""coreserve/engine_core/server.py's release_heap: the freed pages glibc keeps in its heap go back to the OS; and
 a core process's busy loop calls it when the core goes idle after a step, once a burst (so a burst's
 activations do not stay resident), counted in its stats."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import PROMPTS
 
-from engine_core.server import MALLOC_TRIM, release_heap
-from frontend import SamplingParams
+from coreserve import SamplingParams
+from coreserve.engine_core.server import MALLOC_TRIM, release_heap
 
 
 def _anon_mib() -> float:
@@ -62,7 +62,7 @@ def test_a_closed_in_process_engine_gives_its_mappings_back(tiny_path):
     gigabytes of address space: closing the engine unmaps them at once, so a process that opens engine
     after engine (a test suite, a notebook) stays the size of one. The huge-page collapse's thread held
     them 5 s and more after close; a reference cycle held them until a collection ran."""
-    from frontend import LLM
+    from coreserve import LLM
 
     sizes = []
     for _ in range(3):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.request_ids import child_ids, parent_of, request_id_of, submission_id
+from coreserve.frontend.request_ids import child_ids, parent_of, request_id_of, submission_id
 
 
 @pytest.mark.parametrize("request_id", ["7", "chat-1", "a#b", "x@y", "a@b#c", "#", "@", ""])
@@ -30,9 +30,9 @@ def test_submissions_of_one_request_id_never_share_a_core_id():
 
 
 def test_the_output_processor_names_completions_with_these_ids(tokenizer):
-    from frontend.engine.output_processor import OutputProcessor
-    from frontend.engine.token_text import TokenTable
-    from protocol.sampling_params import SamplingParams
+    from coreserve.frontend.engine.output_processor import OutputProcessor
+    from coreserve.frontend.engine.token_text import TokenTable
+    from coreserve.protocol.sampling_params import SamplingParams
 
     processor = OutputProcessor(TokenTable(tokenizer))
     # FrontendEngine.prepare makes the submission id; the processor names the completions after it

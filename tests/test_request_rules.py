@@ -1,11 +1,11 @@
-"""The request rules against the engine's limits (protocol/request_rules.py): pure logic, no model."""
+"""The request rules against the engine's limits (coreserve/protocol/request_rules.py): pure logic, no model."""
 
 from __future__ import annotations
 
 import pytest
 
-from protocol.messages import HandshakeReply
-from protocol.request_rules import (
+from coreserve.protocol.messages import HandshakeReply
+from coreserve.protocol.request_rules import (
     RequestLimits,
     RequestRuleError,
     check_kv_room,
@@ -13,7 +13,7 @@ from protocol.request_rules import (
     check_max_tokens_fit,
     check_request,
 )
-from protocol.sampling_params import SamplingParams
+from coreserve.protocol.sampling_params import SamplingParams
 
 LIMITS = RequestLimits(vocab_size=100, max_model_len=64, max_logprobs=5, num_kv_blocks=8, block_size=4)
 

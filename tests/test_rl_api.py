@@ -1,4 +1,4 @@
-"""The RL control through the Python API (frontend/engine/engine.py, frontend/control_verbs.py) across the real process boundary, on the
+"""The RL control through the Python API (coreserve/frontend/engine/engine.py, coreserve/frontend/control_verbs.py) across the real process boundary, on the
 built-in model: LLM with a spawned core and with TP=2 ranks, AsyncLLM with its streamed deltas."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from conftest import HF_TOLERANCE, load_hf
 from rl_checks import hf_scored, perturb
 from safetensors.torch import save_file
 
-from frontend import LLM, AsyncLLM
-from protocol.sampling_params import SamplingParams
+from coreserve import LLM, AsyncLLM
+from coreserve.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

@@ -1,4 +1,4 @@
-"""The core's RL control (engine_core/rl_control.py, the runner's control verbs in worker/runner_control.py) on the built-in model,
+"""The core's RL control (coreserve/engine_core/rl_control.py, the runner's control verbs in coreserve/worker/runner_control.py) on the built-in model,
 in process: weights updated in place equal HF's forward on those weights, a bad update leaves the old
 ones serving, pause/resume, sleep/wake and prefix-cache resets, with the real model and no sockets."""
 
@@ -9,10 +9,16 @@ import torch
 from conftest import HF_TOLERANCE, load_hf
 from safetensors.torch import save_file
 
-from engine_core.core import EngineCore
-from protocol.config import EngineConfig
-from protocol.messages import ControlCall, ControlReply, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from protocol.sampling_params import SamplingParams
+from coreserve.engine_core.core import EngineCore
+from coreserve.protocol.config import EngineConfig
+from coreserve.protocol.messages import (
+    ControlCall,
+    ControlReply,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from coreserve.protocol.sampling_params import SamplingParams
 
 PROMPT = [464, 3139, 286, 4881, 318, 6342, 13, 383, 3139, 286, 4486, 318, 11307, 13, 383, 3139, 286]
 
@@ -254,8 +260,8 @@ def test_a_new_verb_is_a_runner_method_and_a_row_in_each_table(harness, monkeypa
     files): a method the runner's table names and a row of the core's table; its result comes back."""
     import msgspec
 
-    from engine_core import rl_control
-    from worker import runner_control
+    from coreserve.engine_core import rl_control
+    from coreserve.worker import runner_control
 
     class ScaleArgs(rl_control.Args):
         factor: float

@@ -1,4 +1,4 @@
-"""The RL control through an attached daemon (`python -m engine_core`, a real process on a real socket):
+"""The RL control through an attached daemon (`python -m coreserve.engine_core`, a real process on a real socket):
 new weights from a trainer's tensors through the frontend's /dev/shm file, pause, resume, sleep,
 wake, prefix-cache reset and the weight version, as through a spawned core; the core's own phases
 come back with the update's reply."""
@@ -10,9 +10,9 @@ import torch
 from conftest import HF_TOLERANCE, running_daemon
 from rl_checks import hf_scored, perturbed_hf
 
-from frontend import LLM
-from protocol.messages import UpdateWeights
-from protocol.sampling_params import SamplingParams
+from coreserve import LLM
+from coreserve.protocol.messages import UpdateWeights
+from coreserve.protocol.sampling_params import SamplingParams
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

@@ -1,4 +1,4 @@
-"""update_weights behind one frontend with several daemons (frontend/clients/multi_core_control.py): every core
+"""update_weights behind one frontend with several daemons (coreserve/frontend/clients/multi_core_control.py): every core
 takes the update and the versions stay in step; an update one core refuses is refused by all (each
 checks before any copies), and versions that came apart are an error naming them. The policy itself
 (`update_all_or_none`, Ray Serve's too) on stand-in engines first."""
@@ -14,11 +14,11 @@ import torch
 from conftest import HF_TOLERANCE, running_daemon
 from rl_checks import hf_scored, perturbed_hf
 
-from frontend import LLM
-from frontend.clients.multi_core_control import update_all_or_none
-from protocol.builtin_model import PRESETS, ensure_model
-from protocol.messages import GetControlState
-from protocol.sampling_params import SamplingParams
+from coreserve import LLM
+from coreserve.frontend.clients.multi_core_control import update_all_or_none
+from coreserve.protocol.builtin_model import PRESETS, ensure_model
+from coreserve.protocol.messages import GetControlState
+from coreserve.protocol.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is Paris. The capital of Germany is", "Once upon a time there was"]
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

@@ -15,9 +15,9 @@ import torch
 from conftest import IS_BF16_MODE, load_hf, running_daemon
 from hf_reference import gguf_reference_folder, one_torch_thread
 
-from frontend import LLM
-from protocol.builtin_model import builtin_model_path
-from protocol.sampling_params import SamplingParams
+from coreserve import LLM
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(IS_BF16_MODE, reason="the 1e-4 claim is fp32's (the trainer's weights)")
 

@@ -1,4 +1,4 @@
-"""The RL control endpoints (frontend/server/rl/control.py) through a real server on loopback: a 404
+"""The RL control endpoints (coreserve/frontend/server/rl/control.py) through a real server on loopback: a 404
 without --enable-rl-endpoints, a 401 without the API key, and with both: new weights from a checkpoint
 folder (the logprobs become HF's on them, the version advances; a bad one is a 400 that changes
 nothing), pause and resume, sleep and wake."""

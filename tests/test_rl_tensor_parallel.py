@@ -1,4 +1,4 @@
-"""update_weights with tensor parallelism (worker/parallel/, worker/models/weight_update.py): each rank
+"""update_weights with tensor parallelism (coreserve/worker/parallel/, coreserve/worker/models/weight_update.py): each rank
 loads its part of the new weights in place, sliced out of the frontend's file, after every rank passed
 the checks. Against TP=1 given the very same new weights (fp32): TP=2 sums the row-parallel products
 in two halves, so equal within 1e-5 plus 1e-6 of the value, not bit for bit (docs/decisions.md): a
@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import IS_BF16_MODE, load_hf
 
-from frontend import LLM
-from protocol.sampling_params import SamplingParams
+from coreserve import LLM
+from coreserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(IS_BF16_MODE, reason="the 1e-5 claim is fp32's")
 

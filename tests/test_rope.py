@@ -1,4 +1,4 @@
-"""RoPE variants (worker/models/rope.py) against Hugging Face's rotary embedding on the same config:
+"""RoPE variants (coreserve/worker/models/rope.py) against Hugging Face's rotary embedding on the same config:
 the cos/sin tables of every position, bit for bit, for default, linear, dynamic, llama3, yarn and
 longrope (both of its sets of rows)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.models.config import LlamaArgs
-from worker.models.rope import cos_sin_tables, long_rows_start
+from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.rope import cos_sin_tables, long_rows_start
 
 MAX_POSITIONS = 512
 VARIANTS = {

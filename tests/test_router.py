@@ -20,7 +20,7 @@ import httpx
 import openai
 from server_harness import free_port, running_router_process, running_server
 
-from protocol.builtin_model import builtin_model_path
+from coreserve.protocol.builtin_model import builtin_model_path
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 MODEL = "smollm2"

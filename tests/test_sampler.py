@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.cpu.kernels import argmax_rows, load_cpu_kernels
-from worker.cpu.sampling_ops import CpuSamplingOps
-from worker.sampling.logprobs import TorchSamplingOps, gather_logprobs
+from coreserve.worker.cpu.kernels import argmax_rows, load_cpu_kernels
+from coreserve.worker.cpu.sampling_ops import CpuSamplingOps
+from coreserve.worker.sampling.logprobs import TorchSamplingOps, gather_logprobs
 
 
 @pytest.fixture(scope="module", params=["torch", "kernel"])
@@ -77,10 +77,10 @@ def test_zero_and_whole_vocabulary():
 def test_penalty_counts_advanced_on_the_device_equal_counts_rebuilt_from_the_tokens():
     """A multi-step window advances the penalties' counts in place; after each step they must be what
     N = 1 rebuilds from the real token lists (output counts, and the seen mask over prompt + output)."""
-    from protocol.sampling_params import SamplingParams
-    from worker.sampling.metadata import build_sampling_metadata
-    from worker.sampling.sampler import advance_penalties
-    from worker.step.input_batch import RequestState
+    from coreserve.protocol.sampling_params import SamplingParams
+    from coreserve.worker.sampling.metadata import build_sampling_metadata
+    from coreserve.worker.sampling.sampler import advance_penalties
+    from coreserve.worker.step.input_batch import RequestState
 
     params = SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4)
     states = [RequestState(str(i), [3, 9, 4 + i], 2, params, [0], 3, None, None, False, []) for i in range(3)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from frontend import LLM, SamplingParams
+from coreserve import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time"]
 TRUNCATIONS = [dict(top_k=20), dict(top_p=0.8), dict(min_p=0.05), dict(top_k=50, top_p=0.9, min_p=0.01)]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.request import Request
-from engine_core.scheduler import Scheduler
-from protocol.config import SpeculativeConfig
-from protocol.messages import FinishReason
-from protocol.sampling_params import SamplingParams
-from protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
+from coreserve.engine_core.kv_cache_manager import KVCacheManager
+from coreserve.engine_core.request import Request
+from coreserve.engine_core.scheduler import Scheduler
+from coreserve.protocol.config import SpeculativeConfig
+from coreserve.protocol.messages import FinishReason
+from coreserve.protocol.sampling_params import SamplingParams
+from coreserve.protocol.step import HostLogprobs, ModelRunnerOutput, SchedulerOutput
 
 
 def make_request(req_id: str, num_prompt: int, client: bytes = b"c", **params) -> Request:

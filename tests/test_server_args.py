@@ -1,11 +1,11 @@
-"""`coreserve serve`'s command line (frontend/server/args.py, frontend/cli.py), without starting anything."""
+"""`coreserve serve`'s command line (coreserve/frontend/server/args.py, coreserve/frontend/cli.py), without starting anything."""
 
 from __future__ import annotations
 
 import pytest
 
-from frontend.cli import parser
-from frontend.server.args import api_key, engine_kwargs, model_to_serve, served_model_name
+from coreserve.frontend.cli import parser
+from coreserve.frontend.server.args import api_key, engine_kwargs, model_to_serve, served_model_name
 
 ENGINE_FLAGS = [
     "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-kv-blocks",

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from server_harness import CHATML, chat_template_file, running_server
 
-from frontend import SamplingParams
+from coreserve import SamplingParams
 
 SYSTEM, QUESTION = "You are terse.", "Name a colour."
 

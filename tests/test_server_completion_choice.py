@@ -1,15 +1,15 @@
-"""CompletionChoice (frontend/server/openai/completions.py) without a server: echo waits for the prompt's
+"""CompletionChoice (coreserve/frontend/server/openai/completions.py) without a server: echo waits for the prompt's
 logprobs (n > 1: another completion may bring them), max_tokens 0 drops the scoring token."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from frontend.engine.token_text import TokenTable
-from frontend.outputs import CompletionOutput, Logprob
-from frontend.server.common.generation import PromptInput
-from frontend.server.openai.completions import CompletionChoice
-from frontend.server.openai.schemas import CompletionRequest
+from coreserve.frontend.engine.token_text import TokenTable
+from coreserve.frontend.outputs import CompletionOutput, Logprob
+from coreserve.frontend.server.common.generation import PromptInput
+from coreserve.frontend.server.openai.completions import CompletionChoice
+from coreserve.frontend.server.openai.schemas import CompletionRequest
 
 
 def make_choice(tokenizer, **fields) -> tuple[CompletionChoice, list[int]]:

@@ -8,7 +8,7 @@ import pytest
 from conftest import PROMPTS
 from server_harness import API_KEY, MODEL, running_server, text_of
 
-from frontend import SamplingParams
+from coreserve import SamplingParams
 
 MAX_MODEL_LEN = 512
 

@@ -1,4 +1,4 @@
-"""Draining on SIGTERM (issue 62, a rolling update's stop; frontend/server/deploy/drain.py): a SIGTERM to
+"""Draining on SIGTERM (issue 62, a rolling update's stop; coreserve/frontend/server/deploy/drain.py): a SIGTERM to
 the server's whole process group (systemd's and a terminal's way) turns /ready and new requests into
 503s at once, lets the requests in flight, streamed or not, finish in full, and then the server exits 0
 with its core gone; with --shutdown-timeout 0 the requests in flight are answered with an error at once.
@@ -19,8 +19,8 @@ import openai
 import pytest
 from server_harness import MODEL, core_pids, is_gone, metric_values, running_server
 
-from frontend.cli import parser
-from frontend.server.deploy.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
+from coreserve.frontend.cli import parser
+from coreserve.frontend.server.deploy.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
 
 NUM_REQUESTS = 6  # every other one streamed
 NUM_TOKENS = 48  # long enough for the server to be signalled while each is still generating
@@ -139,7 +139,7 @@ def test_a_drain_with_nothing_in_flight_returns_at_once_without_aborting():
 
 
 def test_requests_the_abort_cannot_end_are_left_to_uvicorn_after_the_grace(monkeypatch):
-    monkeypatch.setattr("frontend.server.deploy.drain.ANSWER_GRACE_S", 0.2)
+    monkeypatch.setattr("coreserve.frontend.server.deploy.drain.ANSWER_GRACE_S", 0.2)
     drain = Drain(timeout_s=0.1)
     requests = Requests(drain, 2, end_on_abort=False)
     asyncio.run(asyncio.wait_for(drain.run(requests.abort), 5))

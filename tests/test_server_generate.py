@@ -1,4 +1,4 @@
-"""POST /generate (frontend/server/rl/token_generate.py) through a real server on loopback: token ids in,
+"""POST /generate (coreserve/frontend/server/rl/token_generate.py) through a real server on loopback: token ids in,
 token ids and logprobs out, equal to /v1/completions given the same ids and parameters; SGLang's
 answer shape, one object or a list; the weight version that computed each answer; each bad field a 400
 naming it. The 404 without --enable-rl-endpoints and the 401 without the key are test_rl_server.py's."""

@@ -1,7 +1,7 @@
 """What one heavy request may cost the server (issue 20): a body over --max-request-bytes is a 413 before
 it is read, a prompt that cannot fit the context is a 400 before it is tokenized, a prompt that must be
 tokenized is tokenized off the event loop; meanwhile other clients keep their latency and the server's
-memory stays put. The official openai client against a real `python -m frontend serve`."""
+memory stays put. The official openai client against a real `python -m coreserve serve`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""The JSON forms of logprobs (frontend/server/common/logprob_json.py), without a server: finite values, token
+"""The JSON forms of logprobs (coreserve/frontend/server/common/logprob_json.py), without a server: finite values, token
 text for pieces of characters, top-k order, and text offsets over multi-byte characters."""
 
 from __future__ import annotations
 
 import math
 
-from frontend.engine.token_text import TokenTable
-from frontend.outputs import Logprob
-from frontend.server.common.logprob_json import (
+from coreserve.frontend.engine.token_text import TokenTable
+from coreserve.frontend.outputs import Logprob
+from coreserve.frontend.server.common.logprob_json import (
     NO_LOGPROB,
     LegacyLogprobs,
     chat_content,
@@ -63,7 +63,7 @@ def test_text_offsets_count_characters_not_bytes(tokenizer):
 def test_json_never_fails_on_a_string_that_is_not_unicode():
     import json
 
-    from frontend.server.common.logprob_json import to_json
+    from coreserve.frontend.server.common.logprob_json import to_json
 
     assert json.loads(to_json({"text": "a\ud800b"})) == {"text": "a\ud800b"}
     assert json.loads(to_json({"logprob": finite(-math.inf)})) == {"logprob": -9999.0}

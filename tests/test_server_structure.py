@@ -1,4 +1,4 @@
-"""frontend/server/'s shape (issue 50): a small root over rooms, one SamplingParams builder, one delta
+"""coreserve/frontend/server/'s shape (issue 50): a small root over rooms, one SamplingParams builder, one delta
 accumulator, one metrics table; checked on the source, without a server."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER = ROOT / "frontend" / "server"
-BUILDER = "frontend/server/common/sampling.py"
+SERVER = ROOT / "coreserve" / "frontend" / "server"
+BUILDER = "coreserve/frontend/server/common/sampling.py"
 # Outside the server, SamplingParams is built only where no request body is read: the LLM face's
 # default for prompts given none (user objects are passed as they are) and the engine's defaults
 # from the model's generation config.
-OTHER_BUILDERS = {"frontend/llm.py", "frontend/engine/engine.py"}
+OTHER_BUILDERS = {"coreserve/frontend/llm.py", "coreserve/frontend/engine/engine.py"}
 
 
 def python_files(folder: Path) -> list[Path]:
@@ -46,7 +46,7 @@ def test_the_server_root_holds_at_most_eight_files_over_its_rooms():
 def test_samplingparams_is_built_in_one_module_of_the_frontend():
     found = {
         f"{relative(path)}:{line}"
-        for path in python_files(ROOT / "frontend")
+        for path in python_files(ROOT / "coreserve" / "frontend")
         if relative(path) not in {BUILDER, *OTHER_BUILDERS}
         for line in constructions(path, "SamplingParams")
     }
@@ -56,7 +56,7 @@ def test_samplingparams_is_built_in_one_module_of_the_frontend():
 
 def test_the_check_finds_a_construction(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("import protocol.sampling_params as sp\nx = sp.SamplingParams(n=2)\ny = SamplingParams()\n")
+    probe.write_text("import coreserve.protocol.sampling_params as sp\nx = sp.SamplingParams(n=2)\ny = SamplingParams()\n")
     assert constructions(probe, "SamplingParams") == [2, 3]
 
 
@@ -68,14 +68,14 @@ def test_one_delta_accumulator_merges_every_whole_answer():
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and "merge" in node.name
     }
-    assert merges == {"frontend/server/common/accumulate.py:merge_piece"}, merges
+    assert merges == {"coreserve/frontend/server/common/accumulate.py:merge_piece"}, merges
 
 
 def test_metrics_are_declared_in_one_table():
     """Only common/metrics.py names a Prometheus metric or a prefix of one."""
     offenders = []
-    for path in python_files(ROOT / "frontend"):
-        if relative(path) == "frontend/server/common/metrics.py":
+    for path in python_files(ROOT / "coreserve" / "frontend"):
+        if relative(path) == "coreserve/frontend/server/common/metrics.py":
             continue
         text = path.read_text()
         if "prometheus_client" in text or re.search(r"\"(vllm|coreserve):[a-z_]+\"", text):
@@ -86,8 +86,8 @@ def test_metrics_are_declared_in_one_table():
 def test_every_row_of_the_table_is_written_under_both_prefixes_with_its_value():
     """The one collector, on hand-made stats and one request's figures: each row under coreserve: and
     under vllm: (vLLM's labels), each reading the same value."""
-    from frontend.server.common.metrics import METRICS, ServerMetrics
-    from protocol.messages import EngineStats
+    from coreserve.frontend.server.common.metrics import METRICS, ServerMetrics
+    from coreserve.protocol.messages import EngineStats
 
     metrics = ServerMetrics()
     metrics.stats = EngineStats(0, num_running=3, num_waiting=1, num_free_kv_blocks=6, num_kv_blocks=8,
@@ -120,10 +120,10 @@ def test_every_server_file_is_short_and_says_what_it_owns():
 
 
 def server_imports(path: Path) -> set[str]:
-    """The frontend.server modules a file imports, at module level or inside a function."""
+    """The coreserve.frontend.server modules a file imports, at module level or inside a function."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("frontend.server."):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("coreserve.frontend.server."):
             names.add(node.module)
     return names
 

@@ -17,7 +17,7 @@ import pytest
 from server_harness import MODEL as TINY
 from server_harness import latencies_while, running_server
 
-from protocol.builtin_model import builtin_model_path
+from coreserve.protocol.builtin_model import builtin_model_path
 
 MODEL = "smollm2"
 PERSON = {

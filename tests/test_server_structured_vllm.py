@@ -1,5 +1,5 @@
 """vLLM's server tests for structured outputs on completions and chat, adapted to coreserve: one real
-`python -m frontend serve` of SmolLM2-135M-Instruct (builtin:smollm2) on loopback, driven by the openai
+`python -m coreserve serve` of SmolLM2-135M-Instruct (builtin:smollm2) on loopback, driven by the openai
 client. Each test names the vLLM test it adapts (under vLLM's tests/entrypoints/openai/). The requests
 are theirs (the employee schema, the IPv4 regex, the language choices, the SQL grammar, the invalid
 schema, regex and grammar, the {"result": 2} prompts); every JSON output parses and validates
@@ -18,7 +18,7 @@ import openai
 import pytest
 from server_harness import running_server
 
-from protocol.builtin_model import builtin_model_path
+from coreserve.protocol.builtin_model import builtin_model_path
 
 MODEL = "smollm2"
 # vLLM's sample schema (an employee profile), bounded (string lengths, array sizes) to close in few tokens

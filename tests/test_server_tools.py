@@ -16,9 +16,9 @@ import openai
 import pytest
 from server_harness import REPO, running_server
 
-from frontend.server.common.errors import APIError
-from frontend.server.openai.schemas import ChatCompletionRequest
-from frontend.server.openai.tool_choice import tool_plan
+from coreserve.frontend.server.common.errors import APIError
+from coreserve.frontend.server.openai.schemas import ChatCompletionRequest
+from coreserve.frontend.server.openai.tool_choice import tool_plan
 
 MODEL = "builtin:smollm2"
 WEATHER_PARAMETERS = {
@@ -150,7 +150,7 @@ def test_rollout_token_ids_are_the_templates_and_score_bit_for_bit(server, clien
     """A multi-turn rollout's prompt ids are the template's rendering of its history (tools, the
     assistant's calls, the tool's answer), and its completion's logprobs equal /v1/completions' on
     those very ids, bit for bit."""
-    from frontend.engine.engine_args import load_tokenizer
+    from coreserve.frontend.engine.engine_args import load_tokenizer
     from scripts.real_models import path_of
 
     messages = [
@@ -234,10 +234,10 @@ def test_tool_choice_rules_as_vllm():
 
 def test_an_unknown_parser_is_refused_at_start():
     for flag, name in (("--tool-call-parser", "nonesuch"), ("--reasoning-parser", "nonesuch")):
-        done = subprocess.run([sys.executable, "-m", "frontend", "serve", MODEL, flag, name], cwd=REPO,
+        done = subprocess.run([sys.executable, "-m", "coreserve", "serve", MODEL, flag, name], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "invalid choice: 'nonesuch'" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "frontend", "serve", "builtin:nonesuch", "--enable-auto-tool-choice"],
+    done = subprocess.run([sys.executable, "-m", "coreserve", "serve", "builtin:nonesuch", "--enable-auto-tool-choice"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--enable-auto-tool-choice needs --tool-call-parser" in done.stderr
 

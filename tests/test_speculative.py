@@ -14,13 +14,13 @@ import pytest
 from conftest import IS_BF16_MODE
 from server_harness import running_server
 
-from engine_core.request import Request
-from engine_core.speculation import MAX_PAUSE, STEP_ROWS, SpeculationPolicy
-from frontend import LLM, SamplingParams
-from protocol.builtin_model import builtin_model_path
-from protocol.config import SpeculativeConfig, parse_speculative_config
-from protocol.prompt_lookup import lookup
-from protocol.structured_outputs import StructuredOutputsParams
+from coreserve import LLM, SamplingParams
+from coreserve.engine_core.request import Request
+from coreserve.engine_core.speculation import MAX_PAUSE, STEP_ROWS, SpeculationPolicy
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.protocol.config import SpeculativeConfig, parse_speculative_config
+from coreserve.protocol.prompt_lookup import lookup
+from coreserve.protocol.structured_outputs import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 CODE = (

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from frontend.engine.engine_args import direct_tokenizer_class, load_tokenizer
-from protocol.builtin_model import builtin_model_path
-from worker.cpu.huge_pages import zero_page_tensors
-from worker.models import gguf_weights
+from coreserve.frontend.engine.engine_args import direct_tokenizer_class, load_tokenizer
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.worker.cpu.huge_pages import zero_page_tensors
+from coreserve.worker.models import gguf_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Hello world! The capital of France is Paris. 12345 <|im_end|> émigré  \n\t tabs"
@@ -34,9 +34,9 @@ def test_llm_of_the_gguf_model_imports_no_torch_and_logs_both_processes_phases()
     code = (
         "import logging, sys\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "for name in ('frontend', 'engine_core', 'worker'): logging.getLogger(name).setLevel(logging.INFO)\n"
-        "from frontend.llm import LLM\n"
-        "from protocol.sampling_params import SamplingParams\n"
+        "for name in ('coreserve',): logging.getLogger(name).setLevel(logging.INFO)\n"
+        "from coreserve.frontend.llm import LLM\n"
+        "from coreserve.protocol.sampling_params import SamplingParams\n"
         "with LLM('builtin:smollm2') as llm:\n"
         "    out = llm.generate(['The capital of France is'], SamplingParams(max_tokens=1, temperature=0),"
         " use_tqdm=False)\n"
@@ -52,7 +52,7 @@ def test_llm_of_the_gguf_model_imports_no_torch_and_logs_both_processes_phases()
 
 def test_spawned_core_stays_quiet_unless_the_engine_core_logger_is_set():
     code = (
-        "from frontend.llm import LLM\n"
+        "from coreserve.frontend.llm import LLM\n"
         "with LLM('builtin:tiny') as llm:\n"
         "    llm.generate(['Hi'], use_tqdm=False)\n"
     )
@@ -65,7 +65,7 @@ def test_spawned_core_stays_quiet_unless_the_engine_core_logger_is_set():
 def test_tokenizer_loaded_directly_is_the_one_autotokenizer_loads(name):
     from transformers import AutoTokenizer
 
-    from frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
+    from coreserve.frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 
     path = builtin_model_path(name)
     folder = gguf_tokenizer_folder(path) if path.endswith(".gguf") else path
@@ -87,8 +87,8 @@ def test_tokenizer_autotokenizer_replaces_is_left_to_autotokenizer(qwen_path):
 def test_model_is_built_without_torch_dynamo(tiny_path):
     code = (
         "import sys, torch\n"
-        "from protocol.builtin_model import builtin_model_path\n"
-        "from worker.models.loader import load_model\n"
+        "from coreserve.protocol.builtin_model import builtin_model_path\n"
+        "from coreserve.worker.models.loader import load_model\n"
         "model = load_model(sys.argv[1], 'auto', torch.device('cpu'))\n"
         "print(model.rotary.cos.dtype, model.rotary.cos.device, 'torch._dynamo' in sys.modules)\n"
     )
@@ -128,9 +128,9 @@ def test_a_kv_cache_the_host_cannot_back_is_refused_at_start_naming_the_flag():
     (but within what the mapping allows) started before and failed under load. Now a given
     num_kv_blocks past MemAvailable stops the core at start, naming --num-kv-blocks; the default
     (kv_cache_gib past it) is cut to fit and the engine serves."""
-    from engine_core.core import host_memory_available
-    from frontend import LLM, SamplingParams
-    from frontend.errors import EngineDeadError
+    from coreserve import LLM, SamplingParams
+    from coreserve.engine_core.core import host_memory_available
+    from coreserve.frontend.errors import EngineDeadError
 
     available = host_memory_available()
     assert available is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import PROMPTS, copy_model_with_eos
 
-from frontend import LLM, SamplingParams
+from coreserve import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -106,7 +106,7 @@ def test_min_tokens_masks_eos_until_reached(eos_llm):
 
 
 def _request_with_output(output_ids: list[int], eos_ids: list[int], **params):
-    from engine_core.request import Request
+    from coreserve.engine_core.request import Request
 
     req = Request(
         req_id="r", client_id=b"c", client_req_id="r", prompt_token_ids=[1, 2, 3],
@@ -129,14 +129,14 @@ def _request_with_output(output_ids: list[int], eos_ids: list[int], **params):
     ],
 )
 def test_eos_and_stop_ids_are_checked_before_the_length_caps(output_ids, params, expected):
-    from engine_core.stop import check_stop
+    from coreserve.engine_core.stop import check_stop
 
     stop = check_stop(_request_with_output(output_ids, [9, 7], **params), max_model_len=100)
     assert (None if stop is None else (str(stop[0]), stop[1])) == expected
 
 
 def test_the_model_length_stops_even_before_min_tokens():
-    from engine_core.stop import check_stop
+    from coreserve.engine_core.stop import check_stop
 
     req = _request_with_output([5, 6], [9], max_tokens=10, min_tokens=8)
     assert str(check_stop(req, max_model_len=5)[0]) == "length"

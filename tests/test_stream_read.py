@@ -21,6 +21,6 @@ def test_stream_sum_reads_every_element_once():
 
 
 def test_the_engine_kernels_no_longer_carry_the_probe():
-    from worker.cpu.bindings import SIGNATURES
+    from coreserve.worker.cpu.bindings import SIGNATURES
 
     assert "stream_sum" not in SIGNATURES

@@ -15,9 +15,9 @@ import re
 import jsonschema
 import pytest
 
-from frontend import LLM, SamplingParams
-from protocol.builtin_model import builtin_model_path
-from protocol.structured_outputs import StructuredOutputsParams
+from coreserve import LLM, SamplingParams
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.protocol.structured_outputs import StructuredOutputsParams
 
 PERSON = {
     "type": "object",

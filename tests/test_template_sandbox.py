@@ -1,4 +1,4 @@
-"""Chat templates as untrusted code (frontend/engine/template_sandbox.py): a render gives transformers'
+"""Chat templates as untrusted code (coreserve/frontend/engine/template_sandbox.py): a render gives transformers'
 own text, and a hostile one ends in a ValueError naming the limit it passed, without growing the caller or
 holding a renderer; over HTTP it is a 400 while other routes keep answering, and a client that leaves
 stops its render."""
@@ -13,10 +13,10 @@ import httpx
 import pytest
 from server_harness import CHATML, latencies_while, running_server
 
-from frontend.engine.chat_template import chat_render_args
-from frontend.engine.engine_args import load_tokenizer
-from frontend.engine.template_sandbox import RenderCancelled, TemplateSandbox
-from protocol.builtin_model import builtin_model_path
+from coreserve.frontend.engine.chat_template import chat_render_args
+from coreserve.frontend.engine.engine_args import load_tokenizer
+from coreserve.frontend.engine.template_sandbox import RenderCancelled, TemplateSandbox
+from coreserve.protocol.builtin_model import builtin_model_path
 
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Bonjour, 日本語 ? 🎉"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]

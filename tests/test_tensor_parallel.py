@@ -1,4 +1,4 @@
-"""Tensor parallelism (worker/parallel/executor.py, worker/parallel/rank.py, worker/models/sharding.py):
+"""Tensor parallelism (coreserve/worker/parallel/executor.py, coreserve/worker/parallel/rank.py, coreserve/worker/models/sharding.py):
 `tensor_parallel_size=2` on the CPU, two gloo ranks of one thread each, gives `tensor_parallel_size=1`'s
 greedy tokens and its logprobs within 1e-4, in process and as a daemon; a dead rank stops the engine
 with an error instead of a hang."""
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from frontend import LLM
-from frontend.errors import EngineDeadError
-from protocol.sampling_params import SamplingParams
-from protocol.structured_outputs import StructuredOutputsParams
+from coreserve import LLM
+from coreserve.frontend.errors import EngineDeadError
+from coreserve.protocol.sampling_params import SamplingParams
+from coreserve.protocol.structured_outputs import StructuredOutputsParams
+from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.loader import read_config
+from coreserve.worker.models.sharding import Shard, rank_part, shard_args
 from tests.conftest import BATCH_SHAPE_TOLERANCE, PROMPTS, assert_same_positions, running_daemon
-from worker.models.config import LlamaArgs
-from worker.models.loader import read_config
-from worker.models.sharding import Shard, rank_part, shard_args
 
 TP2 = dict(tensor_parallel_size=2, num_threads=1)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=3)

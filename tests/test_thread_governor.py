@@ -1,4 +1,4 @@
-"""The step's thread count on a shared host (worker/cpu/thread_governor.py): one thread while the
+"""The step's thread count on a shared host (coreserve/worker/cpu/thread_governor.py): one thread while the
 step's thread waits for a CPU, all of them again once the host leaves the cores idle; the /proc
 figures it reads are this host's real ones where it runs, and a hand-written /proc in the logic tests."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from worker.cpu.thread_governor import ThreadGovernor
+from coreserve.worker.cpu.thread_governor import ThreadGovernor
 
 
 class FakeHost:
@@ -132,7 +132,7 @@ def test_an_in_process_engine_never_changes_its_hosts_threads(tiny_path):
     import subprocess
     import sys
 
-    from frontend import LLM, SamplingParams
+    from coreserve import LLM, SamplingParams
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from frontend.engine.token_text import IncrementalDetokenizer, TokenTable
+from coreserve.frontend.engine.token_text import IncrementalDetokenizer, TokenTable
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Real tokenizers (Llama 3 byte-level BPE, Llama 2 SentencePiece with byte fallback): output text equals
 `tokenizer.decode`, streamed or not, at O(new tokens) per step; decoded_token stays byte-exact; padded
-ids have no text (frontend/engine/token_text.py through the engine)."""
+ids have no text (coreserve/frontend/engine/token_text.py through the engine)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from real_tokenizers import real_tokenizer_path
 
-from frontend import LLM, AsyncLLM, SamplingParams
-from frontend.engine.token_text import IncrementalDetokenizer, TokenTable
+from coreserve import LLM, AsyncLLM, SamplingParams
+from coreserve.frontend.engine.token_text import IncrementalDetokenizer, TokenTable
 
 TOKENIZER_FAMILIES = {"llama3": "llama3.1", "llama2": "llama2"}  # tokenizer -> a test model that uses it
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""The tool-call and reasoning parsers (frontend/server/parsers/, frontend/server/openai/message_parts.py)
+"""The tool-call and reasoning parsers (coreserve/frontend/server/parsers/, coreserve/frontend/server/openai/message_parts.py)
 on the cases of vLLM's own parser tests (tests/tool_use/, tests/reasoning/: model outputs and what vLLM
 expects of them), whole and streamed in pieces of every size: a streamed reply's deltas add up to the
 whole reply's message. Pure text: no model."""
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from frontend.server.openai.message_parts import ChoiceParser
-from frontend.server.openai.tool_choice import NO_TOOLS, ToolPlan
-from frontend.server.parsers.reasoning import ThinkSplitter, is_thinking
-from frontend.server.parsers.splitter import TOOL_FORMATS
+from coreserve.frontend.server.openai.message_parts import ChoiceParser
+from coreserve.frontend.server.openai.tool_choice import NO_TOOLS, ToolPlan
+from coreserve.frontend.server.parsers.reasoning import ThinkSplitter, is_thinking
+from coreserve.frontend.server.parsers.splitter import TOOL_FORMATS
 
 PIECES = (1, 2, 3, 5, 8, 1000)
 
@@ -333,8 +333,8 @@ def test_required_schema_holds_what_vllms_does(output, matches):
 
     import jsonschema
 
-    from frontend.server.openai.schemas import ChatCompletionRequest
-    from frontend.server.openai.tool_choice import tool_plan
+    from coreserve.frontend.server.openai.schemas import ChatCompletionRequest
+    from coreserve.frontend.server.openai.tool_choice import tool_plan
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=VLLM_TOOLS, tool_choice="required")
     plan = tool_plan(SimpleNamespace(enable_auto_tool_choice=False, tool_call_parser=None), body)

@@ -80,7 +80,7 @@ def test_weather_conversation_on_a_real_file(server, client):
 def check_ids_and_logprobs(server: str, messages: list[dict], answer) -> None:
     """The prompt ids are the template's rendering of the history as templates read it (the call's
     arguments an object), and the completion's logprobs equal /v1/completions' scoring, bit for bit."""
-    from frontend.engine.engine_args import load_tokenizer
+    from coreserve.frontend.engine.engine_args import load_tokenizer
 
     tokenizer = load_tokenizer(str(path_of(NAME)))
     history = [
@@ -105,9 +105,9 @@ def test_llm_chat_and_the_server_render_tools_alike():
     """LLM.chat's tools and chat_template_kwargs reach the template as the server's do (chat_render_args,
     one function): the history's call arguments, JSON text in OpenAI's messages, decoded for the template; the
     sandbox's text is apply_chat_template's on the real template."""
-    from frontend.engine.chat_template import chat_render_args
-    from frontend.engine.engine_args import load_tokenizer
-    from frontend.engine.template_sandbox import TemplateSandbox
+    from coreserve.frontend.engine.chat_template import chat_render_args
+    from coreserve.frontend.engine.engine_args import load_tokenizer
+    from coreserve.frontend.engine.template_sandbox import TemplateSandbox
 
     tokenizer = load_tokenizer(str(path_of(NAME)))
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from frontend import SamplingParams
+from coreserve import SamplingParams
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time"]
 

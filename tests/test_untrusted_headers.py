@@ -1,5 +1,5 @@
 """A model file is untrusted input (llama.cpp's GGUF parser CVEs): the GGUF header reader
-(protocol/gguf_header.py) and the safetensors header and index reader (worker/models/safetensors_files.py)
+(coreserve/protocol/gguf_header.py) and the safetensors header and index reader (coreserve/worker/models/safetensors_files.py)
 check every count, size and offset before they use it. Each hand-made malformed file ends in a plain
 ValueError naming the field: never an OverflowError, RecursionError, KeyError, numpy's or json's own
 error, a huge allocation or a long loop."""
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protocol.gguf_header import GGML_BLOCKS, read_gguf_header
-from worker.models import safetensors_files
-from worker.models.gguf_weights import SUPPORTED_TYPES
+from coreserve.protocol.gguf_header import GGML_BLOCKS, read_gguf_header
+from coreserve.worker.models import safetensors_files
+from coreserve.worker.models.gguf_weights import SUPPORTED_TYPES
 
 U32, U64, STRING, ARRAY, F32, Q8_0 = 4, 10, 8, 9, 0, 8
 

@@ -1,4 +1,4 @@
-"""frontend/vllm_shim.py: vLLM's module names over coreserve, in a fresh interpreter (the shim changes
+"""coreserve/frontend/vllm_shim.py: vLLM's module names over coreserve, in a fresh interpreter (the shim changes
 sys.modules): the names a vLLM program imports, its version, the engine arguments lm-eval passes taken at
 their defaults and refused by name otherwise; the same outputs as coreserve's own LLM."""
 
@@ -10,14 +10,14 @@ import sys
 
 PROGRAM = r"""
 import importlib.metadata, importlib.util, sys
-import frontend.vllm_shim as shim
+import coreserve.frontend.vllm_shim as shim
 shim.install()
 shim.install()  # twice: nothing changes
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.tokenizers import get_tokenizer
 from vllm.renderers.hf import resolve_chat_template
-from frontend import LLM as CoreserveLLM
+from coreserve import LLM as CoreserveLLM
 assert importlib.metadata.version("vllm") == shim.VLLM_API_VERSION
 assert importlib.util.find_spec("vllm") is not None
 model = sys.argv[1]
@@ -63,7 +63,7 @@ def test_vllms_names_run_coreserve_and_refuse_what_it_does_not_build(tiny_path):
 def test_the_shim_refuses_to_shadow_a_real_vllm(tmp_path):
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("")
-    program = "import frontend.vllm_shim as s\ntry:\n    s.install()\nexcept RuntimeError as e:\n    print(e)\n"
+    program = "import coreserve.frontend.vllm_shim as s\ntry:\n    s.install()\nexcept RuntimeError as e:\n    print(e)\n"
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert "a real vllm is importable here" in done.stdout, done.stderr[-2000:]

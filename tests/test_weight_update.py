@@ -1,13 +1,13 @@
-"""worker/models/weight_update.py on a model in this process: what it refuses before any copy."""
+"""coreserve/worker/models/weight_update.py on a model in this process: what it refuses before any copy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from protocol.builtin_model import builtin_model_path
-from worker.models.loader import load_model
-from worker.models.weight_update import plan_update
+from coreserve.protocol.builtin_model import builtin_model_path
+from coreserve.worker.models.loader import load_model
+from coreserve.worker.models.weight_update import plan_update
 
 
 def test_a_gguf_kept_quantized_refuses_new_weights_by_name():

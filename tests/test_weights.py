@@ -1,5 +1,5 @@
 """Checkpoint weights: sharded bf16 safetensors, dtype="auto" and explicit dtypes against Hugging Face,
-and the memory that loading takes (worker/models/loader.py, worker/models/safetensors_files.py)."""
+and the memory that loading takes (coreserve/worker/models/loader.py, coreserve/worker/models/safetensors_files.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import FAMILY_PROMPTS_SHORT, hf_logprobs, load_hf, write_family_model
 
-from frontend import LLM, SamplingParams
-from worker.models.loader import load_model, resolve_dtype
+from coreserve import LLM, SamplingParams
+from coreserve.worker.models.loader import load_model, resolve_dtype
 
 TOLERANCE = 1e-4
 
@@ -81,9 +81,9 @@ def test_bf16_engine_generates_from_the_bf16_checkpoint(sharded_bf16):
 _MEASURE = """
 import sys, torch
 from pathlib import Path
-from worker.models.config import LlamaArgs
-from worker.models.llama import LlamaModel
-from worker.models.loader import load_model, read_config
+from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.llama import LlamaModel
+from coreserve.worker.models.loader import load_model, read_config
 def status(key):
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
     return int(line.split()[1]) * 1024

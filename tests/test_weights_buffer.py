@@ -1,4 +1,4 @@
-"""frontend/engine/weights_buffer.py: update_weights' shared-memory file, kept between updates and rewritten in
+"""coreserve/frontend/engine/weights_buffer.py: update_weights' shared-memory file, kept between updates and rewritten in
 place, freed by keep_buffer=False, shutdown and exit, and a dead process's file cleaned up."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from frontend import LLM, SamplingParams
-from frontend.engine.weights_buffer import WeightsBuffer
+from coreserve import LLM, SamplingParams
+from coreserve.frontend.engine.weights_buffer import WeightsBuffer
 
 
 def test_the_file_is_rewritten_in_place_with_each_updates_tensors():
@@ -34,7 +34,7 @@ def test_the_file_is_rewritten_in_place_with_each_updates_tensors():
 
 
 def test_a_dead_processs_folder_is_removed_when_a_buffer_is_made():
-    code = "from frontend.engine.weights_buffer import WeightsBuffer; import os, torch; " \
+    code = "from coreserve.frontend.engine.weights_buffer import WeightsBuffer; import os, torch; " \
            "b = WeightsBuffer(); print(b.write([('x', torch.ones(4))])); os._exit(0)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     left = os.path.dirname(out.stdout.strip())

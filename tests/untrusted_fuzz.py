@@ -69,7 +69,7 @@ class FuzzReport:
 
 
 def default_cache_dir() -> Path:
-    from protocol.builtin_model import default_cache_dir as coreserve_cache
+    from coreserve.protocol.builtin_model import default_cache_dir as coreserve_cache
 
     return coreserve_cache() / "untrusted-fuzz-v1"
 

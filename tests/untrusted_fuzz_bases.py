@@ -18,7 +18,7 @@ LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
 def make_bases(cache_dir: Path) -> Bases:
-    from protocol.builtin_model import builtin_model_path
+    from coreserve.protocol.builtin_model import builtin_model_path
 
     tiny = builtin_model_path("tiny")
     gguf = _made(cache_dir / "base.gguf", _write_gguf)

@@ -4,7 +4,7 @@ ended, with the case's seconds and peak memory growth.
 
 A model file goes through the frontend's chain (check_model_folder, tokenizer_fingerprint, load_tokenizer,
 generation_defaults) and the core's (load_model with dtype "auto" on the CPU, eos_token_ids), each chain
-stopping at its first error, as the process would. An adapter goes through worker/lora/adapter.py's
+stopping at its first error, as the process would. An adapter goes through coreserve/worker/lora/adapter.py's
 read_adapter against the tiny model; a chat template through chat_render_args in the engine's TemplateSandbox
 with its default limits. A step that loads returns a summary, compared with the base's, so that an
 accepted mutation can be told from one that silently changed the model.
@@ -28,7 +28,7 @@ MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "conten
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PROBE = "Hello, my name is 日本語 🎉"
-MAX_LORA_RANK = 16  # protocol/config.py's default max_lora_rank
+MAX_LORA_RANK = 16  # coreserve/protocol/config.py's default max_lora_rank
 
 
 def status_kib(field: str) -> int:
@@ -80,9 +80,9 @@ class _State:
         import torch
         from untrusted_fuzz_bases import make_bases
 
-        from frontend.engine.engine_args import load_tokenizer
-        from frontend.engine.engine_parts import template_sandbox
-        from worker.models.loader import load_model
+        from coreserve.frontend.engine.engine_args import load_tokenizer
+        from coreserve.frontend.engine.engine_parts import template_sandbox
+        from coreserve.worker.models.loader import load_model
 
         self.bases = make_bases(cache_dir)
         self.tiny = load_model(self.bases.hf, "auto", torch.device("cpu"))
@@ -173,10 +173,10 @@ def _short(filename: str) -> str:
 def check_model(state: _State, path: str, report: Callable[[str], None]) -> list[dict]:
     import torch
 
-    from frontend.engine.engine_args import load_tokenizer
-    from frontend.engine.model_checks import check_model_folder
-    from protocol.model_facts import eos_token_ids, generation_defaults, tokenizer_fingerprint
-    from worker.models.loader import load_model
+    from coreserve.frontend.engine.engine_args import load_tokenizer
+    from coreserve.frontend.engine.model_checks import check_model_folder
+    from coreserve.protocol.model_facts import eos_token_ids, generation_defaults, tokenizer_fingerprint
+    from coreserve.worker.models.loader import load_model
 
     def tokenizer() -> dict:
         loaded = load_tokenizer(path)
@@ -209,7 +209,7 @@ def _short_text(text: str) -> str:
 
 
 def check_lora(state: _State, path: str, report: Callable[[str], None]) -> list[dict]:
-    from worker.lora.adapter import read_adapter
+    from coreserve.worker.lora.adapter import read_adapter
 
     def adapter() -> dict:
         loaded = read_adapter(path, "fuzz", state.tiny, MAX_LORA_RANK)
@@ -221,7 +221,7 @@ def check_lora(state: _State, path: str, report: Callable[[str], None]) -> list[
 
 
 def check_template(state: _State, path: str, report: Callable[[str], None]) -> list[dict]:
-    from frontend.engine.chat_template import chat_render_args
+    from coreserve.frontend.engine.chat_template import chat_render_args
 
     template = CHATML if path == "base" else Path(path).read_text()
 
@@ -237,7 +237,7 @@ CHECKS = {"model": check_model, "lora": check_lora, "template": check_template}
 def serve_check() -> dict:
     """A real engine (LLM(None): the built-in tiny model, its core in this process, the one that loaded
     every case) after the run: it answers a request, refuses a hostile chat template, and answers a chat."""
-    from frontend import LLM, SamplingParams
+    from coreserve import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0)
     with LLM(None, multiprocess=False) as llm:

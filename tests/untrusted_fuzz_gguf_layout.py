@@ -4,7 +4,7 @@ at; and the encoders that put a file back together from edited parts (the data s
 edit changes only what it means to).
 
 This walker reads only files the `gguf` package wrote (the fuzzer's bases): it trusts them, and shares
-nothing with protocol/gguf_header.py, the reader under test.
+nothing with coreserve/protocol/gguf_header.py, the reader under test.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 /* A benchmark probe, not part of the engine: the sum of a[0..n), each thread reading its share as two
- * sequential streams, the way the few-row products (worker/cpu/csrc/gemv.c) read their weights. It
+ * sequential streams, the way the few-row products (coreserve/worker/cpu/csrc/gemv.c) read their weights. It
  * tells the memory read rate those products can reach; scripts/bench_decode_step.py builds it
  * (scripts/stream_read.py) and compares it with torch's sum.
  */

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from engine_core.core import EngineCore
-from engine_core.server import CoreServer
-from protocol.config import EngineConfig
+from coreserve.engine_core.core import EngineCore
+from coreserve.engine_core.server import CoreServer
+from coreserve.protocol.config import EngineConfig
 
 
 def main(model: str, address: str, fault: str) -> None:

@@ -1,8 +1,0 @@
-"""`python -m frontend serve ...`: the same as the `coreserve` command (frontend process, entry point)."""
-
-from __future__ import annotations
-
-from frontend.cli import main
-
-if __name__ == "__main__":
-    main()

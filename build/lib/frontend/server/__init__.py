@@ -1,5 +1,0 @@
-"""coreserve's OpenAI-compatible HTTP server over AsyncLLM (frontend process): `coreserve serve`.
-
-`build_app(state)` in `frontend.server.app` makes the FastAPI application; `frontend.server.launch` starts
-an engine and uvicorn from command-line arguments.
-"""

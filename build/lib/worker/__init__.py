@@ -1,1 +1,0 @@
-"""The worker: model, paged KV cache, sampler and logprobs. Runs in the engine-core process."""

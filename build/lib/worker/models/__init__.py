@@ -1,1 +1,0 @@
-"""Model definitions and weight loading (engine-core process)."""

@@ -1,0 +1,338 @@
+"""The scheduler: continuous batching under a token budget, chunked prefill, preemption by recompute
+(engine-core process). No prefill or decode phase: each request's computed-token count catches up with
+its token count, a budget's worth at a time.
+
+LongRoPE (Phi-3): the factors are chosen per request, at admission (coreserve/engine_core/long_rope.py).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from coreserve.engine_core.grammars import Grammars, wait_for_any
+from coreserve.engine_core.kv_cache_manager import KVCacheManager
+from coreserve.engine_core.long_rope import LongRopeRule
+from coreserve.engine_core.lora_table import LoraTable
+from coreserve.engine_core.multi_step import extend_to_window
+from coreserve.engine_core.outputs import add_token_extras, make_output
+from coreserve.engine_core.prompt_rows import flavour_of
+from coreserve.engine_core.request import Request, RequestStatus
+from coreserve.engine_core.speculation import SpeculationPolicy
+from coreserve.engine_core.stop import append_until_stop
+from coreserve.engine_core.waiting_queue import WaitingQueue
+from coreserve.protocol.config import SpeculativeConfig
+from coreserve.protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from coreserve.protocol.step import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_scheduler_steps: int = 1,
+        grammars: Grammars | None = None,
+        speculative: SpeculativeConfig | None = None,
+        long_rope_switch: int | None = None,
+        loras: LoraTable | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.long_rope = LongRopeRule(long_rope_switch, max_model_len)  # switch None: no LongRoPE
+        self.grammars = grammars  # structured outputs; None: every request is unconstrained
+        self.compiling: list[Request] = []  # waiting for their grammar; the others are scheduled meanwhile
+        self.failed: list[tuple[Request, str]] = []  # grammars that did not compile, with why: reported next
+        self.num_with_grammar = 0  # requests in flight with a grammar: 0 skips every grammar step
+        self.num_scheduler_steps = num_scheduler_steps
+        self.speculation = None if speculative is None else SpeculationPolicy(speculative)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue()  # round-robin across clients, FCFS within one
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule(): the worker drops them
+        self.num_preemptions = 0  # since start, for stats and tests
+        self.num_prefill_tokens = 0  # prompt positions computed since start (cache hits are not)
+        # RL control (coreserve/engine_core/rl_control.py): waiting requests stay waiting while admissions are
+        # held; a frozen scheduler schedules nothing (running requests keep their blocks).
+        self.can_admit = True
+        self.is_frozen = False
+        self.loras = loras  # LoRA (coreserve/engine_core/lora_table.py): slots taken at admission, released at the end
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        if req.params.structured_outputs is None:
+            self.waiting.append(req)
+            return
+        assert self.grammars is not None, "a scheduler without grammars got a structured request"
+        req.grammar = self.grammars.for_request(req.params)
+        self.num_with_grammar += 1
+        self.compiling.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.compiling)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step now would schedule anything (held admissions and a freeze say no)."""
+        is_queued = bool(self.waiting or self.compiling or self.failed)
+        return not self.is_frozen and bool(self.running or (self.can_admit and is_queued))
+
+    def preempt_running(self) -> None:
+        """Every running request back to the head of the waiting queue, its blocks freed: it is
+        computed again later (sleep frees the KV cache under frozen requests)."""
+        for req in reversed(self.running):
+            self.kv_cache.free(req.req_id)
+            req.reset_for_recompute()
+            self.waiting.appendleft(req)
+            self.finished_req_ids.add(req.req_id)
+        self.running = []
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req in self.compiling:
+                self.compiling.remove(req)
+            elif req.status == RequestStatus.WAITING:
+                self.waiting.remove(req)
+            elif req in self.running:
+                self.running.remove(req)
+            req.finish(FinishReason.ABORT)
+            self._free(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = 0 if self.is_frozen else self.max_num_batched_tokens
+        if self.compiling and not self.is_frozen:
+            self._take_compiled()
+        output = SchedulerOutput([], [], {}, self.finished_req_ids)
+        self.finished_req_ids = set()
+        num_preemptions_before = self.num_preemptions
+        if self.speculation is not None:
+            self.speculation.begin_step(len(self.running))
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            is_restarted = self.long_rope.restart(req, self.kv_cache, output)
+            if is_restarted and self.kv_cache.index is not None and req.can_read_prefix_cache:
+                self._read_cached_prefix(req)  # its long prefix, where another request computed it
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_spec, new_blocks = 0, None
+            if self.speculation is not None:
+                max_len = self.long_rope.max_len(req)
+                num_spec, new_blocks = self.speculation.allocate(req, num_new, budget, self.kv_cache, max_len)
+            if not num_spec:
+                new_blocks = self._allocate_or_preempt(req, num_new, output)
+            if new_blocks is None:
+                break
+            if is_restarted:  # the worker takes it anew (its old state dropped first)
+                output.new_reqs.append(req.new_request_data(self.kv_cache.blocks_of(req.req_id)))
+            else:
+                output.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+            self._commit(req, num_new, output)
+            if num_spec:
+                output.spec_tokens[req.req_id] = num_spec
+            budget -= num_new + num_spec
+            index += 1
+        is_preempted = self.num_preemptions > num_preemptions_before
+        can_admit = self.can_admit and not is_preempted  # no admissions while memory is short, or held
+        skipped: list[Request] = []  # waiting for room for their adapter (max_loras): they keep their turn
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and can_admit:
+            if self.loras is not None and not self.loras.has_room(self.waiting[0], self.running):
+                if len(skipped) == self.max_num_seqs:
+                    break
+                skipped.append(self.waiting.popleft())
+                continue
+            num_new = self._admit(self.waiting[0], budget, output)
+            if num_new is None:
+                break
+            budget -= num_new
+        for req in reversed(skipped):
+            self.waiting.appendleft(req)
+        if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs and not output.spec_tokens:
+            reqs = [self.requests[data.req_id] for data in output.cached_reqs]
+            max_lens = [self.long_rope.max_len(req) for req in reqs]
+            extend_to_window(output, reqs, self.kv_cache, self.num_scheduler_steps, max_lens)
+        if self.num_with_grammar:
+            reqs = [self.requests[r] for r in output.num_scheduled_tokens]
+            if output.spec_tokens:  # a grammar request's proposals are made here, to be walked by its matcher
+                self.speculation.propose_for_grammars(reqs, output)
+            self.grammars.add_bitmask(output, reqs)
+        return output
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; one that failed is reported with its
+        error. With nothing else to run, the step waits a moment for a compile rather than spin."""
+        if not self.running and not self.waiting:
+            wait_for_any([req.grammar for req in self.compiling])
+        pending = []
+        for req in self.compiling:
+            if not req.grammar.is_compiled:
+                pending.append(req)
+            elif (error := req.grammar.error()) is not None:
+                self._fail(req, error)
+            else:
+                self.grammars.start(req.grammar)
+                self.waiting.append(req)
+        self.compiling = pending
+
+    def _admit(self, req: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Schedules the head of the waiting queue, after its cached prefix when it may read the cache;
+        returns its scheduled tokens, or None when it must wait (no blocks, or its prefix is being
+        computed by a running request and will be in the cache after this step)."""
+        error = self.loras.admit(req) if self.loras is not None else None  # its adapter read and held now
+        if error is not None:  # this request alone fails, reported with the step's outputs
+            self._fail(self.waiting.popleft(), error)
+            return 0
+        can_read_cache = self.kv_cache.index is not None and req.can_read_prefix_cache
+        if can_read_cache and self._is_prefix_being_computed(req):
+            return None
+        req.is_long_rope = self.long_rope.is_past_switch(req)
+        if can_read_cache:
+            self._read_cached_prefix(req)
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_new) is None:
+            self.kv_cache.free(req.req_id)
+            req.reset_for_recompute()
+            return None
+        self.waiting.popleft()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        output.new_reqs.append(req.new_request_data(self.kv_cache.blocks_of(req.req_id)))
+        self._commit(req, num_new, output)
+        return num_new
+
+    def _read_cached_prefix(self, req: Request) -> None:
+        """Takes the request's cached prefix (never its last token: its logits are needed). One that
+        still owes prompt logprobs reads only blocks that keep its rows (coreserve/engine_core/prompt_rows.py),
+        and takes those rows."""
+        kv = self.kv_cache
+        flavour = None if req.has_sent_prompt_logprobs else flavour_of(req.params)
+        tokens = req.all_token_ids
+        req.num_computed_tokens = kv.take_cached_prefix(
+            req.req_id, tokens, req.num_tokens - 1, flavour, req.cache_salt, req.is_long_rope
+        )
+        if req.num_output_tokens == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        if flavour is not None and req.num_computed_tokens:
+            req.prompt_logprob_parts = [kv.prompt_rows.take(kv.blocks_of(req.req_id), tokens, flavour)]
+
+    def _is_prefix_being_computed(self, req: Request) -> bool:
+        """`req`'s first block is not cached yet, but a running request with the same first block is
+        computing it (n > 1, one system prompt): waiting for it lets `req` read the prefix the two
+        share instead of computing it again."""
+        size = self.kv_cache.block_size
+        if req.num_prompt_tokens <= size:
+            return False
+        first, salt, is_long = req.prompt_token_ids[:size], req.cache_salt, self.long_rope.is_past_switch(req)
+        if self.kv_cache.index.lookup(self.kv_cache.index.root_of(salt, is_long), tuple(first)) is not None:
+            return False
+        return any(
+            r.prompt_token_ids[:size] == first
+            and r.cache_salt == salt
+            and r.is_long_rope == is_long
+            and self.kv_cache.num_indexed_tokens(r.req_id)
+            < (min(r.num_prompt_tokens, req.num_prompt_tokens) - 1) // size * size
+            for r in self.running
+        )
+
+    def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
+        output.num_scheduled_tokens[req.req_id] = num_new
+        self.num_prefill_tokens += max(
+            0, min(req.num_computed_tokens + num_new, req.num_prompt_tokens) - req.num_computed_tokens
+        )
+        req.num_computed_tokens += num_new
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, output: SchedulerOutput) -> list[int] | None:
+        """Preempts the newest running requests until `req` fits; None when `req` itself had to go."""
+        while True:
+            new_blocks = self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self.kv_cache.free(victim.req_id)
+            self.num_preemptions += 1
+            victim.reset_for_recompute()
+            self.waiting.appendleft(victim)
+            output.finished_req_ids.add(victim.req_id)
+            if victim is req:
+                return None
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Appends sampled tokens, applies stop conditions, and cuts each request its own logprob rows."""
+        sampled = dict(zip(runner_output.sampled_req_ids, runner_output.sampled_token_ids.tolist()))
+        logprob_rows = {req_id: row for row, req_id in enumerate(runner_output.logprob_req_ids)}
+        by_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        spec_counts: dict[bytes, dict[str, list[int]]] = defaultdict(dict)
+        for req, error in self.failed:
+            failure = EngineCoreOutput(req.client_req_id, [], finish_reason=FinishReason.ERROR, error=error)
+            by_client[req.client_id].append(failure)
+        self.failed = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            self._record_written(req, runner_output)
+            if req_id not in sampled:
+                continue  # a prefill chunk that did not reach the last token
+            token_ids = sampled[req_id]
+            if -1 in token_ids:  # a step that verified proposals: each row ends at its first -1
+                token_ids = token_ids[: token_ids.index(-1)]
+            num_drafts = runner_output.num_draft_tokens.get(req_id, 0)
+            if num_drafts:
+                self.speculation.record(req, num_drafts, len(token_ids) - 1)
+            num_new = append_until_stop(req, token_ids, self.max_model_len)
+            row = logprob_rows.get(req_id)
+            step_logprobs = (
+                [runner_output.logprobs[step] for step in range(num_new)] if row is not None else []
+            )
+            output = make_output(req, num_new, step_logprobs, row)
+            if num_drafts:
+                spec_counts[req.client_id][req.client_req_id] = [num_drafts, len(token_ids) - 1]
+            add_token_extras(output, req_id, runner_output, num_new)
+            by_client[req.client_id].append(output)
+            if req.is_finished:
+                self._free(req)
+        if any(r.is_finished for r in self.running):
+            self.running = [r for r in self.running if not r.is_finished]
+        return {
+            client: EngineCoreOutputs(outputs, spec_counts=spec_counts.get(client))
+            for client, outputs in by_client.items()
+        }
+
+    def _record_written(self, req: Request, runner_output: ModelRunnerOutput) -> None:
+        """Keeps what the step computed for `req` beside its tokens (prompt logprob rows, routed
+        experts) and indexes the blocks it wrote (their positions' tokens known), with their prompt rows:
+        other requests may now read them."""
+        chunk = runner_output.prompt_logprobs.get(req.req_id)
+        if chunk is not None and not req.has_sent_prompt_logprobs:
+            req.add_prompt_logprobs(chunk.token_ids, chunk.logprobs, chunk.ranks, chunk.candidate_ranks)
+        if req.req_id in runner_output.routed_experts:
+            req.add_routed_experts(runner_output.routed_experts[req.req_id])
+        num_written = min(req.num_computed_tokens, req.num_tokens)
+        indexed = self.kv_cache.cache_full_blocks(
+            req.req_id, req.prompt_token_ids, req.output_token_ids, num_written, req.cache_salt,
+            req.is_long_rope, self.loras.adapter_of(req.lora_slot) if req.lora_slot >= 0 else None,
+        )
+        flavour = flavour_of(req.params)
+        if indexed and flavour is not None and not req.has_sent_prompt_logprobs:
+            self.kv_cache.prompt_rows.store(indexed, req.prompt_logprob_parts, req.prompt_token_ids, flavour)
+
+    def _fail(self, req: Request, error: str) -> None:
+        """A request that cannot run (its grammar or its adapter): reported with the next outputs."""
+        req.finish(FinishReason.ERROR)
+        self.failed.append((req, error))
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        if req.lora_slot >= 0 and self.loras is not None and req.req_id in self.requests:
+            self.loras.release(req.lora_slot)
+        if req.grammar is not None and req.req_id in self.requests:
+            self.num_with_grammar -= 1
+        self.kv_cache.free(req.req_id)
+        self.requests.pop(req.req_id, None)
+        self.finished_req_ids.add(req.req_id)

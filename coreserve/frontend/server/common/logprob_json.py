@@ -1,0 +1,194 @@
+"""Logprobs in the JSON shapes OpenAI clients know (frontend process, HTTP server).
+
+Legacy completions: `tokens`, `token_logprobs`, `top_logprobs` (one {token text: logprob} per position,
+the sampled token included) and `text_offset`. Chat: `content` entries {token, logprob, bytes,
+top_logprobs}. A token that is not valid UTF-8 on its own (a piece of a multi-byte character) is
+written "bytes:\\xe6\\x97" (every byte escaped, OpenAI's form) wherever text is expected; `bytes` stays
+exact. -inf (and NaN, which the engine never makes) becomes -9999.0, OpenAI's value: JSON has neither.
+
+`JSONBytesResponse`: every JSON body, encoded by msgspec, faster than the standard library for the
+many small floats of logprob responses (made finite by the formatters here before they get there).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import math
+
+import msgspec
+from starlette.responses import Response
+
+from coreserve.frontend.engine.token_text import TokenTable
+from coreserve.frontend.outputs import Logprob, PositionLogprobs
+
+NO_LOGPROB = -9999.0
+
+
+def finite(value: float) -> float:
+    return value if math.isfinite(value) else NO_LOGPROB
+
+
+def token_bytes(decoded: str) -> bytes:
+    return decoded.encode("utf-8", "surrogateescape")
+
+
+def token_text(decoded: str) -> str:
+    """The token's text for JSON: itself, or "bytes:\\xNN..." when its bytes are not valid UTF-8 alone."""
+    try:
+        decoded.encode("utf-8")
+    except UnicodeEncodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in token_bytes(decoded))
+    return decoded
+
+
+def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The top-k (token id, candidate) in rank order (the sampled token only if it ranks within k)."""
+    ranked = [(token_id, lp) for token_id, lp in position.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=_rank)
+
+
+def _rank(entry: tuple[int, Logprob]) -> int:
+    return entry[1].rank
+
+
+class LegacyLogprobs:
+    """One completions choice's `logprobs`, built position by position; `take()` returns what was added
+    since the last call, so a stream's chunks concatenate to the whole. Offsets count characters of the
+    choice's text, the echoed prompt included, as the UTF-8 decoder produces them."""
+
+    def __init__(self, table: TokenTable, skip_special_tokens: bool, as_token_ids: bool = False) -> None:
+        self.table = table
+        self.skip_special = skip_special_tokens
+        self.as_token_ids = as_token_ids  # vLLM's return_tokens_as_token_ids: "token_id:N" for each token
+        self.offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._piece = _empty_piece()
+
+    def add(
+        self,
+        token_ids: list[int],
+        positions: list[PositionLogprobs | None],
+        k: int,
+        is_prompt: bool = False,
+        masses: list[float] | None = None,
+    ) -> None:
+        """`masses`: structured outputs' constraint_masses, one per token: `constraint_mass`, beside
+        `token_logprobs` (null for echoed prompt tokens), docs/structured_outputs.md."""
+        piece = self._piece
+        if masses is not None:
+            piece.setdefault("constraint_mass", [None] * len(piece["tokens"])).extend(masses)
+        for token_id, position in zip(token_ids, positions):
+            piece["text_offset"].append(self.offset)
+            self._advance(token_id, is_prompt)
+            if position is None:  # the prompt's first token: nothing before it to condition on
+                piece["tokens"].append(self._name(token_id, self.table.decode_token(token_id)))
+                piece["token_logprobs"].append(None)
+                piece["top_logprobs"].append(None)
+                continue
+            chosen = position[token_id]
+            piece["tokens"].append(self._name(token_id, chosen.decoded_token))
+            piece["token_logprobs"].append(finite(chosen.logprob))
+            piece["top_logprobs"].append(self._top(token_id, position, k))
+
+    def _top(self, token_id: int, position: PositionLogprobs, k: int) -> dict[str, float]:
+        """The position's own token first (as vLLM writes it), then the top k by rank."""
+        top = {self._name(token_id, position[token_id].decoded_token): finite(position[token_id].logprob)}
+        for other_id, lp in top_entries(position, k):
+            top.setdefault(self._name(other_id, lp.decoded_token), finite(lp.logprob))
+        return top
+
+    def _name(self, token_id: int, decoded: str | None) -> str:
+        return f"token_id:{token_id}" if self.as_token_ids else token_text(decoded or "")
+
+    def take(self) -> dict:
+        piece, self._piece = self._piece, _empty_piece()
+        return piece
+
+    def _advance(self, token_id: int, is_prompt: bool) -> None:
+        if not is_prompt and self.skip_special and token_id in self.table.special_ids:
+            return
+        self.offset += len(self._utf8.decode(token_bytes(self.table.decode_token(token_id))))
+
+
+def _empty_piece() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def chat_content(
+    token_ids: list[int],
+    positions: list[PositionLogprobs],
+    k: int,
+    as_token_ids: bool = False,
+    masses: list[float] | None = None,
+) -> list[dict]:
+    """`choices[i].logprobs.content`: per generated token its text (or "token_id:N"), logprob, exact
+    bytes, and the top k; with structured outputs, `constraint_mass` (docs/structured_outputs.md)."""
+    content = []
+    for index, (token_id, position) in enumerate(zip(token_ids, positions)):
+        entry = _chat_entry(token_id, position[token_id], as_token_ids)
+        entry["top_logprobs"] = [_chat_entry(i, lp, as_token_ids) for i, lp in top_entries(position, k)]
+        if masses is not None:
+            entry["constraint_mass"] = masses[index]
+        content.append(entry)
+    return content
+
+
+def _chat_entry(token_id: int, logprob: Logprob, as_token_ids: bool) -> dict:
+    decoded = logprob.decoded_token or ""
+    return {
+        "token": f"token_id:{token_id}" if as_token_ids else token_text(decoded),
+        "logprob": finite(logprob.logprob),
+        "bytes": list(token_bytes(decoded)),
+    }
+
+
+def vllm_prompt_logprobs(
+    positions: list[PositionLogprobs | None], k: int, candidates: list[int] | list[list[int]] | None = None
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position {token id: {logprob, rank, decoded_token}}, the prompt
+    token first, then the top k, then the position's candidate ids (prompt_logprob_token_ids: a flat list
+    for every position, or one row per position 1..P-1) whatever their rank."""
+    rows: list[dict | None] = []
+    for index, position in enumerate(positions):
+        if position is None:
+            rows.append(None)
+            continue
+        kept = _candidates_at(candidates, index)
+        rows.append(
+            {
+                token_id: {
+                    "logprob": finite(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": token_text(lp.decoded_token or ""),
+                }
+                for n, (token_id, lp) in enumerate(position.items())
+                if n == 0 or (lp.rank is not None and lp.rank <= k) or token_id in kept
+            }
+        )
+    return rows
+
+
+def _candidates_at(candidates: list[int] | list[list[int]] | None, index: int) -> frozenset[int]:
+    """The candidate ids of prompt position `index` (>= 1)."""
+    if not candidates:
+        return frozenset()
+    if isinstance(candidates[0], int):
+        return frozenset(candidates)
+    return frozenset(candidates[0] if len(candidates) == 1 else candidates[index - 1])
+
+
+def to_json(content: object) -> bytes:
+    """UTF-8 JSON; a string that is not valid Unicode (which no formatter should let through) is written
+    with \\u escapes rather than failing the response."""
+    try:
+        return msgspec.json.encode(content)
+    except UnicodeEncodeError:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class JSONBytesResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: object) -> bytes:
+        return to_json(content)

@@ -1,0 +1,176 @@
+"""A Hugging Face config.json read into the model's arguments, for the families of
+coreserve/worker/models/family.py's table (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, dense Phi-3/Phi-4,
+Gemma 2 and 3, and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE): the model's shapes, and one
+frozen `LayerSpec` a layer (coreserve/worker/models/layer_spec.py), built here once; refused with a ValueError
+where config.json asks for math the engine does not do (engine-core process; the frontend reads
+nothing of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coreserve.worker.models.config_checks import check_config_numbers
+from coreserve.worker.models.family import GELU_TANH, SILU, Family, family_of
+from coreserve.worker.models.layer_spec import LayerSpec, global_rope_config, layer_specs, rope_spec
+from coreserve.worker.models.rope import RopeSpec, long_rope_switch
+
+# Keys of other architectures that change the math; any of them set (not null, not 0/False/1) is refused
+# unless the family reads it (Family.allowed_keys).
+_REFUSED_KEYS = (
+    "quantization_config",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "logits_scaling",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "num_experts",
+    "num_local_experts",
+    "shared_expert_intermediate_size",
+)
+
+
+@dataclass(frozen=True)
+class MoeArgs:
+    """A mixture-of-experts MLP: a softmax over the router's logits, the top_k experts of each token
+    (their probabilities renormalised to sum to one where norm_topk_prob), each a SwiGLU MLP."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE's mlp_only_layers, sparse step)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeSpec  # the model's (the global layers'); a layer's own is layers[i].rope
+    qkv_bias: bool
+    o_bias: bool  # attention_bias=true: o_proj has one too
+    tie_word_embeddings: bool
+    torch_dtype: str  # the checkpoint's dtype as config.json names it ("bfloat16", ...)
+    layers: tuple[LayerSpec, ...]  # each decoder layer's
+    norm_offset: float = 0.0  # the final norm's, as the layers' (Gemma: 1 + weight)
+    embed_scale: float | None = None  # the embedding times it, rounded to the weights' dtype (Gemma)
+    final_softcap: float | None = None  # logits become cap tanh(logit / cap) (Gemma 2)
+    moe: MoeArgs | None = None  # the mixtures of experts
+
+    @property
+    def is_llama_shaped(self) -> bool:
+        """Whether decode_forward.c reads this model: every layer computes what it does, on one RoPE
+        that rotates every feature of a head."""
+        return (
+            all(s.is_llama_shaped and s.rope == self.rope for s in self.layers)
+            and self.embed_scale is None and self.final_softcap is None and not self.norm_offset
+            and self.moe is None and self.rope.head_dim == self.head_dim
+        )
+
+    @property
+    def long_rope_switch(self) -> int | None:
+        """LongRoPE's switch in tokens (coreserve/worker/models/rope.py), for the scheduler's choice of factors per
+        request; None without LongRoPE."""
+        return long_rope_switch(self.rope)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts, in order (the routed experts' layer axis)."""
+        return [i for i, spec in enumerate(self.layers) if spec.is_moe]
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> LlamaArgs:
+        check_config_numbers(config)
+        family = family_of(config)
+        _refuse_unsupported(config, family)
+        num_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        max_positions = config.get("max_position_embeddings", 2048)
+        attention_bias = family.reads_attention_bias and bool(config.get("attention_bias"))
+        rope = rope_spec(global_rope_config(config, family), head_dim, max_positions)
+        moe = moe_args(config, family)
+        layers = layer_specs(config, family, rope, moe.dense_layers if moe else (), head_dim, max_positions)
+        local = [s.rope for s in layers if s.rope is not rope]
+        if local and "longrope" in (rope.rope_type, local[0].rope_type):  # both tables read at one row
+            raise ValueError("RoPE 'longrope' in a model with a RoPE per kind of layer is not supported")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=max_positions,
+            rope=rope,
+            qkv_bias=family.always_qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", family.ties_by_default)),
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            layers=layers,
+            norm_offset=family.norm_offset,
+            embed_scale=config["hidden_size"] ** 0.5 if family.scales_embedding else None,
+            final_softcap=config.get("final_logit_softcapping") if family.has_softcaps else None,
+            moe=moe,
+        )
+
+
+def moe_args(config: dict, family: Family) -> MoeArgs | None:
+    rule = family.moe
+    if rule is None:
+        return None
+    num_layers = config["num_hidden_layers"]
+    dense: tuple[int, ...] = ()
+    if rule.has_sparse_step:  # HF: sparse where not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+        step = config.get("decoder_sparse_step", 1) or 1
+        only = set(config.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    return MoeArgs(
+        num_experts=config.get("num_experts") or config["num_local_experts"],
+        top_k=config["num_experts_per_tok"],
+        intermediate_size=config[rule.width_key],
+        norm_topk_prob=rule.always_renormalises or bool(config.get("norm_topk_prob", False)),
+        dense_layers=dense,
+    )
+
+
+def _refuse_unsupported(config: dict, family: Family) -> None:
+    name = family.model_type
+    if family.activation == GELU_TANH:
+        act = config.get("hidden_activation") or config.get("hidden_act") or GELU_TANH
+        if act != GELU_TANH:
+            raise ValueError(f"hidden_activation={act!r} is not supported for {name} (only {GELU_TANH})")
+        if config.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=true (an encoder's attention) is not supported")
+    elif config.get("hidden_act", SILU) != SILU:
+        raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (only silu)")
+    if config.get("mlp_bias"):
+        raise ValueError("mlp_bias=true (biases in the MLP) is not supported")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and not family.partial_rotary:
+        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4 only")
+    if family.refuses_use_sliding_window and config.get("use_sliding_window"):
+        raise ValueError(f"{name} with use_sliding_window=true (per-layer windows) is not supported")
+    layer_types = set(config.get("layer_types") or ["full_attention"])
+    if family.layer_types is not None and layer_types - family.layer_types:
+        raise ValueError(f"layer_types {sorted(layer_types)} (mixed attention layers) are not supported")
+    if family.moe is not None and config.get("num_experts_per_tok", 0) < 1:
+        raise ValueError(f"{name}: num_experts_per_tok must be at least 1")
+    for key in _REFUSED_KEYS:
+        if key not in family.allowed_keys and config.get(key) not in (None, 0, False, 1, 1.0):
+            raise ValueError(f"config key {key}={config[key]!r} is not supported by this engine")
+

@@ -1,0 +1,90 @@
+"""The families this engine runs, one table entry each: what a family's config.json means beyond
+Llama's (biases, q/k norms, windows, Gemma's norms and soft-caps, experts), as rules that
+coreserve/worker/models/layer_spec.py and config.py read (engine-core process). The only place a family is
+named: a new family is an entry here, its weight names in the loaders, and its tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SILU, GELU_TANH = "silu", "gelu_pytorch_tanh"  # the gated MLP's activation: SwiGLU, GeGLU
+FULL, SLIDING = "full_attention", "sliding_attention"  # config.json's layer_types
+
+
+@dataclass(frozen=True)
+class MoeRule:
+    """A mixture of experts: a softmax top-k router over SwiGLU experts."""
+
+    width_key: str = "intermediate_size"  # the config key of each expert's width
+    always_renormalises: bool = False  # Mixtral: the top-k renormalised whatever norm_topk_prob says
+    has_sparse_step: bool = False  # Qwen3-MoE: decoder_sparse_step and mlp_only_layers make dense layers
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    always_qkv_bias: bool = False  # Qwen2: q/k/v biases whatever the config says, o_proj none
+    reads_attention_bias: bool = False  # attention_bias=true: q/k/v and o_proj biases
+    qk_norm: str | None = None  # "head": RMSNorm over each head of q and k; "whole": over all of q, of k
+    has_clip_qkv: bool = False  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv]
+    window: str = "none"  # "none"; "model": sliding_window for every layer; "layers": by layer_types
+    default_window: int | None = None  # "model": the window where config.json has no sliding_window key
+    layer_pattern: int = 1  # "layers" without layer_types: every pattern-th layer is global
+    layer_pattern_key: str | None = None  # the config key that overrides layer_pattern
+    layer_types: frozenset[str] | None = frozenset({FULL})  # the kinds allowed (None: any)
+    refuses_use_sliding_window: bool = False  # Qwen2/3's per-layer windows, not built
+    partial_rotary: bool = False  # partial_rotary_factor allowed (Phi-3/4)
+    has_fused_checkpoint: bool = False  # qkv_proj and gate_up_proj fused in the checkpoint (Phi-3)
+    activation: str = SILU
+    norm_offset: float = 0.0  # RMSNorm scales by offset + weight (Gemma: 1)
+    has_sandwich_norms: bool = False  # norms on attention's and the MLP's outputs too (Gemma)
+    scales_embedding: bool = False  # the embedding times sqrt(hidden) (Gemma)
+    has_softcaps: bool = False  # attention and final soft-caps, query_pre_attn_scalar (Gemma 2/3)
+    rope_per_kind: bool = False  # rope_parameters may hold one RoPE per kind of layer (Gemma)
+    has_local_rope_base: bool = False  # rope_local_base_freq: the sliding layers' own RoPE (Gemma 3)
+    ties_by_default: bool = False  # tie_word_embeddings when config.json leaves it out
+    moe: MoeRule | None = None
+
+    @property
+    def allowed_keys(self) -> frozenset[str]:
+        """Keys other families refuse that this one reads."""
+        keys = {"num_experts", "num_local_experts"} if self.moe is not None else set()
+        if self.has_softcaps:
+            keys |= {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"}
+        return frozenset(keys)
+
+
+_GEMMA = dict(
+    window="layers", layer_types=frozenset({FULL, SLIDING}), activation=GELU_TANH, norm_offset=1.0,
+    has_sandwich_norms=True, scales_embedding=True, has_softcaps=True, rope_per_kind=True, ties_by_default=True,
+)
+# HF architecture -> its family
+FAMILIES = {
+    "LlamaForCausalLM": Family("llama", reads_attention_bias=True),
+    "MistralForCausalLM": Family("mistral", window="model", default_window=4096, layer_types=None),
+    "Qwen2ForCausalLM": Family("qwen2", always_qkv_bias=True, refuses_use_sliding_window=True),
+    "Qwen3ForCausalLM": Family("qwen3", reads_attention_bias=True, qk_norm="head", refuses_use_sliding_window=True),
+    # dense Phi-3 / Phi-4: fused qkv_proj and gate_up_proj; Phi-3-mini-4k's window 2047
+    "Phi3ForCausalLM": Family("phi3", window="model", partial_rotary=True, has_fused_checkpoint=True),
+    "Qwen3MoeForCausalLM": Family(
+        "qwen3_moe", reads_attention_bias=True, qk_norm="head", refuses_use_sliding_window=True,
+        moe=MoeRule(width_key="moe_intermediate_size", has_sparse_step=True),
+    ),
+    "MixtralForCausalLM": Family("mixtral", window="model", moe=MoeRule(always_renormalises=True)),
+    "OlmoeForCausalLM": Family("olmoe", reads_attention_bias=True, qk_norm="whole", has_clip_qkv=True, moe=MoeRule()),
+    "Gemma2ForCausalLM": Family("gemma2", layer_pattern=2, **_GEMMA),
+    "Gemma3ForCausalLM": Family(
+        "gemma3", qk_norm="head", layer_pattern=6, layer_pattern_key="sliding_window_pattern",
+        has_local_rope_base=True, **_GEMMA,
+    ),
+}
+
+
+def family_of(config: dict) -> Family:
+    """The family of config.json's first supported architecture; ValueError where none is."""
+    architectures = config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in FAMILIES:
+            return FAMILIES[architecture]
+    raise ValueError(f"unsupported architecture {sorted(architectures)}; supported: {sorted(FAMILIES)}")

@@ -1,0 +1,214 @@
+"""A GGUF file's metadata as the Hugging Face config.json it stands for, so that one reader
+(`LlamaArgs.from_hf_config`) checks and builds every model (engine-core process).
+
+GGUF names the architecture (`general.architecture`) and keeps its numbers under that prefix. Loaded:
+`llama` (Llama 2/3 and SmolLM; Mistral too, which llama.cpp writes as `llama`: named so in
+`general.name`, it becomes MistralForCausalLM as transformers makes it; with experts, Mixtral),
+`qwen2`, `qwen3`, `qwen3moe`, `olmoe`, `phi3` (LongRoPE's factors are tensors in the file), `gemma2`
+and `gemma3`. What llama.cpp leaves out of the metadata, it fixes in its code, and so here: Qwen3-MoE
+and Mixtral renormalise the top-k, OLMoE does not; Gemma's query scale is the head size's except for
+the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden / heads); Gemma 2 alternates local and
+global layers, Gemma 3 has 5 local to 1 global with a local RoPE base of 10000 (`GGUF_ARCHS`, one
+entry of rules per architecture, the only place one is named). Anything else, and any
+key that changes the math (RoPE frequencies stored as a tensor, other RoPE scalings), is a ValueError
+naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coreserve.protocol.gguf_header import GGUFHeader
+from coreserve.worker.models.config_checks import check_config_numbers
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """A GGUF architecture's rules: the HF model it stands for, and what llama.cpp fixes in code."""
+
+    architecture: str  # the HF architecture
+    model_type: str
+    with_experts: tuple[str, str] | None = None  # (architecture, model_type) where the file has experts
+    by_name: tuple[str, str, str] | None = None  # (in general.name, architecture, model_type)
+    interleaved_qk: bool = False  # q/k rows of each head interleaved in pairs (llama.cpp's permutation)
+    head_dim_from_rope: bool = False  # the rotary dimension is the head's
+    has_required_qkv_bias: bool = False  # q/k/v biases always (Qwen2); else attention_bias from the tensors
+    activation: str = "silu"
+    norms_plus_one: bool = False  # norms stored as 1 + weight (Gemma)
+    renormalises_topk: bool = True  # build_moe_ffn's norm_w (OLMoE: not)
+    has_dense_layers: bool = False  # layers without a router are mlp_only_layers, feed_forward_length theirs
+    has_longrope_tensors: bool = False  # partial rotary and LongRoPE's factors as tensors (Phi-3)
+    big_query_scale_layers: int | None = None  # the layer count whose query scale is hidden / heads (27B)
+    has_local_layers: bool = False  # gemma3.attention.sliding_window_pattern and rope.freq_base_swa
+
+
+_GEMMA = dict(activation="gelu_pytorch_tanh", norms_plus_one=True)
+# general.architecture -> its rules
+GGUF_ARCHS = {
+    "llama": GgufArch(
+        "LlamaForCausalLM", "llama", with_experts=("MixtralForCausalLM", "mixtral"),
+        by_name=("mistral", "MistralForCausalLM", "mistral"), interleaved_qk=True, head_dim_from_rope=True,
+    ),
+    "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2", has_required_qkv_bias=True),
+    "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", has_dense_layers=True),
+    "olmoe": GgufArch("OlmoeForCausalLM", "olmoe", renormalises_topk=False),
+    "phi3": GgufArch("Phi3ForCausalLM", "phi3", has_longrope_tensors=True),
+    "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", big_query_scale_layers=46, **_GEMMA),
+    "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", big_query_scale_layers=62, has_local_layers=True, **_GEMMA),
+}
+# `<arch>.KEY` -> config.json key
+_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+    "attention.sliding_window": "sliding_window",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "attention.clamp_kqv": "clip_qkv",
+}
+_REFUSED_KEYS = ("expert_shared_count", "attention.logit_softcapping")
+_ROPE_SCALINGS = ("none", "linear", "yarn")
+GGUF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def gguf_architecture(header: GGUFHeader) -> str:
+    arch = str(header.metadata.get("general.architecture", ""))
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{header.path}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{sorted(GGUF_ARCHS)}")
+    return arch
+
+
+def _hf_architecture(rules: GgufArch, meta: dict, has_experts: bool) -> tuple[str, str]:
+    """(HF architecture, model_type): llama.cpp writes Mistral and Mixtral as `llama`."""
+    if has_experts and rules.with_experts is not None:
+        return rules.with_experts
+    if rules.by_name is not None and rules.by_name[0] in str(meta.get("general.name", "")).lower():
+        return rules.by_name[1:]
+    return rules.architecture, rules.model_type
+
+
+def hf_config_from_gguf(header: GGUFHeader) -> dict:
+    """config.json's keys from the metadata. Weights are dequantized, so the checkpoint dtype is fp32."""
+    arch = gguf_architecture(header)
+    meta = header.metadata
+    for key in _REFUSED_KEYS:
+        if meta.get(f"{arch}.{key}") not in (None, 0):
+            raise ValueError(f"{header.path}: GGUF key {arch}.{key}={meta[f'{arch}.{key}']!r} is not supported")
+    names = {t.name for t in header.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{header.path}: RoPE frequencies stored as a tensor (rope_freqs.weight, Llama 3.1's "
+                         "scaling in GGUF) are not supported")
+    config = {key: meta[f"{arch}.{gguf_key}"] for gguf_key, key in _KEYS.items() if f"{arch}.{gguf_key}" in meta}
+    if "vocab_size" not in config:  # older files: one embedding row per token
+        config["vocab_size"] = len(meta.get("tokenizer.ggml.tokens", []))
+    rules = GGUF_ARCHS[arch]
+    architecture, model_type = _hf_architecture(rules, meta, bool(config.get("num_experts")))
+    has_bias = "blk.0.attn_q.bias" in names
+    config.update(
+        architectures=[architecture],
+        model_type=model_type,
+        hidden_act=rules.activation,
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=not rules.has_required_qkv_bias and has_bias,
+        rope_parameters=_rope_parameters(header, arch, float(config.get("rope_theta", 10000.0))),
+        torch_dtype="float32",
+    )
+    if rules.has_required_qkv_bias and not has_bias:
+        raise ValueError(f"{header.path}: a {arch} GGUF without q/k/v biases is not a {architecture} model")
+    if rules.head_dim_from_rope:  # its RoPE covers whole heads: the rotary dimension is the head's
+        config.setdefault("head_dim", int(meta.get(f"{arch}.rope.dimension_count", 0)) or None)
+    check_config_numbers(config, {v: f"{arch}.{k}" for k, v in _KEYS.items()}, GGUF_REQUIRED_KEYS)
+    config.update(_family_keys(header, arch, config))
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    config.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})  # checked
+    return {k: (v.item() if hasattr(v, "item") else v) for k, v in config.items() if v is not None}
+
+
+def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
+    """The keys llama.cpp fixes in its code for an architecture rather than in the file's metadata."""
+    meta, keys, rules = header.metadata, {}, GGUF_ARCHS[arch]
+    if config.get("num_experts"):  # the top-k renormalised (build_moe_ffn's norm_w) where the rules say
+        keys["norm_topk_prob"] = rules.renormalises_topk
+        routers = {t.name for t in header.tensors if t.name.endswith("ffn_gate_inp.weight")}
+        dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in routers]
+        if dense and rules.has_dense_layers:  # layers without a router: Qwen3-MoE's mlp_only_layers
+            keys["mlp_only_layers"] = dense
+        if not rules.has_dense_layers or "intermediate_size" not in config:  # the experts' width where no other
+            keys["intermediate_size"] = config.get("moe_intermediate_size") or config["intermediate_size"]
+    if rules.has_longrope_tensors:
+        heads = config["num_attention_heads"]
+        head_dim = config["hidden_size"] // heads
+        rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+        keys["partial_rotary_factor"] = rotary / head_dim
+        long, short = _rope_factors(header)
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if long is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+            raise ValueError(f"{header.path}: LongRoPE factors need {arch}.rope.scaling.original_context_length, "
+                             f"a positive integer (got {original!r})")
+        if long is not None:
+            keys["rope_parameters"] = {
+                "rope_type": "longrope", "rope_theta": float(config.get("rope_theta", 10000.0)),
+                "long_factor": long, "short_factor": short, "partial_rotary_factor": rotary / head_dim,
+                "original_max_position_embeddings": original,
+            }
+            attention = meta.get(f"{arch}.rope.scaling.attn_factor")
+            if attention is not None and not _is_default_attention(float(attention), config, keys["rope_parameters"]):
+                keys["rope_parameters"]["attention_factor"] = float(attention)
+    if rules.big_query_scale_layers is not None:
+        layers, heads, hidden = config["num_hidden_layers"], config["num_attention_heads"], config["hidden_size"]
+        is_27b = layers == rules.big_query_scale_layers
+        keys["query_pre_attn_scalar"] = hidden // heads if is_27b else config.get("head_dim", hidden // heads)
+    if rules.has_local_layers:
+        keys["sliding_window_pattern"] = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6))
+        keys["rope_local_base_freq"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    return keys
+
+
+def _is_default_attention(attention: float, config: dict, rope: dict) -> bool:
+    """Whether the file's LongRoPE attention factor is HF's own default (written as a float32), which
+    is then computed as HF computes it."""
+    import math
+
+    original = rope["original_max_position_embeddings"]
+    factor = config["max_position_embeddings"] / original
+    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return abs(attention - default) <= 1e-6 * default
+
+
+def _rope_factors(header: GGUFHeader) -> tuple[list[float] | None, list[float] | None]:
+    """Phi-3's LongRoPE factors: llama.cpp keeps them as two F32 tensors."""
+    import numpy as np
+
+    found = {}
+    for info in header.tensors:
+        if info.name in ("rope_factors_long.weight", "rope_factors_short.weight") and info.ggml_type == 0:
+            values = np.memmap(header.path, dtype="<f4", mode="r", offset=info.offset, shape=(info.dims[0],))
+            found[info.name] = [float(v) for v in values]
+    return found.get("rope_factors_long.weight"), found.get("rope_factors_short.weight")
+
+
+def _rope_parameters(header: GGUFHeader, arch: str, theta: float) -> dict:
+    meta = header.metadata
+    scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
+    if scaling not in _ROPE_SCALINGS:
+        raise ValueError(f"{header.path}: GGUF RoPE scaling {scaling!r} is not supported; supported: "
+                         f"{list(_ROPE_SCALINGS)}")
+    if scaling == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    params = {"rope_type": scaling, "rope_theta": theta, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original:
+        params["original_max_position_embeddings"] = int(original)
+    return params

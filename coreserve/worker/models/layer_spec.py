@@ -1,0 +1,123 @@
+"""What each decoder layer computes, read once from config.json under its family's rules
+(coreserve/worker/models/family.py) into a frozen `LayerSpec`: its norms, attention (window, scale, soft-cap),
+RoPE, q/k norms and MLP (engine-core process). The one layer body (coreserve/worker/models/llama.py) and the
+fused decode forward's descriptors (coreserve/worker/cpu/fused_decode.py) read these specs, never a family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coreserve.worker.models.family import FULL, SILU, SLIDING, Family
+from coreserve.worker.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec
+from coreserve.worker.step.attention import AttentionSpec
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    attention: AttentionSpec
+    rope: RopeSpec  # this layer's RoPE (Gemma 3's sliding layers have their own)
+    norm_offset: float  # every RMSNorm of the layer scales by offset + weight (0, or Gemma's 1)
+    has_sandwich_norms: bool  # norms on attention's and the MLP's outputs before the residual adds them
+    qk_norm: str | None  # "head": each head of q and k, before RoPE; "whole": all of q, all of k; None
+    clip_qkv: float | None  # q, k and v clamped to [-clip, clip] after the norms; None: not clamped
+    activation: str  # the gated MLP's: SILU (SwiGLU) or GELU_TANH (GeGLU)
+    is_moe: bool  # the MLP is a mixture of experts (LlamaArgs.moe), else dense
+
+    @property
+    def is_llama_shaped(self) -> bool:
+        """Whether decode_forward.c computes this layer: a window, per-head q/k norms, biases at most."""
+        return (
+            self.attention.scale is None and self.attention.softcap is None and not self.norm_offset
+            and not self.has_sandwich_norms and self.qk_norm in (None, "head") and self.clip_qkv is None
+            and self.activation == SILU and not self.is_moe
+        )
+
+
+def layer_specs(
+    config: dict, family: Family, rope: RopeSpec, dense_layers: tuple[int, ...], head_dim: int, max_positions: int
+) -> tuple[LayerSpec, ...]:
+    """Each layer's spec; `rope` is the model's (the global layers'), `dense_layers` a mixture's layers
+    with a dense MLP."""
+    windows = _windows(config, family)
+    local_rope = _local_rope(config, family, head_dim, max_positions)
+    scale, softcap = None, None
+    if family.has_softcaps:
+        scale = float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5
+        softcap = config.get("attn_logit_softcapping")
+    clip = (config.get("clip_qkv") or None) if family.has_clip_qkv else None
+    return tuple(
+        LayerSpec(
+            attention=AttentionSpec(window, scale, softcap),
+            rope=local_rope if local_rope is not None and window is not None else rope,
+            norm_offset=family.norm_offset,
+            has_sandwich_norms=family.has_sandwich_norms,
+            qk_norm=family.qk_norm,
+            clip_qkv=clip,
+            activation=family.activation,
+            is_moe=family.moe is not None and i not in dense_layers,
+        )
+        for i, window in enumerate(windows)
+    )
+
+
+def _windows(config: dict, family: Family) -> list[int | None]:
+    """Each layer's sliding window (None: a global layer)."""
+    num_layers = config["num_hidden_layers"]
+    if family.window == "model":
+        return [config.get("sliding_window", family.default_window)] * num_layers
+    if family.window != "layers":
+        return [None] * num_layers
+    kinds = config.get("layer_types")
+    if not kinds:  # older configs: every pattern-th layer global, from a local one
+        key = family.layer_pattern_key
+        pattern = config.get(key, family.layer_pattern) if key else family.layer_pattern
+        kinds = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    window = config.get("sliding_window")
+    return [window if kind == SLIDING else None for kind in kinds]
+
+
+def global_rope_config(config: dict, family: Family) -> dict:
+    """A RoPE per kind of layer (transformers 5's Gemma 3): the global layers' is the model's."""
+    params = config.get("rope_parameters") or {}
+    if family.rope_per_kind and FULL in params:
+        return {**config, "rope_parameters": params[FULL]}
+    return config
+
+
+def _local_rope(config: dict, family: Family, head_dim: int, max_positions: int) -> RopeSpec | None:
+    """The sliding layers' own RoPE; None: the model's."""
+    params = config.get("rope_parameters") or {}
+    if family.rope_per_kind and SLIDING in params:
+        return rope_spec({**config, "rope_parameters": params[SLIDING]}, head_dim, max_positions)
+    if family.has_local_rope_base:
+        base = float(config.get("rope_local_base_freq", 10000.0))
+        return RopeSpec("default", base, head_dim, max_positions, {})
+    return None
+
+
+def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
+    """Reads transformers 5's `rope_parameters` or the older `rope_scaling` + `rope_theta`."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    head_dim = int(head_dim * partial)  # Phi-4-mini: the first 3/4 of each head rotate, HF's int()
+    if head_dim % 2:
+        raise ValueError(f"partial_rotary_factor={partial} leaves an odd rotary width {head_dim}")
+    if rope_type in ("llama3", "yarn", "longrope"):  # HF: a top-level original_max_position_embeddings wins
+        original = config.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or params.get(
+            "original_max_position_embeddings", max_positions
+        )
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(params.get(key) or ()) != head_dim // 2:
+                raise ValueError(f"RoPE type 'longrope' needs {key}: {head_dim // 2} values (rotary width / 2)")
+    if rope_type not in ("default", "yarn", "longrope") and "factor" not in params:
+        raise ValueError(f"RoPE type {rope_type!r} needs a `factor`")
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    for key in ("rope_type", "type"):
+        params.pop(key, None)
+    return RopeSpec(rope_type, float(theta), head_dim, max_positions, params)

@@ -1,0 +1,268 @@
+"""Builds a model from a Hugging Face folder (config.json, then the safetensors weights) or a GGUF file
+(coreserve/worker/models/gguf_*.py: the config from its metadata, its tensors dequantized or kept in their
+blocks), one tensor at a time into the model's own parameters, in the target dtype on the target
+device (engine-core process).
+
+Loading holds the model once plus one checkpoint tensor (no fp32 copy of everything on the host). The
+fused projections (q/k/v, gate/up) are filled row block by row block from their HF tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from coreserve.protocol.gguf_header import is_gguf, read_gguf_header
+from coreserve.worker.models import gguf_quantized, gguf_weights, safetensors_files
+from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config_checks import check_layer_indices, check_model_fits_file
+from coreserve.worker.models.family import family_of
+from coreserve.worker.models.finite_weights import check_finite_model
+from coreserve.worker.models.gguf_config import hf_config_from_gguf
+from coreserve.worker.models.gguf_quantized import quantization_plan
+from coreserve.worker.models.llama import LlamaModel
+from coreserve.worker.models.quantized import block_rows, quantize_modules
+from coreserve.worker.models.sharding import Shard, is_split, rank_part, shard_args
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed here
+
+
+def read_config(model_dir: str) -> dict:
+    """config.json, or what a GGUF file's metadata says in its keys."""
+    if is_gguf(model_dir):
+        return hf_config_from_gguf(read_gguf_header(model_dir))
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested past the parser
+        raise ValueError(f"{path} is not a JSON file: {type(exc).__name__}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must be a JSON object, not {type(config).__name__}")
+    return config
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype, as vLLM, except fp16 on the CPU, which runs in fp32 (a lossless
+    widening: the CPU's fp16 matrix products are slow, and fp32 takes the C kernels)."""
+    if name != "auto":
+        return DTYPES[name]
+    dtype = DTYPES.get(checkpoint_dtype, torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        logger.info("fp16 checkpoint on the CPU: running in float32 (dtype='auto')")
+        return torch.float32
+    return dtype
+
+
+def weights_dtype(model_dir: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype load_model gives the weights (those kept in GGUF blocks aside: uint8 blocks), known
+    before anything is allocated: what a backend is chosen by."""
+    return _weights_dtype(LlamaArgs.from_hf_config(read_config(model_dir)), model_dir, dtype, device)
+
+
+def _weights_dtype(args: LlamaArgs, model_dir: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto" and is_gguf(model_dir):
+        return torch.float32  # what is not kept in blocks: its dequantized values, exactly
+    return resolve_dtype(dtype, args.torch_dtype, device)
+
+
+def load_model(
+    model_dir: str,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    shard: Shard | None = None,
+    place: Callable[[LlamaModel], None] | None = None,
+    check_tensors: bool = True,
+) -> LlamaModel:
+    """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"); "auto" keeps a GGUF
+    file's Q8_0/Q4_0/Q4_1 weights in their blocks (gguf_quantized.py), the rest in fp32. `shard`: this
+    rank's part of a tensor-parallel model (its heads and MLP columns; coreserve/worker/models/sharding.py).
+    `place`: called with the allocated model before its weights are read (where a backend wants its
+    weights to live, so they are written once, there)."""
+    config = read_config(model_dir)
+    args = LlamaArgs.from_hf_config(config)
+    file_shapes = _file_shapes(model_dir)
+    check_layer_indices(args.num_layers, file_shapes, model_dir)
+    if shard is not None and family_of(config).has_fused_checkpoint:
+        raise ValueError(
+            "tensor_parallel_size > 1 with a Phi-3 checkpoint (its fused qkv_proj and gate_up_proj split "
+            "by q/k/v and gate/up parts) is not built"
+        )
+    if shard is not None and any(spec.qk_norm == "whole" for spec in args.layers):
+        raise ValueError(
+            "tensor_parallel_size > 1 with OLMoE (its q/k norms span every head, across the ranks) is not built"
+        )
+    keeps_blocks = dtype == "auto" and is_gguf(model_dir)  # GGUF's default: its quantization kept
+    dtype = _weights_dtype(args, model_dir, dtype, device)
+    if shard is not None:
+        args = shard_args(args, shard.size)
+    with torch.device("meta"):
+        model = LlamaModel(args)
+    # float32 tables on the CPU, as HF computes them, kept out of the dtype cast (Gemma 3 has two)
+    rotaries = {name: getattr(model, name) for name in ("rotary", "rotary_local") if getattr(model, name) is not None}
+    for name in rotaries:
+        delattr(model, name)
+    if shard is None:  # a rank holds a part of each tensor
+        check_model_fits_file(sum(p.numel() for p in model.parameters()), sum(map(math.prod, file_shapes.values())), model_dir)
+    _allocate(model, dtype, device)  # uninitialized: every byte is read below
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for name, rotary in rotaries.items():
+        setattr(model, name, rotary.to(device))
+    if keeps_blocks:
+        quantize_modules(model, quantization_plan(model_dir, model, functools.partial(weight_destination, args)))
+    if place is not None:
+        place(model)
+    load_weights(model, model_dir, shard, check_tensors)
+    return model.eval().requires_grad_(False)
+
+
+def _file_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as the file's header states it (no tensor data read)."""
+    if is_gguf(model_dir):
+        return {t.name: t.dims for t in read_gguf_header(model_dir).tensors}
+    return {e.name: e.shape for e in safetensors_files.list_tensors(model_dir)}
+
+
+def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Gives every meta parameter and buffer uninitialized memory of `dtype` on `device` (floating ones;
+    others keep theirs; a tensor shared by two modules stays shared). Not `to_empty`: its `empty_like`
+    of meta tensors imports torch's symbolic shapes and sympy, 0.75 s of a start meant to take 4."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    kind = dtype if tensor.is_floating_point() else tensor.dtype
+                    fresh = torch.empty(tensor.shape, dtype=kind, device=device)
+                    is_param = isinstance(tensor, nn.Parameter)
+                    made[id(tensor)] = nn.Parameter(fresh, tensor.requires_grad) if is_param else fresh
+                table[name] = made[id(tensor)]
+
+
+def load_weights(model: LlamaModel, model_dir: str, shard: Shard | None, check_tensors: bool = True) -> None:
+    """Every tensor of the file into the model; `check_tensors`: none may hold a NaN or an infinity."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: dict[str, int] = {}  # parameter name -> elements written
+    source = gguf_weights if is_gguf(model_dir) else safetensors_files
+    for entry in source.list_tensors(model_dir):
+        if entry.name.endswith(_IGNORED_SUFFIXES):
+            continue
+        target = weight_destination(model.args, entry.name)
+        if target is None:
+            raise ValueError(f"{model_dir}: weight {entry.name} has no place in this model")
+        name, rows = target
+        if name not in params:
+            raise ValueError(f"{model_dir}: weight {entry.name} does not belong to this model's config")
+        param = params[name]
+        _check_shape(entry, param, rows, shard, model_dir)
+        if param.dtype == torch.uint8:  # a module kept in the file's blocks
+            destination = block_rows(param, rows)
+            gguf_quantized.read_blocks_into(entry, destination, shard)
+        elif shard is not None and is_split(entry.name):  # the whole tensor once, this rank's part kept
+            destination = param.data[rows] if rows is not None else param.data
+            part = rank_part(entry.name, source.read_tensor(entry), shard)
+            if part.numel() != destination.numel():
+                raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit this model's config")
+            destination.copy_(part.reshape(destination.shape))
+        else:
+            destination = param.data[rows] if rows is not None else param.data
+            source.read_into(entry, destination)
+        filled[name] = filled.get(name, 0) + destination.numel()
+    shared = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
+    missing = [n for n, p in params.items() if n not in shared and filled.get(n) != p.numel()]
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+    if check_tensors:
+        check_finite_model(model, model_dir)
+
+
+def _check_shape(entry, param: torch.Tensor, rows: slice | None, shard: Shard | None, model_dir: str) -> None:
+    """The tensor's shape is the one the config gives its place (not just as many values): checked before
+    a byte is read. Under tensor parallelism a split tensor's part is checked as it is cut."""
+    if shard is not None and is_split(entry.name):
+        return
+    if param.dtype == torch.uint8:  # [rows, row bytes] of blocks: the rows, and a matrix
+        expected = (block_rows(param, rows).shape[0], None)
+        is_fit = len(entry.shape) == 2 and entry.shape[0] == expected[0]
+    else:
+        expected = tuple((param.data[rows] if rows is not None else param.data).shape)
+        is_fit = tuple(entry.shape) == expected
+    if not is_fit:
+        wanted = [size if size is not None else "..." for size in expected]
+        raise ValueError(f"{model_dir}: tensor {entry.name} has shape {list(entry.shape)}; this model's config "
+                         f"makes it {wanted}")
+
+
+def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None] | None:
+    """The parameter (and row block of a fused one) that an HF tensor fills; None: not this model's."""
+    top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
+    if hf_name in top:
+        return top[hf_name], None
+    if hf_name == "lm_head.weight":  # a tied checkpoint may still carry it: HF ignores it, so do we
+        return None if args.tie_word_embeddings else ("lm_head.weight", None)
+    parts = hf_name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+        return None
+    prefix, rest = f"layers.{parts[2]}.", ".".join(parts[3:])
+    q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    inter = args.intermediate_size
+    fused = {
+        "self_attn.q_proj": ("qkv_proj", slice(0, q_size)),
+        "self_attn.k_proj": ("qkv_proj", slice(q_size, q_size + kv_size)),
+        "self_attn.v_proj": ("qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size)),
+        "mlp.gate_proj": ("gate_up_proj", slice(0, inter)),
+        "mlp.up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+        # Phi-3's checkpoints hold them fused already, in the same order (q, k, v; gate, up)
+        "self_attn.qkv_proj": ("qkv_proj", None),
+        "mlp.gate_up_proj": ("gate_up_proj", None),
+    }
+    module, kind = rest.rsplit(".", 1)
+    if args.moe is not None and module.split(".")[0] in ("mlp", "block_sparse_moe"):
+        expert = _expert_destination(args, module)
+        if expert is not None:
+            name, rows = expert
+            return prefix + f"{name}.{kind}", rows
+    if module in fused:
+        name, rows = fused[module]
+        return prefix + f"{name}.{kind}", rows
+    plain = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj", "self_attn.q_norm": "q_norm",
+             "self_attn.k_norm": "k_norm", "input_layernorm": "input_layernorm",
+             "post_attention_layernorm": "post_attention_layernorm",
+             "pre_feedforward_layernorm": "pre_feedforward_layernorm",  # Gemma's sandwich
+             "post_feedforward_layernorm": "post_feedforward_layernorm"}
+    return (prefix + f"{plain[module]}.{kind}", None) if module in plain else None
+
+
+# An expert's tensors by their names in each family's checkpoints (Mixtral's w1, w3, w2)
+_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def _expert_destination(args: LlamaArgs, module: str) -> tuple[str, slice | None] | None:
+    """A mixture's router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) and its experts' tensors
+    (`mlp.experts.E.gate_proj`, ...): gate and up fill each expert's fused gate_up_proj."""
+    parts = module.split(".")
+    if parts[1:] == ["gate"]:
+        return "moe.gate", None
+    if len(parts) != 4 or parts[1] != "experts" or parts[3] not in _EXPERT_PARTS:
+        return None
+    assert args.moe is not None
+    inter, role = args.moe.intermediate_size, _EXPERT_PARTS[parts[3]]
+    target = f"moe.experts.{parts[2]}." + ("down_proj" if role == "down" else "gate_up_proj")
+    rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "down": None}[role]
+    return target, rows

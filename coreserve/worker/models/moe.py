@@ -1,0 +1,71 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE) over the model's ops (engine-core process).
+
+The router is a linear layer; a softmax over its logits in fp32 picks each token's top_k experts, and
+their probabilities, renormalised where the family asks, weight the experts' outputs. Batch invariance
+holds as for the dense MLP: every token is routed by its own row alone, each expert's products run on
+the rows routed to it through `ops.linear` (row by row the same numbers in any batch on the CPU
+kernels), nothing is dropped for capacity, and a token's weighted outputs are summed in one fixed
+order, its experts' ids ascending (Hugging Face's order, whose loop adds the experts by id).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.ops import ModelOps
+
+
+class Expert(nn.Module):
+    """One expert's SwiGLU MLP; gate and up fused as the dense layers' are."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        moe = args.moe
+        assert moe is not None
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(Expert(args.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+
+    def route(self, x: torch.Tensor, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> each token's experts [T, top_k] int64, most probable first (HF's router
+        order), and their weights [T, top_k] in x's dtype."""
+        probs = torch.softmax(ops.linear(self.gate, x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (the post-attention norm's output) -> (this rank's partial MLP output
+        [T, hidden], the routed experts [T, top_k])."""
+        experts, weights = self.route(x, ops)
+        order = experts.argsort(dim=-1)  # each token's experts by id: the sum's fixed order
+        by_id, weights = experts.gather(-1, order), weights.gather(-1, order)
+        num_tokens, k = by_id.shape
+        outputs = x.new_empty(num_tokens * k, x.shape[-1])  # row t k + j: token t's j-th expert by id
+        flat = by_id.flatten()
+        slots_by_expert = flat.argsort(stable=True)  # one sort groups every expert's slots
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if not count:
+                continue
+            slots = slots_by_expert[start : start + count]
+            start += count
+            expert = self.experts[expert_id]
+            hidden = ops.silu_mul(ops.linear(expert.gate_up_proj, x[slots // k]))
+            outputs[slots] = ops.linear(expert.down_proj, hidden)
+        outputs = outputs.view(num_tokens, k, -1)
+        total = outputs[:, 0] * weights[:, :1]
+        for j in range(1, k):
+            total = total + outputs[:, j] * weights[:, j : j + 1]
+        return total, experts
