@@ -35,7 +35,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def write_peft_adapter(folder: Path, args, rank: int, seed: int) -> None:
-    """A random LoRA adapter for a model of `args` (LlamaArgs' fields), as PEFT saves one."""
+    """A random LoRA adapter for a model of `args` (DecoderArgs' fields), as PEFT saves one."""
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(seed)

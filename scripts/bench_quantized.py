@@ -58,10 +58,10 @@ def model_path(name: str) -> str:
 
 def kv_bytes_per_position(path: str) -> int:
     """fp32 K and V of every layer for one position."""
-    from coreserve.worker.models.config import LlamaArgs
+    from coreserve.worker.models.config import DecoderArgs
     from coreserve.worker.models.loader import read_config
 
-    a = LlamaArgs.from_hf_config(read_config(path))
+    a = DecoderArgs.from_hf_config(read_config(path))
     return 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
 
 

@@ -20,7 +20,7 @@ from bench_common import machine, median, print_table, write_json  # noqa: E402
 from real_models import CACHE  # noqa: E402
 
 from coreserve.protocol.builtin_model import builtin_model_path  # noqa: E402
-from coreserve.worker.models.config import LlamaArgs  # noqa: E402
+from coreserve.worker.models.config import DecoderArgs  # noqa: E402
 from coreserve.worker.models.finite_weights import check_finite_model  # noqa: E402
 from coreserve.worker.models.loader import load_model, read_config  # noqa: E402
 
@@ -38,7 +38,7 @@ def measure(model: str, runs: int) -> dict:
         check_finite_model(loaded, path)
         checks.append(time.perf_counter() - begun)
         begun = time.perf_counter()
-        LlamaArgs.from_hf_config(read_config(path))
+        DecoderArgs.from_hf_config(read_config(path))
         configs.append(time.perf_counter() - begun)
         del loaded
     load, check = median(loads), median(checks)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.family import FAMILIES, GELU_TANH, SILU
 from coreserve.worker.models.gguf_config import GGUF_ARCHS
 from coreserve.worker.step.attention import AttentionSpec
@@ -63,7 +63,7 @@ def _config(family_model, family: str) -> dict:
 
 
 def test_gemma2_layers_alternate_local_and_global_with_the_sandwich_and_geglu(family_model):
-    args = LlamaArgs.from_hf_config(_config(family_model, "gemma2"))
+    args = DecoderArgs.from_hf_config(_config(family_model, "gemma2"))
     local, full = args.layers
     assert local.attention == AttentionSpec(window=24, scale=24**-0.5, softcap=5.0)
     assert full.attention == AttentionSpec(window=None, scale=24**-0.5, softcap=5.0)
@@ -72,7 +72,7 @@ def test_gemma2_layers_alternate_local_and_global_with_the_sandwich_and_geglu(fa
 
 
 def test_gemma3_local_layers_take_their_own_rope(family_model):
-    args = LlamaArgs.from_hf_config(_config(family_model, "gemma3"))
+    args = DecoderArgs.from_hf_config(_config(family_model, "gemma3"))
     local, full = args.layers
     assert full.rope == args.rope and args.rope.rope_type == "linear"
     assert local.rope != args.rope and local.rope.theta == 10000.0 and local.qk_norm == "head"
@@ -80,17 +80,17 @@ def test_gemma3_local_layers_take_their_own_rope(family_model):
 
 @pytest.mark.parametrize("family", ["mistral", "phi3", "mixtral"])
 def test_one_window_families_give_every_layer_the_window(family, family_model):
-    args = LlamaArgs.from_hf_config(_config(family_model, family))
+    args = DecoderArgs.from_hf_config(_config(family_model, family))
     assert {spec.attention for spec in args.layers} == {AttentionSpec(window=24)}
     assert all(spec.activation == SILU and not spec.has_sandwich_norms for spec in args.layers)
 
 
 def test_qwen3_moe_dense_layers_are_in_the_spec(family_model):
-    args = LlamaArgs.from_hf_config(_config(family_model, "qwen3_moe"))
+    args = DecoderArgs.from_hf_config(_config(family_model, "qwen3_moe"))
     assert [spec.is_moe for spec in args.layers] == [True, False] and args.moe_layers == [0]
 
 
 def test_layer_specs_are_frozen(family_model):
-    spec = LlamaArgs.from_hf_config(_config(family_model, "llama2")).layers[0]
+    spec = DecoderArgs.from_hf_config(_config(family_model, "llama2")).layers[0]
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.is_moe = True  # type: ignore[misc]

@@ -16,7 +16,7 @@ from conftest import HF_TOLERANCE, HF_TOLERANCE_TORCH_PATH, IS_BF16_MODE, hf_log
 from test_batch_invariance import sampled_rows, scoring_mismatches
 
 from coreserve import LLM, SamplingParams
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 INVARIANCE_PARAMS = [
@@ -141,11 +141,11 @@ def _assert_prompt_logprobs(output, reference, tolerance: float) -> None:
 def test_hf_config_formats_agree(family_model):
     """transformers 5's rope_parameters and the older rope_scaling + rope_theta give the same model."""
     config = json.loads((Path(family_model("llama3.1")) / "config.json").read_text())
-    new = LlamaArgs.from_hf_config(config)
+    new = DecoderArgs.from_hf_config(config)
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = dict(rope, type=rope.pop("rope_type"))
-    assert LlamaArgs.from_hf_config(config) == new
+    assert DecoderArgs.from_hf_config(config) == new
     assert new.rope.rope_type == "llama3" and new.rope.params["original_max_position_embeddings"] == 32
 
 
@@ -165,7 +165,7 @@ def test_hf_config_formats_agree(family_model):
 def test_unsupported_config_is_refused(change, message, family_model):
     config = json.loads((Path(family_model("llama2")) / "config.json").read_text())
     with pytest.raises(ValueError, match=message):
-        LlamaArgs.from_hf_config({**config, **change})
+        DecoderArgs.from_hf_config({**config, **change})
 
 
 def test_unsupported_config_is_a_value_error_at_load(family_model, tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.rope import cos_sin_tables, long_rows_start
 
 MAX_POSITIONS = 512
@@ -45,7 +45,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_cos_sin_tables_equal_hf(variant):
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.decoder.modeling_llama import LlamaRotaryEmbedding
 
     fields = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=MAX_POSITIONS)
     hf_config = LlamaConfig(**fields, rope_parameters=dict(VARIANTS[variant]))
@@ -53,12 +53,12 @@ def test_cos_sin_tables_equal_hf(variant):
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1, dtype=torch.float32), positions)
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "intermediate_size": 8,
               "num_hidden_layers": 1, **fields, "rope_parameters": dict(VARIANTS[variant])}
-    cos, sin = cos_sin_tables(LlamaArgs.from_hf_config(config).rope, MAX_POSITIONS)
+    cos, sin = cos_sin_tables(DecoderArgs.from_hf_config(config).rope, MAX_POSITIONS)
     torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=0)
     torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=0)
     if variant != "default":
         default, _ = cos_sin_tables(
-            LlamaArgs.from_hf_config({**config, "rope_parameters": VARIANTS["default"]}).rope, 64
+            DecoderArgs.from_hf_config({**config, "rope_parameters": VARIANTS["default"]}).rope, 64
         )
         assert variant == "dynamic" or not torch.allclose(default, cos[:64])  # the scaling does something
 
@@ -83,7 +83,7 @@ def test_longrope_tables_hold_hfs_short_rows_then_its_long_rows():
     hf_long = hf_rope(x, torch.arange(MAX_POSITIONS)[None, :])  # seq_len 512 > 64: the long ones
     config = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 8, "intermediate_size": 8,
               "num_hidden_layers": 1, **fields, "original_max_position_embeddings": switch, "rope_parameters": rope}
-    spec = LlamaArgs.from_hf_config(config).rope
+    spec = DecoderArgs.from_hf_config(config).rope
     cos, sin = cos_sin_tables(spec, MAX_POSITIONS)
     start = long_rows_start(spec, MAX_POSITIONS)
     assert start == switch and cos.shape[0] == switch + MAX_POSITIONS

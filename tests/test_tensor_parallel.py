@@ -18,7 +18,7 @@ from coreserve import LLM
 from coreserve.frontend.errors import EngineDeadError
 from coreserve.protocol.sampling_params import SamplingParams
 from coreserve.protocol.structured_outputs import StructuredOutputsParams
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.loader import read_config
 from coreserve.worker.models.sharding import Shard, rank_part, shard_args
 from tests.conftest import BATCH_SHAPE_TOLERANCE, PROMPTS, assert_same_positions, running_daemon
@@ -55,7 +55,7 @@ def tp1_outputs(tiny_path):
 
 
 def test_shard_args_split_heads_and_columns_and_refuse_uneven_counts(tiny_path):
-    args = LlamaArgs.from_hf_config(read_config(tiny_path))
+    args = DecoderArgs.from_hf_config(read_config(tiny_path))
     half = shard_args(args, 2)
     assert (half.num_heads, half.num_kv_heads) == (args.num_heads // 2, args.num_kv_heads // 2)
     assert half.intermediate_size == args.intermediate_size // 2 and half.hidden_size == args.hidden_size

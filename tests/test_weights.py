@@ -81,8 +81,8 @@ def test_bf16_engine_generates_from_the_bf16_checkpoint(sharded_bf16):
 _MEASURE = """
 import sys, torch
 from pathlib import Path
-from coreserve.worker.models.config import LlamaArgs
-from coreserve.worker.models.llama import LlamaModel
+from coreserve.worker.models.config import DecoderArgs
+from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.loader import load_model, read_config
 def status(key):
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
@@ -90,7 +90,7 @@ def status(key):
 # torch's one-time set-up, not the loader's, before the baseline: building on the meta device, and the
 # first CPU allocation of a module (~38 MB, lazily, whatever its size)
 with torch.device("meta"):
-    LlamaModel(LlamaArgs.from_hf_config(read_config(sys.argv[1])))
+    DecoderModel(DecoderArgs.from_hf_config(read_config(sys.argv[1])))
 torch.nn.Linear(4, 4, device="meta").to_empty(device="cpu")
 Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
 before = status("VmRSS:")

@@ -26,7 +26,7 @@ import torch
 from coreserve.worker.cpu.backend import CpuBackend
 from coreserve.worker.cpu.huge_pages import zeroed_kv_caches
 from coreserve.worker.cpu.kernels import load_cpu_kernels
-from coreserve.worker.models.llama import LlamaModel
+from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.loader import weights_dtype
 from coreserve.worker.sampling.logprobs import SamplingOps, TorchSamplingOps
 from coreserve.worker.step.attention import AttentionMetadata, decode_gather
@@ -42,20 +42,20 @@ class Backend(Protocol):
     name: str  # "torch" or "cpu"
     sampling: SamplingOps
 
-    def place(self, model: LlamaModel) -> None: ...  # allocated, before the weights are read
-    def adopt(self, model: LlamaModel, is_busy: Callable[[], bool]) -> None: ...  # loaded: ops set
+    def place(self, model: DecoderModel) -> None: ...  # allocated, before the weights are read
+    def adopt(self, model: DecoderModel, is_busy: Callable[[], bool]) -> None: ...  # loaded: ops set
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype: ...  # activations and KV cache
     def allocate_kv_cache(
         self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype
     ) -> list[torch.Tensor]: ...  # one zeroed [2, Hkv, slots, D] cache a layer
     def prepare(self, attn: AttentionMetadata) -> None: ...  # sets attn.plan, before the forward
-    def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None: ...  # fast path over these
+    def bind(self, model: DecoderModel, caches: list[torch.Tensor]) -> None: ...  # fast path over these
     def step_threads(self) -> contextlib.AbstractContextManager: ...  # the `with` block of one step
     def release(self) -> None: ...  # the KV cache is gone (sleep): drop what reads it
     def close(self) -> None: ...  # the engine is done: stop what runs beside its steps
-    def renew_weight_memory(self, model: LlamaModel) -> None: ...  # the weights got fresh memory
+    def renew_weight_memory(self, model: DecoderModel) -> None: ...  # the weights got fresh memory
     def forward(
-        self, model: LlamaModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
+        self, model: DecoderModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # hidden [T, hidden], logits [T, vocab] or None
 
 
@@ -68,10 +68,10 @@ class TorchBackend:
         self.device = device
         self.sampling: SamplingOps = TorchSamplingOps()
 
-    def place(self, model: LlamaModel) -> None:
+    def place(self, model: DecoderModel) -> None:
         """Where the loader allocated them."""
 
-    def adopt(self, model: LlamaModel, is_busy: Callable[[], bool]) -> None:
+    def adopt(self, model: DecoderModel, is_busy: Callable[[], bool]) -> None:
         """The model's TorchOps, as built."""
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
@@ -84,7 +84,7 @@ class TorchBackend:
         if attn.decode is not None:
             attn.plan = decode_gather(attn.decode, self.device)
 
-    def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None:
+    def bind(self, model: DecoderModel, caches: list[torch.Tensor]) -> None:
         """No fast path: nothing reads the caches' addresses."""
 
     def step_threads(self) -> contextlib.AbstractContextManager:
@@ -97,11 +97,11 @@ class TorchBackend:
     def close(self) -> None:
         """Nothing runs beside the steps."""
 
-    def renew_weight_memory(self, model: LlamaModel) -> None:
+    def renew_weight_memory(self, model: DecoderModel) -> None:
         """Nothing holds the weights' addresses."""
 
     def forward(
-        self, model: LlamaModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
+        self, model: DecoderModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress), None
 

@@ -10,14 +10,14 @@ from collections.abc import Callable
 from typing import Protocol
 
 from coreserve.protocol.step import ModelRunnerOutput, SchedulerOutput
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.step.runner_spec import RunnerSpec
 
 __all__ = ["Executor", "RunnerSpec", "make_executor"]
 
 
 class Executor(Protocol):
-    model_args: LlamaArgs  # the whole model's (a rank holds its share of the heads)
+    model_args: DecoderArgs  # the whole model's (a rank holds its share of the heads)
 
     def bytes_per_block(self) -> int: ...  # KV cache bytes a block takes (on each rank)
     def host_kv_bytes(self, num_blocks: int) -> int: ...  # host memory that many blocks take (0 on a GPU)

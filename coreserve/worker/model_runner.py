@@ -118,7 +118,7 @@ class ModelRunner(RunnerControl):
             nan_empties.release()
 
     @property
-    def model_args(self):  # LlamaArgs (this rank's share of the heads under tensor parallelism)
+    def model_args(self):  # DecoderArgs (this rank's share of the heads under tensor parallelism)
         return self.model.args
 
     def bytes_per_block(self) -> int:

@@ -43,7 +43,7 @@ def step_extras(
 
 def routed_rows(model, states: Sequence[RequestState], num_tokens: Sequence[int]) -> dict[str, list]:
     """Each asking request's rows of the forward pass just run (the model keeps its last forward's
-    choices, `LlamaModel.routed_experts`): req_id -> [(first position, [rows, MoE layers, top_k] int16
+    choices, `DecoderModel.routed_experts`): req_id -> [(first position, [rows, MoE layers, top_k] int16
     numpy)]; `states` in batch order, `num_tokens` rows each. {} when none asked (nothing is copied)."""
     if not any(s.params.return_routed_experts for s in states):
         return {}

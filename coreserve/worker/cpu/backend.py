@@ -27,7 +27,7 @@ from coreserve.worker.cpu.huge_pages import (
 from coreserve.worker.cpu.ops import apply_cpu_backend
 from coreserve.worker.cpu.sampling_ops import CpuSamplingOps
 from coreserve.worker.cpu.thread_governor import ThreadGovernor
-from coreserve.worker.models.llama import LlamaModel
+from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.quantized import QuantLinear
 from coreserve.worker.step.attention import AttentionMetadata
 from coreserve.worker.step.input_batch import StepInputs
@@ -55,11 +55,11 @@ class CpuBackend:
         self.collapse: threading.Thread | None = None
         self.threads = ThreadGovernor(torch.get_num_threads(), guest=not governs_threads)
 
-    def place(self, model: LlamaModel) -> None:
+    def place(self, model: DecoderModel) -> None:
         """The linear weights' place, before they are read, so that they are written once, there."""
         self.huge_page_memory = place_linear_weights(model, keep_values=False)
 
-    def adopt(self, model: LlamaModel, is_busy: Callable[[], bool]) -> None:
+    def adopt(self, model: DecoderModel, is_busy: Callable[[], bool]) -> None:
         """Written: the mapping goes into huge pages in the background, off the first token's path
         (it waits while `is_busy`); the model runs on CpuOps."""
         if self.huge_page_memory is not None:
@@ -80,7 +80,7 @@ class CpuBackend:
     def prepare(self, attn: AttentionMetadata) -> None:
         attn.plan = cpu_attention_plan(attn, self.is_batch_invariant, self.block_size)
 
-    def bind(self, model: LlamaModel, caches: list[torch.Tensor]) -> None:
+    def bind(self, model: DecoderModel, caches: list[torch.Tensor]) -> None:
         """The fused forward's descriptors hold the weights' and caches' addresses: built over these."""
         if self.can_fuse and caches:
             self.fused = FusedForward(self.kernels, model.weights(), caches, model.args, self.is_int8)
@@ -99,12 +99,12 @@ class CpuBackend:
         if self.collapse is not None:
             self.collapse.join()
 
-    def renew_weight_memory(self, model: LlamaModel) -> None:
+    def renew_weight_memory(self, model: DecoderModel) -> None:
         move_linear_weights_to_huge_pages(model)  # fresh memory: rewritten next
 
     def forward(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         inputs: StepInputs,
         caches: list[torch.Tensor],
         on_progress: Callable[[], None] | None,

@@ -5,7 +5,7 @@ parallel region, instead of ten calls a layer from Python (engine-core process).
 `CpuBackend` (backend.py) builds a `FusedForward` for its model and KV caches, and asks it for
 each step: it applies when every token of the step is a decode row (one token with context)
 and there are at most `FUSED_MAX_ROWS` of them; elsewhere the model runs op by op. The model is
-read through `LlamaModel.weights()`, its one description of its tensors; the C reads it as
+read through `DecoderModel.weights()`, its one description of its tensors; the C reads it as
 `struct model_desc` (bindings.py). Weights kept in GGUF blocks take the quantized products
 (csrc/gemv_quant.c), the embedding rows dequantized in C: the numbers of the op-by-op path still.
 Both paths give the same numbers, bit for bit (Qwen3's per-head q/k norms too: the same C norm each
@@ -24,8 +24,8 @@ from coreserve.worker.cpu.attention_plan import CpuAttentionPlan
 from coreserve.worker.cpu.bindings import CpuKernels, LayerDesc, ModelDesc, StepDesc
 from coreserve.worker.cpu.linear import GEMV_MAX_ROWS
 from coreserve.worker.cpu.quant_linear import part_array_address
-from coreserve.worker.models.config import LlamaArgs
-from coreserve.worker.models.llama import LayerWeights, ModelWeights
+from coreserve.worker.models.config import DecoderArgs
+from coreserve.worker.models.decoder import LayerWeights, ModelWeights
 from coreserve.worker.models.quantized import QUANT_PARTS, ggml_type_of
 from coreserve.worker.step.input_batch import StepInputs
 
@@ -61,7 +61,7 @@ class FusedForward:
     are placed once at load (huge pages) and never move after; the caches are those given."""
 
     def __init__(
-        self, kernels: CpuKernels, weights: ModelWeights, caches: list[torch.Tensor], args: LlamaArgs,
+        self, kernels: CpuKernels, weights: ModelWeights, caches: list[torch.Tensor], args: DecoderArgs,
         is_int8: bool = False,
     ) -> None:
         assert len(caches) == len(weights.layers) > 0
@@ -186,7 +186,7 @@ def _is_bf16(layers: list[LayerWeights]) -> int:
     return int(any(p.dtype == torch.bfloat16 for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)))
 
 
-def layer_desc(w: LayerWeights, cache: torch.Tensor, a: LlamaArgs, index: int, is_bf16: int) -> LayerDesc:
+def layer_desc(w: LayerWeights, cache: torch.Tensor, a: DecoderArgs, index: int, is_bf16: int) -> LayerDesc:
     """Layer `index`'s struct layer_desc over its `cache` [2, Hkv, slots, D] float32; its window is its
     spec's (AttentionSpec.window, 0: none), as the op-by-op attention reads it."""
     products = (w.qkv, w.o, w.gate_up, w.down)

@@ -87,7 +87,7 @@ def frozen_linear(weight: torch.Tensor) -> nn.Linear:
 
 
 def read_adapter(path: str, name: str, model: nn.Module, max_rank: int) -> LoraAdapter:
-    """The adapter at `path` (a folder), checked against `model` (coreserve/worker/models/llama.py's LlamaModel):
+    """The adapter at `path` (a folder), checked against `model` (coreserve/worker/models/decoder.py's DecoderModel):
     every name and shape from the file's header first, then each tensor's values as it is read."""
     from safetensors import SafetensorError, safe_open
 

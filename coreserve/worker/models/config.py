@@ -48,7 +48,7 @@ class MoeArgs:
 
 
 @dataclass(frozen=True)
-class LlamaArgs:
+class DecoderArgs:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -91,7 +91,7 @@ class LlamaArgs:
         return [i for i, spec in enumerate(self.layers) if spec.is_moe]
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> LlamaArgs:
+    def from_hf_config(cls, config: dict) -> DecoderArgs:
         check_config_numbers(config)
         family = family_of(config)
         _refuse_unsupported(config, family)

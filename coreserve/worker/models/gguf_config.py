@@ -1,5 +1,5 @@
 """A GGUF file's metadata as the Hugging Face config.json it stands for, so that one reader
-(`LlamaArgs.from_hf_config`) checks and builds every model (engine-core process).
+(`DecoderArgs.from_hf_config`) checks and builds every model (engine-core process).
 
 GGUF names the architecture (`general.architecture`) and keeps its numbers under that prefix. Loaded:
 `llama` (Llama 2/3 and SmolLM; Mistral too, which llama.cpp writes as `llama`: named so in

@@ -1,6 +1,6 @@
 """What each decoder layer computes, read once from config.json under its family's rules
 (coreserve/worker/models/family.py) into a frozen `LayerSpec`: its norms, attention (window, scale, soft-cap),
-RoPE, q/k norms and MLP (engine-core process). The one layer body (coreserve/worker/models/llama.py) and the
+RoPE, q/k norms and MLP (engine-core process). The one layer body (coreserve/worker/models/decoder.py) and the
 fused decode forward's descriptors (coreserve/worker/cpu/fused_decode.py) read these specs, never a family.
 """
 
@@ -22,7 +22,7 @@ class LayerSpec:
     qk_norm: str | None  # "head": each head of q and k, before RoPE; "whole": all of q, all of k; None
     clip_qkv: float | None  # q, k and v clamped to [-clip, clip] after the norms; None: not clamped
     activation: str  # the gated MLP's: SILU (SwiGLU) or GELU_TANH (GeGLU)
-    is_moe: bool  # the MLP is a mixture of experts (LlamaArgs.moe), else dense
+    is_moe: bool  # the MLP is a mixture of experts (DecoderArgs.moe), else dense
 
     @property
     def is_llama_shaped(self) -> bool:

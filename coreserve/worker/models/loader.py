@@ -21,13 +21,13 @@ from torch import nn
 
 from coreserve.protocol.gguf_header import is_gguf, read_gguf_header
 from coreserve.worker.models import gguf_quantized, gguf_weights, safetensors_files
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.config_checks import check_layer_indices, check_model_fits_file
+from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.family import family_of
 from coreserve.worker.models.finite_weights import check_finite_model
 from coreserve.worker.models.gguf_config import hf_config_from_gguf
 from coreserve.worker.models.gguf_quantized import quantization_plan
-from coreserve.worker.models.llama import LlamaModel
 from coreserve.worker.models.quantized import block_rows, quantize_modules
 from coreserve.worker.models.sharding import Shard, is_split, rank_part, shard_args
 
@@ -68,10 +68,10 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
 def weights_dtype(model_dir: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype load_model gives the weights (those kept in GGUF blocks aside: uint8 blocks), known
     before anything is allocated: what a backend is chosen by."""
-    return _weights_dtype(LlamaArgs.from_hf_config(read_config(model_dir)), model_dir, dtype, device)
+    return _weights_dtype(DecoderArgs.from_hf_config(read_config(model_dir)), model_dir, dtype, device)
 
 
-def _weights_dtype(args: LlamaArgs, model_dir: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def _weights_dtype(args: DecoderArgs, model_dir: str, dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto" and is_gguf(model_dir):
@@ -84,16 +84,16 @@ def load_model(
     dtype: str | torch.dtype,
     device: torch.device,
     shard: Shard | None = None,
-    place: Callable[[LlamaModel], None] | None = None,
+    place: Callable[[DecoderModel], None] | None = None,
     check_tensors: bool = True,
-) -> LlamaModel:
+) -> DecoderModel:
     """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"); "auto" keeps a GGUF
     file's Q8_0/Q4_0/Q4_1 weights in their blocks (gguf_quantized.py), the rest in fp32. `shard`: this
     rank's part of a tensor-parallel model (its heads and MLP columns; coreserve/worker/models/sharding.py).
     `place`: called with the allocated model before its weights are read (where a backend wants its
     weights to live, so they are written once, there)."""
     config = read_config(model_dir)
-    args = LlamaArgs.from_hf_config(config)
+    args = DecoderArgs.from_hf_config(config)
     file_shapes = _file_shapes(model_dir)
     check_layer_indices(args.num_layers, file_shapes, model_dir)
     if shard is not None and family_of(config).has_fused_checkpoint:
@@ -110,7 +110,7 @@ def load_model(
     if shard is not None:
         args = shard_args(args, shard.size)
     with torch.device("meta"):
-        model = LlamaModel(args)
+        model = DecoderModel(args)
     # float32 tables on the CPU, as HF computes them, kept out of the dtype cast (Gemma 3 has two)
     rotaries = {name: getattr(model, name) for name in ("rotary", "rotary_local") if getattr(model, name) is not None}
     for name in rotaries:
@@ -155,7 +155,7 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device) -> Non
                 table[name] = made[id(tensor)]
 
 
-def load_weights(model: LlamaModel, model_dir: str, shard: Shard | None, check_tensors: bool = True) -> None:
+def load_weights(model: DecoderModel, model_dir: str, shard: Shard | None, check_tensors: bool = True) -> None:
     """Every tensor of the file into the model; `check_tensors`: none may hold a NaN or an infinity."""
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[str, int] = {}  # parameter name -> elements written
@@ -209,7 +209,7 @@ def _check_shape(entry, param: torch.Tensor, rows: slice | None, shard: Shard | 
                          f"makes it {wanted}")
 
 
-def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None] | None:
+def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | None] | None:
     """The parameter (and row block of a fused one) that an HF tensor fills; None: not this model's."""
     top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
     if hf_name in top:
@@ -253,7 +253,7 @@ def weight_destination(args: LlamaArgs, hf_name: str) -> tuple[str, slice | None
 _EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
-def _expert_destination(args: LlamaArgs, module: str) -> tuple[str, slice | None] | None:
+def _expert_destination(args: DecoderArgs, module: str) -> tuple[str, slice | None] | None:
     """A mixture's router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) and its experts' tensors
     (`mlp.experts.E.gate_proj`, ...): gate and up fill each expert's fused gate_up_proj."""
     parts = module.split(".")

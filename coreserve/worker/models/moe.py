@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.ops import ModelOps
 
 
@@ -27,7 +27,7 @@ class Expert(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         moe = args.moe
         assert moe is not None

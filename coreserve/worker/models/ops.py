@@ -1,6 +1,6 @@
 """The ops a decoder layer is written in, and torch's implementation of them (engine-core process).
 
-The model (coreserve/worker/models/llama.py) calls `model.ops.<op>` and never asks which backend runs: the
+The model (coreserve/worker/models/decoder.py) calls `model.ops.<op>` and never asks which backend runs: the
 ops object is chosen once, when the model is loaded (`TorchOps`, torch's ops in the weights' dtype:
 CUDA, or the CPU without a compiler) or handed to a backend afterwards (coreserve/worker/cpu/ops.py's
 `CpuOps`; coreserve/worker/models/sharding.py's `apply_tp` sets `sum_over_ranks`).

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 
 # HF tensor name (after `model.layers.N.`) -> the dimension it splits on.
 _BY_OUTPUT = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
@@ -44,7 +44,7 @@ class Shard:
     size: int
 
 
-def shard_args(args: LlamaArgs, size: int) -> LlamaArgs:
+def shard_args(args: DecoderArgs, size: int) -> DecoderArgs:
     """One rank's arguments: its share of the heads and MLP columns. A ValueError when they do not split."""
     counts = {
         "num_attention_heads": args.num_heads,

@@ -10,14 +10,14 @@ from collections.abc import Callable
 
 import torch
 
-from coreserve.worker.models.llama import LlamaModel
+from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.loader import load_weights
 from coreserve.worker.models.sharding import Shard
 from coreserve.worker.models.weight_update import check_weights, update_weights_from_path
 
 
 class WeightStore:
-    def __init__(self, model: LlamaModel, shard: Shard | None, check_tensors: bool = True) -> None:
+    def __init__(self, model: DecoderModel, shard: Shard | None, check_tensors: bool = True) -> None:
         self.model = model
         self.shard = shard
         self.check_tensors = check_tensors  # NaN and infinities refused in new weights
@@ -41,7 +41,7 @@ class WeightStore:
         }
         return check_weights(self.model, path, self.shard, stand_ins, is_whole=True)
 
-    def update(self, path: str, renew_memory: Callable[[LlamaModel], None]) -> int:
+    def update(self, path: str, renew_memory: Callable[[DecoderModel], None]) -> int:
         """Validates every tensor of `path` before copying any; returns how many it copied. After a drop
         the memory is allocated again (then `renew_memory`) and the update must hold every weight: a
         safetensors file (the frontend's tensors) is checked whole first; a folder or GGUF file goes
@@ -71,7 +71,7 @@ class WeightStore:
                 self.dropped.append((param, param.shape))
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
-    def _allocate(self, renew_memory: Callable[[LlamaModel], None]) -> None:
+    def _allocate(self, renew_memory: Callable[[DecoderModel], None]) -> None:
         for param, shape in self.dropped:
             param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
         self.dropped = []

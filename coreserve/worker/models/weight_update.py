@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.finite_weights import check_finite_tensor
-from coreserve.worker.models.llama import LlamaModel
 from coreserve.worker.models.loader import weight_destination  # the loader's one map of HF names
 from coreserve.worker.models.sharding import Shard, is_split, rank_part
 
@@ -43,7 +43,7 @@ def safetensors_paths(path: str) -> list[Path]:
 
 
 def update_weights_from_path(
-    model: LlamaModel, path: str, shard: Shard | None = None, check_tensors: bool = True
+    model: DecoderModel, path: str, shard: Shard | None = None, check_tensors: bool = True
 ) -> int:
     """Loads every tensor of `path` into the model; returns how many tensors changed. `check_tensors`:
     a NaN or an infinity anywhere refuses the update before anything is copied."""
@@ -57,7 +57,7 @@ def update_weights_from_path(
 
 
 def check_weights(
-    model: LlamaModel,
+    model: DecoderModel,
     path: str,
     shard: Shard | None = None,
     params: dict[str, torch.Tensor] | None = None,
@@ -93,7 +93,7 @@ def _opened(path: str) -> Iterator[dict]:
 
 
 def plan_update(
-    model: LlamaModel,
+    model: DecoderModel,
     shapes: list[tuple[str, tuple[int, ...]]],
     shard: Shard | None = None,
     params: dict[str, torch.Tensor] | None = None,  # None: the model's; else stand-ins of their shapes

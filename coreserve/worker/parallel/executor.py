@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from coreserve.protocol.step import ModelRunnerOutput, SchedulerOutput
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.loader import read_config
 from coreserve.worker.models.sharding import shard_args
 from coreserve.worker.parallel.messages import (
@@ -55,7 +55,7 @@ class WorkerFailed(RuntimeError):
 class TensorParallelExecutor:
     def __init__(self, spec: RunnerSpec, on_progress: Callable[[], None] | None = None) -> None:
         size = spec.tensor_parallel_size
-        self.model_args: LlamaArgs = LlamaArgs.from_hf_config(read_config(spec.model))  # the whole model's
+        self.model_args: DecoderArgs = DecoderArgs.from_hf_config(read_config(spec.model))  # the whole model's
         shard_args(self.model_args, size)  # a ValueError now, before any process starts
         self.size = size
         self.is_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())

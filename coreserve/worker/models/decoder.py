@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coreserve.worker.models.config import LlamaArgs
+from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.family import SILU
 from coreserve.worker.models.moe import SparseMoe
 from coreserve.worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
 from coreserve.worker.models.rope import RopeSpec, cos_sin_tables, long_rows_start
 from coreserve.worker.step.attention import AttentionMetadata
 
-__all__ = ["LlamaArgs", "LlamaModel"]
+__all__ = ["DecoderArgs", "DecoderModel"]
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +111,7 @@ class DecoderLayer(nn.Module):
     attention's window, scale and soft-cap, GeGLU or SwiGLU, experts or dense) is read from the
     layer's frozen spec (coreserve/worker/models/layer_spec.py)."""
 
-    def __init__(self, args: LlamaArgs, index: int = 0) -> None:
+    def __init__(self, args: DecoderArgs, index: int = 0) -> None:
         super().__init__()
         self.args, self.spec = args, args.layers[index]
         spec, eps, hidden = self.spec, args.rms_norm_eps, args.hidden_size
@@ -194,8 +194,8 @@ class DecoderLayer(nn.Module):
         return torch.cat((q.view(num_tokens, -1), k.view(num_tokens, -1), v), dim=-1)
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+class DecoderModel(nn.Module):
+    def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.args = args
         self.rotary = Rotary(args.rope)
