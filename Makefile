@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine: `make demo` and `make test` (both set up first).
 PY := .venv/bin/python
 
-.PHONY: demo test test-bf16 test-bf16-ci setup setup-runtime lint
+.PHONY: demo test test-bf16 test-bf16-ci wheel-smoke setup setup-runtime lint
 demo: setup-runtime
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
 
@@ -17,6 +17,11 @@ BF16_CI_TESTS := tests/test_llm_greedy.py tests/test_logprobs.py tests/test_mult
 	tests/test_server_completions.py
 test-bf16-ci: setup
 	CORESERVE_TEST_DTYPE=bfloat16 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(BF16_CI_TESTS)
+
+# The built wheel and sdist installed as docs/install.md says, in a fresh venv with no compiler on PATH,
+# serving SmolLM2: chat, a required tool call, a runtime LoRA, batch invariance (CI, after the suite).
+wheel-smoke: setup
+	bash scripts/wheel_smoke.sh
 
 lint: setup
 	$(PY) -m ruff check .

@@ -13,7 +13,7 @@ import cbor2
 import msgspec
 import zmq
 
-from coreserve.protocol.kv_events import END_OF_REPLAY
+from coreserve.engine_core.kv_events import END_OF_REPLAY
 
 FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 

@@ -23,6 +23,10 @@ ALLOWED = {
 # The core reaches the model only through coreserve/worker/executor.py; torch stays below it.
 CORE_ENTRY = "coreserve.worker.executor"
 NEVER_AT_MODULE_LEVEL = {"protocol": {"torch"}, "frontend": {"torch"}, "engine_core": {"torch"}}
+# Protocol modules the core and the worker share and the frontend does not: the worker may not import the
+# core, and the core enters the worker through CORE_ENTRY alone, so coreserve/protocol/ is the one place
+# both may import (the step contracts also travel as they are to tensor-parallel rank processes)
+CORE_AND_WORKER = {"coreserve.protocol.step", "coreserve.protocol.prompt_lookup"}
 
 
 def role(name: str) -> str:
@@ -127,6 +131,28 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return packages
 
 
+def protocol_users(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each protocol module and the roles whose modules import it, directly or through other protocol
+    modules (coreserve.protocol.arrays serves whoever imports coreserve.protocol.messages)."""
+    users: dict[str, set[str]] = {name: set() for name in graph if role(name) == "protocol"}
+    for name, targets in graph.items():
+        for target in targets & users.keys():
+            users[target] |= {role(name)} - {"protocol"}
+    is_growing = True
+    while is_growing:  # until every protocol module holds the roles of the protocol modules that import it
+        is_growing = False
+        for name in users:
+            for target in graph[name] & users.keys():
+                is_growing |= not users[name] <= users[target]
+                users[target] |= users[name]
+    return users
+
+
+def one_sided(users: dict[str, set[str]]) -> dict[str, list[str]]:
+    return {name: sorted(roles) for name, roles in users.items()
+            if name not in CORE_AND_WORKER and not ("frontend" in roles and roles & {"engine_core", "worker"})}
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_run_one_way(package):
     for path in (PKG / package).rglob("*.py"):
@@ -168,6 +194,24 @@ def test_the_package_check_finds_a_cycle_no_module_check_sees():
     }
     assert find_cycle(graph) is None
     assert find_cycle(package_graph(graph)) == ["coreserve.worker.models", "coreserve.worker.parallel", "coreserve.worker.models"]
+
+
+# Sub-packages that must not import another even where no cycle would follow: LoRA reaches the C kernels
+# only through the backend it is handed (coreserve/worker/backend.py's lora_products).
+NEVER_IMPORTS = {"coreserve.worker.lora": "coreserve.worker.cpu"}
+
+
+def test_lora_imports_nothing_of_the_cpu_backend():
+    packages = package_graph(import_graph())
+    for source, banned in NEVER_IMPORTS.items():
+        assert banned not in packages.get(source, set()), f"{source} imports {banned}"
+
+
+def test_the_banned_import_check_sees_one_inside_a_function(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from coreserve.worker.cpu.bindings import LoraGroup\n")
+    graph = {"coreserve.worker.lora.probe": imported_modules(probe, project_modules())}
+    assert package_graph(graph) == {"coreserve.worker.lora": {"coreserve.worker.cpu"}}
 
 
 def test_the_core_enters_worker_through_one_module():
@@ -225,3 +269,25 @@ def test_only_the_in_process_client_reaches_into_the_core_and_nothing_pickles():
             assert "recv_pyobj" not in path.read_text() and "send_pyobj" not in path.read_text()
             if package == "frontend" and "engine_core" in imports:
                 assert path.name == "inproc_client.py", path
+
+
+def test_protocol_holds_only_what_the_frontend_and_the_core_both_use():
+    """A protocol module that only the frontend, or only the core (engine_core and worker: one process),
+    imports belongs in that side's folder. The in-process client counts as the frontend: it lives there and
+    runs in the user's process. CORE_AND_WORKER is exempt (see its comment), while both its roles use it."""
+    users = protocol_users(import_graph())
+    assert not one_sided(users), f"used by one side only, move them there: {one_sided(users)}"
+    assert all({"engine_core", "worker"} <= users[name] for name in CORE_AND_WORKER), CORE_AND_WORKER
+
+
+def test_the_side_check_follows_protocol_modules_and_finds_a_one_sided_one():
+    graph = {
+        "coreserve.frontend.a": {"coreserve.protocol.messages"},
+        "coreserve.engine_core.b": {"coreserve.protocol.messages", "coreserve.protocol.events"},
+        "coreserve.protocol.messages": {"coreserve.protocol.arrays"},
+        "coreserve.protocol.arrays": set(),
+        "coreserve.protocol.events": set(),
+    }
+    users = protocol_users(graph)
+    assert users["coreserve.protocol.arrays"] == {"frontend", "engine_core"}
+    assert one_sided(users) == {"coreserve.protocol.events": ["engine_core"]}

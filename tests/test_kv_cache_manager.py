@@ -36,7 +36,7 @@ def test_the_event_log_mirrors_the_index_when_a_chains_prefix_is_another_request
     its block is evicted: B's next full block would hang from a content gone, which no request could
     ever find, so it is not indexed, and no event names a parent that was removed."""
     from coreserve.engine_core.kv_event_log import KVEventLog
-    from coreserve.protocol.kv_events import BlockRemoved, BlockStored
+    from coreserve.engine_core.kv_events import BlockRemoved, BlockStored
 
     log = KVEventLog(block_size=2)
     kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True, events=log)

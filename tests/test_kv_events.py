@@ -1,4 +1,4 @@
-"""KV-cache events (vLLM's --kv-events-config; coreserve/protocol/kv_events.py, coreserve/engine_core/kv_event_log.py, kv_event_publisher.py), read over a
+"""KV-cache events (vLLM's --kv-events-config; coreserve/engine_core/kv_events.py, coreserve/engine_core/kv_event_log.py, kv_event_publisher.py), read over a
 real ZeroMQ socket by a subscriber written from the schema (tests/kv_subscriber.py): after a mixed load on
 a small cache (shared prefixes, generated blocks, evictions, a cache_salt chain, a LoRA adapter's chain, a
 reset), the contents the events tell equal the engine's prefix index, content for content; llm-d's keys
@@ -22,8 +22,8 @@ from conftest import IS_BF16_MODE
 from kv_subscriber import Subscriber
 
 from coreserve import LLM, LoRARequest, SamplingParams
+from coreserve.engine_core.kv_events import END_OF_REPLAY, KVEventBatch
 from coreserve.frontend.engine.engine_args import make_config
-from coreserve.protocol.kv_events import END_OF_REPLAY, KVEventBatch
 
 BLOCK = 16
 SYSTEMS = [[(37 * s + 11 * j) % 4000 + 100 for j in range(40)] for s in range(4)]  # 2.5 blocks each

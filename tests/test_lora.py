@@ -81,24 +81,30 @@ def rows(output) -> tuple:
             [None if d is None else sorted((t, v.logprob) for t, v in d.items()) for d in output.prompt_logprobs])
 
 
+def worst_from_peft(peft_model, prompt: list[int], output) -> float:
+    """The largest |logprob - PEFT's| over a greedy output's prompt and sampled logprobs (each sampled token
+    PEFT's argmax, within the tolerance)."""
+    completion = output.outputs[0]
+    with torch.no_grad():
+        reference = hf_logprobs(peft_model, prompt + completion.token_ids)
+    worst = 0.0
+    for position, entries in enumerate(output.prompt_logprobs[1:], start=1):
+        for token_id, value in entries.items():
+            worst = max(worst, abs(value.logprob - reference[position - 1][token_id].item()))
+    for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = reference[len(prompt) - 1 + step]
+        assert row[token_id] >= row.max() - TOLERANCE  # greedy: PEFT's argmax
+        for entry_id, value in entries.items():
+            worst = max(worst, abs(value.logprob - row[entry_id].item()))
+    return worst
+
+
 @pytest.mark.parametrize("name", ["every", "qv-rslora"])
 def test_logprobs_equal_peft_unmerged_forward(llm, adapters, name):
     _, peft_model = adapters[name]
     request = lora(adapters, name, 1 if name == "every" else 2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], PARAMS, use_tqdm=False, lora_request=request)
-    worst = 0.0
-    for prompt, output in zip(PROMPTS, outputs):
-        completion = output.outputs[0]
-        with torch.no_grad():
-            reference = hf_logprobs(peft_model, prompt + completion.token_ids)
-        for position, entries in enumerate(output.prompt_logprobs[1:], start=1):
-            for token_id, value in entries.items():
-                worst = max(worst, abs(value.logprob - reference[position - 1][token_id].item()))
-        for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            row = reference[len(prompt) - 1 + step]
-            assert row[token_id] >= row.max() - TOLERANCE  # greedy: PEFT's argmax
-            for entry_id, value in entries.items():
-                worst = max(worst, abs(value.logprob - row[entry_id].item()))
+    worst = max(worst_from_peft(peft_model, prompt, output) for prompt, output in zip(PROMPTS, outputs))
     assert worst < TOLERANCE, worst
     with torch.no_grad(), peft_model.disable_adapter():  # the adapter really moves the numbers
         base = hf_logprobs(peft_model, PROMPTS[0])
@@ -175,6 +181,56 @@ def test_what_is_not_built_is_refused_by_name_and_the_engine_goes_on(llm, adapte
         off.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=lora(adapters, "every", 1))
 
 
+def test_adapters_are_read_between_steps_and_a_failed_read_fails_only_its_requests(llm, adapters, tmp_path):
+    """No adapter is read inside schedule(): a request whose adapter is not resident waits (not failed)
+    while the core reads it before the next step, through the runner's add_lora verb; a read that fails
+    fails the requests naming that adapter alone, with its error, and the others run."""
+    import msgspec
+
+    from coreserve.engine_core.request import RequestStatus
+    from coreserve.protocol.messages import EngineCoreRequest, FinishReason
+    from coreserve.protocol.sampling_params import LoraRef
+
+    core = llm.client.core  # idle between generate calls: stepped here by hand, as the client would
+    schedule, rpc = core.scheduler.schedule, core.executor.collective_rpc
+    calls: list[tuple[str, bool]] = []  # (verb, whether schedule() was running)
+    in_schedule = [False]
+
+    def watched_schedule():
+        in_schedule[0] = True
+        try:
+            return schedule()
+        finally:
+            in_schedule[0] = False
+
+    core.scheduler.schedule = watched_schedule
+    core.executor.collective_rpc = lambda verb, kwargs: calls.append((verb, in_schedule[0])) or rpc(verb, kwargs)
+    gone = LoraRef("gone", 22, str(tmp_path / "nowhere"))
+    refs = {"fresh": LoraRef("fresh", 21, adapters["every"][0]), "gone-1": gone, "base": None, "gone-2": gone}
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outputs: dict[str, list] = {req_id: [] for req_id in refs}
+    try:
+        for req_id, ref in refs.items():
+            request = EngineCoreRequest(req_id, PROMPTS[1], msgspec.structs.replace(params, lora=ref), 0.0)
+            assert core.add_request(b"by-hand", request) is None
+        for step in range(20):
+            for batch in core.step().values():
+                for output in batch.outputs:
+                    outputs[output.req_id].append(output)
+            if step == 0:  # asked for, not read yet: waiting, not failed
+                assert all(core.scheduler.requests[f"{b'by-hand'.hex()}/{r}"].status == RequestStatus.WAITING
+                           for r in ("fresh", "gone-1", "gone-2"))
+            if not core.has_unfinished_requests():
+                break
+    finally:
+        core.scheduler.schedule, core.executor.collective_rpc = schedule, rpc
+    for req_id in ("gone-1", "gone-2"):
+        assert outputs[req_id][-1].finish_reason == FinishReason.ERROR and "not found" in outputs[req_id][-1].error
+    for req_id in ("fresh", "base"):
+        assert outputs[req_id][-1].error is None and sum(len(o.new_token_ids) for o in outputs[req_id]) == 3
+    assert ("add_lora", False) in calls and not any(inside for _, inside in calls)
+
+
 @pytest.mark.parametrize("build", ["avx2", "generic"])
 def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernels, build):
     """csrc/lora_rows.c: the AVX-512 code (where this CPU has it), the AVX2 code and the generic code give
@@ -182,6 +238,7 @@ def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernel
     from torch import nn
 
     from coreserve.worker.cpu.build import NARROWER_BUILDS
+    from coreserve.worker.cpu.grouped_lora import CpuGroupedLora
     from coreserve.worker.cpu.kernels import load_cpu_kernels
     from coreserve.worker.lora.adapter import LoraAdapter, LowRank, frozen_linear
     from coreserve.worker.lora.lora_ops import LoraOps
@@ -189,9 +246,6 @@ def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernel
     layer = nn.Linear(100, 70, bias=False)  # widths past whole runs of 16: the tails too
 
     class Zeros:  # the target's base output: zeros, so the outputs are the deltas alone
-        def __init__(self, kernels):
-            self.kernels = kernels
-
         def linear(self, module, x):
             return torch.zeros(x.shape[0], module.out_features) if module is layer else module(x)
 
@@ -211,7 +265,9 @@ def test_the_grouped_products_give_the_same_bits_in_every_build_and_batch(kernel
     def run(kernels, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         for adapter in adapters.values():
             adapter.packed.clear()
-        ops = LoraOps(Zeros(kernels), adapters, None)
+        ops = LoraOps(Zeros(), None, None if kernels is None else CpuGroupedLora(kernels))
+        for slot, adapter in adapters.items():
+            ops.add(slot, adapter)
         ops.set_rows(rows)
         return ops.linear(layer, x)
 
@@ -255,41 +311,65 @@ def test_a_gguf_base_kept_in_blocks_with_fused_projections_equals_peft(family_mo
 
 
 def test_the_lora_table_keeps_each_request_on_the_load_it_started_with():
-    """coreserve/engine_core/lora_table.py with a recording executor (pure logic): a load in place gives new
-    requests a new slot while the running ones keep theirs, the old slot goes with its last request,
-    idle loads past max_cpu_loras are dropped and read again when asked for."""
+    """coreserve/engine_core/lora_table.py with a recording executor (pure logic): a request's adapter is
+    read only by load_wanted (between steps), through the runner's add_lora verb; a load in place gives
+    new requests a new slot while the running ones keep theirs, the old slot goes with its last request,
+    idle loads past max_cpu_loras are dropped and read again when asked for; a failed read is reported
+    for its requests alone and its half-loaded slot removed."""
+    from types import SimpleNamespace
+
     from coreserve.engine_core.lora_table import LoraTable
     from coreserve.protocol.sampling_params import LoraRef
 
     class Executor:
         def __init__(self):
             self.loaded: set[int] = set()
+            self.num_calls = 0
 
-        def add_lora(self, slot, name, path):
-            self.loaded.add(slot)
-            return 1
-
-        def remove_lora(self, slot):
-            self.loaded.remove(slot)
+        def collective_rpc(self, verb, kwargs):
+            self.num_calls += 1
+            if verb == "add_lora" and kwargs["path"] == "/broken":
+                raise ValueError("LoRA adapter '/broken' not found")
+            if verb == "add_lora":
+                self.loaded.add(kwargs["slot"])
+                return [1]
+            assert verb == "remove_lora", verb
+            self.loaded.discard(kwargs["slot"])
+            return [None]
 
     executor = Executor()
-    table = LoraTable(executor, enabled=True, max_cpu_loras=1)
-    running = table.take(LoraRef("a", 1, "/a"))
-    assert table.take(LoraRef("a", 1, "/a")) == running
+    table = LoraTable(executor, enabled=True, max_loras=2, max_cpu_loras=1)
+
+    def take(ref: LoraRef) -> int:
+        """A request admitted as the scheduler and the core do it: is_ready, then (between steps) the read."""
+        req = SimpleNamespace(params=SimpleNamespace(lora=ref), lora_slot=-1)
+        num_calls = executor.num_calls
+        if not table.is_ready(req):
+            assert executor.num_calls == num_calls  # asking for the read reads nothing
+            assert table.load_wanted() == [] and table.is_ready(req)
+        assert table.admit(req) is None
+        return req.lora_slot
+
+    running = take(LoraRef("a", 1, "/a"))
+    assert take(LoraRef("a", 1, "/a")) == running
     table.load("a", "/a2", inplace=True)
-    newer = table.take(LoraRef("a", 1, "/a"))
+    newer = take(LoraRef("a", 1, "/a"))
     assert newer != running and executor.loaded == {running, newer}
     table.release(running)
     assert executor.loaded == {running, newer}  # one of its two requests still runs
     table.release(running)
     assert executor.loaded == {newer}  # the replaced load lived until its requests had ended
     table.release(newer)
-    other = table.take(LoraRef("b", 2, "/b"))
+    other = take(LoraRef("b", 2, "/b"))
     table.release(other)  # two idle loads, max_cpu_loras 1: the least recently used goes
     assert executor.loaded == {other}
-    again = table.take(LoraRef("a", 1, "/a"))
+    again = take(LoraRef("a", 1, "/a"))
     assert again not in (running, newer) and again in executor.loaded  # read again, from the newer path
     assert ("a", "/a2") in table.adapters()
+    broken = SimpleNamespace(params=SimpleNamespace(lora=LoraRef("c", 3, "/broken")), lora_slot=-1)
+    assert not table.is_ready(broken)
+    assert table.load_wanted() == [(3, "LoRA adapter '/broken' not found")]
+    assert executor.loaded == {other, again} and ("c", "/broken") not in table.adapters()
 
 
 def test_an_adapter_trained_on_the_real_smollm2_equals_peft_over_its_q4_1_blocks(tmp_path):
@@ -461,3 +541,37 @@ def test_a_bf16_base_takes_the_adapter_in_fp32(tiny_path, adapters):
             row = reference[len(prompt) - 1 + step]
             worst = max([worst, *(abs(v.logprob - row[t].item()) for t, v in entries.items())])
     assert worst < 0.15, worst  # conftest's bf16 tolerance for the C kernels
+
+
+def test_two_ranks_with_their_shards_of_the_adapters_equal_peft_and_each_alone(tiny_path, adapters):
+    """tensor_parallel_size=2: each rank reads the adapters through the add_lora verb (a RankCall) and keeps
+    its shard of each pair (its rows of a q/k/v or gate/up B, its columns of an o or down A; lm_head and
+    embed_tokens whole): PEFT's logprobs within the fp32 tolerance, and each request's bits the same alone
+    as in one batch with another adapter's rows and the base's."""
+    requests = [lora(adapters, "every", 1), lora(adapters, "qv-rslora", 2), None]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    with LLM(tiny_path, tensor_parallel_size=2, num_threads=1, enable_lora=True, max_loras=2, num_kv_blocks=128) as two:
+        batched = two.generate(prompts, PARAMS, use_tqdm=False, lora_request=requests)
+        alone = [two.generate([p], PARAMS, use_tqdm=False, lora_request=r)[0] for p, r in zip(prompts, requests)]
+    assert [rows(o) for o in alone] == [rows(o) for o in batched]
+    for name, prompt, output in zip(("every", "qv-rslora"), PROMPTS, batched):
+        worst = worst_from_peft(adapters[name][1], prompt, output)
+        assert worst < TOLERANCE, (name, worst)
+
+
+def test_a_made_up_adapter_verb_runs_through_both_tables(llm, adapters, monkeypatch):
+    """What a new verb about the adapters takes below the frontend (docs/architecture.md's recipe): a
+    function of the runner's control part in RUNNER_VERBS and a row of the core's VERBS; it sees the
+    adapters that the add_lora verb read into the runner."""
+    from coreserve.engine_core import rl_control
+    from coreserve.worker import runner_control
+
+    def adapter_ranks(control) -> list[list]:  # control: the runner's RunnerControl
+        return sorted([adapter.name, adapter.rank] for adapter in control.lora.ops.adapters.values())
+
+    monkeypatch.setitem(runner_control.RUNNER_VERBS, "adapter_ranks", runner_control.RunnerVerb(adapter_ranks, False))
+    monkeypatch.setitem(rl_control.VERBS, "adapter_ranks", rl_control.Verb(rl_control.NoArgs, rl_control.on_runner("adapter_ranks")))
+    prompts = [{"prompt_token_ids": PROMPTS[0]}] * 2
+    llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=[lora(adapters, "every", 1), lora(adapters, "qv-rslora", 2)])
+    loaded = llm.engine.call("adapter_ranks").result
+    assert ["every", 8] in loaded and ["qv-rslora", 4] in loaded

@@ -193,7 +193,7 @@ def test_sleep_frees_the_kv_cache_and_requests_sent_meanwhile_run_after_wake(har
     harness.add("ref", reference)
     harness.run()
     harness.command("sleep", level=1)
-    assert harness.replies[-1].sleep_level == 1 and harness.core.executor.kv_caches == []
+    assert harness.replies[-1].sleep_level == 1 and harness.core.executor.kv.caches == []
     harness.add("later", reference)
     for _ in range(3):
         harness.step()
@@ -252,7 +252,7 @@ def test_an_unknown_verb_or_arguments_that_do_not_fit_are_refused_and_nothing_ch
     assert harness.replies[-1].error.startswith("sleep: Expected `int` <= 2")
     harness.command("sleep", levels=1)
     assert "unknown field `levels`" in harness.replies[-1].error
-    assert harness.replies[-1].sleep_level == 0 and harness.core.executor.kv_caches
+    assert harness.replies[-1].sleep_level == 0 and harness.core.executor.kv.caches
 
 
 def test_a_new_verb_is_a_runner_method_and_a_row_in_each_table(harness, monkeypatch):
@@ -266,8 +266,8 @@ def test_a_new_verb_is_a_runner_method_and_a_row_in_each_table(harness, monkeypa
     class ScaleArgs(rl_control.Args):
         factor: float
 
-    def num_blocks_times(runner, factor: float) -> float:
-        return runner.num_kv_blocks * factor
+    def num_blocks_times(control, factor: float) -> float:  # control: the runner's RunnerControl
+        return control.kv.num_blocks * factor
 
     monkeypatch.setitem(runner_control.RUNNER_VERBS, "num_blocks_times", runner_control.RunnerVerb(num_blocks_times, False))
     monkeypatch.setitem(rl_control.VERBS, "num_blocks_times", rl_control.Verb(ScaleArgs, rl_control.on_runner("num_blocks_times")))

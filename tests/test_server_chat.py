@@ -66,6 +66,28 @@ def test_streamed_chat_concatenates_to_the_whole_response(client):
     assert choices[-1].finish_reason == whole.finish_reason == "length"
 
 
+def test_the_keys_vllm_writes_as_null_are_there_unasked_and_filled_when_asked(client):
+    """vLLM's response models write these unset; code reads them as attributes (an AttributeError if absent)."""
+    request = dict(model="tiny-chat", messages=messages(), max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(**request)
+    choice, message = plain.choices[0], plain.choices[0].message
+    assert choice.token_ids is None and plain.prompt_token_ids is None and choice.stop_reason is None
+    assert plain.prompt_logprobs is None and plain.kv_transfer_params is None
+    assert plain.service_tier is None and plain.system_fingerprint is None
+    assert message.reasoning is None and message.reasoning_content is None and message.tool_calls == []
+    assert message.refusal is None and message.function_call is None and message.audio is None
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert chunks[0].prompt_token_ids is None
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert all(c.token_ids is None and c.logprobs is None and c.delta.reasoning_content is None for c in streamed)
+    ids = {"return_token_ids": True}
+    asked = client.chat.completions.create(**request, extra_body=ids)
+    assert len(asked.choices[0].token_ids) == 4 and len(asked.prompt_token_ids) == plain.usage.prompt_tokens
+    asked_chunks = list(client.chat.completions.create(**request, stream=True, extra_body=ids))
+    assert asked_chunks[0].prompt_token_ids == asked.prompt_token_ids
+    assert [t for c in asked_chunks for each in c.choices for t in each.token_ids] == asked.choices[0].token_ids
+
+
 def test_vllm_prompt_logprobs_extension(server):
     body = {"model": "tiny-chat", "messages": messages(), "max_tokens": 1, "prompt_logprobs": 0}
     result = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()

@@ -127,6 +127,26 @@ def test_a_stream_cut_by_a_stop_string_concatenates_to_the_whole_response(client
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
 
 
+def test_the_keys_vllm_writes_as_null_are_there_unasked_and_filled_when_asked(client, tokenizer):
+    """vLLM's response models write these unset; code reads them as attributes (an AttributeError if absent)."""
+    request = dict(model=MODEL, prompt=PROMPTS[4], max_tokens=3, temperature=0)
+    whole = client.completions.create(**request)
+    choice = whole.choices[0]
+    assert choice.token_ids is None and choice.prompt_token_ids is None and choice.prompt_logprobs is None
+    assert choice.stop_reason is None and choice.logprobs is None
+    assert whole.kv_transfer_params is None and whole.service_tier is None and whole.system_fingerprint is None
+    chunks = list(client.completions.create(**request, stream=True))
+    assert all(c.usage is None for c in chunks)
+    assert all(each.token_ids is None and each.prompt_token_ids is None for c in chunks for each in c.choices)
+    ids = {"return_token_ids": True}
+    asked = client.completions.create(**request, extra_body=ids).choices[0]
+    assert asked.prompt_token_ids == tokenizer(PROMPTS[4]).input_ids and len(asked.token_ids) == 3
+    streamed = [each for c in client.completions.create(**request, stream=True, extra_body=ids) for each in c.choices]
+    assert streamed[0].prompt_token_ids == asked.prompt_token_ids
+    assert all(each.prompt_token_ids is None for each in streamed[1:])
+    assert [t for each in streamed for t in each.token_ids] == asked.token_ids
+
+
 def test_several_prompts_and_n_give_one_choice_each(client, tokenizer):
     ids = tokenizer(PROMPTS[3]).input_ids
     result = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=4, n=2, seed=3)

@@ -48,15 +48,21 @@ def test_completions_stream_with_n_sends_each_finished_choice_once(client):
 
 
 def test_chat_stream_with_n_sends_each_finished_choice_once(client):
+    """And, with return_token_ids, each choice's first chunk carries the prompt's ids (as vLLM's) and the
+    chunks' token_ids add up to the choice's."""
     messages = [{"role": "user", "content": "Say something."}]
-    request = dict(model=MODEL, messages=messages, **STAGGERED)
+    request = dict(model=MODEL, messages=messages, **STAGGERED, extra_body={"return_token_ids": True})
     whole = client.chat.completions.create(**request, logprobs=True)
     assert len({len(c.logprobs.content) for c in whole.choices}) == 3  # staggered finishes
     chunks = list(client.chat.completions.create(**request, stream=True))
     assert_each_choice_finishes_once(chunks)
+    firsts = [chunk for chunk in chunks if chunk.choices and chunk.choices[0].delta.role == "assistant"]
+    assert [chunk.choices[0].index for chunk in firsts] == [0, 1, 2]
+    assert all(chunk.prompt_token_ids == whole.prompt_token_ids for chunk in firsts)
     for choice in whole.choices:
         streamed = [c for chunk in chunks for c in chunk.choices if c.index == choice.index]
         assert "".join(c.delta.content or "" for c in streamed) == choice.message.content
+        assert [t for c in streamed for t in c.token_ids] == choice.token_ids
 
 
 def test_stream_options_without_stream_is_a_400(client):

@@ -71,6 +71,63 @@ def test_one_delta_accumulator_merges_every_whole_answer():
     assert merges == {"coreserve/frontend/server/common/accumulate.py:merge_piece"}, merges
 
 
+LOGPROB_WRITER = "coreserve/frontend/server/common/logprob_json.py"
+REQUEST_BUILDERS = {"coreserve/frontend/server/openai/responses_input.py"}  # writes a chat body's top_logprobs
+# The keys of every logprob shape the server writes (OpenAI's, vLLM's, SGLang's, TRL's)
+LOGPROB_KEYS = frozenset((
+    "logprob", "top_logprobs", "token_logprobs", "text_offset", "bytes", "decoded_token",
+    "output_token_logprobs", "output_top_logprobs", "actual_logprobs", "logprob_token_ids",
+))
+
+
+def written_keys(path: Path) -> list[str]:
+    """The string keys a file writes: in dict literals and in subscript assignments."""
+    keys = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Dict):
+            keys += [key.value for key in node.keys if isinstance(key, ast.Constant)]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.slice, ast.Constant):
+                keys.append(node.slice.value)
+    return [key for key in keys if isinstance(key, str)]
+
+
+def test_logprob_json_is_written_in_one_module():
+    """Every logprob shape, OpenAI's chat and legacy, vLLM's prompt_logprobs and tokens-out content,
+    SGLang's and TRL's, comes from common/logprob_json.py; the routes hand it their positions."""
+    found = {
+        f"{relative(path)}:{key}"
+        for path in python_files(SERVER)
+        if relative(path) not in {LOGPROB_WRITER, *REQUEST_BUILDERS}
+        for key in written_keys(path)
+        if key in LOGPROB_KEYS
+    }
+    assert not found, f"logprob JSON written outside {LOGPROB_WRITER}: {sorted(found)}"
+    assert LOGPROB_KEYS <= set(written_keys(ROOT / LOGPROB_WRITER))
+
+
+def test_chat_is_rendered_in_one_place():
+    """Only coreserve/frontend/engine/chat_template.py's ChatRenderer calls the template sandbox or builds
+    its arguments; the server's chat routes and LLM.chat call the renderer."""
+    renderer = "coreserve/frontend/engine/chat_template.py"
+    offenders = []
+    for path in python_files(ROOT / "coreserve" / "frontend"):
+        if relative(path) == renderer:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            owner = getattr(func, "value", None)
+            on_templates = getattr(owner, "attr", getattr(owner, "id", None)) == "templates"
+            if called in ("chat_render_args", "apply_chat_template") or (on_templates and "render" in called):
+                offenders.append(f"{relative(path)}:{node.lineno}")
+    assert not offenders, offenders
+    for caller in ("coreserve/frontend/llm.py", "coreserve/frontend/server/openai/chat_prompt.py"):
+        assert "renderer.render" in (ROOT / caller).read_text(), caller
+
+
 def test_metrics_are_declared_in_one_table():
     """Only common/metrics.py names a Prometheus metric or a prefix of one."""
     offenders = []

@@ -20,7 +20,7 @@ from coreserve.protocol.sampling_params import SamplingParams
 from coreserve.protocol.structured_outputs import StructuredOutputsParams
 from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.loader import read_config
-from coreserve.worker.models.sharding import Shard, rank_part, shard_args
+from coreserve.worker.models.sharding import Shard, rank_lora_pair, rank_part, shard_args
 from tests.conftest import BATCH_SHAPE_TOLERANCE, PROMPTS, assert_same_positions, running_daemon
 
 TP2 = dict(tensor_parallel_size=2, num_threads=1)
@@ -72,6 +72,21 @@ def test_rank_parts_split_outputs_by_rows_inputs_by_columns_and_add_the_o_bias_o
     bias = torch.ones(6)
     o_bias = "model.layers.0.self_attn.o_proj.bias"
     assert torch.equal(rank_part(o_bias, bias, first) + rank_part(o_bias, bias, second), bias)
+
+
+def test_a_lora_pair_splits_as_its_module_and_the_ranks_deltas_make_the_whole():
+    """A q/k/v B by rows (a fused qkv_proj's q, k and v each split, so a rank holds its heads of each), an
+    o/down A by columns (the ranks' partial deltas sum to the whole), an lm_head pair whole."""
+    gen = torch.Generator().manual_seed(0)
+    x, a, b = torch.randn(3, 8, generator=gen), torch.randn(2, 8, generator=gen), torch.randn(8, 2, generator=gen)
+    halves = [rank_lora_pair("model.layers.1.self_attn.qkv_proj", a, b, (4, 2, 2), Shard(r, 2)) for r in (0, 1)]
+    rows_of_rank = [[0, 1, 4, 6], [2, 3, 5, 7]]  # q's first or second half, then k's and v's
+    assert all(torch.equal(ra, a) and torch.equal(rb, b[rows]) for (ra, rb), rows in zip(halves, rows_of_rank))
+    b = torch.randn(5, 2, generator=gen)
+    halves = [rank_lora_pair("model.layers.1.mlp.down_proj", a, b, (5,), Shard(r, 2)) for r in (0, 1)]
+    partial = [x[:, 4 * r: 4 * r + 4] @ ra.T @ rb.T for r, (ra, rb) in enumerate(halves)]
+    torch.testing.assert_close(partial[0] + partial[1], x @ a.T @ b.T)
+    assert all(t is u for t, u in zip(rank_lora_pair("lm_head", a, b, (5,), Shard(1, 2)), (a, b)))
 
 
 def test_two_ranks_equal_one_in_process_with_multi_step(tiny_path, tp1_outputs):

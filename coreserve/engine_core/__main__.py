@@ -23,11 +23,16 @@ from coreserve.protocol.config import (
     parse_speculative_config,
 )
 from coreserve.protocol.curve_keys import KeyPair, load_allowed_keys, load_key_pair, make_key_pair
+from coreserve.protocol.hub_ids import local_model_path
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m coreserve.engine_core", description=__doc__)
-    parser.add_argument("--model", help="a Hugging Face model folder, or builtin:tiny / builtin:small")
+    parser.add_argument(
+        "--model",
+        help="a Hugging Face model folder or .gguf file; builtin:tiny / builtin:small / builtin:smollm2; or a "
+        "hub id, ORG/NAME (:QUANT or /FILE.gguf for a GGUF file), fetched into the Hugging Face cache",
+    )
     parser.add_argument(
         "--address",
         required=True,
@@ -83,18 +88,11 @@ def build_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> E
             values["speculative_config"] = parse_speculative_config(values["speculative_config"])
         if "kv_events_config" in values:
             values["kv_events_config"] = parse_kv_events_config(values["kv_events_config"])
-        return msgspec.convert({"model": resolve_model(args.model), **values}, EngineConfig, strict=False)
+        # builtin:NAME made on first use, a hub id fetched (by this daemon, for its own model), as the Python API
+        model = local_model_path(args.model, args.revision)
+        return msgspec.convert({"model": model, **values}, EngineConfig, strict=False)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         parser.error(_flag_error(str(exc)))
-
-
-def resolve_model(model: str) -> str:
-    """`builtin:NAME` is the project's own model, made on first use, as the Python API accepts it."""
-    if not model.startswith("builtin:"):
-        return model
-    from coreserve.protocol.builtin_model import builtin_model_path
-
-    return builtin_model_path(model.split(":", 1)[1])
 
 
 def _flag_error(message: str) -> str:

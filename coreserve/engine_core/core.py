@@ -185,7 +185,7 @@ class EngineCore:
         pinned = request.sampling_params.weight_version
         if pinned is not None and pinned != self.control.weight_version:
             return pinned_error(pinned, self.control.weight_version)
-        if request.sampling_params.lora is not None:  # read when the scheduler admits it (lora_table.py)
+        if request.sampling_params.lora is not None:  # read before a step once it can run (lora_table.py)
             try:
                 self.loras.check(request.sampling_params.lora)
             except ValueError as exc:
@@ -206,6 +206,8 @@ class EngineCore:
         return self.scheduler.has_schedulable_requests()
 
     def step(self) -> dict[bytes, EngineCoreOutputs]:
+        for int_id, error in self.loras.load_wanted():  # adapters read between steps, never in schedule()
+            self.scheduler.fail_adapter_waiters(int_id, error)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
         outputs = self.control.stamp(self.scheduler.update_from_output(scheduler_output, runner_output))
@@ -253,6 +255,7 @@ def runner_spec(config: EngineConfig, owns_process: bool = False) -> RunnerSpec:
         block_size=config.block_size,
         seed=config.seed,
         can_use_cpu_kernels=config.can_use_cpu_kernels,
+        kernel_variant=config.kernel_variant,
         batch_invariant=config.batch_invariant,
         quantized_activations=config.quantized_activations,
         tensor_parallel_size=config.tensor_parallel_size,

@@ -10,7 +10,7 @@ index's contents, content id for content id.
 
 from __future__ import annotations
 
-from coreserve.protocol.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from coreserve.engine_core.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class KVEventLog:

@@ -1,5 +1,6 @@
 """The prefix cache's events on their way out (engine-core process): each engine step's events as one
-vLLM `KVEventBatch`, sent from a thread of its own (the schema and the frames: coreserve/protocol/kv_events.py).
+vLLM `KVEventBatch`, sent from a thread of its own (the schema and the frames:
+coreserve/engine_core/kv_events.py).
 
 The publisher never blocks a step: a batch takes its sequence number when the engine hands it over and
 waits in a queue; when `max_queue_size` batches wait, the newest is dropped and counted, and its number
@@ -27,8 +28,8 @@ from collections import deque
 import msgspec
 import zmq
 
+from coreserve.engine_core.kv_events import END_OF_REPLAY, AllBlocksCleared, KVEvent, KVEventBatch
 from coreserve.protocol.config import KVEventsConfig
-from coreserve.protocol.kv_events import END_OF_REPLAY, AllBlocksCleared, KVEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,15 @@
 """The core's LoRA adapters (engine-core process): which adapter each request runs with, loaded once per
-load into a slot of the runner (coreserve/worker/lora/), and when a slot is dropped.
+load into a slot of the runner (coreserve/worker/lora/slots.py), and when a slot is dropped.
 
 A slot is one load of one adapter: its int_id and name, its path, and a generation that a load in place
-(`load(..., inplace=True)`, vLLM's load_inplace, what RL syncs use) moves on. A request's adapter is
-checked when it arrives (`check`) and read, where no load of it is kept, when the scheduler admits it
-(`take`): it takes the slot of its adapter's current load then and keeps it to its end, so it never mixes
-two versions; the
+(`load(..., inplace=True)`, vLLM's load_inplace, what RL syncs use) moves on. Every read goes to the runner
+as the `add_lora` control verb (`Executor.collective_rpc`: a RankCall to every rank, each keeping its
+shard) and runs between steps, never inside `schedule()`: a control command's load at once, a request's
+adapter when the core drains the reads the scheduler asked for (`load_wanted`, before each schedule).
+A request's adapter is checked when it arrives (`check`); the scheduler admits it only once its adapter
+is resident (`is_ready` asks for the read otherwise, and the request waits, keeping its turn; a read that
+fails fails the requests waiting for it, `load_wanted`'s failures). At admission (`admit`) it takes the
+slot of its adapter's current load and keeps it to its end, so it never mixes two versions; the
 prefix cache keys a LoRA request's blocks by its slot (Request.cache_root), so no request reads KV
 computed under another adapter or another load of its own. A slot no request holds is dropped when the
 adapter was loaded again, unloaded, or when more than max_cpu_loras idle slots are kept (least recently
@@ -22,8 +26,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coreserve.protocol.sampling_params import LoraRef
+
+if TYPE_CHECKING:  # the type only: torch comes with the executor, which core.py builds
+    from coreserve.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +48,9 @@ class Slot:
 
 
 class LoraTable:
-    def __init__(self, executor, enabled: bool, max_loras: int = 1, max_cpu_loras: int | None = None,
+    def __init__(self, executor: Executor, enabled: bool, max_loras: int = 1, max_cpu_loras: int | None = None,
                  allowed_roots: tuple[str, ...] | None = None) -> None:
-        self.executor = executor  # add_lora(slot, name, path) -> bytes, remove_lora(slot)
+        self.executor = executor  # its collective_rpc runs the runner's add_lora and remove_lora verbs
         self.enabled = enabled
         self.max_loras = max_loras  # adapters in one step
         self.max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras  # idle loads kept
@@ -53,6 +61,7 @@ class LoraTable:
         self._slots: dict[int, Slot] = {}  # every slot loaded in the runner
         self._idle: OrderedDict[int, None] = OrderedDict()  # current slots no request holds, LRU first
         self._holders: dict[int, int] = {}  # slot -> requests holding it
+        self._wanted: dict[int, LoraRef] = {}  # int_id -> a waiting request's adapter to read before the next step
         self._slot_ids = itertools.count()
         self._int_ids = itertools.count(CORE_IDS)  # ids of adapters loaded by name alone (the server's)
         self.on_drop: Callable[[int], None] = lambda slot: None  # a load gone: its KV can never be read again
@@ -67,8 +76,8 @@ class LoraTable:
         return loaded.int_id, loaded.name
 
     def check(self, ref: LoraRef) -> None:
-        """A request's adapter, as it arrives (nothing is read yet: that waits for its admission, `take`);
-        a ValueError names what is wrong: LoRA off, a name or an id another adapter has, or an id of the
+        """A request's adapter, as it arrives and again as it is admitted (nothing is read here); a
+        ValueError names what is wrong: LoRA off, a name or an id another adapter has, or an id of the
         core's own range (adapters loaded by name) that is not loaded (unloaded since)."""
         if not self.enabled:
             raise ValueError("lora_request: LoRA is off in this engine (start it with enable_lora=True, "
@@ -91,31 +100,49 @@ class LoraTable:
         adapters = {r.params.lora.int_id for r in running if r.params.lora is not None}
         return lora.int_id in adapters or len(adapters) < self.max_loras
 
+    def is_ready(self, req) -> bool:
+        """Whether `req` (a Request the scheduler would admit now) has its adapter resident, or needs
+        none, or fails its check (`admit` then says why). Where it is not resident, its read is asked
+        for (at most max_loras adapters at a time) and the request waits: `load_wanted` reads it before
+        the next step."""
+        ref = req.params.lora
+        if ref is None or req.lora_slot >= 0 or ref.int_id in self._current:
+            return True
+        try:
+            self.check(ref)
+        except ValueError:
+            return True
+        if ref.int_id in self._wanted or len(self._wanted) < self.max_loras:
+            self._wanted[ref.int_id] = ref
+        return False
+
+    def load_wanted(self) -> list[tuple[int, str]]:
+        """Reads the adapters waiting requests asked for (between steps: the core's, before `schedule`);
+        returns (lora_int_id, why) for each read that failed, whose waiting requests fail with it."""
+        failed = []
+        wanted, self._wanted = self._wanted, {}
+        for int_id, ref in wanted.items():
+            if int_id in self._current:
+                continue
+            name, path, generation = self._known.get(int_id, (ref.name, ref.path, 0))  # known: its latest load
+            try:
+                self.check(ref)
+                self._load(name, int_id, path, generation)
+            except ValueError as exc:
+                failed.append((int_id, str(exc)))
+        return failed
+
     def admit(self, req) -> str | None:
-        """Gives `req` (a Request being admitted) its adapter's slot where it names one and holds none yet;
-        the error that fails it, or None."""
+        """Gives `req` (a Request being admitted, `is_ready`) its adapter's slot where it names one and
+        holds none yet; the error that fails it, or None."""
         if req.params.lora is None or req.lora_slot >= 0:
             return None
         try:
-            req.lora_slot = self.take(req.params.lora)
+            self.check(req.params.lora)
         except ValueError as exc:
             return str(exc)
+        req.lora_slot = self._hold_current(req.params.lora.int_id)
         return None
-
-    def take(self, ref: LoraRef) -> int:
-        """The slot a request with `ref` runs with, held until `release` (read from its path where no load
-        of it is kept); a ValueError names what is wrong (check's, or an unreadable adapter)."""
-        self.check(ref)
-        if ref.int_id not in self._known:
-            self._load(ref.name, ref.int_id, ref.path, 0)
-        return self._hold_current(ref.int_id)
-
-    def take_by_name(self, name: str) -> int:
-        """take for the adapter known under `name` (the server's `"model": name`)."""
-        int_id = self._by_name.get(name)
-        if int_id is None:
-            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
-        return self._hold_current(int_id)
 
     def load(self, name: str, path: str, inplace: bool = False, int_id: int | None = None) -> Slot:
         """vLLM's /v1/load_lora_adapter: a new adapter under `name` (with `int_id`, the id its requests
@@ -163,20 +190,23 @@ class LoraTable:
         self._trim()
 
     def _hold_current(self, int_id: int) -> int:
-        current = self._current.get(int_id)
-        if current is None:  # known, dropped while idle: read again from its path
-            name, path, generation = self._known[int_id]
-            current = self._load(name, int_id, path, generation)
+        current = self._current[int_id]  # resident: is_ready held the request back until it was read
         self._holders[current.slot] = self._holders.get(current.slot, 0) + 1
         self._idle.pop(current.slot, None)
         return current.slot
 
     def _load(self, name: str, int_id: int, path: str, generation: int) -> Slot:
-        read_path = allowed_path(path, self.allowed_roots)  # a ValueError (as add_lora's) leaves all as it was
+        """The adapter read into a new slot on every rank; a ValueError (the path's, or a rank's refusal)
+        leaves all as it was (a rank that read it drops it again)."""
+        read_path = allowed_path(path, self.allowed_roots)
         slot = Slot(next(self._slot_ids), name, int_id, path, generation)
-        num_bytes = self.executor.add_lora(slot.slot, name, read_path)
+        try:
+            sizes = self.executor.collective_rpc("add_lora", {"slot": slot.slot, "name": name, "path": read_path})
+        except ValueError:
+            self.executor.collective_rpc("remove_lora", {"slot": slot.slot})
+            raise
         logger.info("LoRA adapter %r (lora_int_id %d, load %d) read from %s: %.1f MiB", name, int_id, generation,
-                    path, num_bytes / 2**20)
+                    path, sum(sizes) / 2**20)
         previous = self._current.get(int_id)
         self._slots[slot.slot], self._current[int_id] = slot, slot
         self._known[int_id], self._by_name[name] = (name, path, generation), int_id
@@ -201,7 +231,7 @@ class LoraTable:
     def _drop(self, slot: int) -> None:
         self._idle.pop(slot, None)
         del self._slots[slot]
-        self.executor.remove_lora(slot)
+        self.executor.collective_rpc("remove_lora", {"slot": slot})
         self.on_drop(slot)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from coreserve.engine_core.request import Request
-from coreserve.protocol.arrays import LogprobsArrays, SamplingMaskArrays, concat_logprobs
+from coreserve.protocol.arrays import LogprobsArrays, SamplingMaskArrays
 from coreserve.protocol.messages import EngineCoreOutput, TokenExtras
 from coreserve.protocol.step import HostLogprobs, ModelRunnerOutput
 
@@ -75,4 +75,17 @@ def _prompt_logprobs(req: Request) -> LogprobsArrays:
         return LogprobsArrays.from_numpy(
             empty, empty.astype(np.float32), np.zeros(0, dtype=np.int32), candidate_ranks
         )
-    return concat_logprobs(req.prompt_logprob_parts)
+    return _concat_logprobs(req.prompt_logprob_parts)
+
+
+def _concat_logprobs(parts: list[LogprobsArrays]) -> LogprobsArrays:
+    """Stacks row blocks of the same width (e.g. prompt logprobs computed chunk by chunk)."""
+    if len(parts) == 1:
+        return parts[0]
+    candidate_ranks = [p.candidate_ranks_np() for p in parts]
+    return LogprobsArrays.from_numpy(
+        np.concatenate([p.token_ids_np() for p in parts]),
+        np.concatenate([p.logprobs_np() for p in parts]),
+        np.concatenate([p.ranks_np() for p in parts]),
+        None if candidate_ranks[0] is None else np.concatenate(candidate_ranks),
+    )

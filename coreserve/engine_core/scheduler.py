@@ -138,9 +138,10 @@ class Scheduler:
             index += 1
         is_preempted = self.num_preemptions > num_preemptions_before
         can_admit = self.can_admit and not is_preempted  # no admissions while memory is short, or held
-        skipped: list[Request] = []  # waiting for room for their adapter (max_loras): they keep their turn
+        # waiting for room for their adapter (max_loras) or for its read (between steps): they keep their turn
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and can_admit:
-            if self.loras is not None and not self.loras.has_room(self.waiting[0], self.running):
+            if self.loras is not None and not self._is_adapter_ready(self.waiting[0]):
                 if len(skipped) == self.max_num_seqs:
                     break
                 skipped.append(self.waiting.popleft())
@@ -178,11 +179,29 @@ class Scheduler:
                 self.waiting.append(req)
         self.compiling = pending
 
+    def _is_adapter_ready(self, req: Request) -> bool:
+        """Whether `req`'s adapter may run now: room among the step's (max_loras) and resident (else its
+        read is asked for, done by the core before the next step; nothing is read here)."""
+        return self.loras.has_room(req, self.running) and self.loras.is_ready(req)
+
+    def fail_adapter_waiters(self, int_id: int, error: str) -> None:
+        """The requests waiting for adapter `int_id`, whose read failed, fail with `error` (reported with
+        the next outputs); the others go on."""
+        for req in list(self.requests.values()):
+            lora = req.params.lora
+            if lora is None or lora.int_id != int_id or req.lora_slot >= 0 or req.status != RequestStatus.WAITING:
+                continue
+            if req in self.compiling:
+                self.compiling.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._fail(req, error)
+
     def _admit(self, req: Request, budget: int, output: SchedulerOutput) -> int | None:
         """Schedules the head of the waiting queue, after its cached prefix when it may read the cache;
         returns its scheduled tokens, or None when it must wait (no blocks, or its prefix is being
         computed by a running request and will be in the cache after this step)."""
-        error = self.loras.admit(req) if self.loras is not None else None  # its adapter read and held now
+        error = self.loras.admit(req) if self.loras is not None else None  # its resident adapter's slot held
         if error is not None:  # this request alone fails, reported with the step's outputs
             self._fail(self.waiting.popleft(), error)
             return 0

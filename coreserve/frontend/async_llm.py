@@ -131,7 +131,7 @@ class AsyncLLM(AsyncLLMControlVerbs):
         again as soon as the stream ends: finished, failed, `aclose()`d, cancelled, or left by `break`.
         `lora_request`: the adapter it runs with (docs/lora.md)."""
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        params = with_lora(params, lora_request)
+        params = with_lora(params, lora_request, self.engine.request_adapter_folder)  # a hub id: fetched once
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         return RequestStream(lambda: self._start(prompt, params, request_id), self._release)
 

@@ -5,6 +5,7 @@ process): one line each, calling the FrontendEngine's verb of the same name, who
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
@@ -77,6 +78,7 @@ class LLMControlVerbs:
 class AsyncLLMControlVerbs:
     """`AsyncLLM`'s: each awaits the verb run on the engine thread, between two output pumps."""
 
+    engine: FrontendEngine
     _call: Callable[[Callable[[FrontendEngine], T]], Awaitable[T]]  # AsyncLLM's: on its engine thread
 
     async def update_weights(
@@ -109,7 +111,9 @@ class AsyncLLMControlVerbs:
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str | os.PathLike, load_inplace: bool = False, lora_int_id: int | None = None
     ) -> int:
-        return await self._call(lambda e: e.load_lora_adapter(lora_name, str(lora_path), load_inplace, lora_int_id))
+        """A hub id is fetched on a thread of its own, so that the engine thread goes on pumping outputs."""
+        folder = await asyncio.to_thread(self.engine.adapter_folder, str(lora_path))
+        return await self._call(lambda e: e.load_lora_adapter(lora_name, folder, load_inplace, lora_int_id))
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         await self._call(lambda e: e.unload_lora_adapter(lora_name))

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from coreserve.frontend.clients.client_protocol import CoreClient
 from coreserve.frontend.control_verbs import LLMControlVerbs
-from coreserve.frontend.engine.chat_template import chat_render_args
+from coreserve.frontend.engine.chat_template import ChatRenderer
 from coreserve.frontend.engine.engine import FrontendEngine
 from coreserve.frontend.engine.input_processor import InputProcessor, PromptType
 from coreserve.frontend.engine.output_processor import OutputProcessor
@@ -69,7 +69,8 @@ class LLM(LLMControlVerbs):
         if sampling_params is None:  # as vLLM: the model's generation_config.json defaults
             sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
-        params = [with_lora(p, lora) for p, lora in zip(params, lora_per_prompt(lora_request, len(prompts)))]
+        loras = lora_per_prompt(lora_request, len(prompts))
+        params = [with_lora(p, lora, self.engine.request_adapter_folder) for p, lora in zip(params, loras)]
         requests = [
             self.engine.prepare(str(next(self._ids)), prompt, p) for prompt, p in zip(prompts, params)
         ]
@@ -99,13 +100,9 @@ class LLM(LLMControlVerbs):
         `chat_template_kwargs` (`enable_thinking`, ...) go to the template, as vLLM's do; the calls in the
         output are text here (the server parses them: docs/serving.md)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        texts = [
-            self.engine.templates.render(
-                *chat_render_args(self.tokenizer, c, chat_template, add_generation_prompt, tools, chat_template_kwargs)
-            )
-            for c in conversations
-        ]
-        prompts = [{"prompt_token_ids": chat_prompt_token_ids(self.tokenizer, text)} for text in texts]
+        renderer = ChatRenderer(self.tokenizer, self.engine.templates, chat_template)  # the server's renderer
+        texts = [renderer.render(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
+        prompts = [{"prompt_token_ids": renderer.prompt_token_ids(text)} for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for output, text in zip(outputs, texts):
             output.prompt = text
@@ -158,13 +155,6 @@ class LLM(LLMControlVerbs):
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
-
-
-def chat_prompt_token_ids(tokenizer, text: str) -> list[int]:
-    """The rendered chat's token ids: special tokens added only when the template did not write the BOS."""
-    bos = getattr(tokenizer, "bos_token", None)
-    has_bos = bool(bos) and text.startswith(bos)
-    return list(tokenizer(text, add_special_tokens=not has_bos).input_ids)
 
 
 def _as_list(prompts) -> list:

@@ -100,15 +100,3 @@ class SamplingMaskArrays(msgspec.Struct, array_like=True, gc=False):
         ids, offsets = np.frombuffer(self.token_ids, dtype="<i4"), np.frombuffer(self.offsets, dtype="<i8")
         return [ids[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
-
-def concat_logprobs(parts: list[LogprobsArrays]) -> LogprobsArrays:
-    """Stacks row blocks of the same width (e.g. prompt logprobs computed chunk by chunk)."""
-    if len(parts) == 1:
-        return parts[0]
-    candidate_ranks = [p.candidate_ranks_np() for p in parts]
-    return LogprobsArrays.from_numpy(
-        np.concatenate([p.token_ids_np() for p in parts]),
-        np.concatenate([p.logprobs_np() for p in parts]),
-        np.concatenate([p.ranks_np() for p in parts]),
-        None if candidate_ranks[0] is None else np.concatenate(candidate_ranks),
-    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -69,7 +69,7 @@ UNBUILT_SPECULATIVE_KEYS = (
 def parse_speculative_config(value: object) -> SpeculativeConfig | None:
     """`speculative_config` as a user gives it (a dict, a JSON string, or the struct): vLLM's names;
     a method or key that is not built is a ValueError naming it. A model without a method is a draft;
-    a `builtin:` draft is resolved to its path."""
+    a `builtin:` or hub id draft is resolved to its path."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     value = dict(_json_object(value, "speculative_config"))
@@ -87,10 +87,10 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
             f"speculative_config keys not implemented: {unbuilt + unknown}; "
             f"known: {sorted(SpeculativeConfig.__struct_fields__)}"
         )
-    if isinstance(value.get("model"), str) and value["model"].startswith("builtin:"):
-        from coreserve.protocol.builtin_model import builtin_model_path  # made on first use: only when named
+    if isinstance(value.get("model"), str):  # builtin: made, a hub id fetched (first use: only when named)
+        from coreserve.protocol.hub_ids import local_model_path
 
-        value["model"] = builtin_model_path(value["model"].split(":", 1)[1])
+        value["model"] = local_model_path(value["model"])
     try:
         return msgspec.convert(value, SpeculativeConfig)
     except msgspec.ValidationError as exc:
@@ -157,10 +157,16 @@ def parse_kv_events_config(value: object) -> KVEventsConfig | None:
         raise ValueError(f"bad kv_events_config: {exc}") from exc
 
 
+# EngineConfig.kernel_variant's values: coreserve/worker/cpu/kernel_variants.py's SETTINGS (a test keeps them equal)
+KernelVariantSetting = Literal["auto", "native", "generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16"]
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Engine arguments; names follow vLLM's engine args where vLLM has one."""
 
-    model: str
+    model: str  # the local folder or file the core loads (a hub id is resolved before: coreserve/protocol/hub_ids.py)
+    # The hub revision (branch, tag or commit) of a model given by hub id; None: main
+    revision: str | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -184,6 +190,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The C kernels (decode attention, logprob rows, fused layer steps) on the CPU in fp32, built with
     # the system cc; False: torch's ops only (the CUDA path), e.g. to rule the kernels out of a bug.
     can_use_cpu_kernels: bool = True
+    # Which build of the C kernels (docs/install.md, "Kernels in the wheel"): "auto", this CPU's best of the
+    # wheel's prebuilt variants, else a first-use -march=native build; "native": always that build; a
+    # variant's name: that one on every host (a fleet of mixed CPUs pins one, so routing cannot change bits).
+    kernel_variant: KernelVariantSetting = "auto"
     # Each request's logprobs the same bits whatever else runs (batch, prefill chunking, prefix cache,
     # multi-step, thread count) and prompt logprobs equal to generation's, on the C kernels
     # (docs/decisions.md, "Batch invariance"); False: the shape-tuned MKL/AMX products and SDPA prefill.
@@ -203,7 +213,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora_allowed_roots: tuple[str, ...] | None = None
     # Speculative decoding (docs/speculative.md); None: off. A dict given to LLM/AsyncLLM is converted.
     speculative_config: SpeculativeConfig | None = None
-    # KV-cache events for routers (the schema: coreserve/protocol/kv_events.py; docs/serving.md), vLLM's names; None: none sent.
+    # KV-cache events for routers (the schema: coreserve/engine_core/kv_events.py; docs/serving.md), vLLM's names; None: none sent.
     kv_events_config: KVEventsConfig | None = None
     # Debugging: every floating torch.empty of the core filled with NaN, so that a buffer a kernel leaves
     # partly unwritten turns the logprobs NaN (coreserve/worker/nan_empties.py); slower, never changes a correct bit.
@@ -233,6 +243,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got {self.max_logprobs}")
+        if self.kernel_variant not in get_args(KernelVariantSetting):
+            raise ValueError(f"kernel_variant must be one of {', '.join(get_args(KernelVariantSetting))}, "
+                             f"got {self.kernel_variant!r}")
         if self.quantized_activations == "int8" and (not self.can_use_cpu_kernels or self.device.startswith("cuda")):
             raise ValueError("quantized_activations='int8' runs on the CPU's C kernels only "
                              "(device cpu and can_use_cpu_kernels true)")
@@ -245,8 +258,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"lora_allowed_roots must name at least one folder (None: any path), got "
                              f"{list(self.lora_allowed_roots)}")
         spec = self.speculative_config
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not built")
         if self.enable_lora and spec is not None and spec.method == "draft_model":
             raise ValueError("enable_lora with speculative_config method 'draft_model' is not built")
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
@@ -255,6 +266,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 # One line of help per engine argument, for every command line that takes them (the daemon's, the server's).
 ENGINE_ARG_HELP = {
+    "revision": "the Hugging Face hub revision (branch, tag or commit) of a model given by hub id "
+    "(default: main)",
     "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
     "max_num_seqs": "most requests running at once (default 128)",
     "max_num_batched_tokens": "most tokens in one model step, prefill chunks included (default 2048)",
@@ -276,6 +289,10 @@ ENGINE_ARG_HELP = {
     "tensor_parallel_size": "worker processes that split each layer's heads and MLP columns, one all-reduce "
     "per layer half (gloo on the CPU, NCCL on CUDA; default 1: the model runs in the core)",
     "can_use_cpu_kernels": "true: the C kernels on the CPU in fp32; false: torch's ops only",
+    "kernel_variant": "which build of the C kernels: auto (the default: this CPU's best prebuilt variant in "
+    "the wheel, else built here with -march=native), native (always built here), or a variant (generic, "
+    "avx2, avx512, avx512_vnni, avx512_bf16) on every host: pin one a mixed fleet all runs, so that the "
+    "replica a request lands on cannot change its bits (docs/install.md)",
     "speculative_config": "speculative decoding as JSON, vLLM's names: {\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4} (prompt_lookup_min/max, default 2 and 5) or {\"method\": \"draft_model\", "
     "\"model\": PATH, \"num_speculative_tokens\": 4}; the same tokens and logprobs as without it",

@@ -145,14 +145,6 @@ class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_default
     spec_counts: dict[str, list[int]] | None = None
 
 
-def add_spec_counts(into: dict[str, list[int]], message: EngineCoreOutputs) -> None:
-    """A client's running tally of a message's speculation counts (req_id -> [proposed, kept])."""
-    for req_id, (proposed, kept) in (message.spec_counts or {}).items():
-        tally = into.setdefault(req_id, [0, 0])
-        tally[0] += proposed
-        tally[1] += kept
-
-
 class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
     """The model's facts, so that the frontend can validate requests before they leave."""
 

@@ -1,5 +1,6 @@
 """Prompt lookup, ngram speculation's proposal: a pure function of a token list, the same in the worker's
-proposer and in the core, which proposes for grammar requests itself (their matcher walks the proposal)."""
+proposer and in the core, which proposes for grammar requests itself (their matcher walks the proposal).
+Engine-core process; here because it is the one place both the core and the worker may import."""
 
 from __future__ import annotations
 

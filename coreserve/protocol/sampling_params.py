@@ -144,7 +144,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 msgspec.convert(value, annotation, strict=True)
             except msgspec.ValidationError as exc:
                 raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {exc}") from None
-        checks = [
+        for is_kept, message in self._rules_between_fields():
+            if not is_kept:
+                raise ValueError(message)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+            if self.min_tokens:  # the grammar alone decides where its output may end
+                raise ValueError("min_tokens cannot be combined with structured_outputs")
+
+    def _rules_between_fields(self) -> list[tuple[bool, str]]:
+        """(kept, the message when broken) for each rule that ties fields together; each field's own type
+        and bounds are its annotation's, checked first."""
+        return [
             (not self.stop or all(self.stop), "stop strings must not be empty"),
             (self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every token)"),
             (self.detokenize or not self.stop, "stop strings need the text: they cannot be used with detokenize=False"),
@@ -182,13 +193,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"got seed={self.seed}, n={self.n}",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        if self.structured_outputs is not None:
-            self.structured_outputs.validate()
-            if self.min_tokens:  # the grammar alone decides where its output may end
-                raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @property
     def has_logit_rules(self) -> bool:

@@ -1,5 +1,7 @@
-"""The in-process contracts between the scheduler and the worker (engine-core process): SchedulerOutput
-in, ModelRunnerOutput back. Plain data and numpy arrays, no torch, so neither side imports the other.
+"""The contracts between the scheduler and the worker: SchedulerOutput in, ModelRunnerOutput back (engine-core
+process, and each tensor-parallel rank process, which gets them over coreserve/worker/parallel/messages.py).
+Plain data and numpy arrays, no torch. They live here, not in either role, because the worker never imports
+the core and the core enters the worker through coreserve/worker/executor.py alone.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ each tensor-parallel rank). The runner asks it, and nothing else decides it agai
 - the forward itself: a fast path where one applies (the CPU's fused decode step), else the model op
   by op; what must be rebuilt when the weights or the KV cache move (`bind`, `release`,
   `renew_weight_memory`);
-- the sampling ops (top-k logprob rows, argmax) the sampler and prompt logprobs run on.
+- the sampling ops (top-k logprob rows, argmax) the sampler and prompt logprobs run on;
+- the LoRA adapters' grouped products (`lora_products`: one call a product for every adapter of the
+  step, which the model's LoRA ops are handed; None: torch's products an adapter at a time).
 
 `TorchBackend` (torch's ops: CUDA, or the CPU without a compiler or with other dtypes) is here;
 `CpuBackend` (the C kernels) in coreserve/worker/cpu/backend.py. A new device is a new Backend.
@@ -26,6 +28,7 @@ import torch
 from coreserve.worker.cpu.backend import CpuBackend
 from coreserve.worker.cpu.huge_pages import zeroed_kv_caches
 from coreserve.worker.cpu.kernels import load_cpu_kernels
+from coreserve.worker.lora.lora_ops import GroupedProducts
 from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.loader import weights_dtype
 from coreserve.worker.sampling.logprobs import SamplingOps, TorchSamplingOps
@@ -54,6 +57,7 @@ class Backend(Protocol):
     def release(self) -> None: ...  # the KV cache is gone (sleep): drop what reads it
     def close(self) -> None: ...  # the engine is done: stop what runs beside its steps
     def renew_weight_memory(self, model: DecoderModel) -> None: ...  # the weights got fresh memory
+    def lora_products(self) -> GroupedProducts | None: ...  # LoRA on: the adapters' deltas, None: torch's
     def forward(
         self, model: DecoderModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # hidden [T, hidden], logits [T, vocab] or None
@@ -100,6 +104,10 @@ class TorchBackend:
     def renew_weight_memory(self, model: DecoderModel) -> None:
         """Nothing holds the weights' addresses."""
 
+    def lora_products(self) -> GroupedProducts | None:
+        """None: torch's products, an adapter's rows at a time (coreserve/worker/lora/lora_ops.py)."""
+        return None
+
     def forward(
         self, model: DecoderModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -119,7 +127,7 @@ def choose_backend(spec: RunnerSpec, device: torch.device, is_sharded: bool) -> 
     if weights_dtype(spec.model, spec.dtype, device) not in kernel_dtypes:
         return TorchBackend(device)
     begun = time.perf_counter()
-    kernels = load_cpu_kernels()
+    kernels = load_cpu_kernels(setting=spec.kernel_variant)
     logger.info("startup: CPU kernels %.3f s", time.perf_counter() - begun)
     if kernels is None and is_int8:
         raise ValueError("quantized_activations='int8' needs the C kernels, which could not be built here")

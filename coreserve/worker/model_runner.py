@@ -3,9 +3,10 @@ SchedulerOutput into a ModelRunnerOutput with one device-to-host copy per step (
 It is the in-process `Executor` (coreserve/worker/executor.py), and each tensor-parallel rank's runner.
 
 How the model runs here (kernels, huge pages, the attention plan, the fused decode step, the sampling
-passes) is its `Backend`'s (coreserve/worker/backend.py), chosen once at load. The control verbs (new weights,
-sleep, wake) are plain methods of its `RunnerControl` part (coreserve/worker/runner_control.py), the same on
-every rank.
+passes) is its `Backend`'s (coreserve/worker/backend.py), chosen once at load. Its parts, each owning what
+it changes: the KV cache memory (`kv`, coreserve/worker/kv_memory.py), the LoRA adapters by slot (`lora`,
+coreserve/worker/lora/slots.py), and the control verbs (`control`, coreserve/worker/runner_control.py: new
+weights, sleep, wake, adapters loaded and dropped), the same on every rank.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import torch
 from coreserve.protocol.step import ModelRunnerOutput, SchedulerOutput
 from coreserve.worker import nan_empties
 from coreserve.worker.backend import Backend, choose_backend
-from coreserve.worker.lora.adapter import read_adapter
-from coreserve.worker.lora.lora_ops import LoraOps
+from coreserve.worker.kv_memory import KvMemory
+from coreserve.worker.lora.slots import AdapterSlots
 from coreserve.worker.models.loader import load_model
 from coreserve.worker.models.sharding import Shard, apply_tp
 from coreserve.worker.models.weight_store import WeightStore
 from coreserve.worker.parallel.group import TensorParallelGroup
-from coreserve.worker.runner_control import RunnerControl
+from coreserve.worker.runner_control import RunnerControl, call_verb
 from coreserve.worker.sampling.grammar_mask import build_grammar_mask
 from coreserve.worker.sampling.metadata import SamplingMetadata, build_sampling_metadata, next_sampling_step
 from coreserve.worker.sampling.prompt_logprobs import prompt_logprob_rows
@@ -49,7 +50,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class ModelRunner(RunnerControl):
+class ModelRunner:
     def __init__(
         self,
         spec: RunnerSpec,
@@ -83,11 +84,8 @@ class ModelRunner(RunnerControl):
         logger.info("startup: model load %.3f s (%s backend)", time.perf_counter() - begun, self.backend.name)
         self.dtype = self.backend.activation_dtype(self.model.embed_tokens.weight.dtype)  # activations, KV
         self.vocab_size = self.model.args.vocab_size
-        self.weights = WeightStore(self.model, shard, spec.check_tensors)
         self.states: dict[str, RequestState] = {}
         self.asking_extras: set[str] = set()  # live requests that ask for a step extra (coreserve/worker/step_extras.py)
-        self.kv_caches: list[torch.Tensor] = []
-        self.num_kv_blocks = 0  # what the KV cache holds (kept through a sleep, for the wake)
         # On the model's device: unseeded rows' noise is drawn there, not on the host and copied over.
         generator = torch.Generator(device=self.device).manual_seed(spec.seed)
         self.sampler = Sampler(generator, self.backend.sampling)
@@ -96,15 +94,24 @@ class ModelRunner(RunnerControl):
         self.on_progress = on_progress
         # Speculative decoding (coreserve/worker/speculative/); None: no speculation
         self.speculator = Speculator.build(spec, self.vocab_size, ModelRunner)
+        proposer = None if self.speculator is None else self.speculator.proposer
+        self.kv = KvMemory(self.backend, self.model, self.block_size, self.dtype, self.device, proposer)
         # LoRA (coreserve/worker/lora/): the loaded adapters by slot, their deltas added by the model's ops
-        self.max_lora_rank = spec.max_lora_rank
-        self.lora: LoraOps | None = None
+        self.lora: AdapterSlots | None = None
         if spec.enable_lora:
-            self.lora = LoraOps(self.model.ops, {}, self.model.lm_head)
-            self.model.ops = self.lora
+            self.lora = AdapterSlots(self.model, spec.max_lora_rank, shard, self.backend.lora_products())
+        weights = WeightStore(self.model, shard, spec.check_tensors)
+        self.control = RunnerControl(weights, self.kv, self.lora, self.backend.renew_weight_memory, self._mark_busy)
 
     def _stepped_lately(self) -> bool:
         return time.monotonic() - self.last_step_at < 0.25
+
+    def _mark_busy(self) -> None:
+        self.last_step_at = time.monotonic()
+
+    def collective_rpc(self, verb: str, kwargs: dict) -> list:
+        """The in-process Executor's: the control verb run on this runner, its result as the one rank's."""
+        return [call_verb(self.control, verb, kwargs)]
 
     def close(self) -> None:
         """The model lives in this process: only what runs beside the steps stops (the huge-page
@@ -122,31 +129,13 @@ class ModelRunner(RunnerControl):
         return self.model.args
 
     def bytes_per_block(self) -> int:
-        a = self.model.args
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return self.kv.bytes_per_block()
 
     def host_kv_bytes(self, num_blocks: int) -> int:
-        """The host memory a KV cache of num_blocks takes (a draft model's too): all of it on the CPU,
-        none on a GPU."""
-        draft = 0 if self.speculator is None else self.speculator.proposer.host_kv_bytes(num_blocks)
-        return (num_blocks * self.bytes_per_block() if self.device.type == "cpu" else 0) + draft
+        return self.kv.host_kv_bytes(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        begun = time.perf_counter()
-        a = self.model.args
-        shape = (2, a.num_kv_heads, num_blocks * self.block_size, a.head_dim)
-        self.kv_caches = self.backend.allocate_kv_cache(a.num_layers, shape, self.dtype)
-        self.num_kv_blocks = num_blocks
-        self.backend.bind(self.model, self.kv_caches)
-        if self.speculator is not None:
-            self.speculator.proposer.allocate_kv_cache(num_blocks)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB); startup: KV cache %.3f s",
-            num_blocks,
-            self.block_size,
-            num_blocks * self.bytes_per_block() / 2**20,
-            time.perf_counter() - begun,
-        )
+        self.kv.allocate(num_blocks)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -161,7 +150,7 @@ class ModelRunner(RunnerControl):
         self._apply_diffs(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], np.zeros((0, 1), dtype=np.int32))
-        self.last_step_at = time.monotonic()
+        self._mark_busy()
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
         if scheduler_output.num_steps > 1:
             assert not scheduler_output.grammar_req_ids  # the scheduler cuts windows with a grammar row
@@ -217,7 +206,7 @@ class ModelRunner(RunnerControl):
             else:  # a job's rows are one request's: its adapter for every row of each slice
                 tensors.prompt_logprobs = {}
                 for job in inputs.prompt_jobs:
-                    self.lora.set_slot(self.states[job.req_id].lora_slot)
+                    self.lora.use_slot(self.states[job.req_id].lora_slot)
                     tensors.prompt_logprobs.update(prompt_logprob_rows([job], self.states, hidden, logits_of, ops))
         return tensors.to_host(), out, extras
 
@@ -228,39 +217,10 @@ class ModelRunner(RunnerControl):
         with the backend's attention plan made before the forward."""
         long_rows_start = self.model.rotary.long_rows_start
         inputs = build_step_inputs(states, num_tokens, self.block_size, self.device, verified, long_rows_start)
-        if self.lora is not None and any(s.lora_slot >= 0 for s in states):
-            inputs.lora_rows = torch.tensor([s.lora_slot for s, n in zip(states, num_tokens) for _ in range(n)])
+        if self.lora is not None:
+            inputs.lora_rows = self.lora.token_rows([s.lora_slot for s in states], num_tokens)
         self.backend.prepare(inputs.attn)
         return inputs
-
-    # ---- LoRA ----
-
-    def add_lora(self, slot: int, name: str, path: str) -> int:
-        """Reads the PEFT adapter at `path` into `slot` (a ValueError names what does not fit); returns
-        its size in bytes."""
-        assert self.lora is not None, "enable_lora is off"
-        try:
-            adapter = read_adapter(path, name, self.model, self.max_lora_rank)
-        except ValueError:
-            raise
-        except Exception as exc:  # unreadable files: this adapter's error, never the engine's
-            raise ValueError(f"LoRA adapter {path!r} could not be read: {exc}") from exc
-        self.lora.adapters[slot] = adapter
-        return adapter.num_bytes
-
-    def remove_lora(self, slot: int) -> None:
-        if self.lora is not None:
-            self.lora.adapters.pop(slot, None)
-
-    def _lora_slots(self, req_ids: list[str]) -> torch.Tensor | None:
-        if self.lora is None:
-            return None
-        slots = [self.states[r].lora_slot for r in req_ids]
-        return torch.tensor(slots) if any(s >= 0 for s in slots) else None
-
-    def _lora_rows(self, rows: torch.Tensor | None) -> None:
-        if self.lora is not None:
-            self.lora.set_rows(rows)
 
     def forward_and_sample(
         self, inputs: StepInputs, meta: SamplingMetadata | None, rows: torch.Tensor | None = None
@@ -269,11 +229,14 @@ class ModelRunner(RunnerControl):
         `meta` (`rows`: only these of the sampled rows; meta None: none samples), every rank taking rank
         0's tokens. Returns the hidden states too, for prompt logprobs. A step's, a multi-step window's
         and a draft model's (coreserve/worker/speculative/draft_model.py) one way to run the model."""
-        self._lora_rows(inputs.lora_rows)
-        hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv_caches, self.on_progress)
+        if self.lora is not None:
+            self.lora.use_rows(inputs.lora_rows)
+        hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv.caches, self.on_progress)
         if meta is None:
             return hidden, None
-        self._lora_rows(self._lora_slots(inputs.sampled_req_ids))
+        if self.lora is not None:  # a row a sampled request
+            slots = [self.states[req_id].lora_slot for req_id in inputs.sampled_req_ids]
+            self.lora.use_rows(self.lora.token_rows(slots, [1] * len(slots)))
         logits = self._logits(inputs, hidden, fused_logits)
         if rows is not None:
             logits = logits[rows]

@@ -4,7 +4,7 @@ Three clients implement it: `MPClient` (coreserve/frontend/clients/core_client.p
 daemon), `InprocClient` (coreserve/frontend/clients/inproc_client.py: the core in this process, no sockets) and
 `MultiCoreClient` (coreserve/frontend/clients/multi_core_client.py: several daemons, data parallel). None is
 thread-safe; the frontend engine calls it from one thread. A new kind of call to the core is a method
-here first, then in each client.
+here first, then in each client. `add_spec_counts` is the tally behind each client's `take_spec_counts`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from coreserve.protocol.messages import (
     ControlCommand,
     ControlReply,
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
     HandshakeReply,
@@ -51,3 +52,11 @@ class CoreClient(Protocol):
 
     def shutdown(self) -> None:
         """Says goodbye, stops a spawned or in-process core and releases sockets; idempotent."""
+
+
+def add_spec_counts(into: dict[str, list[int]], message: EngineCoreOutputs) -> None:
+    """A client's running tally of a message's speculation counts (req_id -> [proposed, kept])."""
+    for req_id, (proposed, kept) in (message.spec_counts or {}).items():
+        tally = into.setdefault(req_id, [0, 0])
+        tally[0] += proposed
+        tally[1] += kept

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from coreserve.frontend.clients.client_protocol import add_spec_counts
 from coreserve.frontend.clients.core_process import close_connection, spawn_core
 from coreserve.frontend.errors import EngineDeadError
 from coreserve.protocol import PROTOCOL_VERSION
@@ -38,7 +39,6 @@ from coreserve.protocol.messages import (
     HandshakeReply,
     Heartbeat,
     Hello,
-    add_spec_counts,
 )
 
 logger = logging.getLogger(__name__)

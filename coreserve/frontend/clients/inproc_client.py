@@ -9,6 +9,7 @@ import gc
 import os
 import select
 
+from coreserve.frontend.clients.client_protocol import add_spec_counts
 from coreserve.protocol.config import EngineConfig
 from coreserve.protocol.messages import (
     ControlCommand,
@@ -17,7 +18,6 @@ from coreserve.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
-    add_spec_counts,
 )
 
 

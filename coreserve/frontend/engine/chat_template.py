@@ -1,14 +1,21 @@
-"""Chat messages to one prompt string through a Jinja chat template (frontend process).
+"""The one chat renderer: chat messages to one prompt string through a Jinja chat template, and that
+string to its token ids (frontend process).
 
-Shared by the HTTP server's /v1/chat/completions, /v1/responses, /tokenize and `LLM.chat`: the template
-is the caller's (a file given to `coreserve serve --chat-template`) or else the tokenizer's own; a model
-without one cannot chat. It renders in the engine's TemplateSandbox, never in this process.
+`ChatRenderer` is how every chat is rendered: the HTTP server's /v1/chat/completions, /v1/responses and
+/tokenize (`render_async`) and `LLM.chat` (`render`), so one conversation gives one text either way. The
+template is the caller's (a file given to `coreserve serve --chat-template`, or LLM.chat's argument) or
+else the tokenizer's own; a model without one cannot chat. It renders in the engine's TemplateSandbox,
+never in this process.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coreserve.frontend.engine.template_sandbox import TemplateSandbox
 
 TEXT_PART_SEPARATOR = "\n"  # vLLM's "string" content format joins a message's text parts this way
 
@@ -19,6 +26,54 @@ RESERVED_TEMPLATE_NAMES = frozenset((
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 ))
+
+
+class ChatRenderer:
+    """A tokenizer's conversations through one template (`chat_template`, else the tokenizer's own) in
+    the engine's sandbox. Each render's ValueError names what is wrong (no template, a malformed message,
+    a reserved template variable, a limit the sandbox enforces)."""
+
+    def __init__(self, tokenizer, templates: TemplateSandbox, chat_template: str | None = None) -> None:
+        self.tokenizer, self.templates, self.chat_template = tokenizer, templates, chat_template
+
+    @property
+    def template(self) -> str | dict | None:
+        """The template renders use: the given one, else the tokenizer's (a dict where it has several)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def render(
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: Mapping | None = None,
+    ) -> str:
+        return self.templates.render(*self._args(messages, add_generation_prompt, tools, template_kwargs))
+
+    async def render_async(
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: Mapping | None = None,
+    ) -> str:
+        """`render` off the event loop; cancelling the awaiting task kills the render."""
+        args = self._args(messages, add_generation_prompt, tools, template_kwargs)
+        return await self.templates.render_async(*args)
+
+    def _args(self, messages, add_generation_prompt, tools, template_kwargs) -> tuple:
+        return chat_render_args(
+            self.tokenizer, messages, self.chat_template, add_generation_prompt, tools, template_kwargs
+        )
+
+    def prompt_token_ids(self, text: str) -> list[int]:
+        """A rendered chat's token ids for LLM.chat: special tokens added only where the template did not
+        write the BOS itself (the server tokenizes under the request's add_special_tokens, vLLM's rule)."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        has_bos = bool(bos) and text.startswith(bos)
+        return list(self.tokenizer(text, add_special_tokens=not has_bos).input_ids)
 
 
 def chat_render_args(

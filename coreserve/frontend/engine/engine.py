@@ -29,6 +29,7 @@ from coreserve.frontend.engine.output_processor import OutputProcessor, Processe
 from coreserve.frontend.engine.template_sandbox import TemplateSandbox
 from coreserve.frontend.engine.token_text import TokenTable
 from coreserve.frontend.engine.weights_buffer import WeightsBuffer
+from coreserve.frontend.lora import adapter_folder
 from coreserve.frontend.outputs import RequestOutput
 from coreserve.frontend.request_ids import submission_id
 from coreserve.protocol.config import EngineConfig
@@ -72,6 +73,7 @@ class FrontendEngine:
         self._nonces = itertools.count(1)  # control commands'
         self.weights_buffer = WeightsBuffer()  # update_weights' tensors, kept between updates
         self.last_update_timings: dict[str, float] = {}  # update_weights' phases, seconds (docs/rl.md)
+        self._adapter_folders: dict[str, str] = {}  # a LoRARequest's hub id -> the folder it was fetched to
 
     @classmethod
     def build(
@@ -258,9 +260,25 @@ class FrontendEngine:
         """A PEFT adapter loaded under `lora_name` (`load_inplace`: a new load of a loaded one, which
         requests take from now on; those running keep theirs); returns its lora_int_id (`lora_int_id`:
         the one to take; None: the core gives one). docs/lora.md."""
-        reply = self.call("load_lora_adapter", lora_name=lora_name, lora_path=str(lora_path),
+        folder = self.adapter_folder(str(lora_path))
+        reply = self.call("load_lora_adapter", lora_name=lora_name, lora_path=folder,
                           load_inplace=load_inplace, lora_int_id=lora_int_id)
         return reply.result
+
+    def adapter_folder(self, path: str) -> str:
+        """The folder the core reads for `path`; a hub id fetched afresh (a load may take a newer revision)
+        where lora_allowed_roots admit it (coreserve/frontend/lora.py). Thread-safe: AsyncLLM fetches off
+        its engine thread."""
+        folder = adapter_folder(path, self.config.lora_allowed_roots)
+        if folder != path:
+            self._adapter_folders[path] = folder
+        return folder
+
+    def request_adapter_folder(self, path: str) -> str:
+        """A LoRARequest's path as the core reads it: a hub id fetched once, since the core reads a
+        lora_int_id's path only when it first meets it."""
+        known = self._adapter_folders.get(path)
+        return known if known is not None else self.adapter_folder(path)
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         self.call("unload_lora_adapter", lora_name=lora_name)

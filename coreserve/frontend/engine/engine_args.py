@@ -8,20 +8,20 @@ from pathlib import Path
 import msgspec
 
 from coreserve.frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
-from coreserve.protocol.builtin_model import builtin_model_path
 from coreserve.protocol.config import EngineConfig, parse_kv_events_config, parse_speculative_config
 from coreserve.protocol.gguf_header import is_gguf
+from coreserve.protocol.hub_ids import local_model_path
 
 
-def make_config(model: str | None, engine_args: dict) -> EngineConfig:
-    """Builds the one frozen config; unknown argument names are a ValueError naming them."""
+def make_config(model: str | None, engine_args: dict, with_weights: bool = True) -> EngineConfig:
+    """Builds the one frozen config; unknown argument names are a ValueError naming them. `model` becomes
+    the local path the core loads: a hub id is downloaded here, before any core is spawned
+    (coreserve/protocol/hub_ids.py; `with_weights` False: its tokenizer and config alone, for a daemon's)."""
     known = set(EngineConfig.__struct_fields__) - {"model"}
     unknown = sorted(set(engine_args) - known)
     if unknown:
         raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
-    path = builtin_model_path("tiny") if model is None else model
-    if model is not None and model.startswith("builtin:"):
-        path = builtin_model_path(model.split(":", 1)[1])
+    path = local_model_path("builtin:tiny" if model is None else model, engine_args.get("revision"), with_weights)
     if engine_args.get("speculative_config") is not None:
         engine_args = {**engine_args, "speculative_config": parse_speculative_config(engine_args["speculative_config"])}
     if engine_args.get("kv_events_config") is not None:

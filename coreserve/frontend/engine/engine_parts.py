@@ -56,7 +56,7 @@ def build_engine_parts(
     curve = _client_curve(
         engine_args.pop("curve_server_key", None), engine_args.pop("curve_client_keys", None)
     )
-    config = make_config(model, engine_args)
+    config = make_config(model, engine_args, with_weights=not core_address)
     check_model_folder(config.model, has_weights_here=not core_address)  # before any process is spawned
     if core_address:
         _check_daemon_args(engine_args)
@@ -152,11 +152,12 @@ def _client_curve(server_key: str | None, client_keys: str | None) -> ClientCurv
 
 def _check_daemon_args(engine_args: dict) -> None:
     """A daemon's engine is built already: only limits this client can apply to itself are accepted."""
-    fixed = sorted(set(engine_args) - set(_CLIENT_LIMITS))
+    fixed = sorted(set(engine_args) - set(_CLIENT_LIMITS) - {"revision"})  # revision: of this client's tokenizer
     if fixed:
         raise ValueError(
             f"engine arguments {fixed} belong to the daemon (pass them to python -m coreserve.engine_core); "
-            f"with core_address only {sorted(_CLIENT_LIMITS)} may be given, to apply to this client"
+            f"with core_address only {sorted(_CLIENT_LIMITS)} may be given, to apply to this client (and "
+            "revision, of a hub id's tokenizer read here)"
         )
 
 

@@ -173,7 +173,7 @@ async def tokenizer_info(request: Request) -> Response:
     return JSONBytesResponse({
         "tokenizer_class": type(tokenizer).__name__,
         **{key: value if isinstance(value, str) else None for key, value in special.items()},
-        "chat_template": server.chat_template or getattr(tokenizer, "chat_template", None),
+        "chat_template": server.renderer.template,
         "model_max_length": server.facts.max_model_len,
         "vocab_size": server.facts.vocab_size,
     })

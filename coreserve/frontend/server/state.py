@@ -1,4 +1,4 @@
-"""What every handler of one server shares: the engine, the served name, the template, metrics
+"""What every handler of one server shares: the engine, the served name, the chat renderer, metrics
 (frontend process, HTTP server). Built once by `launch` (or a test) and kept on `app.state.server`."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from coreserve.frontend.engine.chat_template import ChatRenderer
 from coreserve.frontend.engine.token_text import TokenTable
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.limits import DEFAULT_MAX_REQUEST_BYTES, Admission, PromptBound
@@ -38,6 +39,7 @@ class ServerState:
     tool_call_parser: str | None = None  # parsers/tool_calls.py TOOL_PARSERS
     reasoning_parser: str | None = None  # parsers/reasoning.py REASONING_PARSERS
     drain: Drain = field(default_factory=Drain)  # requests in flight; new ones refused once a stop began
+    renderer: ChatRenderer = field(init=False)  # every chat route's (chat_template's, else the tokenizer's)
 
     def __post_init__(self) -> None:
         if self.table is None:  # the engine's own: built once per tokenizer (128k entries for Llama 3)
@@ -47,7 +49,8 @@ class ServerState:
         if self.admission is None:
             self.admission = Admission(self.engine.config.max_num_seqs, self.max_queued_requests)
         self.metrics.name(self.served_model_name, self.engine)
-        if self.chat_template or getattr(self.tokenizer, "chat_template", None):
+        self.renderer = ChatRenderer(self.tokenizer, self.engine.templates, self.chat_template)
+        if self.renderer.template:
             self.engine.templates.start()  # the renderers import now, not on the first chat request
 
     @property

@@ -1,8 +1,9 @@
 """The CPU backend: the model on the C kernels (engine-core process). fp32 activations and KV cache;
 the linear weights in one mapping collapsed into huge pages once loaded (streamed once a step: fewer
 TLB misses); each step's attention plan with its addresses (attention_plan.py); a decode-only step of
-few rows as one C call (fused_decode.py); the sampling passes in C (sampling_ops.py); the threads a
-step takes, fewer while another busy process shares the cores (thread_governor.py).
+few rows as one C call (fused_decode.py); the sampling passes in C (sampling_ops.py); the LoRA adapters'
+deltas one C call a product (grouped_lora.py), in the fused step too; the threads a step takes, fewer
+while another busy process shares the cores (thread_governor.py).
 The Backend protocol is coreserve/worker/backend.py's.
 """
 
@@ -17,6 +18,7 @@ import torch
 from coreserve.worker.cpu.attention_plan import cpu_attention_plan
 from coreserve.worker.cpu.bindings import CpuKernels
 from coreserve.worker.cpu.fused_decode import FusedForward
+from coreserve.worker.cpu.grouped_lora import CpuGroupedLora
 from coreserve.worker.cpu.huge_pages import (
     COLLAPSE_DELAY_S,
     collapse_in_background,
@@ -50,6 +52,7 @@ class CpuBackend:
         self.can_fuse = can_fuse
         self.sampling = CpuSamplingOps(kernels)
         self.fused: FusedForward | None = None  # over the KV caches bound last; None: none bound
+        self.lora: CpuGroupedLora | None = None  # the LoRA products handed out (lora_products); None: LoRA off
         self.huge_page_memory: torch.Tensor | None = None  # the linear weights' mapping, until collapsed
         self.closed = threading.Event()  # the engine is done: the huge-page collapse stops
         self.collapse: threading.Thread | None = None
@@ -76,6 +79,11 @@ class CpuBackend:
 
     def allocate_kv_cache(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
         return zeroed_kv_caches(num_layers, shape, dtype, torch.device("cpu"))
+
+    def lora_products(self) -> CpuGroupedLora:
+        """The adapters' deltas in C, for the model's LoRA ops; the fused forward reads the same."""
+        self.lora = CpuGroupedLora(self.kernels)
+        return self.lora
 
     def prepare(self, attn: AttentionMetadata) -> None:
         attn.plan = cpu_attention_plan(attn, self.is_batch_invariant, self.block_size)
@@ -110,13 +118,12 @@ class CpuBackend:
         on_progress: Callable[[], None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused decode forward where it applies (with lm_head's logits when every row samples, and
-        the LoRA adapters' deltas of the step's rows where their ops can give them: coreserve/worker/lora/), else
+        the LoRA adapters' deltas of the step's rows where grouped_lora.py can give them), else
         the model op by op. The two paths give the same bits, so no row depends on which was taken."""
         wants_logits = inputs.sample_rows is None  # every row samples (a decode-only step)
         lora = None
-        if inputs.lora_rows is not None and self.fused is not None:
-            fused_lora = getattr(model.ops, "fused_lora", None)
-            lora = fused_lora(model) if fused_lora is not None else None
+        if inputs.lora_rows is not None and self.fused is not None and self.lora is not None:
+            lora = self.lora.fused(model)
         can_fuse = self.fused is not None and (inputs.lora_rows is None or lora is not None)
         step = self.fused.step(inputs, wants_logits, lora) if can_fuse else None
         if step is None:

@@ -1,9 +1,10 @@
 """Builds a C library with the system compiler, once per source, flags, compiler and CPU, into
-`~/.cache/coreserve/kernels/` (engine-core process; the benchmark probes use it too).
+`~/.cache/coreserve/kernels/` (engine-core process; the benchmark probes use it too), and compiles the
+wheel's prebuilt variants (`compile_library`, called by prebuild.py at wheel-build time).
 
-The build uses -march=native, so the key holds the CPU's features: a home shared between machines
-never shares builds. A build goes to a temporary name and is renamed, so processes building at once
-never load half a file.
+The first-use build uses -march=native, so the key holds the CPU's features: a home shared between
+machines never shares builds. A build goes to a temporary name and is renamed, so processes building
+at once never load half a file. This module imports only the standard library (setup.py runs it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+NATIVE = ("-march=native",)  # the first-use build's target; a prebuilt variant names its level instead
 # extra_flags that build the kernels as for a CPU with less: without AVX-512 (an AVX2 CPU), then without
 # AVX2 and FMA, then without any vector extension (the tests' and bench_quant_gemv.py's narrower builds)
 NARROWER_BUILDS = {
@@ -34,6 +35,9 @@ NARROWER_BUILDS = {
 GCC_FLAGS = ("--param=avoid-fma-max-bits=0",)
 # Defined for a second try when the first fails: an assembler too old for AMX builds the rest.
 FALLBACK_DEFINE = "-DCORESERVE_NO_AMX"
+# One compiler run's limit: a hung compiler fails the build, a loaded host's slow one does not (gemv_quant.c
+# at -march=x86-64-v3 takes tens of seconds of CPU with gcc 12, and a busy host stretches that).
+COMPILE_TIMEOUT_S = 900
 
 
 def find_compiler() -> str | None:
@@ -47,46 +51,52 @@ def load_library(
     compiler: str,
     cache_dir: Path | None = None,
     extra_flags: tuple[str, ...] = (),
+    target: tuple[str, ...] = NATIVE,
 ) -> ctypes.CDLL:
     """The built library, loaded (built first where it is missing or damaged). extra_flags: after the
-    usual ones (the tests narrow the instruction set with them, e.g. `-mno-avx512f`). Raises OSError,
+    usual ones (the tests narrow the instruction set with them, e.g. `-mno-avx512f`); target: the
+    instruction set, -march=native or a variant's level (kernel_variants.py). Raises OSError,
     RuntimeError or subprocess.SubprocessError when it cannot be built or loaded."""
-    library = _library_path(name, sources + headers, compiler, cache_dir, extra_flags)
+    version = compiler_version(compiler)
+    flags = (*compile_flags(version, target), *extra_flags)
+    library = _library_path(name, sources + headers, version, flags, cache_dir)
     if not library.exists():
-        _compile(compiler, sources, library, extra_flags)
+        compile_library(compiler, sources, library, flags)
     try:
         return ctypes.CDLL(str(library))
     except OSError:  # a damaged cached build: rebuild it once
         library.unlink(missing_ok=True)
-        _compile(compiler, sources, library, extra_flags)
+        compile_library(compiler, sources, library, flags)
         return ctypes.CDLL(str(library))
 
 
-def _library_path(
-    name: str, files: list[Path], compiler: str, cache_dir: Path | None, extra_flags: tuple[str, ...]
-) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-    flags = (*_flags(version), *extra_flags)
-    digest = hashlib.sha256(" ".join(flags).encode() + version + _cpu_signature())
-    for file in files:
-        digest.update(file.read_bytes())
-    folder = cache_dir or Path.home() / ".cache" / "coreserve" / "kernels"
-    return folder / f"{name}-{digest.hexdigest()[:16]}.so"
+def compiler_version(compiler: str) -> bytes:
+    return subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
 
 
-def _compile(compiler: str, sources: list[Path], library: Path, extra_flags: tuple[str, ...]) -> None:
+def compile_flags(version: bytes, target: tuple[str, ...]) -> tuple[str, ...]:
+    """The build's flags for the compiler whose `--version` this is (clang has no such --param)."""
+    flags = ("-O3", *target, "-fopenmp", "-shared", "-fPIC", "-std=c11")
+    return flags if b"clang" in version.lower() else flags + GCC_FLAGS
+
+
+def compile_library(
+    compiler: str, sources: list[Path], library: Path, flags: tuple[str, ...], link_openmp: bool = True
+) -> None:
+    """Builds library from sources with flags. link_openmp False: compiled with the OpenMP pragmas but
+    linked without libgomp, its GOMP_* and omp_* symbols left for the runtime the process has already
+    loaded (torch's, in the global scope: the wheel's variants, which then need no bundled runtime)."""
     library.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-        command = [compiler, *_flags(version), *extra_flags, *map(str, sources), "-o", tmp, "-lm"]
-        try:
-            subprocess.run(command, check=True, capture_output=True, timeout=120)
-        except subprocess.CalledProcessError as exc:
-            logger.warning("building %s again with %s: %s", library.name, FALLBACK_DEFINE,
-                           exc.stderr.decode(errors="replace")[-500:])
-            subprocess.run([*command, FALLBACK_DEFINE], check=True, capture_output=True, timeout=120)
+        if link_openmp:
+            _run_with_fallback([compiler, *flags, *map(str, sources), "-o", tmp, "-lm"], library)
+        else:
+            with tempfile.TemporaryDirectory(dir=library.parent) as objects:
+                _run_with_fallback([compiler, *flags, "-c", *(str(s.resolve()) for s in sources)], library, objects)
+                linked = [compiler, "-shared", "-fPIC", *sorted(map(str, Path(objects).glob("*.o"))), "-o", tmp, "-lm"]
+                subprocess.run(linked, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
         os.chmod(tmp, 0o755)
         os.replace(tmp, library)
     finally:
@@ -94,9 +104,23 @@ def _compile(compiler: str, sources: list[Path], library: Path, extra_flags: tup
             os.unlink(tmp)
 
 
-def _flags(version: bytes) -> tuple[str, ...]:
-    """The build's flags for the compiler whose `--version` this is (clang has no such --param)."""
-    return FLAGS if b"clang" in version.lower() else FLAGS + GCC_FLAGS
+def _run_with_fallback(command: list[str], library: Path, cwd: str | None = None) -> None:
+    try:
+        subprocess.run(command, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S, cwd=cwd)
+    except subprocess.CalledProcessError as exc:
+        logger.warning("building %s again with %s: %s", library.name, FALLBACK_DEFINE,
+                       exc.stderr.decode(errors="replace")[-500:])
+        subprocess.run([*command, FALLBACK_DEFINE], check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S, cwd=cwd)
+
+
+def _library_path(
+    name: str, files: list[Path], version: bytes, flags: tuple[str, ...], cache_dir: Path | None
+) -> Path:
+    digest = hashlib.sha256(" ".join(flags).encode() + version + _cpu_signature())
+    for file in files:
+        digest.update(file.read_bytes())
+    folder = cache_dir or Path.home() / ".cache" / "coreserve" / "kernels"
+    return folder / f"{name}-{digest.hexdigest()[:16]}.so"
 
 
 def _cpu_signature() -> bytes:

@@ -101,7 +101,7 @@ class FusedForward:
     def step(self, inputs: StepInputs, with_logits: bool = False, lora: FusedLora | None = None) -> FusedStep | None:
         """The step's rows for decode_forward.c, or None where the op-by-op path must run; with_logits:
         lm_head's products of every row too, in the same region (where the model's lm_head has them);
-        `lora`: the adapters' deltas of the step's rows (coreserve/worker/lora/lora_ops.py's fused_lora)."""
+        `lora`: the adapters' deltas of the step's rows (coreserve/worker/cpu/grouped_lora.py's fused)."""
         meta, num_tokens = inputs.attn, inputs.input_ids.shape[0]
         decode = meta.decode
         if not self.applies or decode is None or meta.seqs or num_tokens > FUSED_MAX_ROWS:

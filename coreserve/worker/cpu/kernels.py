@@ -4,12 +4,15 @@ the fused layer steps (RMSNorm with the residual add, RoPE with the KV write, Si
 coreserve/worker/cpu/fused_decode.py; the sources in csrc/, the signatures in bindings.py.
 
 The library is loaded with ctypes after torch, so its OpenMP pragmas run on the runtime torch already
-loaded. Without a C compiler the worker keeps the torch paths: slower, the same numbers to float
-rounding.
+loaded. Which library (`EngineConfig.kernel_variant`): a wheel's prebuilt variant for this CPU's level
+(kernel_variants.py) or the first-use -march=native build; with neither, the worker keeps the torch
+paths: slower, the same numbers to float rounding.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
 import subprocess
 from pathlib import Path
@@ -18,34 +21,89 @@ import numpy as np
 import torch
 
 from coreserve.worker.cpu.bindings import CpuKernels, bind
-from coreserve.worker.cpu.build import find_compiler, load_library
+from coreserve.worker.cpu.build import NATIVE, find_compiler, load_library
+from coreserve.worker.cpu.kernel_variants import (
+    HEADERS,
+    LIBRARY_NAME,
+    PREBUILT,
+    SOURCES,
+    KernelVariant,
+    choose_variant,
+    cpu_features,
+    prebuilt_variants,
+)
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in (
-    "decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c", "decode_forward.c", "gemm_amx.c",
-    "gemv_quant.c", "gemv_int8.c", "int8_panels.c", "lora_rows.c",
-)]
-# Part of the build key, included by the sources.
-_HEADERS = [_CSRC / name for name in (
-    "vector_exp.h", "gemv_bf16_dot.h", "kernel_parts.h", "decode_forward.h", "quant_blocks.h",
-    "int8_blocks.h", "lora_rows.h",
-)]
 
-
-def load_cpu_kernels(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
-    """The kernels, or None (with a warning) when they cannot be built here. extra_flags: see
-    build.load_library."""
-    compiler = find_compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: attention and logprobs run on the slower torch paths")
+def load_cpu_kernels(
+    cache_dir: Path | None = None,
+    extra_flags: tuple[str, ...] = (),
+    setting: str = "native",
+    prebuilt_dir: Path = PREBUILT,
+) -> CpuKernels | None:
+    """The kernels, or None (with a warning) when none can be had here. setting: `EngineConfig.kernel_variant`
+    ("native", the default here: the first-use -march=native build, extra_flags after its flags; "auto":
+    this CPU's best prebuilt variant, else native; a variant's name: that one, prebuilt or else built
+    here, a ValueError where the CPU cannot run it or it can be neither loaded nor built).
+    prebuilt_dir: where the variants lie (the package's own folder)."""
+    variant = choose_variant(setting, cpu_features(), prebuilt_variants(prebuilt_dir))
+    pinned = variant.name if variant is not None and setting == variant.name else None
+    library = _open_prebuilt(prebuilt_dir, variant) if variant is not None else None
+    if library is not None:
+        how = f"prebuilt variant {variant.name}"
+    else:
+        variant = variant if pinned else None  # "auto" whose prebuilt one would not load: the native build
+        target = variant.target if variant is not None else NATIVE
+        library = _build_here(target, cache_dir, extra_flags, pinned)
+        how = f"built here with {' '.join(target + extra_flags)}"
+    if library is None:
         return None
     try:
-        return bind(load_library("cpu_kernels", _SOURCES, _HEADERS, compiler, cache_dir, extra_flags))
-    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)
+        kernels = bind(library)
+    except AttributeError as exc:
+        return _refuse(pinned, f"a function is missing ({exc})")
+    if variant is not None and not variant.has_bf16_dot:  # the variant's bf16 product on every CPU
+        kernels = dataclasses.replace(kernels, has_bf16_dot=False)
+    logger.info("CPU kernels: %s (kernel_variant=%s)", how, setting)
+    return kernels
+
+
+def _open_prebuilt(folder: Path, variant: KernelVariant) -> ctypes.CDLL | None:
+    """The variant's library from the package; None (with a warning) where it is absent or will not load,
+    e.g. with no OpenMP runtime in the process's global scope to bind to."""
+    path = folder / variant.name / LIBRARY_NAME
+    if not path.is_file():
         return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        logger.warning("prebuilt kernels %s do not load (%s): building them here", variant.name, exc)
+        return None
+
+
+def _build_here(
+    target: tuple[str, ...], cache_dir: Path | None, extra_flags: tuple[str, ...], pinned: str | None
+) -> ctypes.CDLL | None:
+    """The first-use build for target, or what _refuse says where it cannot be had."""
+    compiler = find_compiler()
+    if compiler is None:
+        missing = "" if target == NATIVE else " and the install has no such library"
+        return _refuse(pinned, f"no C compiler found{missing}")
+    try:
+        return load_library("cpu_kernels", SOURCES, HEADERS, compiler, cache_dir, extra_flags, target)
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
+        return _refuse(pinned, f"the build failed ({exc})")
+
+
+def _refuse(pinned: str | None, reason: str) -> None:
+    """A ValueError for a pinned variant (a fleet that pinned one must not run another, nor torch's paths,
+    unnoticed); else a warning and None: the torch paths."""
+    if pinned is not None:
+        raise ValueError(f"kernel_variant={pinned!r} cannot be had here: {reason}; install a wheel that "
+                         "carries it, or a C compiler to build it")
+    logger.warning("CPU kernels unavailable: %s; attention and logprobs run on the slower torch paths", reason)
+    return None
 
 
 def decode_attention(

@@ -12,6 +12,10 @@ more rows than k's width is refused, never written into v's columns) before any 
 What is not built is refused by name: DoRA, other PEFT types, LoRA biases, per-module rank or alpha
 patterns, the experts of a mixture, an embedding LoRA on a model that scales its embedding (Gemma), and
 a rank above max_lora_rank.
+
+Under tensor parallelism each rank reads the file, checks it against the whole model's sizes, and keeps
+its shard of each pair, split as the module's own weight is (coreserve/worker/models/sharding.py's
+`rank_lora_pair`): its rows of a q/k/v or gate/up B, its columns of an o or down A.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from coreserve.worker.lora.adapter_files import (
     read_header,
 )
 from coreserve.worker.models.quantized import block_values
+from coreserve.worker.models.sharding import Shard, rank_lora_pair
 
 _PREFIX = "base_model.model."
 MAX_PRODUCT_RANK = 1024  # an adapter's ranks for one product, its parts together (csrc/lora_rows.c's bound)
@@ -54,9 +59,13 @@ class Target:
     """Where a PEFT target's delta goes: the model's module and the target's own sizes in it."""
 
     module: nn.Module
-    start: int  # the first of the module's output columns that are the target's
-    in_features: int  # A is [r, in_features]
-    out_features: int  # B is [out_features, r]: the target's own width (k_proj: k's, not q/k/v's)
+    start: int  # the first of the module's output columns (this rank's) that are the target's
+    in_features: int  # A is [r, in_features] (the whole model's, as the file holds it)
+    widths: tuple[int, ...]  # B's rows, part by part (a fused qkv_proj's q, k, v): the target's own width
+
+    @property
+    def out_features(self) -> int:  # B is [out_features, r] (k_proj: k's width, not q/k/v's)
+        return sum(self.widths)
 
 
 @dataclass
@@ -69,7 +78,7 @@ class LoraAdapter:
     embed_scale: float = 1.0
     lm_head: nn.Linear | None = None  # modules_to_save: the adapter's whole lm_head
     embed_tokens: torch.Tensor | None = None  # modules_to_save: the adapter's whole table
-    packed: dict = field(default_factory=dict)  # by module: the C kernel's form (coreserve/worker/lora/lora_ops.py)
+    packed: dict = field(default_factory=dict)  # by module: a backend's form of its parts (coreserve/worker/cpu/grouped_lora.py)
 
     @property
     def num_bytes(self) -> int:
@@ -86,9 +95,10 @@ def frozen_linear(weight: torch.Tensor) -> nn.Linear:
     return layer
 
 
-def read_adapter(path: str, name: str, model: nn.Module, max_rank: int) -> LoraAdapter:
+def read_adapter(path: str, name: str, model: nn.Module, max_rank: int, shard: Shard | None = None) -> LoraAdapter:
     """The adapter at `path` (a folder), checked against `model` (coreserve/worker/models/decoder.py's DecoderModel):
-    every name and shape from the file's header first, then each tensor's values as it is read."""
+    every name and shape from the file's header first, then each tensor's values as it is read. `shard`:
+    `model` is this rank's part of a tensor-parallel model, and the adapter's pairs are cut alike."""
     from safetensors import SafetensorError, safe_open
 
     folder = Path(path)
@@ -100,7 +110,8 @@ def read_adapter(path: str, name: str, model: nn.Module, max_rank: int) -> LoraA
         with safe_open(str(weights_file), framework="pt") as handle:
             shapes = read_header(handle, path)
             pairs, wholes = _group(shapes, path)
-            targets = {module: _check_pair(module, keys, shapes, config.rank, model, path)
+            size = 1 if shard is None else shard.size
+            targets = {module: _check_pair(module, keys, shapes, config.rank, model, size, path)
                        for module, keys in pairs.items()}
             for key in wholes:
                 check_shape(key, shapes[key], (model.args.vocab_size, model.args.hidden_size), path,
@@ -109,7 +120,7 @@ def read_adapter(path: str, name: str, model: nn.Module, max_rank: int) -> LoraA
             tensors = {key: _read_finite(handle, key, path) for key in shapes}
     except SafetensorError as exc:  # a header that overflows or does not tile the file, a short file
         raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} is not a valid safetensors file ({exc})") from exc
-    return _build(name, config, pairs, targets, wholes, tensors, model, path)
+    return _build(name, config, pairs, targets, wholes, tensors, model, shard, path)
 
 
 def _group(shapes: dict[str, tuple[int, ...]], path: str) -> tuple[dict[str, dict[str, str]], list[str]]:
@@ -134,13 +145,13 @@ def _group(shapes: dict[str, tuple[int, ...]], path: str) -> tuple[dict[str, dic
 
 
 def _check_pair(module_name: str, keys: dict[str, str], shapes: dict[str, tuple[int, ...]], rank: int,
-                model: nn.Module, path: str) -> Target | None:
-    """A [r, in] and B [out, r] of `module_name` checked against its own sizes (r: the config's); its
-    Target (None: an embedding LoRA)."""
+                model: nn.Module, size: int, path: str) -> Target | None:
+    """A [r, in] and B [out, r] of `module_name` checked against its own sizes in the whole model (r: the
+    config's; `size`: the ranks `model` is one of); its Target (None: an embedding LoRA)."""
     if set(keys) not in ({"lora_A", "lora_B"}, {"lora_embedding_A", "lora_embedding_B"}):
         raise ValueError(f"LoRA adapter {path!r}: {module_name} has {sorted(keys)}: it lacks its A or B")
     if "lora_A" in keys:
-        target = _target(model, module_name, path)
+        target = _target(model, module_name, size, path)
         sizes, why = (target.in_features, target.out_features), f"{module_name} takes {target.in_features} in"
         why += f" and gives {target.out_features} out in this model; r={rank} in adapter_config.json"
     else:
@@ -178,8 +189,9 @@ def _read_finite(handle, key: str, path: str) -> torch.Tensor:
 
 
 def _build(name: str, config: AdapterConfig, pairs: dict[str, dict[str, str]], targets: dict[str, Target | None],
-           wholes: list[str], tensors: dict[str, torch.Tensor], model: nn.Module, path: str) -> LoraAdapter:
-    """The adapter from its checked tensors, on the model's device."""
+           wholes: list[str], tensors: dict[str, torch.Tensor], model: nn.Module, shard: Shard | None,
+           path: str) -> LoraAdapter:
+    """The adapter from its checked tensors (this rank's shard of each pair), on the model's device."""
     device = model.norm.weight.device  # the adapter lives where the model computes
     tensors = {key: t.to(device) for key, t in tensors.items()}
     adapter = LoraAdapter(name, config.rank)
@@ -195,6 +207,8 @@ def _build(name: str, config: AdapterConfig, pairs: dict[str, dict[str, str]], t
         if target is None:  # a [r, vocab], b [hidden, r]
             adapter.embed_a, adapter.embed_b, adapter.embed_scale = a.float().t().contiguous(), frozen_linear(b), config.scale
             continue
+        if shard is not None:
+            a, b = rank_lora_pair(module_name, a, b, target.widths, shard)
         part = LowRank(frozen_linear(a), frozen_linear(b), config.scale, target.start)
         adapter.deltas.setdefault(target.module, []).append(part)
     return adapter
@@ -221,15 +235,16 @@ def _whole_module(adapter: LoraAdapter, key: str, value: torch.Tensor, model: nn
         adapter.embed_tokens = value.float().contiguous()
 
 
-def _target(model: nn.Module, name: str, path: str) -> Target:
-    """Where `name`'s delta goes (a PEFT module name), with the target's own sizes from the model's config."""
+def _target(model: nn.Module, name: str, size: int, path: str) -> Target:
+    """Where `name`'s delta goes (a PEFT module name), with the target's own sizes from the model's config
+    (the whole model's: `model` is one of `size` ranks' parts)."""
     args = model.args
-    if name == "lm_head":
-        return Target(model.lm_head, 0, args.hidden_size, args.vocab_size)
+    if name == "lm_head":  # whole on every rank
+        return Target(model.lm_head, 0, args.hidden_size, (args.vocab_size,))
     if ".experts." in name or name.endswith((".gate", ".block_sparse_moe.gate")):
         raise ValueError(f"LoRA adapter {path!r}: LoRA on a mixture's experts or router ({name}) is not built")
     parts = name.split(".")
-    roles = _roles(args)
+    roles = _roles(args, size)
     if len(parts) != 5 or parts[:2] != ["model", "layers"] or not parts[2].isdecimal() or parts[4] not in roles \
             or parts[3] != roles[parts[4]][0]:
         raise ValueError(f"LoRA adapter {path!r}: target {name!r} is not built (self_attn's q/k/v/o, mlp's "
@@ -237,25 +252,27 @@ def _target(model: nn.Module, name: str, path: str) -> Target:
     if int(parts[2]) >= len(model.layers):
         raise ValueError(f"LoRA adapter {path!r}: {name} names a layer the model does not have")
     layer = model.layers[int(parts[2])]
-    container, attribute, start, in_features, out_features = roles[parts[4]]
+    container, attribute, start, in_features, widths = roles[parts[4]]
     if container == "mlp" and layer.moe is not None:
         raise ValueError(f"LoRA adapter {path!r}: target {name!r} is not built (layer {parts[2]}'s MLP is a "
                          "mixture of experts)")
-    return Target(getattr(layer, attribute), start, in_features, out_features)
+    # a rank's fused module holds its share of each part, in the same order: its columns start at start / size
+    return Target(getattr(layer, attribute), start // size, in_features, widths)
 
 
-def _roles(args) -> dict[str, tuple[str, str, int, int, int]]:
-    """PEFT's target name -> (its container, the model's fused module, first column, in, out)."""
-    hidden, inter = args.hidden_size, args.intermediate_size
-    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+def _roles(args, size: int) -> dict[str, tuple[str, str, int, int, tuple[int, ...]]]:
+    """PEFT's target name -> (its container, the model's fused module, first column, in, B's parts' widths),
+    the whole model's sizes (`args` are one of `size` ranks' share of the heads and MLP columns)."""
+    hidden, inter = args.hidden_size, args.intermediate_size * size
+    q, kv = args.num_heads * size * args.head_dim, args.num_kv_heads * size * args.head_dim
     return {
-        "q_proj": ("self_attn", "qkv_proj", 0, hidden, q),
-        "k_proj": ("self_attn", "qkv_proj", q, hidden, kv),
-        "v_proj": ("self_attn", "qkv_proj", q + kv, hidden, kv),
-        "qkv_proj": ("self_attn", "qkv_proj", 0, hidden, q + 2 * kv),  # Phi-3's own fused one
-        "o_proj": ("self_attn", "o_proj", 0, q, hidden),
-        "gate_proj": ("mlp", "gate_up_proj", 0, hidden, inter),
-        "up_proj": ("mlp", "gate_up_proj", inter, hidden, inter),
-        "gate_up_proj": ("mlp", "gate_up_proj", 0, hidden, 2 * inter),  # Phi-3's own fused one
-        "down_proj": ("mlp", "down_proj", 0, inter, hidden),
+        "q_proj": ("self_attn", "qkv_proj", 0, hidden, (q,)),
+        "k_proj": ("self_attn", "qkv_proj", q, hidden, (kv,)),
+        "v_proj": ("self_attn", "qkv_proj", q + kv, hidden, (kv,)),
+        "qkv_proj": ("self_attn", "qkv_proj", 0, hidden, (q, kv, kv)),  # Phi-3's own fused one
+        "o_proj": ("self_attn", "o_proj", 0, q, (hidden,)),
+        "gate_proj": ("mlp", "gate_up_proj", 0, hidden, (inter,)),
+        "up_proj": ("mlp", "gate_up_proj", inter, hidden, (inter,)),
+        "gate_up_proj": ("mlp", "gate_up_proj", 0, hidden, (inter, inter)),  # Phi-3's own fused one
+        "down_proj": ("mlp", "down_proj", 0, inter, (hidden,)),
     }

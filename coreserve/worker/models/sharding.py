@@ -7,7 +7,8 @@ The embedding, the norms and lm_head are replicated: every rank holds the whole 
 layer halves, and every rank computes the same logits.
 
 The loader keeps each rank's part of a checkpoint tensor (`is_split`, `rank_part`); `apply_tp` then
-makes the loaded model a rank's, from outside the model, as gpt-fast's does.
+makes the loaded model a rank's, from outside the model, as gpt-fast's does. A LoRA adapter's pairs split
+as their modules' weights do (`rank_lora_pair`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ def rank_part(hf_name: str, tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
         return tensor if shard.rank == 0 else torch.zeros_like(tensor)
     dim = 1 if layer_part in _BY_INPUT else 0
     return tensor.chunk(shard.size, dim=dim)[shard.rank]
+
+
+def rank_lora_pair(module_name: str, a: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...],
+                   shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a LoRA pair, A [r, in] and B [out, r], on the module `module_name` (PEFT's name
+    without `.weight`, `model.layers.N.self_attn.q_proj`), split as the module's weight is: one split by
+    output features (q/k/v, gate/up) keeps A whole and its rows of B, each of B's parts of `widths` (a fused
+    qkv_proj's q, k and v) split alike; one split by input features (o_proj, down_proj) keeps its columns of
+    A and B whole, so the layer's sum over the ranks adds B (A x) once; a whole module (lm_head) both whole."""
+    layer_part = _layer_part(module_name + ".weight")
+    if layer_part is None:
+        return a, b
+    if layer_part in _BY_INPUT:
+        return a.chunk(shard.size, dim=1)[shard.rank], b
+    return a, torch.cat([part.chunk(shard.size, dim=0)[shard.rank] for part in b.split(list(widths))])
 
 
 # A mixture's expert tensors split as the dense MLP's of the same role

@@ -3,7 +3,8 @@ PAIR socket per worker on `ipc://` (engine-core process and worker processes). N
 decodes a closed, typed union.
 
 Core -> worker: AllocateKvCache, Execute (the SchedulerOutput, as the scheduler made it), Shutdown;
-for RL, RankCall (one of the runner's control verbs by name, coreserve/worker/runner_control.py's RUNNER_VERBS).
+for control, RankCall (one of the runner's control verbs by name, coreserve/worker/runner_control.py's
+RUNNER_VERBS: RL's new weights, sleep and wake, LoRA adapters read and dropped).
 Worker -> core: Ready (after loading), Done (rank 0's carries the runner output; after a RankCall, the
 verb's result), Progress (a long step still moves), Refused (a control verb's ValueError; the rank goes
 on), Failed (the reason, before the worker exits).
@@ -45,7 +46,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class RankCall(msgspec.Struct, tag=True):
-    """`runner.<verb>(**kwargs)` on each rank, for a verb of RUNNER_VERBS alone (vLLM's collective_rpc)."""
+    """`runner.control.<verb>(**kwargs)` on each rank, for a verb of RUNNER_VERBS alone (vLLM's collective_rpc)."""
 
     verb: str
     kwargs: dict[str, Any]  # msgpack values: the verb's keyword arguments

@@ -100,9 +100,10 @@ def _serve(runner, sock: zmq.Socket, parent: int) -> None:
 
 def _call(runner, call: RankCall) -> Done | Refused:
     """The runner's control verb, through RUNNER_VERBS alone (another name is a bug: the rank fails).
-    A ValueError (a bad update) is this call's refusal; the rank keeps its old weights and serves."""
+    A ValueError (a bad update, an adapter that does not fit) is this call's refusal; the rank keeps what
+    it had and serves."""
     try:
-        return Done(result=call_verb(runner, call.verb, call.kwargs))
+        return Done(result=call_verb(runner.control, call.verb, call.kwargs))
     except ValueError as exc:
         return Refused(str(exc))
 

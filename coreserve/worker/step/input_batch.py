@@ -105,91 +105,115 @@ def build_step_inputs(
     after it) has every token a decode row of its own, each sampled: the numbers of decoding them one
     by one, through the same kernels (the step's KV is written before any row attends).
     `long_rows_start`: the model's Rotary.long_rows_start (0: one set of RoPE rows)."""
-    ids, positions, slots, sample_rows, sampled_req_ids, jobs, seqs = [], [], [], [], [], [], []
-    decode_rows, decode_tables, decode_lens = [], [], []
-    long_rows = []  # rows of the tokens of requests on LongRoPE's long factors
-    row = 0
+    rows = _StepRows(block_size)
     for state, num in zip(states, num_tokens):
-        start = state.num_computed_tokens
-        end = start + num
-        ids.extend(state.token_ids[start:end])
-        positions.extend(range(start, end))
-        if state.is_long_rope and long_rows_start:
-            long_rows.extend(range(row, row + num))
-        if state.req_id in verified:
-            _add_verified_rows(state, start, end, row, block_size, slots, decode_rows, decode_tables, decode_lens)
-            sample_rows.extend(range(row, row + num))
-            sampled_req_ids.extend([state.req_id] * num)
-            row += num
-            continue
-        if num == 1:
-            slots.append(state.block_ids[start // block_size] * block_size + start % block_size)
+        rows.add(state, num, state.req_id in verified, state.is_long_rope and long_rows_start != 0)
+    return rows.to_inputs(device, long_rows_start)
+
+
+@dataclass
+class _StepRows:
+    """The host lists of one step's inputs, filled request by request in batch order; `row` is the
+    next token's row."""
+
+    block_size: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    long_rows: list[int] = field(default_factory=list)  # rows of requests on LongRoPE's long factors
+    seqs: list[SeqSpan] = field(default_factory=list)  # prefill chunks, each attended on its own
+    decode_rows: list[int] = field(default_factory=list)  # single rows with context, attended together
+    decode_tables: list[np.ndarray] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sampled_req_ids: list[str] = field(default_factory=list)
+    prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
+    row: int = 0
+
+    def add(self, state: RequestState, num: int, is_verified: bool, is_long: bool) -> None:
+        start, end = state.num_computed_tokens, state.num_computed_tokens + num
+        self.input_ids.extend(state.token_ids[start:end])
+        self.positions.extend(range(start, end))
+        if is_long:
+            self.long_rows.extend(range(self.row, self.row + num))
+        if is_verified:
+            self.add_verified(state, start, end)
+        else:
+            self.add_slots(state, start, end)
+            self.add_attention(state, start, end)
+            self.add_sampled(state, start, end)
+            self.add_prompt_job(state, start, end)
+        self.row += num
+
+    def add_verified(self, state: RequestState, start: int, end: int) -> None:
+        """Positions start..end - 1 as decode rows, each attending its own causal prefix, each sampled."""
+        table, size = state.block_table(), self.block_size
+        for offset, position in enumerate(range(start, end)):
+            self.slots.append(state.block_ids[position // size] * size + position % size)
+            self.decode_rows.append(self.row + offset)
+            self.decode_tables.append(table)
+            self.decode_lens.append(position + 1)
+        self.sample_rows.extend(range(self.row, self.row + end - start))
+        self.sampled_req_ids.extend([state.req_id] * (end - start))
+
+    def add_slots(self, state: RequestState, start: int, end: int) -> None:
+        """Where positions start..end - 1 write their KV."""
+        size = self.block_size
+        if end - start == 1:
+            self.slots.append(state.block_ids[start // size] * size + start % size)
         else:
             pos = np.arange(start, end)
-            blocks = state.block_table()[pos // block_size].astype(np.int64)
-            slots.extend((blocks * block_size + pos % block_size).tolist())
-        if num == 1 and start > 0:
-            decode_rows.append(row)
-            decode_tables.append(state.block_table())
-            decode_lens.append(end)
+            blocks = state.block_table()[pos // size].astype(np.int64)
+            self.slots.extend((blocks * size + pos % size).tolist())
+
+    def add_attention(self, state: RequestState, start: int, end: int) -> None:
+        """A decode row (one token with context) joins the others; a prefill chunk is a span of its own."""
+        if end - start == 1 and start > 0:
+            self.decode_rows.append(self.row)
+            self.decode_tables.append(state.block_table())
+            self.decode_lens.append(end)
         else:
-            seqs.append(SeqSpan(row, num, end, slot_runs(state.block_ids, end, block_size)))
+            runs = slot_runs(state.block_ids, end, self.block_size)
+            self.seqs.append(SeqSpan(self.row, end - start, end, runs))
+
+    def add_sampled(self, state: RequestState, start: int, end: int) -> None:
+        """A request whose last token is scheduled samples from its last row."""
         if end == len(state.token_ids):
-            sample_rows.append(row + num - 1)
-            sampled_req_ids.append(state.req_id)
-        if state.prompt_logprobs_k is not None and start < state.num_prompt_tokens - 1:
-            last = min(end, state.num_prompt_tokens - 1)
-            jobs.append(
-                PromptLogprobsJob(
-                    state.req_id,
-                    slice(row, row + last - start),
-                    state.token_ids[start + 1 : last + 1],
-                    state.prompt_logprobs_k,
-                    start,
-                )
-            )
-        row += num
-    decode = None
-    if decode_rows:
-        decode = DecodeRows(
-            block_size,
-            np.asarray(decode_rows, dtype=np.int64),
-            _stack_tables(decode_tables),
-            np.asarray(decode_lens, dtype=np.int32),
+            self.sample_rows.append(self.row + end - start - 1)
+            self.sampled_req_ids.append(state.req_id)
+
+    def add_prompt_job(self, state: RequestState, start: int, end: int) -> None:
+        """The rows of this chunk whose next token is a prompt token, for a request asking prompt logprobs."""
+        if state.prompt_logprobs_k is None or start >= state.num_prompt_tokens - 1:
+            return
+        last = min(end, state.num_prompt_tokens - 1)
+        target_ids = state.token_ids[start + 1 : last + 1]
+        self.prompt_jobs.append(
+            PromptLogprobsJob(state.req_id, slice(self.row, self.row + last - start), target_ids,
+                              state.prompt_logprobs_k, start)
         )
-    position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
-    return StepInputs(
-        torch.tensor(ids, dtype=torch.int64, device=device),
-        position_tensor,
-        _rope_rows(position_tensor, long_rows, long_rows_start),
-        AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), seqs, decode),
+
+    def to_inputs(self, device: torch.device, long_rows_start: int) -> StepInputs:
+        decode = None
+        if self.decode_rows:
+            decode = DecodeRows(
+                self.block_size,
+                np.asarray(self.decode_rows, dtype=np.int64),
+                _stack_tables(self.decode_tables),
+                np.asarray(self.decode_lens, dtype=np.int32),
+            )
+        positions = torch.tensor(self.positions, dtype=torch.int64, device=device)
         # every row in order (decode): no tensor to build, no hidden states to gather
-        None
-        if sample_rows == list(range(row))
-        else torch.tensor(sample_rows, dtype=torch.int64, device=device),
-        sampled_req_ids,
-        jobs,
-    )
-
-
-def _add_verified_rows(
-    state: RequestState,
-    start: int,
-    end: int,
-    row: int,
-    block_size: int,
-    slots: list[int],
-    decode_rows: list[int],
-    decode_tables: list[np.ndarray],
-    decode_lens: list[int],
-) -> None:
-    """Positions start..end - 1 of `state` as decode rows: each attends its own causal prefix."""
-    table = state.block_table()
-    for offset, position in enumerate(range(start, end)):
-        slots.append(state.block_ids[position // block_size] * block_size + position % block_size)
-        decode_rows.append(row + offset)
-        decode_tables.append(table)
-        decode_lens.append(position + 1)
+        is_every_row = self.sample_rows == list(range(self.row))
+        return StepInputs(
+            torch.tensor(self.input_ids, dtype=torch.int64, device=device),
+            positions,
+            _rope_rows(positions, self.long_rows, long_rows_start),
+            AttentionMetadata(torch.tensor(self.slots, dtype=torch.int64, device=device), self.seqs, decode),
+            None if is_every_row else torch.tensor(self.sample_rows, dtype=torch.int64, device=device),
+            self.sampled_req_ids,
+            self.prompt_jobs,
+        )
 
 
 def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:

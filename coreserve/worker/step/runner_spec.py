@@ -15,6 +15,7 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     seed: int
     can_use_cpu_kernels: bool = True
+    kernel_variant: str = "auto"  # EngineConfig's: which build of the C kernels (kernel_variants.py)
     batch_invariant: bool = True  # EngineConfig's: one order of summation per row, whatever the batch
     quantized_activations: str = "float32"  # EngineConfig's: "int8" takes the integer-mode products
     tensor_parallel_size: int = 1

@@ -1,10 +1,22 @@
-"""Logprobs in the JSON shapes OpenAI clients know (frontend process, HTTP server).
+"""Every logprob JSON shape the server writes, and the JSON response (frontend process, HTTP server).
+The routes hand their positions here and write no logprob key themselves (tests/test_server_structure.py).
 
-Legacy completions: `tokens`, `token_logprobs`, `top_logprobs` (one {token text: logprob} per position,
-the sampled token included) and `text_offset`. Chat: `content` entries {token, logprob, bytes,
-top_logprobs}. A token that is not valid UTF-8 on its own (a piece of a multi-byte character) is
-written "bytes:\\xe6\\x97" (every byte escaped, OpenAI's form) wherever text is expected; `bytes` stays
-exact. -inf (and NaN, which the engine never makes) becomes -9999.0, OpenAI's value: JSON has neither.
+- OpenAI's legacy completions: `tokens`, `token_logprobs`, `top_logprobs` (one {token text: logprob} per
+  position, the sampled token included) and `text_offset` (`LegacyLogprobs`).
+- OpenAI's chat: `content` entries {token, logprob, bytes, top_logprobs} (`chat_content`).
+- vLLM's `prompt_logprobs`: per prompt position {token id: {logprob, rank, decoded_token}}
+  (`vllm_prompt_logprobs`), on completions, chat and /inference/v1/generate.
+- vLLM's /inference/v1/generate: `content` entries {token: "token_id:N", logprob, top_logprobs}
+  (`token_id_content`).
+- SGLang's /generate: `output_token_logprobs` [logprob, token id, null] per token and
+  `output_top_logprobs` (`sglang_columns`, `sglang_fields`).
+- TRL's /get_sequence_logprobs: the top k's ids and logprobs and the actual token's (`trl_sequence_answer`).
+
+A token that is not valid UTF-8 on its own (a piece of a multi-byte character) is written
+"bytes:\\xe6\\x97" (every byte escaped, OpenAI's form) wherever text is expected; `bytes` stays exact.
+-inf (and NaN, which the engine never makes) becomes -9999.0, OpenAI's and vLLM's value: JSON has
+neither (SGLang's and TRL's shapes keep the engine's float, which msgspec writes as null, as SGLang's
+orjson does). A k of -1 is the whole vocabulary.
 
 `JSONBytesResponse`: every JSON body, encoded by msgspec, faster than the standard library for the
 many small floats of logprob responses (made finite by the formatters here before they get there).
@@ -44,8 +56,13 @@ def token_text(decoded: str) -> str:
 
 def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
     """The top-k (token id, candidate) in rank order (the sampled token only if it ranks within k)."""
-    ranked = [(token_id, lp) for token_id, lp in position.items() if lp.rank is not None and lp.rank <= k]
+    ranked = [(token_id, lp) for token_id, lp in position.items() if _within(lp, k)]
     return sorted(ranked, key=_rank)
+
+
+def _within(logprob: Logprob, k: int) -> bool:
+    """Whether a candidate ranks within the top k (-1: the whole vocabulary)."""
+    return logprob.rank is not None and (k == -1 or logprob.rank <= k)
 
 
 def _rank(entry: tuple[int, Logprob]) -> int:
@@ -148,7 +165,8 @@ def vllm_prompt_logprobs(
 ) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: per prompt position {token id: {logprob, rank, decoded_token}}, the prompt
     token first, then the top k, then the position's candidate ids (prompt_logprob_token_ids: a flat list
-    for every position, or one row per position 1..P-1) whatever their rank."""
+    for every position, or one row per position 1..P-1) whatever their rank. `decoded_token` is null
+    where the request asked for no text (detokenize false), as vLLM's."""
     rows: list[dict | None] = []
     for index, position in enumerate(positions):
         if position is None:
@@ -160,10 +178,10 @@ def vllm_prompt_logprobs(
                 token_id: {
                     "logprob": finite(lp.logprob),
                     "rank": lp.rank,
-                    "decoded_token": token_text(lp.decoded_token or ""),
+                    "decoded_token": _text_or_none(lp.decoded_token),
                 }
                 for n, (token_id, lp) in enumerate(position.items())
-                if n == 0 or (lp.rank is not None and lp.rank <= k) or token_id in kept
+                if n == 0 or _within(lp, k) or token_id in kept
             }
         )
     return rows
@@ -176,6 +194,66 @@ def _candidates_at(candidates: list[int] | list[list[int]] | None, index: int) -
     if isinstance(candidates[0], int):
         return frozenset(candidates)
     return frozenset(candidates[0] if len(candidates) == 1 else candidates[index - 1])
+
+
+def _text_or_none(decoded: str | None) -> str | None:
+    return None if decoded is None else token_text(decoded)
+
+
+def token_id_content(token_ids: list[int], positions: list[PositionLogprobs], k: int | None) -> list[dict]:
+    """/inference/v1/generate's `logprobs.content` (vLLM's tokens-out shape): per token "token_id:N", its
+    logprob, and the position's first max(k, 1) entries (the sampled token first, then by rank)."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        top = [{"token": f"token_id:{t}", "logprob": finite(lp.logprob)} for t, lp in position.items()]
+        content.append({
+            "token": f"token_id:{token_id}",
+            "logprob": finite(position[token_id].logprob),
+            "top_logprobs": top if k == -1 else top[: max(k or 0, 1)],
+        })
+    return content
+
+
+def sglang_columns(token_ids: list[int], positions: list[PositionLogprobs], with_tops: bool) -> dict:
+    """One delta's logprobs for SGLang's answer, as columns that concatenate (common/accumulate.py):
+    `values`, each token's logprob; `tops`, each position's entries as [logprob, token id, null] by rank
+    (empty unless asked)."""
+    values = [position[token_id].logprob for position, token_id in zip(positions, token_ids)]
+    if not with_tops:
+        return {"values": values, "tops": []}
+    tops = [[[lp.logprob, i, None] for i, lp in sorted(p.items(), key=_rank)] for p in positions]
+    return {"values": values, "tops": tops}
+
+
+def sglang_fields(columns: dict | None, output_ids: list[int], k: int) -> tuple[dict, dict]:
+    """SGLang's logprob fields from the merged columns: the answer's own (`output_token_logprobs` as plain
+    floats, coreserve's first shape) and meta_info's (`output_token_logprobs` as [logprob, token id, null],
+    `output_top_logprobs` with k)."""
+    columns = columns or {"values": [], "tops": []}
+    meta = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(columns["values"], output_ids)]}
+    if k:
+        meta["output_top_logprobs"] = [top[:k] for top in columns["tops"]]
+    return {"output_token_logprobs": columns["values"]}, meta
+
+
+def trl_sequence_answer(rows: list[PositionLogprobs | None], sequence: list[int], start: int, k: int) -> dict:
+    """TRL's four lists for one sequence: per scored position the top k by rank (ids and logprobs), and
+    the actual token's logprob, exact whether or not it is in the top k."""
+    logprobs, token_ids, actual_logprobs, actual_ids = [], [], [], []
+    for position in range(start, len(sequence)):
+        row = rows[position]
+        assert row is not None  # position >= 1 always has a row
+        top = sorted((lp.rank, token_id, lp.logprob) for token_id, lp in row.items())[:k]
+        token_ids.append([token_id for _, token_id, _ in top])
+        logprobs.append([value for _, _, value in top])
+        actual_logprobs.append([row[sequence[position]].logprob])
+        actual_ids.append([sequence[position]])
+    return {
+        "logprobs": logprobs,
+        "logprob_token_ids": token_ids,
+        "actual_logprobs": actual_logprobs,
+        "actual_token_ids": actual_ids,
+    }
 
 
 def to_json(content: object) -> bytes:

@@ -2,7 +2,8 @@
 token's exact bytes (frontend process, HTTP server).
 
 Streamed chunks and the whole response come from the same per-choice pieces, so the chunks' content
-and logprobs concatenate to the whole response's.
+and logprobs concatenate to the whole response's. Both carry the keys vLLM's carry, null where unset
+(response_shapes.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ from coreserve.frontend.server.common.transport import (
 from coreserve.frontend.server.openai.chat_prompt import chat_prompt, echo_text
 from coreserve.frontend.server.openai.inputs import check_body_fields, prompt_scoring_k, sampling_params
 from coreserve.frontend.server.openai.message_parts import ChoiceParser
+from coreserve.frontend.server.openai.response_shapes import (
+    CHAT_CHOICE,
+    CHAT_CHUNK_CHOICE,
+    CHAT_COMPLETION,
+    chat_delta,
+    chat_message,
+    with_defaults,
+)
 from coreserve.frontend.server.openai.schemas import ChatCompletionRequest
 from coreserve.frontend.server.openai.structured_fields import (
     parse_grammar_off_the_loop,
@@ -136,21 +145,20 @@ class ChatResponse:
         choices = [self._message(i, merged.get(i) or {}) for i in range(self.body.n)]
         body = self._envelope("chat.completion", choices)
         body["usage"] = self._usage()
-        body["prompt_logprobs"] = None  # vLLM's field, null when not asked for
         k = prompt_scoring_k(self.body)
         if k is not None:
             positions = self.prompt_logprobs or []
             body["prompt_logprobs"] = vllm_prompt_logprobs(positions, k, self.body.prompt_logprob_token_ids)
         if self.body.return_token_ids:
             body["prompt_token_ids"] = list(self.generation.prompts[0].token_ids)
-        return body
+        return with_defaults(body, CHAT_COMPLETION)  # vLLM's fields, null when not asked for
 
     def _message(self, index: int, merged: dict) -> dict:
         """A whole answer's choice from its merged pieces: the content after the echo, as a message
         (its reasoning and tool calls parsed out where the request and the server ask)."""
         parser = self._parser()
         text = merged.get("text", "")
-        message = parser.message(parser.feed(text, final=True), self.echo)
+        message = chat_message(parser.message(parser.feed(text, final=True), self.echo))
         choice = {
             "index": index,
             "message": message,
@@ -166,27 +174,18 @@ class ChatResponse:
         for key in ("routed_experts", "sampling_mask"):
             if key in merged:
                 choice[key] = merged[key]
-        return choice
+        return with_defaults(choice, CHAT_CHOICE)
 
     async def chunks(self):
         for i in range(self.body.n):
-            first = {
-                "index": i,
-                "delta": {"role": "assistant", "content": self.echo},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            chunk = self._chunk([first])
-            if self.body.return_token_ids and i == 0:
-                chunk["prompt_token_ids"] = list(self.generation.prompts[0].token_ids)
-            yield chunk
+            yield self._first_chunk(i)
         async for piece in self._pieces():
             parser = self.parsers[piece["index"]]
             is_final = piece["finish_reason"] is not None
             delta = parser.feed(piece["text"], is_final) if parser.is_parsing else {"content": piece["text"]}
             choice = {
                 "index": piece["index"],
-                "delta": delta,
+                "delta": chat_delta(delta),
                 "logprobs": piece["logprobs"],
                 "finish_reason": parser.finish_reason(piece["finish_reason"]),
                 "stop_reason": piece["stop_reason"],
@@ -198,9 +197,23 @@ class ChatResponse:
             for key in ("routed_experts", "sampling_mask"):
                 if key in piece:
                     choice[key] = piece[key]
-            yield self._chunk([choice])
+            yield self._chunk([with_defaults(choice, CHAT_CHUNK_CHOICE)])
         if self.body.include_usage:
             yield {**self._envelope("chat.completion.chunk", []), "usage": self._usage()}
+
+    def _first_chunk(self, index: int) -> dict:
+        """A choice's first chunk: the role and the echo; the prompt's ids (null unless asked), as vLLM's."""
+        asked_ids = self.body.return_token_ids
+        first = {
+            "index": index,
+            "delta": chat_delta({"role": "assistant", "content": self.echo}),
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": [] if asked_ids else None,
+        }
+        chunk = self._chunk([first])
+        chunk["prompt_token_ids"] = list(self.generation.prompts[0].token_ids) if asked_ids else None
+        return chunk
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = self._envelope("chat.completion.chunk", choices)

@@ -9,7 +9,7 @@ conversation delays no other request's tokens.
 
 from __future__ import annotations
 
-from coreserve.frontend.engine.chat_template import TEXT_PART_SEPARATOR, chat_render_args
+from coreserve.frontend.engine.chat_template import TEXT_PART_SEPARATOR
 from coreserve.frontend.engine.template_sandbox import TemplateTooLong
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.generation import PromptInput
@@ -35,12 +35,10 @@ async def chat_prompt(server, body: ChatCompletionRequest) -> PromptInput:
 async def render_messages(server, messages: list[dict], body) -> str:
     """The body's messages through the template (a chat's, a Responses' or /tokenize's body); a 400 naming
     `messages` for a malformed one, the template's own refusal (raise_exception) or a limit passed."""
-    try:
-        args = chat_render_args(
-            server.tokenizer, messages, server.chat_template, body.add_generation_prompt,
-            template_tools(body), body.chat_template_kwargs,
+    try:  # the server's one renderer, LLM.chat's too (coreserve/frontend/engine/chat_template.py)
+        return await server.renderer.render_async(
+            messages, body.add_generation_prompt, template_tools(body), body.chat_template_kwargs
         )
-        return await server.engine.templates.render_async(*args)
     except TemplateTooLong as exc:  # the context's refusal where the length alone says it cannot fit
         server.prompt_bound.check_length(exc.num_chars, server.facts.max_model_len, "messages")
         raise APIError(400, str(exc), "messages") from exc

@@ -3,7 +3,8 @@
 `echo` puts the prompt (its tokens and prompt logprobs) before the completion; `max_tokens: 0` with
 echo scores the prompt without generating: the engine needs max_tokens >= 1, so it runs with 1 and the
 token is dropped (completion_tokens 0). Streamed chunks are built by the same code as the whole
-response, so they concatenate to it exactly.
+response, so they concatenate to it exactly. Both carry the keys vLLM's carry, null where unset
+(response_shapes.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ from coreserve.frontend.server.openai.inputs import (
     completion_prompts,
     prompt_scoring_k,
     sampling_params,
+)
+from coreserve.frontend.server.openai.response_shapes import (
+    COMPLETION,
+    COMPLETION_CHOICE,
+    COMPLETION_CHUNK,
+    COMPLETION_CHUNK_CHOICE,
+    with_defaults,
 )
 from coreserve.frontend.server.openai.schemas import CompletionRequest
 from coreserve.frontend.server.openai.structured_fields import parse_grammar_off_the_loop
@@ -90,18 +98,16 @@ class CompletionResponse:
         finally:
             await self.generation.close()
         choices = [merged.get(c.index) or _empty_choice(c.index) for c in self.choices]
-        for choice in choices:  # vLLM's field, null when not asked for
-            choice.setdefault("prompt_logprobs", None)
-        body = self._envelope(choices)
+        body = self._envelope([with_defaults(choice, COMPLETION_CHOICE) for choice in choices])
         body["usage"] = self._usage()
-        return JSONBytesResponse(body)
+        return JSONBytesResponse(with_defaults(body, COMPLETION))  # vLLM's fields, null when not asked for
 
     async def chunks(self):
         async for piece in self._pieces():
-            chunk = self._envelope([piece])
+            chunk = self._envelope([with_defaults(piece, COMPLETION_CHUNK_CHOICE)])
             if self.body.continuous_usage:
                 chunk["usage"] = self._usage()
-            yield chunk
+            yield with_defaults(chunk, COMPLETION_CHUNK)
         if self.body.include_usage:
             yield {**self._envelope([]), "usage": self._usage()}
 

@@ -19,13 +19,17 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from coreserve.frontend.outputs import CompletionOutput, PositionLogprobs
+from coreserve.frontend.outputs import CompletionOutput
 from coreserve.frontend.server.common.accumulate import WholeChoices
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.fields import Int64, StreamOptions, StrictBody, same_json
 from coreserve.frontend.server.common.generation import Generation, PromptInput
 from coreserve.frontend.server.common.inputs import check_prompts, start_checked
-from coreserve.frontend.server.common.logprob_json import JSONBytesResponse, token_text
+from coreserve.frontend.server.common.logprob_json import (
+    JSONBytesResponse,
+    token_id_content,
+    vllm_prompt_logprobs,
+)
 from coreserve.frontend.server.common.sampling import SAMPLING_FIELDS, build_sampling_params, field_refusal
 from coreserve.frontend.server.common.transport import sse_response, until_disconnected
 from coreserve.frontend.server.state import ServerState
@@ -36,7 +40,6 @@ _NO_OP = {"priority": 0, "kv_transfer_params": None, "features": None}
 # sampling_params keys of vLLM's server that change nothing here (the answer always holds the token ids;
 # one priority), as prime-rl's renderers client sends them (renderers/client.py: return_token_ids)
 _NO_OP_SAMPLING = {"return_token_ids": (True, False), "priority": (0,)}
-_FLOOR = -9999.0  # vLLM's clamp: JSON has no -inf
 
 
 class TokensRequest(StrictBody):
@@ -105,7 +108,7 @@ async def _whole(generation: Generation, body: TokensRequest, params: SamplingPa
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "prompt_logprobs": _prompt_logprobs(prompt_logprobs),
+        "prompt_logprobs": _prompt_logprobs(prompt_logprobs, params),
         "usage": _usage(generation, num_tokens),
         "weight_version": weight_version,
     })
@@ -127,30 +130,16 @@ async def _chunks(generation: Generation, body: TokensRequest, params: SamplingP
 def _choice(completion: CompletionOutput, params: SamplingParams) -> dict:
     logprobs = None
     if completion.logprobs is not None:
-        logprobs = {"content": [_content(t, entry, params.logprobs) for t, entry in
-                                zip(completion.token_ids, completion.logprobs)]}
+        logprobs = {"content": token_id_content(completion.token_ids, completion.logprobs, params.logprobs)}
     return {"index": completion.index, "token_ids": list(completion.token_ids), "logprobs": logprobs,
             "finish_reason": completion.finish_reason}
 
 
-def _content(token_id: int, entry: PositionLogprobs, k: int | None) -> dict:
-    """vLLM's: the token as "token_id:N", its logprob, and the entry's first max(k, 1) tokens."""
-    top = [{"token": f"token_id:{t}", "logprob": max(e.logprob, _FLOOR)} for t, e in entry.items()]
-    return {"token": f"token_id:{token_id}", "logprob": max(entry[token_id].logprob, _FLOOR),
-            "top_logprobs": top[: max(k or 0, 1)]}
-
-
-def _prompt_logprobs(positions: list | None) -> list | None:
+def _prompt_logprobs(positions: list | None, params: SamplingParams) -> list | None:
+    """vLLM's rows: every entry the engine returned (the prompt token, the top k, the candidates)."""
     if positions is None:
         return None
-    return [None if p is None else {str(t): {"logprob": max(e.logprob, _FLOOR), "rank": e.rank,
-                                             "decoded_token": _text(e.decoded_token)} for t, e in p.items()}
-            for p in positions]
-
-
-def _text(decoded: str | None) -> str | None:
-    """As /v1/completions writes a token (a partial UTF-8 token as its bytes); None without text."""
-    return None if decoded is None else token_text(decoded)
+    return vllm_prompt_logprobs(positions, params.prompt_logprobs or 0, params.prompt_logprob_token_ids)
 
 
 def _usage(generation: Generation, num_tokens: int) -> dict:

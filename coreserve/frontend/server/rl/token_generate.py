@@ -33,7 +33,7 @@ from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.fields import Int64, NonNegativeInt64, SharedSamplingFields, StrictBody
 from coreserve.frontend.server.common.generation import Generation, PromptInput
 from coreserve.frontend.server.common.inputs import check_prompts, start_checked
-from coreserve.frontend.server.common.logprob_json import JSONBytesResponse
+from coreserve.frontend.server.common.logprob_json import JSONBytesResponse, sglang_columns, sglang_fields
 from coreserve.frontend.server.common.sampling import build_sampling_params, field_refusal, same_name_fields
 from coreserve.frontend.server.common.transport import sse_response, until_disconnected
 from coreserve.frontend.server.state import ServerState
@@ -188,12 +188,8 @@ class CompletionAnswer:
     def _piece(self, completion: CompletionOutput) -> dict:
         piece = {"text": completion.text, "output_ids": list(completion.token_ids),
                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-        if completion.logprobs is not None:  # per token: its logprob, and the top-k [logprob, id, null] by rank
-            pairs = zip(completion.logprobs, completion.token_ids)
-            piece["logprobs"] = {"values": [p[t].logprob for p, t in pairs], "tops": [
-                [[e.logprob, i, None] for i, e in sorted(p.items(), key=lambda item: item[1].rank)]
-                for p in completion.logprobs
-            ] if self.top_k else []}
+        if completion.logprobs is not None:
+            piece["logprobs"] = sglang_columns(completion.token_ids, completion.logprobs, bool(self.top_k))
         if completion.sampling_mask is not None:  # each token's support (the sampler's ids)
             mask = completion.sampling_mask
             piece["sampling_mask"] = [mask[i].tolist() for i in range(len(mask))]
@@ -212,12 +208,11 @@ class CompletionAnswer:
         if finish_reason == "length":
             reason["length"] = len(output_ids)
         answer = {"text": merged["text"], "output_ids": output_ids}
-        logprobs = merged.get("logprobs") or {"values": [], "tops": []}
-        if has_logprobs:
-            answer["output_token_logprobs"] = logprobs["values"]
+        top_fields, meta_fields = sglang_fields(merged.get("logprobs"), output_ids, k) if has_logprobs else ({}, {})
+        answer.update(top_fields)
         answer["meta_info"] = {
             "id": f"{generation.request_id}-{prompt_index}",
-            **_logprob_fields(logprobs, output_ids, has_logprobs, k),
+            **meta_fields,
             "weight_version": self.weight_version,
             "finish_reason": reason,
             "prompt_tokens": len(generation.prompts[prompt_index].token_ids),
@@ -233,11 +228,3 @@ class CompletionAnswer:
             answer["meta_info"]["top_p_token_offsets"] = [0, *itertools.accumulate(len(s) for s in supports)]
         return answer
 
-
-def _logprob_fields(logprobs: dict, output_ids: list[int], has_logprobs: bool, k: int) -> dict:
-    if not has_logprobs:
-        return {}
-    fields = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs["values"], output_ids)]}
-    if k:
-        fields["output_top_logprobs"] = [top[:k] for top in logprobs["tops"]]
-    return fields

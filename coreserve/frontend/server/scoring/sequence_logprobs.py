@@ -16,12 +16,11 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from coreserve.frontend.outputs import PositionLogprobs
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.fields import Int64, StrictBody
 from coreserve.frontend.server.common.generation import Generation, PromptInput
 from coreserve.frontend.server.common.inputs import check_logprobs, check_prompts, collect_prompt_logprobs
-from coreserve.frontend.server.common.logprob_json import JSONBytesResponse
+from coreserve.frontend.server.common.logprob_json import JSONBytesResponse, trl_sequence_answer
 from coreserve.frontend.server.common.sampling import build_sampling_params, field_refusal
 from coreserve.frontend.server.common.transport import until_disconnected
 from coreserve.frontend.server.state import ServerState
@@ -73,27 +72,8 @@ def _check_lengths(body: SequenceLogprobsRequest) -> None:
 async def _respond(generation: Generation, body: SequenceLogprobsRequest) -> Response:
     positions = await collect_prompt_logprobs(generation, body)
     answers = [
-        _sequence_answer(rows or [], sequence, length, body.top_logprobs)
+        trl_sequence_answer(rows or [], sequence, length, body.top_logprobs)
         for rows, sequence, length in zip(positions, body.sequences, body.prompt_lengths)
     ]
     return JSONBytesResponse({key: [answer[key] for answer in answers] for key in answers[0]})
 
-
-def _sequence_answer(rows: list[PositionLogprobs | None], sequence: list[int], start: int, k: int) -> dict:
-    """TRL's four lists for one sequence: per scored position the top k by rank (ids and logprobs), and
-    the actual token's logprob, exact whether or not it is in the top k."""
-    logprobs, token_ids, actual_logprobs, actual_ids = [], [], [], []
-    for position in range(start, len(sequence)):
-        row = rows[position]
-        assert row is not None  # position >= 1 always has a row
-        top = sorted(((lp.rank, token_id, lp.logprob) for token_id, lp in row.items()))[:k]
-        token_ids.append([token_id for _, token_id, _ in top])
-        logprobs.append([value for _, _, value in top])
-        actual_logprobs.append([row[sequence[position]].logprob])
-        actual_ids.append([sequence[position]])
-    return {
-        "logprobs": logprobs,
-        "logprob_token_ids": token_ids,
-        "actual_logprobs": actual_logprobs,
-        "actual_token_ids": actual_ids,
-    }

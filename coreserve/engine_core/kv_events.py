@@ -1,6 +1,6 @@
-"""KV-cache events (engine-core process, and any subscriber): the msgpack schema that vLLM's
-subscribers read (llm-d's precise prefix scorer, routers, NVIDIA Dynamo); the config, vLLM's
-`--kv-events-config`, is `KVEventsConfig` (coreserve/protocol/config.py).
+"""KV-cache events (engine-core process, which alone writes them; the frontend never reads them): the
+msgpack schema that vLLM's subscribers read (llm-d's precise prefix scorer, routers, NVIDIA Dynamo);
+the config, vLLM's `--kv-events-config`, is `KVEventsConfig` (coreserve/protocol/config.py).
 
 A subscriber connects a SUB socket to `endpoint` (or binds it, for engines that connect) and receives,
 per engine step that stored, evicted or cleared a prefix-cache block, three frames: the topic, a
