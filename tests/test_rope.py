@@ -45,7 +45,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_cos_sin_tables_equal_hf(variant):
     from transformers import LlamaConfig
-    from transformers.models.decoder.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     fields = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=MAX_POSITIONS)
     hf_config = LlamaConfig(**fields, rope_parameters=dict(VARIANTS[variant]))

@@ -124,12 +124,14 @@ def _folder_files(repo_id: str, revision: str | None, files: list[str], with_wei
 def _repo_files(repo_id: str, revision: str | None) -> tuple[list[str], str]:
     """The repo's file names and where they were listed: on the hub, or (offline, or the hub out of
     reach, as huggingface_hub's own downloads fall back) in the cache."""
-    from huggingface_hub import constants, list_repo_files
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     if not constants.HF_HUB_OFFLINE:
         try:
-            return list_repo_files(repo_id, revision=revision), "on the hub"
+            # a client made now reads the endpoint and token as they are now (the module-level one kept
+            # those of its import)
+            return HfApi().list_repo_files(repo_id, revision=revision), "on the hub"
         except (RepositoryNotFoundError, RevisionNotFoundError):
             raise
         except Exception as exc:  # noqa: BLE001 - the hub out of reach or down: whatever its client raised
