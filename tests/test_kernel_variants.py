@@ -206,8 +206,12 @@ def test_a_prebuilt_variant_is_taken_only_from_its_own_sources(prebuilt_dir, tmp
     """A checkout whose csrc/ changed after `build_kernels` must not load the older code."""
     shutil.copytree(prebuilt_dir / "generic", tmp_path / "generic")
     manifest = json.loads((prebuilt_dir / MANIFEST).read_text())
-    (tmp_path / MANIFEST).write_text(json.dumps({**manifest, "variants": {"generic": ["-march=x86-64"]}}))
+    generic = manifest["variants"]["generic"]
+    (tmp_path / MANIFEST).write_text(json.dumps({**manifest, "variants": {"generic": generic}}))
     assert prebuilt_variants(tmp_path) == {"generic"}
+    older_flags = [flag.replace("-O3", "-O2") for flag in generic]  # a build.py since changed
+    (tmp_path / MANIFEST).write_text(json.dumps({**manifest, "variants": {"generic": older_flags}}))
+    assert prebuilt_variants(tmp_path) == frozenset()
     (tmp_path / MANIFEST).write_text(json.dumps({**manifest, "sources": "0" * 64}))
     assert prebuilt_variants(tmp_path) == frozenset()
 

@@ -310,6 +310,28 @@ def test_a_gguf_base_kept_in_blocks_with_fused_projections_equals_peft(family_mo
     assert worst < TOLERANCE, worst
 
 
+class RecordingExecutor:
+    """The runner's add_lora and remove_lora verbs as a record (the LoRA table's logic alone): the slots
+    loaded, the paths read in order; the path /broken is refused as a missing folder."""
+
+    def __init__(self):
+        self.loaded: set[int] = set()
+        self.reads: list[str] = []
+        self.num_calls = 0
+
+    def collective_rpc(self, verb, kwargs):
+        self.num_calls += 1
+        if verb == "add_lora" and kwargs["path"] == "/broken":
+            raise ValueError("LoRA adapter '/broken' not found")
+        if verb == "add_lora":
+            self.loaded.add(kwargs["slot"])
+            self.reads.append(kwargs["path"])
+            return [1]
+        assert verb == "remove_lora", verb
+        self.loaded.discard(kwargs["slot"])
+        return [None]
+
+
 def test_the_lora_table_keeps_each_request_on_the_load_it_started_with():
     """coreserve/engine_core/lora_table.py with a recording executor (pure logic): a request's adapter is
     read only by load_wanted (between steps), through the runner's add_lora verb; a load in place gives
@@ -321,32 +343,17 @@ def test_the_lora_table_keeps_each_request_on_the_load_it_started_with():
     from coreserve.engine_core.lora_table import LoraTable
     from coreserve.protocol.sampling_params import LoraRef
 
-    class Executor:
-        def __init__(self):
-            self.loaded: set[int] = set()
-            self.num_calls = 0
-
-        def collective_rpc(self, verb, kwargs):
-            self.num_calls += 1
-            if verb == "add_lora" and kwargs["path"] == "/broken":
-                raise ValueError("LoRA adapter '/broken' not found")
-            if verb == "add_lora":
-                self.loaded.add(kwargs["slot"])
-                return [1]
-            assert verb == "remove_lora", verb
-            self.loaded.discard(kwargs["slot"])
-            return [None]
-
-    executor = Executor()
+    executor = RecordingExecutor()
     table = LoraTable(executor, enabled=True, max_loras=2, max_cpu_loras=1)
 
     def take(ref: LoraRef) -> int:
         """A request admitted as the scheduler and the core do it: is_ready, then (between steps) the read."""
         req = SimpleNamespace(params=SimpleNamespace(lora=ref), lora_slot=-1)
+        table.add_waiter(ref)
         num_calls = executor.num_calls
-        if not table.is_ready(req):
+        if not table.is_ready(req, []):
             assert executor.num_calls == num_calls  # asking for the read reads nothing
-            assert table.load_wanted() == [] and table.is_ready(req)
+            assert table.load_wanted() == [] and table.is_ready(req, [])
         assert table.admit(req) is None
         return req.lora_slot
 
@@ -367,9 +374,62 @@ def test_the_lora_table_keeps_each_request_on_the_load_it_started_with():
     assert again not in (running, newer) and again in executor.loaded  # read again, from the newer path
     assert ("a", "/a2") in table.adapters()
     broken = SimpleNamespace(params=SimpleNamespace(lora=LoraRef("c", 3, "/broken")), lora_slot=-1)
-    assert not table.is_ready(broken)
+    table.add_waiter(broken.params.lora)
+    assert not table.is_ready(broken, [])
     assert table.load_wanted() == [(3, "LoRA adapter '/broken' not found")]
     assert executor.loaded == {other, again} and ("c", "/broken") not in table.adapters()
+
+
+def test_a_load_read_for_a_waiting_request_is_kept_for_it_and_reads_fit_beside_the_running():
+    """coreserve/engine_core/lora_table.py under the real scheduler, stepped as the core does (reads, then
+    schedule), no model: a load read for a waiting request is not idle, so the end of another request
+    and a control load that trim idle loads leave it until the request is admitted on it, unread again;
+    an adapter is read only where it fits beside those running and read (max_loras); a request that
+    leaves before its read has none, one that leaves after frees it to the idle loads, and the idle
+    loads stay within max_cpu_loras."""
+    from test_scheduler import make_request, runner_output
+
+    from coreserve.engine_core.kv_cache_manager import KVCacheManager
+    from coreserve.engine_core.lora_table import LoraTable
+    from coreserve.engine_core.scheduler import Scheduler
+    from coreserve.protocol.sampling_params import LoraRef
+
+    executor = RecordingExecutor()
+    table = LoraTable(executor, enabled=True, max_loras=2, max_cpu_loras=1)
+    scheduler = Scheduler(KVCacheManager(32, 4), 8, 32, max_model_len=64, loras=table)
+
+    def step(*, can_admit: bool = True):
+        for int_id, error in table.load_wanted():
+            scheduler.fail_adapter_waiters(int_id, error)
+        scheduler.can_admit = can_admit  # False: admissions held (pause_generation), the waiters wait
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner_output(out, scheduler))
+
+    def add(name: str, int_id: int) -> None:
+        scheduler.add_request(make_request(name, 6, max_tokens=30, lora=LoraRef(name, int_id, f"/{name}")))
+
+    add("x", 1)
+    step(), step()  # x's read asked for, then done: x runs
+    add("a", 2), add("b", 3)
+    step()  # a's read asked for; b's not: x, a and b would be three adapters
+    step(can_admit=False)
+    assert executor.reads == ["/x", "/a"]
+    (slot_a,) = executor.loaded - {scheduler.requests["x"].lora_slot}
+    scheduler.abort_requests(["x"])  # x's load goes idle: one idle load, max_cpu_loras
+    slot_z = table.load("z", "/z").slot  # a second idle load: the least recently used (x's) is trimmed
+    assert executor.loaded == {slot_a, slot_z}
+    step()  # a admitted on the load read for it; b's read asked for
+    assert scheduler.requests["a"].lora_slot == slot_a and executor.reads == ["/x", "/a", "/z"]
+    step(can_admit=False)
+    assert executor.reads[-1] == "/b" and len(executor.loaded) == 3  # a's, z's (idle), b's
+    (slot_b,) = executor.loaded - {slot_a, slot_z}
+    scheduler.abort_requests(["b"])  # b leaves after its read: its load is idle, z's trimmed
+    assert executor.loaded == {slot_a, slot_b}
+    add("c", 4)
+    step()  # c's read asked for
+    scheduler.abort_requests(["c"])  # c leaves before it: nothing is read for it
+    step()
+    assert executor.reads == ["/x", "/a", "/z", "/b"] and executor.loaded == {slot_a, slot_b}
 
 
 def test_an_adapter_trained_on_the_real_smollm2_equals_peft_over_its_q4_1_blocks(tmp_path):
@@ -498,7 +558,10 @@ def test_the_fused_decode_forward_takes_the_adapters_with_the_op_by_op_bits(llm,
 
 
 def test_async_llm_takes_lora_request_and_equals_llm(llm, tiny_path, adapters):
+    """AsyncLLM's LoRARequest: its path resolved (a hub id fetched) in a worker thread, never on the event
+    loop; a bad one fails its own stream with a ValueError; the answers equal LLM's."""
     import asyncio
+    import threading
 
     from coreserve import AsyncLLM
 
@@ -507,17 +570,23 @@ def test_async_llm_takes_lora_request_and_equals_llm(llm, tiny_path, adapters):
 
     async def main():
         engine = AsyncLLM(tiny_path, multiprocess=False, enable_lora=True, num_kv_blocks=128)
+        fetch, fetched_on = engine.engine.request_adapter_folder, []
+        engine.engine.request_adapter_folder = lambda path: fetched_on.append(threading.get_ident()) or fetch(path)
         try:
+            with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
+                async for _ in engine.generate({"prompt_token_ids": PROMPTS[1]}, PARAMS, "a", lora_request="qv"):
+                    pass
             token_ids, finished = [], False
             async for delta in engine.generate({"prompt_token_ids": PROMPTS[1]}, PARAMS, "a", lora_request=request):
                 token_ids += delta.outputs[0].token_ids
                 finished = delta.finished
-            return token_ids, finished
+            return token_ids, finished, fetched_on
         finally:
             engine.shutdown()
 
-    token_ids, finished = asyncio.run(main())
+    token_ids, finished, fetched_on = asyncio.run(main())
     assert finished and token_ids == expected[0]
+    assert fetched_on and threading.get_ident() not in fetched_on  # asyncio.run's loop is this thread's
 
 
 def test_a_bf16_base_takes_the_adapter_in_fp32(tiny_path, adapters):

@@ -8,14 +8,15 @@ shard) and runs between steps, never inside `schedule()`: a control command's lo
 adapter when the core drains the reads the scheduler asked for (`load_wanted`, before each schedule).
 A request's adapter is checked when it arrives (`check`); the scheduler admits it only once its adapter
 is resident (`is_ready` asks for the read otherwise, and the request waits, keeping its turn; a read that
-fails fails the requests waiting for it, `load_wanted`'s failures). At admission (`admit`) it takes the
-slot of its adapter's current load and keeps it to its end, so it never mixes two versions; the
-prefix cache keys a LoRA request's blocks by its slot (Request.cache_root), so no request reads KV
-computed under another adapter or another load of its own. A slot no request holds is dropped when the
-adapter was loaded again, unloaded, or when more than max_cpu_loras idle slots are kept (least recently
-used first). Where `allowed_roots` is set, every load's path must lie under one of them, resolved in this
-process with symlinks followed (`allowed_path`), and the resolved folder is
-what the runner reads.
+fails fails the requests waiting for it, `load_wanted`'s failures). Reads count with the adapters
+running against max_loras, so none is read that could not join, and a load read for waiting requests is
+kept (not idle, never trimmed) until one is admitted or none waits (`add_waiter`, `remove_waiter`).
+At admission (`admit`) it takes the slot of its adapter's current load and keeps it to its end, so it
+never mixes two versions; the prefix cache keys a LoRA request's blocks by its slot (Request.cache_root),
+so no request reads KV computed under another adapter or another load of its own. A slot no request
+holds is dropped when the adapter was loaded again, unloaded, or when more than max_cpu_loras idle slots
+are kept (least recently used first). Where `allowed_roots` is set, every load's path must lie under one
+of them, resolved in this process with symlinks followed (`allowed_path`): the runner reads that folder.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class LoraTable:
         self._idle: OrderedDict[int, None] = OrderedDict()  # current slots no request holds, LRU first
         self._holders: dict[int, int] = {}  # slot -> requests holding it
         self._wanted: dict[int, LoraRef] = {}  # int_id -> a waiting request's adapter to read before the next step
+        self._reserved: set[int] = set()  # slots read for waiting requests, none admitted yet: kept, not idle
+        self._num_waiting: dict[int, int] = {}  # int_id -> requests waiting for it (not admitted)
         self._slot_ids = itertools.count()
         self._int_ids = itertools.count(CORE_IDS)  # ids of adapters loaded by name alone (the server's)
         self.on_drop: Callable[[int], None] = lambda slot: None  # a load gone: its KV can never be read again
@@ -100,11 +103,27 @@ class LoraTable:
         adapters = {r.params.lora.int_id for r in running if r.params.lora is not None}
         return lora.int_id in adapters or len(adapters) < self.max_loras
 
-    def is_ready(self, req) -> bool:
-        """Whether `req` (a Request the scheduler would admit now) has its adapter resident, or needs
-        none, or fails its check (`admit` then says why). Where it is not resident, its read is asked
-        for (at most max_loras adapters at a time) and the request waits: `load_wanted` reads it before
-        the next step."""
+    def add_waiter(self, ref: LoraRef) -> None:
+        """A request naming `ref` arrived: it waits for its adapter until `admit` or `remove_waiter`."""
+        self._num_waiting[ref.int_id] = self._num_waiting.get(ref.int_id, 0) + 1
+
+    def remove_waiter(self, ref: LoraRef) -> None:
+        """A request waiting for `ref` was admitted or left (aborted, failed); after the last, a load read
+        for them and still unheld becomes idle (trimmed past max_cpu_loras)."""
+        num_left = self._num_waiting.pop(ref.int_id, 0) - 1
+        if num_left > 0:
+            self._num_waiting[ref.int_id] = num_left
+            return
+        current = self._current.get(ref.int_id)
+        if current is not None and current.slot in self._reserved:
+            self._reserved.discard(current.slot)
+            self._idle[current.slot] = None
+            self._trim()
+
+    def is_ready(self, req, running: list) -> bool:
+        """Whether `req` (a Request the scheduler would admit now beside `running`) has its adapter
+        resident, or needs none, or fails its check (`admit` then says why). Else the request waits, and
+        its read is asked for where `_joining` leaves room in max_loras (`load_wanted` reads it)."""
         ref = req.params.lora
         if ref is None or req.lora_slot >= 0 or ref.int_id in self._current:
             return True
@@ -112,9 +131,16 @@ class LoraTable:
             self.check(ref)
         except ValueError:
             return True
-        if ref.int_id in self._wanted or len(self._wanted) < self.max_loras:
+        if ref.int_id in self._wanted or len(self._joining(running)) < self.max_loras:
             self._wanted[ref.int_id] = ref
         return False
+
+    def _joining(self, running: list) -> set[int]:
+        """The adapters of the next steps: running, asked for, or read for requests not admitted yet."""
+        adapters = {r.params.lora.int_id for r in running if r.params.lora is not None}
+        adapters.update(self._wanted)
+        adapters.update(self._slots[slot].int_id for slot in self._reserved)
+        return adapters
 
     def load_wanted(self) -> list[tuple[int, str]]:
         """Reads the adapters waiting requests asked for (between steps: the core's, before `schedule`);
@@ -122,12 +148,12 @@ class LoraTable:
         failed = []
         wanted, self._wanted = self._wanted, {}
         for int_id, ref in wanted.items():
-            if int_id in self._current:
-                continue
+            if int_id in self._current or not self._num_waiting.get(int_id):
+                continue  # resident since, or its requests left (aborted): nothing to read
             name, path, generation = self._known.get(int_id, (ref.name, ref.path, 0))  # known: its latest load
             try:
                 self.check(ref)
-                self._load(name, int_id, path, generation)
+                self._load(name, int_id, path, generation, is_reserved=True)
             except ValueError as exc:
                 failed.append((int_id, str(exc)))
         return failed
@@ -142,6 +168,7 @@ class LoraTable:
         except ValueError as exc:
             return str(exc)
         req.lora_slot = self._hold_current(req.params.lora.int_id)
+        self.remove_waiter(req.params.lora)
         return None
 
     def load(self, name: str, path: str, inplace: bool = False, int_id: int | None = None) -> Slot:
@@ -193,11 +220,12 @@ class LoraTable:
         current = self._current[int_id]  # resident: is_ready held the request back until it was read
         self._holders[current.slot] = self._holders.get(current.slot, 0) + 1
         self._idle.pop(current.slot, None)
+        self._reserved.discard(current.slot)  # held now: a request's end makes it idle
         return current.slot
 
-    def _load(self, name: str, int_id: int, path: str, generation: int) -> Slot:
-        """The adapter read into a new slot on every rank; a ValueError (the path's, or a rank's refusal)
-        leaves all as it was (a rank that read it drops it again)."""
+    def _load(self, name: str, int_id: int, path: str, generation: int, is_reserved: bool = False) -> Slot:
+        """The adapter read into a new slot on every rank, idle, or kept for waiting requests (`is_reserved`,
+        or the load it replaces was); a ValueError leaves all as it was (a rank that read it drops it)."""
         read_path = allowed_path(path, self.allowed_roots)
         slot = Slot(next(self._slot_ids), name, int_id, path, generation)
         try:
@@ -208,11 +236,15 @@ class LoraTable:
         logger.info("LoRA adapter %r (lora_int_id %d, load %d) read from %s: %.1f MiB", name, int_id, generation,
                     path, sum(sizes) / 2**20)
         previous = self._current.get(int_id)
+        is_reserved = is_reserved or (previous is not None and previous.slot in self._reserved)
         self._slots[slot.slot], self._current[int_id] = slot, slot
         self._known[int_id], self._by_name[name] = (name, path, generation), int_id
         if previous is not None:
             self._retire(previous)
-        self._idle[slot.slot] = None
+        if is_reserved:
+            self._reserved.add(slot.slot)
+        else:
+            self._idle[slot.slot] = None
         return slot
 
     def _trim(self) -> None:
@@ -225,6 +257,7 @@ class LoraTable:
     def _retire(self, slot: Slot) -> None:
         """No new request takes `slot`; it goes when the last request holding it does."""
         self._idle.pop(slot.slot, None)
+        self._reserved.discard(slot.slot)
         if slot.slot not in self._holders:
             self._drop(slot.slot)
 

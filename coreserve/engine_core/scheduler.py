@@ -63,6 +63,8 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
+        if self.loras is not None and req.params.lora is not None:
+            self.loras.add_waiter(req.params.lora)  # a load read for it is kept until it is admitted
         if req.params.structured_outputs is None:
             self.waiting.append(req)
             return
@@ -182,7 +184,7 @@ class Scheduler:
     def _is_adapter_ready(self, req: Request) -> bool:
         """Whether `req`'s adapter may run now: room among the step's (max_loras) and resident (else its
         read is asked for, done by the core before the next step; nothing is read here)."""
-        return self.loras.has_room(req, self.running) and self.loras.is_ready(req)
+        return self.loras.has_room(req, self.running) and self.loras.is_ready(req, self.running)
 
     def fail_adapter_waiters(self, int_id: int, error: str) -> None:
         """The requests waiting for adapter `int_id`, whose read failed, fail with `error` (reported with
@@ -350,6 +352,8 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         if req.lora_slot >= 0 and self.loras is not None and req.req_id in self.requests:
             self.loras.release(req.lora_slot)
+        elif req.params.lora is not None and self.loras is not None and req.req_id in self.requests:
+            self.loras.remove_waiter(req.params.lora)  # never admitted
         if req.grammar is not None and req.req_id in self.requests:
             self.num_with_grammar -= 1
         self.kv_cache.free(req.req_id)

@@ -131,13 +131,14 @@ class AsyncLLM(AsyncLLMControlVerbs):
         again as soon as the stream ends: finished, failed, `aclose()`d, cancelled, or left by `break`.
         `lora_request`: the adapter it runs with (docs/lora.md)."""
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        params = with_lora(params, lora_request, self.engine.request_adapter_folder)  # a hub id: fetched once
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        return RequestStream(lambda: self._start(prompt, params, request_id), self._release)
+        return RequestStream(lambda: self._start(prompt, params, request_id, lora_request), self._release)
 
-    def _start(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
+    async def _start(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, lora_request: LoRARequest | None
     ) -> tuple[str, asyncio.Queue]:
+        if lora_request is not None:  # a hub id not fetched yet downloads: in a thread, never on the loop
+            params = await asyncio.to_thread(with_lora, params, lora_request, self.engine.request_adapter_folder)
         self._raise_if_dead()
         self._loop = asyncio.get_running_loop()
         if request_id in self._key_of:

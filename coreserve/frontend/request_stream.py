@@ -12,13 +12,13 @@ at once). Outputs are routed by a submission key, so an id reused at once never 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from coreserve.frontend.outputs import RequestOutput
 
 # start() submits the request and returns its key and the queue its deltas (or an exception) arrive on;
 # release(key, is_finished) forgets the key, and aborts the request in the engine unless it finished.
-StartFn = Callable[[], tuple[str, asyncio.Queue]]
+StartFn = Callable[[], Awaitable[tuple[str, asyncio.Queue]]]
 ReleaseFn = Callable[[str, bool], None]
 
 
@@ -41,10 +41,14 @@ class RequestStream:
             raise StopAsyncIteration
         if self._queue is None:
             try:
-                self._key, self._queue = self._start()
+                key, queue = await self._start()
             except BaseException:
                 self._is_done = True
                 raise
+            if self._is_done:  # closed while it started (its adapter fetched): withdrawn at once
+                self._release_fn(key, False)
+                raise StopAsyncIteration
+            self._key, self._queue = key, queue
         try:
             item = await self._queue.get()
         except BaseException:  # cancelled while waiting: the stream ends, as a generator's would

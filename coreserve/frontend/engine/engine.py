@@ -267,8 +267,8 @@ class FrontendEngine:
 
     def adapter_folder(self, path: str) -> str:
         """The folder the core reads for `path`; a hub id fetched afresh (a load may take a newer revision)
-        where lora_allowed_roots admit it (coreserve/frontend/lora.py). Thread-safe: AsyncLLM fetches off
-        its engine thread."""
+        where lora_allowed_roots admit it (coreserve/frontend/lora.py). Thread-safe: AsyncLLM fetches (here
+        and in `request_adapter_folder`) in worker threads, off both its event loop and its engine thread."""
         folder = adapter_folder(path, self.config.lora_allowed_roots)
         if folder != path:
             self._adapter_folders[path] = folder

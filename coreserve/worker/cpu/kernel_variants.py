@@ -19,6 +19,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from coreserve.worker.cpu.build import compile_flags
+
 CSRC = Path(__file__).with_name("csrc")
 PREBUILT = Path(__file__).with_name("prebuilt")  # <variant>/libcpu_kernels.so and MANIFEST, in a wheel
 LIBRARY_NAME = "libcpu_kernels.so"
@@ -113,8 +115,8 @@ def sources_digest(files: list[Path]) -> str:
 
 
 def prebuilt_variants(folder: Path) -> frozenset[str]:
-    """The variants in folder built from these sources with this table's flags (a checkout whose csrc/
-    changed since, or a table that changed, has none: they would be other code)."""
+    """The variants in folder built from these sources with today's whole flags, gcc's or clang's (a
+    checkout whose csrc/, variant table or build flags changed since has none: they would be other code)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -124,5 +126,6 @@ def prebuilt_variants(folder: Path) -> frozenset[str]:
     built = manifest.get("variants", {})
     return frozenset(
         variant.name for variant in VARIANTS
-        if built.get(variant.name) == list(variant.target) and (folder / variant.name / LIBRARY_NAME).is_file()
+        if built.get(variant.name) in [list(compile_flags(kind, variant.target)) for kind in (b"gcc", b"clang")]
+        and (folder / variant.name / LIBRARY_NAME).is_file()
     )

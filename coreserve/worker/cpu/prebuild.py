@@ -61,7 +61,7 @@ def build_variants(folder: Path, names: list[str] | None = None, jobs: int | Non
     manifest = {
         "sources": sources_digest(SOURCES + HEADERS),
         "compiler": version.decode(errors="replace").splitlines()[0] if version else compiler,
-        "variants": {variant.name: list(variant.target) for variant in built},
+        "variants": {variant.name: list(compile_flags(version, variant.target)) for variant in built},  # whole flags
     }
     folder.mkdir(parents=True, exist_ok=True)
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
