@@ -56,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--quantized-activations", default="float32", choices=["float32", "int8"],
                         help="int8: integer mode's products for GGUF blocks (docs/quantized.md)")
+    parser.add_argument("--kernel-variant", default="auto",
+                        help="the C kernels' build: auto, native, or a prebuilt level (docs/install.md)")
     parser.add_argument("--json", default="bench_out/decode_step.json")
     return parser.parse_args()
 
@@ -162,6 +164,7 @@ def main() -> None:
             "dtype": args.dtype,
             "quantized_activations": args.quantized_activations,
             "batch_invariant": not args.no_batch_invariant,
+            "kernel_variant": args.kernel_variant,
         },
     )
     core = EngineCore(config)
