@@ -15,6 +15,7 @@ from coreserve.engine_core.long_rope import LongRopeRule
 from coreserve.engine_core.lora_table import LoraTable
 from coreserve.engine_core.multi_step import extend_to_window
 from coreserve.engine_core.outputs import add_token_extras, make_output
+from coreserve.engine_core.prefix_admission import is_prefix_being_computed, read_cached_prefix
 from coreserve.engine_core.prompt_rows import flavour_of
 from coreserve.engine_core.request import Request, RequestStatus
 from coreserve.engine_core.speculation import SpeculationPolicy
@@ -119,7 +120,7 @@ class Scheduler:
             req = self.running[index]
             is_restarted = self.long_rope.restart(req, self.kv_cache, output)
             if is_restarted and self.kv_cache.index is not None and req.can_read_prefix_cache:
-                self._read_cached_prefix(req)  # its long prefix, where another request computed it
+                read_cached_prefix(self.kv_cache, req)  # its long prefix, where another request computed it
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             num_spec, new_blocks = 0, None
             if self.speculation is not None:
@@ -208,11 +209,11 @@ class Scheduler:
             self._fail(self.waiting.popleft(), error)
             return 0
         can_read_cache = self.kv_cache.index is not None and req.can_read_prefix_cache
-        if can_read_cache and self._is_prefix_being_computed(req):
+        if can_read_cache and is_prefix_being_computed(self.kv_cache, self.long_rope, self.running, req):
             return None
         req.is_long_rope = self.long_rope.is_past_switch(req)
         if can_read_cache:
-            self._read_cached_prefix(req)
+            read_cached_prefix(self.kv_cache, req)
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
         if self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_new) is None:
             self.kv_cache.free(req.req_id)
@@ -224,40 +225,6 @@ class Scheduler:
         output.new_reqs.append(req.new_request_data(self.kv_cache.blocks_of(req.req_id)))
         self._commit(req, num_new, output)
         return num_new
-
-    def _read_cached_prefix(self, req: Request) -> None:
-        """Takes the request's cached prefix (never its last token: its logits are needed). One that
-        still owes prompt logprobs reads only blocks that keep its rows (coreserve/engine_core/prompt_rows.py),
-        and takes those rows."""
-        kv = self.kv_cache
-        flavour = None if req.has_sent_prompt_logprobs else flavour_of(req.params)
-        tokens = req.all_token_ids
-        req.num_computed_tokens = kv.take_cached_prefix(
-            req.req_id, tokens, req.num_tokens - 1, flavour, req.cache_salt, req.is_long_rope
-        )
-        if req.num_output_tokens == 0:
-            req.num_cached_tokens = req.num_computed_tokens
-        if flavour is not None and req.num_computed_tokens:
-            req.prompt_logprob_parts = [kv.prompt_rows.take(kv.blocks_of(req.req_id), tokens, flavour)]
-
-    def _is_prefix_being_computed(self, req: Request) -> bool:
-        """`req`'s first block is not cached yet, but a running request with the same first block is
-        computing it (n > 1, one system prompt): waiting for it lets `req` read the prefix the two
-        share instead of computing it again."""
-        size = self.kv_cache.block_size
-        if req.num_prompt_tokens <= size:
-            return False
-        first, salt, is_long = req.prompt_token_ids[:size], req.cache_salt, self.long_rope.is_past_switch(req)
-        if self.kv_cache.index.lookup(self.kv_cache.index.root_of(salt, is_long), tuple(first)) is not None:
-            return False
-        return any(
-            r.prompt_token_ids[:size] == first
-            and r.cache_salt == salt
-            and r.is_long_rope == is_long
-            and self.kv_cache.num_indexed_tokens(r.req_id)
-            < (min(r.num_prompt_tokens, req.num_prompt_tokens) - 1) // size * size
-            for r in self.running
-        )
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
         output.num_scheduled_tokens[req.req_id] = num_new
