@@ -441,6 +441,14 @@ FAMILY_CONFIGS = {
         model_type="mixtral", tokenizer="llama2", num_local_experts=8, num_experts_per_tok=2,
         sliding_window=24, rope_theta=1000000.0,
     ),
+    # Qwen3.5 (dense): a Gated DeltaNet layer (2 key heads serving 4 value heads, conv kernel 4), then an
+    # output-gated attention layer rotating a quarter of each head, norms scaling by 1 + weight
+    "qwen3_5": dict(
+        model_type="qwen3_5_text", tokenizer="llama3", head_dim=32, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    ),
     # OLMoE: q/k norms over the whole projections, clip_qkv, top-k probabilities as they are
     "olmoe": dict(
         model_type="olmoe", tokenizer="llama2", num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,

@@ -55,14 +55,17 @@ class EngineCore:
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
+        self.num_state_slots = self._hybrid_state_slots(args)
+        self.state_bytes = self.num_state_slots * args.state_bytes_per_seq  # a hybrid's state cache, at most
+        self.enable_prefix_caching = config.enable_prefix_caching and not args.is_hybrid
         self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
-        self.executor.allocate_kv_cache(self.num_kv_blocks)
+        self.executor.allocate_kv_cache(self.num_kv_blocks, self.num_state_slots)
         events = config.kv_events_config
         is_publishing = events is not None and events.is_publishing
-        if is_publishing and not config.enable_prefix_caching:
+        if is_publishing and not self.enable_prefix_caching:
             logger.warning("kv_events_config: prefix caching is off, so no KV-cache events are sent")
-        self.kv_events = KVEventLog(config.block_size) if is_publishing and config.enable_prefix_caching else None
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+        self.kv_events = KVEventLog(config.block_size) if is_publishing and self.enable_prefix_caching else None
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, self.enable_prefix_caching,
                                        self.kv_events)
         self.loras = LoraTable(self.executor, config.enable_lora, config.max_loras, config.max_cpu_loras,
                                config.lora_allowed_roots)
@@ -70,7 +73,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(config.model)
         self.scheduler = Scheduler(
             self.kv_cache,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=self.num_state_slots or config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             num_scheduler_steps=config.num_scheduler_steps,
@@ -90,12 +93,33 @@ class EngineCore:
         assert not self.scheduler.running
         previous = self.kv_cache.index
         self.kv_cache = KVCacheManager(
-            self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching, self.kv_events,
+            self.num_kv_blocks, self.config.block_size, self.enable_prefix_caching, self.kv_events,
             previous.next_content_id if previous is not None else 1,
         )
         self.scheduler.kv_cache = self.kv_cache
         if self.kv_events is not None:
             self.kv_events.cleared()
+
+    def _hybrid_state_slots(self, args) -> int:
+        """A hybrid model's state slots (0: not a hybrid): one a running request, max_num_seqs of them,
+        at most half of kv_cache_gib (the scheduler then runs no more requests than that). What a hybrid
+        does not do yet is refused by name; its prefix cache is off (docs/models.md)."""
+        if not args.is_hybrid:
+            return 0
+        config = self.config
+        for name, is_asked in (("speculative decoding", config.speculative_config is not None),
+                               ("LoRA (enable_lora)", config.enable_lora)):
+            if is_asked:
+                raise ValueError(f"{name} with a hybrid model (recurrent layers) is not built yet")
+        if config.enable_prefix_caching:
+            logger.info("prefix caching is off for a hybrid model (its recurrent state has no snapshots yet)")
+        fit = int(config.kv_cache_gib * 2**30 // 2 // args.state_bytes_per_seq)
+        slots = max(1, min(config.max_num_seqs, fit))
+        if slots < config.max_num_seqs:
+            logger.warning("max_num_seqs is %d, not %d: a request's recurrent state takes %.1f MiB, and the state "
+                           "cache is held to half of kv_cache_gib=%s", slots, config.max_num_seqs,
+                           args.state_bytes_per_seq / 2**20, config.kv_cache_gib)
+        return slots
 
     def _backed_num_blocks(self, num_blocks: int) -> int:
         """The KV cache's pages are committed as blocks are first written, so a cache the host cannot
@@ -104,6 +128,7 @@ class EngineCore:
         given num_kv_blocks that does not is refused, naming the flag; the default is cut to fit (at
         least one full-length sequence)."""
         need, available = self.executor.host_kv_bytes(num_blocks), host_memory_available()
+        need += self.state_bytes if need else 0  # a hybrid's state cache, where the KV cache is on the host
         if available is not None:
             available = int(available * KV_MEMORY_SHARE)
         if not need or available is None or need <= available:
@@ -120,7 +145,7 @@ class EngineCore:
 
     def _default_num_blocks(self) -> int:
         per_seq = -(-self.max_model_len // self.config.block_size)
-        budget = int(self.config.kv_cache_gib * 2**30 // self.executor.bytes_per_block())
+        budget = int((self.config.kv_cache_gib * 2**30 - self.state_bytes) // self.executor.bytes_per_block())
         return max(1, min(self.config.max_num_seqs * per_seq, budget))
 
     def stats(self, nonce: int = 0) -> EngineStats:
@@ -136,6 +161,8 @@ class EngineCore:
             prefix_cache_queries=self.kv_cache.num_queried_tokens,
             prefix_cache_hits=self.kv_cache.num_hit_tokens,
             num_prefill_tokens=scheduler.num_prefill_tokens,
+            num_state_slots=self.num_state_slots,
+            state_bytes_per_seq=self.state_bytes // max(1, self.num_state_slots),
             running_lora_adapters=_adapter_names(scheduler.running),
             waiting_lora_adapters=_adapter_names(r for r in scheduler.requests.values() if r.status == RequestStatus.WAITING),
             **_speculative_stats(scheduler),

@@ -185,6 +185,10 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True):
     # LoRA: the adapters of the running and of the waiting requests, by name (vllm:lora_requests_info)
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)
     waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    # A hybrid model's state cache (recurrent layers): its slots (the most requests that run at once) and
+    # the bytes a running request's slot takes; 0 for a model of attention layers only
+    num_state_slots: int = 0
+    state_bytes_per_seq: int = 0
 
 
 class ControlReply(msgspec.Struct, tag="done", array_like=True):

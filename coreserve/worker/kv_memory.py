@@ -1,7 +1,14 @@
 """A runner's KV cache memory (engine-core process, and each tensor-parallel rank): one zeroed
-[2, Hkv, slots, D] tensor a layer from the backend, which binds its fast path to them, and a draft
-model's cache beside (the proposer's). Sleep frees it (`free`), keeping the block count; wake allocates
-it again, zeroed (`restore`); new weights rebind the backend to it (`rebind`).
+[2, Hkv, slots, D] tensor an attention layer from the backend, which binds its fast path to them, and a
+draft model's cache beside (the proposer's). Sleep frees it (`free`), keeping the block count; wake
+allocates it again, zeroed (`restore`); new weights rebind the backend to it (`rebind`).
+
+A hybrid model's recurrent layers keep, in its place, a state cache: a slot a running sequence
+(`LayerState`: the conv's last inputs and the recurrence's state), taken when a request enters the
+runner (zeroed: a sequence starts from nothing) and given back when it leaves, finished or preempted
+(a preempted request is computed again from its first token). The core sizes the slots
+(coreserve/engine_core/core.py: no more running requests than slots); their pages are written only
+as slots are first taken.
 
 The runner's steps read `caches`; its control verbs (coreserve/worker/runner_control.py) free and
 restore them. The block count itself is the core's (coreserve/engine_core/core.py sizes the pool).
@@ -16,6 +23,7 @@ import torch
 
 from coreserve.worker.backend import Backend
 from coreserve.worker.models.decoder import DecoderModel
+from coreserve.worker.models.gated_deltanet import LayerState
 from coreserve.worker.speculative.proposers import Proposer
 
 logger = logging.getLogger(__name__)
@@ -30,12 +38,15 @@ class KvMemory:
         self.block_size = block_size
         self.dtype = dtype  # the activations' and the cache's
         self.proposer = proposer  # a draft model's cache, sized alike; None: no speculation, or n-grams'
-        self.caches: list[torch.Tensor] = []  # a layer's [2, Hkv, num_blocks * block_size, D]; [] asleep
+        # a layer's [2, Hkv, num_blocks * block_size, D] (a recurrent layer's LayerState); [] asleep
+        self.caches: list[torch.Tensor | LayerState] = []
         self.num_blocks = 0  # what the cache holds, kept through a sleep for the wake
+        self.num_state_slots = 0  # a hybrid's state cache, kept through a sleep too
+        self.free_state_slots: list[int] = []
 
     def bytes_per_block(self) -> int:
         a = self.model.args
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * len(a.attention_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def host_kv_bytes(self, num_blocks: int) -> int:
         """The host memory a cache of num_blocks takes (a draft model's too): all of it on the CPU, none
@@ -43,17 +54,45 @@ class KvMemory:
         draft = 0 if self.proposer is None else self.proposer.host_kv_bytes(num_blocks)
         return (num_blocks * self.bytes_per_block() if self.is_on_host else 0) + draft
 
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int, num_state_slots: int = 0) -> None:
         begun = time.perf_counter()
         a = self.model.args
         shape = (2, a.num_kv_heads, num_blocks * self.block_size, a.head_dim)
-        self.caches = self.backend.allocate_kv_cache(a.num_layers, shape, self.dtype)
-        self.num_blocks = num_blocks
-        self.backend.bind(self.model, self.caches)
+        kv = iter(self.backend.allocate_kv_cache(len(a.attention_layers), shape, self.dtype))
+        self.caches = [next(kv) if spec.mixer == "attention" else self._states(num_state_slots) for spec in a.layers]
+        self.num_blocks, self.num_state_slots = num_blocks, num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
+        if not a.is_hybrid:  # the fused decode forward reads attention layers only
+            self.backend.bind(self.model, self.caches)
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); startup: KV cache %.3f s", num_blocks,
                     self.block_size, num_blocks * self.bytes_per_block() / 2**20, time.perf_counter() - begun)
+
+    def _states(self, num_slots: int) -> LayerState:
+        """A recurrent layer's slots, unwritten (a slot is zeroed when taken)."""
+        lin = self.model.args.linear
+        assert lin is not None and num_slots > 0, "a hybrid model needs state slots"
+        conv = torch.empty(num_slots, lin.conv_kernel - 1, lin.conv_dim, device=self.caches_device)
+        recurrent = torch.empty(num_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim,
+                                device=self.caches_device)
+        return LayerState(conv, recurrent)
+
+    @property
+    def caches_device(self) -> torch.device:
+        return torch.device("cpu") if self.is_on_host else self.model.embed_tokens.weight.device
+
+    def take_state_slot(self) -> int:
+        """A free slot of the state cache, zeroed in every recurrent layer: a sequence's start."""
+        slot = self.free_state_slots.pop()  # the core runs no more requests than slots
+        for cache in self.caches:
+            if isinstance(cache, LayerState):
+                cache.conv[slot].zero_()
+                cache.recurrent[slot].zero_()
+        return slot
+
+    def give_state_slot(self, slot: int) -> None:
+        self.free_state_slots.append(slot)
 
     def free(self) -> None:
         """Sleep: the caches go (the backend drops what reads them first); the block count stays."""
@@ -65,9 +104,9 @@ class KvMemory:
     def restore(self) -> None:
         """Wake: the caches of the kept block count again, zeroed (nothing where they are here)."""
         if not self.caches and self.num_blocks:
-            self.allocate(self.num_blocks)
+            self.allocate(self.num_blocks, self.num_state_slots)
 
     def rebind(self) -> None:
         """The weights moved: what the backend derived from their addresses and the caches', again."""
-        if self.caches:
+        if self.caches and not self.model.args.is_hybrid:
             self.backend.bind(self.model, self.caches)

@@ -134,8 +134,8 @@ class ModelRunner:
     def host_kv_bytes(self, num_blocks: int) -> int:
         return self.kv.host_kv_bytes(num_blocks)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv.allocate(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        self.kv.allocate(num_blocks, num_state_slots)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -302,12 +302,17 @@ class ModelRunner:
 
     def _apply_diffs(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
-            self.states.pop(req_id, None)
+            gone = self.states.pop(req_id, None)
+            if gone is not None and gone.state_slot >= 0:
+                self.kv.give_state_slot(gone.state_slot)
             self.asking_extras.discard(req_id)
             if self.speculator is not None:
                 self.speculator.proposer.forget(req_id)
         for data in scheduler_output.new_reqs:
             self.states[data.req_id] = state = RequestState.from_new(data)
+            if self.kv.num_state_slots:  # a hybrid's sequence starts from a zeroed state: from its first token
+                assert state.num_computed_tokens == 0, "a hybrid model's prefix cache is off"
+                state.state_slot = self.kv.take_state_slot()
             if asks_extras(state):
                 self.asking_extras.add(data.req_id)
             if self.speculator is not None:

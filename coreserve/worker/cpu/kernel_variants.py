@@ -27,7 +27,7 @@ LIBRARY_NAME = "libcpu_kernels.so"
 MANIFEST = "manifest.json"
 SOURCES = [CSRC / name for name in (
     "decode_attention.c", "logprob_rows.c", "fused_ops.c", "gemv.c", "decode_forward.c", "gemm_amx.c",
-    "gemv_quant.c", "gemv_int8.c", "int8_panels.c", "lora_rows.c",
+    "gemv_quant.c", "gemv_int8.c", "int8_panels.c", "lora_rows.c", "recurrent_mixers.c",
 )]
 # Part of the build key and of the manifest's digest, included by the sources.
 HEADERS = [CSRC / name for name in (

@@ -234,3 +234,24 @@ def rms_norm(
         weight.data_ptr(), eps, total.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )
     return total, out
+
+
+def gated_deltanet(kernels: CpuKernels, mixer, proj: torch.Tensor, state, spans) -> torch.Tensor:
+    """A Gated DeltaNet layer's mixer (coreserve/worker/models/gated_deltanet.py's module, its params fp32)
+    over proj [T, width] float32, one C call a sequence (`spans`: StateSpan), each from and to its
+    state slot (`state`: LayerState) -> [T, value_dim]."""
+    assert proj.is_contiguous() and proj.dtype == torch.float32
+    lin = mixer.shape
+    num_threads = torch.get_num_threads()
+    out = torch.empty(proj.shape[0], mixer.value_dim)
+    scratch = torch.empty(max((num for _, num, _ in spans), default=0), lin.conv_dim)
+    params = [t.data_ptr() for t in (mixer.conv1d.weight, mixer.A_log, mixer.dt_bias, mixer.norm.weight)]
+    for first, num, slot in spans:
+        status = kernels.gated_deltanet_span(
+            proj[first].data_ptr(), proj.shape[1], num, state.conv[slot].data_ptr(), state.recurrent[slot].data_ptr(),
+            *params, mixer.eps, lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim,
+            lin.conv_kernel, scratch.data_ptr(), out[first].data_ptr(), num_threads,
+        )
+        if status != 0:
+            raise RuntimeError(f"gated_deltanet_span refused the shapes {lin} (status {status})")
+    return out

@@ -15,10 +15,11 @@ from torch import nn
 
 from coreserve.worker.cpu.attention_plan import CpuAttentionPlan, KernelRows
 from coreserve.worker.cpu.bindings import CpuKernels
-from coreserve.worker.cpu.kernels import decode_attention, rms_norm, rope_write_kv, silu_mul
+from coreserve.worker.cpu.kernels import decode_attention, gated_deltanet, rms_norm, rope_write_kv, silu_mul
 from coreserve.worker.cpu.linear import linear
+from coreserve.worker.models.gated_deltanet import LayerState
 from coreserve.worker.models.ops import HeadShape, Rope, TorchOps, gelu_tanh_mul
-from coreserve.worker.step.attention import AttentionMetadata, AttentionSpec, paged_attention
+from coreserve.worker.step.attention import AttentionMetadata, AttentionSpec, StateSpan, paged_attention
 
 
 def _whole(partial: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,12 @@ class CpuOps:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_mul(gate_up)  # torch's, element-wise (Gemma alone uses it)
+
+    def gated_deltanet(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor:
+        """csrc/recurrent_mixers.c, a call a sequence: its numbers never depend on the others'."""
+        return gated_deltanet(self.kernels, mixer, proj, state, spans)
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

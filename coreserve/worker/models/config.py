@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coreserve.worker.models.config_checks import check_config_numbers
-from coreserve.worker.models.family import GELU_TANH, SILU, Family, family_of
-from coreserve.worker.models.layer_spec import LayerSpec, global_rope_config, layer_specs, rope_spec
+from coreserve.worker.models.family import GATED_DELTANET, GELU_TANH, SILU, Family, family_of, text_config
+from coreserve.worker.models.layer_spec import LayerSpec, global_rope_config, layer_kinds, layer_specs, rope_spec
 from coreserve.worker.models.rope import RopeSpec, long_rope_switch
 
 # Keys of other architectures that change the math; any of them set (not null, not 0/False/1) is refused
@@ -48,6 +48,29 @@ class MoeArgs:
 
 
 @dataclass(frozen=True)
+class LinearAttentionArgs:
+    """A Gated DeltaNet layer's shapes (Qwen3.5's linear_* keys): a causal depthwise conv of
+    `conv_kernel` over q, k and v, then a gated delta-rule recurrence with a [key_head_dim,
+    value_head_dim] state per value head (coreserve/worker/models/gated_deltanet.py)."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: each q/k head serves that many value heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:  # q, k and v side by side, the conv's channels
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    @property
+    def state_bytes(self) -> int:
+        """One sequence's state in a layer, fp32: the conv's last conv_kernel - 1 inputs and the recurrence's."""
+        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim
+        return 4 * (self.conv_dim * (self.conv_kernel - 1) + recurrent)
+
+
+@dataclass(frozen=True)
 class DecoderArgs:
     vocab_size: int
     hidden_size: int
@@ -68,6 +91,28 @@ class DecoderArgs:
     embed_scale: float | None = None  # the embedding times it, rounded to the weights' dtype (Gemma)
     final_softcap: float | None = None  # logits become cap tanh(logit / cap) (Gemma 2)
     moe: MoeArgs | None = None  # the mixtures of experts
+    linear: LinearAttentionArgs | None = None  # the Gated DeltaNet layers' shapes (Qwen3.5)
+    # A vision-language folder's decoder tensors are under "model.language_model." (read as "model.");
+    # tensors under skipped_prefixes (its vision tower, a multi-token-prediction head) are not this model's
+    text_prefix: str = "model."
+    skipped_prefixes: tuple[str, ...] = ()
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with a KV cache, in order (a hybrid's recurrent layers keep a state instead)."""
+        return [i for i, spec in enumerate(self.layers) if spec.mixer == "attention"]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a recurrent state a sequence (the state cache: coreserve/worker/kv_memory.py)."""
+        return len(self.attention_layers) != self.num_layers
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        """A running sequence's recurrent state over every recurrent layer (0: not a hybrid)."""
+        if self.linear is None:
+            return 0
+        return self.linear.state_bytes * (self.num_layers - len(self.attention_layers))
 
     @property
     def is_llama_shaped(self) -> bool:
@@ -92,6 +137,7 @@ class DecoderArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> DecoderArgs:
+        config = text_config(config)
         check_config_numbers(config)
         family = family_of(config)
         _refuse_unsupported(config, family)
@@ -125,7 +171,28 @@ class DecoderArgs:
             embed_scale=config["hidden_size"] ** 0.5 if family.scales_embedding else None,
             final_softcap=config.get("final_logit_softcapping") if family.has_softcaps else None,
             moe=moe,
+            linear=_linear_args(config) if family.recurrent == GATED_DELTANET else None,
+            text_prefix="model.language_model." if family.nests_text_config else "model.",
+            skipped_prefixes=("model.visual.", "mtp.") if family.recurrent == GATED_DELTANET else (),
         )
+
+
+def _linear_args(config: dict) -> LinearAttentionArgs:
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim")
+    values = []
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16:
+            raise ValueError(f"{key}={value!r} must be an integer in 1..65536")
+        values.append(value)
+    args = LinearAttentionArgs(*values)
+    if args.num_value_heads % args.num_key_heads:
+        raise ValueError(f"linear_num_value_heads={args.num_value_heads} is not a multiple of "
+                         f"linear_num_key_heads={args.num_key_heads}")
+    if args.conv_kernel < 2:
+        raise ValueError(f"linear_conv_kernel_dim={args.conv_kernel}: the conv needs a kernel of 2 or more")
+    return args
 
 
 def moe_args(config: dict, family: Family) -> MoeArgs | None:
@@ -162,10 +229,11 @@ def _refuse_unsupported(config: dict, family: Family) -> None:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0 and not family.partial_rotary:
-        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4 only")
+        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4 "
+                         "and Qwen3.5 only")
     if family.refuses_use_sliding_window and config.get("use_sliding_window"):
         raise ValueError(f"{name} with use_sliding_window=true (per-layer windows) is not supported")
-    layer_types = set(config.get("layer_types") or ["full_attention"])
+    layer_types = set(layer_kinds(config, family))
     if family.layer_types is not None and layer_types - family.layer_types:
         raise ValueError(f"layer_types {sorted(layer_types)} (mixed attention layers) are not supported")
     if family.moe is not None and config.get("num_experts_per_tok", 0) < 1:

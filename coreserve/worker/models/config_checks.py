@@ -38,7 +38,7 @@ _MAX_ROPE_ELEMENTS = 1 << 27  # max_position_embeddings x head_dim: each RoPE ta
 _POSITIVE_FLOATS = ("rope_theta", "attn_logit_softcapping", "final_logit_softcapping", "clip_qkv",
                     "query_pre_attn_scalar", "rope_local_base_freq")
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")  # what the engine reads (a pad id of -1 is common and unread)
-_LAYER_PATTERNS = (re.compile(r"^model\.layers\.(\d+)\."), re.compile(r"^blk\.(\d+)\."))
+_LAYER_PATTERNS = (re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\."), re.compile(r"^blk\.(\d+)\."))
 _SLACK_ELEMENTS = 1 << 20  # buffers a model holds beyond its checkpoint's tensors
 
 

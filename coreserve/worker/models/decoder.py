@@ -21,6 +21,7 @@ from torch import nn
 
 from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.family import SILU
+from coreserve.worker.models.gated_deltanet import GatedDeltaNet, LayerState
 from coreserve.worker.models.moe import SparseMoe
 from coreserve.worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
 from coreserve.worker.models.rope import RopeSpec, cos_sin_tables, long_rows_start
@@ -121,35 +122,44 @@ class DecoderLayer(nn.Module):
         if spec.has_sandwich_norms:  # post_attention_layernorm is then on the attention's output
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
-        # Fused at load time: one matmul for q/k/v and one for gate/up.
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=args.o_bias)
+        # A recurrent mixer (Qwen3.5's linear_attention layers) in place of attention: no q/k/v, no KV cache
+        self.linear_attn = GatedDeltaNet(args) if spec.mixer != "attention" else None
         self.moe = SparseMoe(args) if spec.is_moe else None
         self.routed: torch.Tensor | None = None  # a mixture's last step: each token's experts [T, top_k]
         if self.moe is None:
             self.gate_up_proj = nn.Linear(hidden, 2 * args.intermediate_size, bias=False)
             self.down_proj = nn.Linear(args.intermediate_size, hidden, bias=False)
+        if self.linear_attn is None:
+            self._add_attention(args)
+        self.heads = HeadShape(args.num_heads, args.num_kv_heads, args.head_dim)
+
+    def _add_attention(self, args: DecoderArgs) -> None:
+        """q/k/v fused at load time into one product (and gate/up into another); an output gate (Qwen3.5)
+        is q_proj's second half of each head: q_proj then holds [q_h | gate_h] a head."""
+        spec, eps, hidden = self.spec, args.rms_norm_eps, args.hidden_size
+        q_rows = 2 * self.q_size if spec.has_output_gate else self.q_size
+        self.qkv_proj = nn.Linear(hidden, q_rows + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=args.o_bias)
         if spec.qk_norm == "head":
             self.q_norm = RMSNorm(args.head_dim, eps, spec.norm_offset)
             self.k_norm = RMSNorm(args.head_dim, eps, spec.norm_offset)
         elif spec.qk_norm == "whole":
             self.q_norm = RMSNorm(self.q_size, eps, spec.norm_offset)
             self.k_norm = RMSNorm(self.kv_size, eps, spec.norm_offset)
-        self.heads = HeadShape(args.num_heads, args.num_kv_heads, args.head_dim)
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, cache: torch.Tensor, meta: AttentionMetadata, ops: ModelOps
+        self, x: torch.Tensor, rope: Rope, cache: torch.Tensor | LayerState, meta: AttentionMetadata,
+        ops: ModelOps,
     ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; this step's K and V written to `cache`."""
-        spec = self.spec
-        qkv = ops.linear(self.qkv_proj, ops.rms_norm(self.input_layernorm, x))
-        if spec.qk_norm is not None:
-            qkv = self._norm_qk(qkv, ops)
-        if spec.clip_qkv is not None:
-            qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
-        q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
-        attn = ops.attention(q, k, v, cache, meta, spec.attention).reshape(x.shape[0], self.q_size)
-        attn_out = ops.sum_over_ranks(ops.linear(self.o_proj, attn))
+        """x: [T, hidden] -> [T, hidden]; this step's K and V written to `cache` (a recurrent layer's
+        cache: its state slots, each sequence's advanced by its tokens)."""
+        spec, normed = self.spec, ops.rms_norm(self.input_layernorm, x)
+        if self.linear_attn is not None:
+            mixed = ops.gated_deltanet(self.linear_attn, ops.linear(self.linear_attn.in_proj, normed), cache,
+                                       meta.state_spans)
+            attn_out = ops.linear(self.linear_attn.out_proj, mixed)
+        else:
+            attn_out = ops.sum_over_ranks(self._attention(normed, rope, cache, meta, ops))
         pre_mlp_norm = self.post_attention_layernorm
         if spec.has_sandwich_norms:
             attn_out = ops.rms_norm(self.post_attention_layernorm, attn_out)
@@ -159,6 +169,28 @@ class DecoderLayer(nn.Module):
         if spec.has_sandwich_norms:
             mlp_out = ops.rms_norm(self.post_feedforward_layernorm, mlp_out)
         return x + mlp_out
+
+    def _attention(
+        self, normed: torch.Tensor, rope: Rope, cache: torch.Tensor, meta: AttentionMetadata, ops: ModelOps
+    ) -> torch.Tensor:
+        """normed [T, hidden] -> this rank's partial attention output [T, hidden]."""
+        spec, num_tokens = self.spec, normed.shape[0]
+        qkv = ops.linear(self.qkv_proj, normed)
+        gate = None
+        if spec.has_output_gate:  # [q_h | gate_h] a head, then k and v
+            q_gate, kv = qkv.split([2 * self.q_size, 2 * self.kv_size], dim=-1)
+            q_gate = q_gate.reshape(num_tokens, self.heads.num_heads, 2, self.heads.head_dim)
+            gate = q_gate[:, :, 1].reshape(num_tokens, self.q_size)
+            qkv = torch.cat((q_gate[:, :, 0].reshape(num_tokens, self.q_size), kv), dim=-1)
+        if spec.qk_norm is not None:
+            qkv = self._norm_qk(qkv, ops)
+        if spec.clip_qkv is not None:
+            qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
+        q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
+        attn = ops.attention(q, k, v, cache, meta, spec.attention).reshape(num_tokens, self.q_size)
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
+        return ops.linear(self.o_proj, attn)
 
     def _mlp(self, normed: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         """normed [T, hidden] -> this rank's partial MLP output [T, hidden]: the experts', or the gated

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 SILU, GELU_TANH = "silu", "gelu_pytorch_tanh"  # the gated MLP's activation: SwiGLU, GeGLU
 FULL, SLIDING = "full_attention", "sliding_attention"  # config.json's layer_types
+LINEAR = "linear_attention"  # a Gated DeltaNet layer (Qwen3.5): a recurrent state, no KV cache
+GATED_DELTANET = "gated_deltanet"  # LayerSpec.mixer of a LINEAR layer ("attention" for the others)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class Family:
     has_local_rope_base: bool = False  # rope_local_base_freq: the sliding layers' own RoPE (Gemma 3)
     ties_by_default: bool = False  # tie_word_embeddings when config.json leaves it out
     moe: MoeRule | None = None
+    recurrent: str | None = None  # GATED_DELTANET: layer_types' LINEAR layers are that mixer (Qwen3.5)
+    has_output_gate: bool = False  # attention's output times sigmoid(gate), gate beside q in q_proj (Qwen3.5)
+    nests_text_config: bool = False  # config.json's text_config holds the decoder (a vision-language folder)
 
     @property
     def allowed_keys(self) -> frozenset[str]:
@@ -55,6 +60,10 @@ class Family:
         return frozenset(keys)
 
 
+_QWEN3_5 = dict(
+    reads_attention_bias=True, qk_norm="head", layer_types=frozenset({FULL, LINEAR}), partial_rotary=True,
+    norm_offset=1.0, recurrent=GATED_DELTANET, has_output_gate=True,
+)
 _GEMMA = dict(
     window="layers", layer_types=frozenset({FULL, SLIDING}), activation=GELU_TANH, norm_offset=1.0,
     has_sandwich_norms=True, scales_embedding=True, has_softcaps=True, rope_per_kind=True, ties_by_default=True,
@@ -78,7 +87,27 @@ FAMILIES = {
         "gemma3", qk_norm="head", layer_pattern=6, layer_pattern_key="sliding_window_pattern",
         has_local_rope_base=True, **_GEMMA,
     ),
+    # Qwen3.5 (dense): three Gated DeltaNet layers in four, output-gated attention on a quarter of each head
+    # rotated; its hub folders are vision-language ones, the decoder in text_config (the vision tower and
+    # the multi-token-prediction head skipped by name: coreserve/worker/models/loader.py)
+    "Qwen3_5ForCausalLM": Family("qwen3_5", **_QWEN3_5),
+    "Qwen3_5ForConditionalGeneration": Family("qwen3_5", nests_text_config=True, **_QWEN3_5),
 }
+
+
+def text_config(config: dict) -> dict:
+    """The decoder's config: a vision-language folder's text_config (under the folder's architectures,
+    with its tie_word_embeddings where only the outer level states it), else config.json itself."""
+    family = family_of(config)
+    inner = config.get("text_config")
+    if not family.nests_text_config:
+        return config
+    if not isinstance(inner, dict):
+        raise ValueError(f"{config.get('architectures')}: config.json needs a text_config object")
+    merged = {**inner, "architectures": config["architectures"]}
+    if "tie_word_embeddings" not in inner and "tie_word_embeddings" in config:
+        merged["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return merged
 
 
 def family_of(config: dict) -> Family:

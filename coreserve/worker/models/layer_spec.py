@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coreserve.worker.models.family import FULL, SILU, SLIDING, Family
+from coreserve.worker.models.family import FULL, LINEAR, SILU, SLIDING, Family
 from coreserve.worker.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec
 from coreserve.worker.step.attention import AttentionSpec
 
@@ -23,6 +23,8 @@ class LayerSpec:
     clip_qkv: float | None  # q, k and v clamped to [-clip, clip] after the norms; None: not clamped
     activation: str  # the gated MLP's: SILU (SwiGLU) or GELU_TANH (GeGLU)
     is_moe: bool  # the MLP is a mixture of experts (DecoderArgs.moe), else dense
+    mixer: str = "attention"  # or GATED_DELTANET: a recurrent mixer (DecoderArgs.linear), no KV cache
+    has_output_gate: bool = False  # attention's output times sigmoid(gate) before o_proj (Qwen3.5)
 
     @property
     def is_llama_shaped(self) -> bool:
@@ -30,7 +32,8 @@ class LayerSpec:
         return (
             self.attention.scale is None and self.attention.softcap is None and not self.norm_offset
             and not self.has_sandwich_norms and self.qk_norm in (None, "head") and self.clip_qkv is None
-            and self.activation == SILU and not self.is_moe
+            and self.activation == SILU and not self.is_moe and self.mixer == "attention"
+            and not self.has_output_gate
         )
 
 
@@ -46,6 +49,7 @@ def layer_specs(
         scale = float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5
         softcap = config.get("attn_logit_softcapping")
     clip = (config.get("clip_qkv") or None) if family.has_clip_qkv else None
+    kinds = layer_kinds(config, family)
     return tuple(
         LayerSpec(
             attention=AttentionSpec(window, scale, softcap),
@@ -56,9 +60,27 @@ def layer_specs(
             clip_qkv=clip,
             activation=family.activation,
             is_moe=family.moe is not None and i not in dense_layers,
+            mixer=family.recurrent if family.recurrent and kinds[i] == LINEAR else "attention",
+            has_output_gate=family.has_output_gate,
         )
         for i, window in enumerate(windows)
     )
+
+
+def layer_kinds(config: dict, family: Family) -> list[str]:
+    """Each layer's kind as config.json's layer_types names it; a hybrid config without the list: a
+    full-attention layer every full_attention_interval (HF's default 4), the rest LINEAR."""
+    num_layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types")
+    if kinds is None and family.recurrent:
+        interval = config.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"full_attention_interval={interval!r} must be a positive integer")
+        return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+    kinds = kinds or [FULL] * num_layers
+    if not isinstance(kinds, list) or len(kinds) != num_layers or not all(isinstance(k, str) for k in kinds):
+        raise ValueError(f"layer_types must list a kind for each of the {num_layers} layers")
+    return kinds
 
 
 def _windows(config: dict, family: Family) -> list[int | None]:

@@ -101,6 +101,8 @@ def load_model(
             "tensor_parallel_size > 1 with a Phi-3 checkpoint (its fused qkv_proj and gate_up_proj split "
             "by q/k/v and gate/up parts) is not built"
         )
+    if shard is not None and args.is_hybrid:
+        raise ValueError("tensor_parallel_size > 1 with a hybrid model (recurrent layers, Qwen3.5) is not built")
     if shard is not None and any(spec.qk_norm == "whole" for spec in args.layers):
         raise ValueError(
             "tensor_parallel_size > 1 with OLMoE (its q/k norms span every head, across the ranks) is not built"
@@ -161,7 +163,7 @@ def load_weights(model: DecoderModel, model_dir: str, shard: Shard | None, check
     filled: dict[str, int] = {}  # parameter name -> elements written
     source = gguf_weights if is_gguf(model_dir) else safetensors_files
     for entry in source.list_tensors(model_dir):
-        if entry.name.endswith(_IGNORED_SUFFIXES):
+        if entry.name.endswith(_IGNORED_SUFFIXES) or entry.name.startswith(model.args.skipped_prefixes):
             continue
         target = weight_destination(model.args, entry.name)
         if target is None:
@@ -211,6 +213,8 @@ def _check_shape(entry, param: torch.Tensor, rows: slice | None, shard: Shard | 
 
 def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | None] | None:
     """The parameter (and row block of a fused one) that an HF tensor fills; None: not this model's."""
+    if args.text_prefix != "model." and hf_name.startswith(args.text_prefix):
+        hf_name = "model." + hf_name[len(args.text_prefix):]
     top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
     if hf_name in top:
         return top[hf_name], None
@@ -222,10 +226,11 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
     prefix, rest = f"layers.{parts[2]}.", ".".join(parts[3:])
     q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     inter = args.intermediate_size
+    q_rows = 2 * q_size if args.layers[0].has_output_gate else q_size  # q and its gate, a head's each
     fused = {
-        "self_attn.q_proj": ("qkv_proj", slice(0, q_size)),
-        "self_attn.k_proj": ("qkv_proj", slice(q_size, q_size + kv_size)),
-        "self_attn.v_proj": ("qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size)),
+        "self_attn.q_proj": ("qkv_proj", slice(0, q_rows)),
+        "self_attn.k_proj": ("qkv_proj", slice(q_rows, q_rows + kv_size)),
+        "self_attn.v_proj": ("qkv_proj", slice(q_rows + kv_size, q_rows + 2 * kv_size)),
         "mlp.gate_proj": ("gate_up_proj", slice(0, inter)),
         "mlp.up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
         # Phi-3's checkpoints hold them fused already, in the same order (q, k, v; gate, up)
@@ -233,6 +238,8 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
         "mlp.gate_up_proj": ("gate_up_proj", None),
     }
     module, kind = rest.rsplit(".", 1)
+    if args.linear is not None and module.split(".")[0] == "linear_attn":
+        return _linear_attention_destination(args, prefix, module, kind)
     if args.moe is not None and module.split(".")[0] in ("mlp", "block_sparse_moe"):
         expert = _expert_destination(args, module)
         if expert is not None:
@@ -247,6 +254,24 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
              "pre_feedforward_layernorm": "pre_feedforward_layernorm",  # Gemma's sandwich
              "post_feedforward_layernorm": "post_feedforward_layernorm"}
     return (prefix + f"{plain[module]}.{kind}", None) if module in plain else None
+
+
+def _linear_attention_destination(
+    args: DecoderArgs, prefix: str, module: str, kind: str
+) -> tuple[str, slice | None] | None:
+    """A Gated DeltaNet layer's tensors: in_proj_qkv, _z, _b and _a fill one in_proj ([q k v | z | b | a])."""
+    assert args.linear is not None
+    lin = args.linear
+    conv, heads = lin.conv_dim, lin.num_value_heads
+    z_end = conv + heads * lin.value_head_dim
+    parts = {"in_proj_qkv": slice(0, conv), "in_proj_z": slice(conv, z_end),
+             "in_proj_b": slice(z_end, z_end + heads), "in_proj_a": slice(z_end + heads, z_end + 2 * heads)}
+    name = module.split(".", 1)[1] if "." in module else ""
+    if name in parts:
+        return prefix + f"linear_attn.in_proj.{kind}", parts[name]
+    if name in ("conv1d", "norm", "out_proj") or (name == "" and kind in ("dt_bias", "A_log")):
+        return prefix + f"{module}.{kind}", None
+    return None
 
 
 # An expert's tensors by their names in each family's checkpoints (Mixtral's w1, w3, w2)

@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coreserve.worker.models.gated_deltanet import LayerState, gated_deltanet_span
 from coreserve.worker.step.attention import (
     AttentionMetadata,
     AttentionSpec,
+    StateSpan,
     decode_attention_torch,
     paged_attention,
     write_kv,
@@ -53,6 +55,9 @@ class ModelOps(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         meta: AttentionMetadata, spec: AttentionSpec,
     ) -> torch.Tensor: ...  # q [T, Hq, D], k and v [T, Hkv, D] (in the cache already) -> [T, Hq, D]
+    def gated_deltanet(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor: ...  # in_proj's rows [T, width] -> [T, value_dim], each span from its state slot
     # [T, hidden] partial output of a layer half -> the whole: the sum over tensor-parallel ranks
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
 
@@ -116,6 +121,14 @@ class TorchOps:
         meta: AttentionMetadata, spec: AttentionSpec,
     ) -> torch.Tensor:
         return paged_attention(q, k, v, cache, meta, spec, decode_attention_torch)
+
+    def gated_deltanet(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor:
+        out = torch.empty(proj.shape[0], mixer.value_dim, dtype=torch.float32, device=proj.device)
+        for first, num, slot in spans:
+            out[first : first + num] = gated_deltanet_span(mixer, proj[first : first + num], state, slot)
+        return out.to(proj.dtype)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ contiguous runs where it can, so a chunk's context is usually a view of the cach
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -63,12 +63,21 @@ class DecodePlan(Protocol):
     def next_slots(self, positions: torch.Tensor) -> torch.Tensor: ...  # [R] cache slots of [R] positions
 
 
+class StateSpan(NamedTuple):
+    """A hybrid model's sequence in a step: its rows and its slot of the recurrent layers' state cache."""
+
+    first_row: int
+    num_tokens: int
+    slot: int
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each scheduled token's K/V is written
     seqs: list[SeqSpan]  # prefill chunks (rows with more than one token, or no context yet), one by one
     decode: DecodeRows | None = None  # single-token rows with context (decode), attended in one call
     plan: DecodePlan | None = None  # the backend's, set by its prepare() before the forward
+    state_spans: list[StateSpan] = field(default_factory=list)  # a hybrid's sequences, in batch order
 
 
 @dataclass(frozen=True)

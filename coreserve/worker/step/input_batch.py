@@ -13,7 +13,7 @@ import torch
 
 from coreserve.protocol.sampling_params import SamplingParams
 from coreserve.protocol.step import NewRequestData
-from coreserve.worker.step.attention import AttentionMetadata, DecodeRows, SeqSpan
+from coreserve.worker.step.attention import AttentionMetadata, DecodeRows, SeqSpan, StateSpan
 
 
 @dataclass
@@ -32,6 +32,7 @@ class RequestState:
     is_long_rope: bool = False  # LongRoPE: every position rotates with the long factors (NewRequestData's)
     spec_seed: int | None = None  # speculative decoding: an unseeded sampled request's seed (the runner's)
     lora_slot: int = -1  # its loaded LoRA adapter (coreserve/worker/lora/); -1: none
+    state_slot: int = -1  # a hybrid model's: its slot of the recurrent state cache (kv_memory.py); -1: none
     _table: np.ndarray | None = field(default=None, repr=False, compare=False)  # block_ids, cached
 
     def add_blocks(self, block_ids: list[int]) -> None:
@@ -128,6 +129,7 @@ class _StepRows:
     sample_rows: list[int] = field(default_factory=list)
     sampled_req_ids: list[str] = field(default_factory=list)
     prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
+    state_spans: list[StateSpan] = field(default_factory=list)
     row: int = 0
 
     def add(self, state: RequestState, num: int, is_verified: bool, is_long: bool) -> None:
@@ -136,6 +138,8 @@ class _StepRows:
         self.positions.extend(range(start, end))
         if is_long:
             self.long_rows.extend(range(self.row, self.row + num))
+        if state.state_slot >= 0:
+            self.state_spans.append(StateSpan(self.row, num, state.state_slot))
         if is_verified:
             self.add_verified(state, start, end)
         else:
@@ -205,11 +209,12 @@ class _StepRows:
         positions = torch.tensor(self.positions, dtype=torch.int64, device=device)
         # every row in order (decode): no tensor to build, no hidden states to gather
         is_every_row = self.sample_rows == list(range(self.row))
+        slots = torch.tensor(self.slots, dtype=torch.int64, device=device)
         return StepInputs(
             torch.tensor(self.input_ids, dtype=torch.int64, device=device),
             positions,
             _rope_rows(positions, self.long_rows, long_rows_start),
-            AttentionMetadata(torch.tensor(self.slots, dtype=torch.int64, device=device), self.seqs, decode),
+            AttentionMetadata(slots, self.seqs, decode, state_spans=self.state_spans),
             None if is_every_row else torch.tensor(self.sample_rows, dtype=torch.int64, device=device),
             self.sampled_req_ids,
             self.prompt_jobs,
@@ -227,7 +232,7 @@ def next_window_step(inputs: StepInputs, input_ids: torch.Tensor) -> StepInputs:
     rope_rows = positions if inputs.rope_rows is inputs.positions else inputs.rope_rows + 1
     decode = attn.decode.next_step()
     plan = attn.plan.next_step(decode)
-    next_attn = AttentionMetadata(plan.next_slots(positions), [], decode, plan)
+    next_attn = AttentionMetadata(plan.next_slots(positions), [], decode, plan, attn.state_spans)
     return StepInputs(input_ids, positions, rope_rows, next_attn, inputs.sample_rows, inputs.sampled_req_ids,
                       lora_rows=inputs.lora_rows)
 

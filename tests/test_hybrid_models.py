@@ -1,0 +1,201 @@
+"""Hybrid models (recurrent layers beside attention), Qwen3.5 first: a random `Qwen3_5ForCausalLM` (a Gated
+DeltaNet layer, then an output-gated attention layer) against Hugging Face transformers, the invariants
+on the state cache (alone = batched, scoring = generation, chunk size, preemption, n > 1, multi-step
+windows), a hub folder's vision-language layout, the C mixer against torch's, and what is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import HF_TOLERANCE, HF_TOLERANCE_TORCH_PATH, IS_BF16_MODE, hf_logprobs, load_hf
+from safetensors.torch import load_file, save_file
+from test_batch_invariance import sampled_rows, scoring_mismatches
+from test_model_families import FAMILY_PROMPTS, _assert_prompt_logprobs, _assert_sample_logprobs, hf_generate_logprobs
+
+from coreserve import LLM, SamplingParams
+from coreserve.worker.models.config import DecoderArgs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+SAMPLED = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=5)
+# 16-token chunks; 8 blocks of 16 cannot hold five ~70-token sequences: chunked prefill and preemption
+CHUNKED = dict(max_num_batched_tokens=16, num_kv_blocks=8, block_size=16)
+BF16_TOLERANCE = 0.75  # measured 0.50 on the C path (Qwen3's 0.09): docs/models.md
+
+
+@pytest.mark.parametrize("multiprocess, engine_args", [
+    (False, CHUNKED),
+    (True, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's mixer, whole prompts
+])
+def test_qwen3_5_matches_hf(multiprocess, engine_args, family_model):
+    """Prompt logprobs against HF's forward (which runs a prompt's recurrence in chunks) and generation
+    against its `generate` (token by token from its cache), chunked and preempted."""
+    path = family_model("qwen3_5")
+    with LLM(path, multiprocess=multiprocess, **engine_args) as llm:
+        outputs = llm.generate(FAMILY_PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.get_engine_stats()
+    if "num_kv_blocks" in engine_args:
+        assert stats.num_preemptions > 0
+    assert stats.num_state_slots > 0 and stats.state_bytes_per_seq == 4 * (128 * 3 + 4 * 16 * 16)
+    hf = load_hf(path)
+    tolerance = HF_TOLERANCE if engine_args.get("can_use_cpu_kernels", True) else HF_TOLERANCE_TORCH_PATH
+    if IS_BF16_MODE:  # bf16 products round the activations, and the recurrence carries that on (docs/models.md)
+        tolerance = BF16_TOLERANCE
+    for output in outputs:
+        prompt, completion = output.prompt_token_ids, output.outputs[0]
+        assert len(completion.token_ids) == 16
+        _assert_prompt_logprobs(output, hf_logprobs(hf, prompt), tolerance)
+        if not IS_BF16_MODE:  # bf16: the prompt rows' relative bound; generate's rows are fp32 HF's
+            _assert_sample_logprobs(completion, hf_generate_logprobs(hf, prompt, completion.token_ids), tolerance)
+
+
+def test_qwen3_5_alone_equals_batched_and_scoring_equals_generation(family_model):
+    """Each prompt alone in whole-prompt steps, then all in one batch in 16-token chunks (other lengths
+    beside each), then every generated sequence scored: the recurrence runs token by token both ways."""
+    params = [GREEDY if i % 2 == 0 else SAMPLED for i in range(len(FAMILY_PROMPTS))]
+    path = family_model("qwen3_5")
+    with LLM(path, multiprocess=False, max_num_batched_tokens=512) as llm:
+        alone = [llm.generate([prompt], p, use_tqdm=False)[0] for prompt, p in zip(FAMILY_PROMPTS, params)]
+    with LLM(path, multiprocess=False, max_num_batched_tokens=16) as llm:
+        batched = llm.generate(FAMILY_PROMPTS, params, use_tqdm=False)
+        assert [scoring_mismatches(llm, out) for out in batched] == [0] * len(batched)
+    for one, many in zip(alone, batched):
+        assert sampled_rows(one) == sampled_rows(many)
+        assert one.prompt_logprobs == many.prompt_logprobs
+
+
+def test_qwen3_5_request_through_preemption_n4_and_windows(family_model):
+    """One request's bits: alone; as one of n = 4 greedy children (each its own state slot); beside
+    four long requests in a KV cache too small for them (preempted: computed again from its first
+    token, its state slot given back and taken anew); in multi-step windows."""
+    path = family_model("qwen3_5")
+    prompt = FAMILY_PROMPTS[3]
+    with LLM(path, multiprocess=False) as llm:
+        plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        children = llm.generate([prompt], SamplingParams(**{**_fields(GREEDY), "n": 4}), use_tqdm=False)[0]
+    assert len(children.outputs) == 4
+    for child in children.outputs:
+        assert [(t, e) for t, e in zip(child.token_ids, child.logprobs)] == list(
+            zip(plain.outputs[0].token_ids, plain.outputs[0].logprobs))
+    with LLM(path, multiprocess=False, **CHUNKED) as llm:
+        crowded = llm.generate(FAMILY_PROMPTS[:3] + [prompt] + FAMILY_PROMPTS[4:], GREEDY, use_tqdm=False)[3]
+        assert llm.get_engine_stats().num_preemptions > 0
+    with LLM(path, multiprocess=False, num_scheduler_steps=4) as llm:
+        windowed = llm.generate([prompt, FAMILY_PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+    for other in (crowded, windowed):
+        assert sampled_rows(other) == sampled_rows(plain) and other.prompt_logprobs == plain.prompt_logprobs
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__struct_fields__}
+
+
+def test_qwen3_5_hub_layout_gives_the_same_bits(family_model, tmp_path):
+    """A hub folder's layout (`Qwen3_5ForConditionalGeneration`): the decoder's config in text_config, its
+    tensors under model.language_model., a vision tower and a multi-token-prediction head skipped by
+    name: the bits of the text-only folder."""
+    source = Path(family_model("qwen3_5"))
+    for item in source.iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            (tmp_path / item.name).symlink_to(item)
+    text = json.loads((source / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
+              "tie_word_embeddings": False}
+    del config["text_config"]["architectures"], config["text_config"]["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {name.replace("model.", "model.language_model.", 1): t for name, t in
+               load_file(str(source / "model.safetensors")).items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(8, 4)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    prompts = FAMILY_PROMPTS[:2]
+    with LLM(str(source), multiprocess=False) as llm:
+        expected = llm.generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(str(tmp_path), multiprocess=False) as llm:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for one, other in zip(expected, got):
+        assert sampled_rows(one) == sampled_rows(other) and one.prompt_logprobs == other.prompt_logprobs
+
+
+def test_c_mixer_equals_torch_and_its_own_token_by_token(family_model):
+    """csrc/recurrent_mixers.c against the torch reference (gated_deltanet_span) on the test model's
+    first layer: within float rounding; and a span in one call = its tokens one call each, bit for bit."""
+    from coreserve.worker.cpu.kernels import gated_deltanet, load_cpu_kernels
+    from coreserve.worker.models.gated_deltanet import LayerState
+    from coreserve.worker.models.loader import load_model
+    from coreserve.worker.models.ops import TorchOps
+    from coreserve.worker.step.attention import StateSpan
+
+    model = load_model(family_model("qwen3_5"), torch.float32, torch.device("cpu"))
+    mixer = model.layers[0].linear_attn
+    lin = mixer.shape
+    torch.manual_seed(0)
+    proj = torch.randn(23, mixer.in_proj.out_features)
+
+    def states() -> LayerState:
+        return LayerState(torch.zeros(2, lin.conv_kernel - 1, lin.conv_dim),
+                          torch.zeros(2, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim))
+
+    kernels = load_cpu_kernels()
+    whole_state, steps_state, torch_state = states(), states(), states()
+    whole = gated_deltanet(kernels, mixer, proj, whole_state, [StateSpan(0, 23, 1)])
+    steps = torch.cat([gated_deltanet(kernels, mixer, proj[t : t + 1].contiguous(), steps_state, [StateSpan(0, 1, 1)])
+                       for t in range(23)])
+    reference = TorchOps().gated_deltanet(mixer, proj, torch_state, [StateSpan(0, 23, 1)])
+    assert torch.equal(whole, steps) and torch.equal(whole_state.recurrent, steps_state.recurrent)
+    assert torch.allclose(whole, reference, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(whole_state.recurrent, torch_state.recurrent, atol=1e-5, rtol=1e-4)
+    assert not whole_state.recurrent[0].any()  # the other slot untouched
+
+
+@pytest.mark.parametrize("engine_args, message", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size > 1 with a hybrid model"),
+    (dict(enable_lora=True), "LoRA"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
+])
+def test_what_a_hybrid_does_not_do_yet_is_refused_by_name(engine_args, message, family_model):
+    with pytest.raises(Exception, match=message):
+        LLM(family_model("qwen3_5"), multiprocess=False, **engine_args)
+
+
+def test_hybrid_config_checks(family_model):
+    config = json.loads((Path(family_model("qwen3_5")) / "config.json").read_text())
+    args = DecoderArgs.from_hf_config(config)
+    assert [s.mixer for s in args.layers] == ["gated_deltanet", "attention"] and args.is_hybrid
+    for change, message in [
+        ({"layer_types": ["linear_attention"]}, "layer_types must list"),
+        ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types"),
+        ({"linear_num_value_heads": 3}, "multiple of"),
+        ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+        ({"architectures": ["Qwen3_5ForConditionalGeneration"]}, "text_config"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            DecoderArgs.from_hf_config({**config, **change})
+    no_types = {k: v for k, v in config.items() if k != "layer_types"} | {"num_hidden_layers": 8}
+    kinds = [s.mixer for s in DecoderArgs.from_hf_config(no_types).layers]
+    assert kinds == ["gated_deltanet"] * 3 + ["attention"] + ["gated_deltanet"] * 3 + ["attention"]
+
+
+def test_qwen3_5_through_the_server(family_model):
+    """The openai client on `python -m coreserve serve` of the random Qwen3.5: a streamed and a whole
+    completion, their logprobs LLM's."""
+    import openai
+    from server_harness import API_KEY, running_server
+
+    path, prompt = family_model("qwen3_5"), FAMILY_PROMPTS[4]
+    with LLM(path, multiprocess=False) as llm:
+        expected = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    with running_server("--api-key", API_KEY, model=path) as (base, _):
+        with openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+            whole = client.completions.create(model=path, prompt=prompt, max_tokens=16, temperature=0, logprobs=3,
+                                              extra_body={"ignore_eos": True})
+            chunks = list(client.completions.create(model=path, prompt=prompt, max_tokens=16, temperature=0,
+                                                    logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+    logprobs = [entry[token].logprob for token, entry in zip(expected.token_ids, expected.logprobs)]
+    assert whole.choices[0].text == expected.text and whole.choices[0].logprobs.token_logprobs == logprobs
+    streamed = [value for chunk in chunks if chunk.choices for value in chunk.choices[0].logprobs.token_logprobs]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text and streamed == logprobs
