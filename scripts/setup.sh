@@ -31,22 +31,40 @@ fi
 # vllm-router; 2 GB), matplotlib for the benchmarks' plots.
 .venv/bin/python -m pip install -q -e ".[test,bench]"
 
-# Real tokenizers for the tests (Llama 3 byte-level BPE, Llama 2 SentencePiece): the vocabulary-only GGUF
-# files of llama.cpp's tokenizer tests, as the llama-cpp-python 0.3.36 source package on PyPI ships them.
-# Only those two files are kept; tests/real_tokenizers.py converts them into tokenizer folders once.
+# From the llama-cpp-python 0.3.36 source package on PyPI, in one download: real tokenizers for the tests
+# (Llama 3 byte-level BPE, Llama 2 SentencePiece), the vocabulary-only GGUF files of llama.cpp's tokenizer
+# tests, of which only those two files are kept (tests/real_tokenizers.py converts them into tokenizer
+# folders once); and llama.cpp's own Python converter (convert_hf_to_gguf.py, conversion/, gguf-py/; none of
+# its C++), which tests/test_gguf_hybrid.py runs on a Hugging Face folder to write GGUF files as llama.cpp does.
 VOCAB_DIR="$HOME/.cache/coreserve/vocab"
+CONVERT_DIR="$HOME/.cache/coreserve/llama.cpp-convert-0.3.36"
 VOCAB_SUMS="97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e  ggml-vocab-llama-bpe.gguf
 16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69  ggml-vocab-llama-spm.gguf"
-if ! (cd "$VOCAB_DIR" 2>/dev/null && echo "$VOCAB_SUMS" | sha256sum -c --status -); then
+has_vocab() { (cd "$VOCAB_DIR" 2>/dev/null && echo "$VOCAB_SUMS" | sha256sum -c --status -); }
+# the converter's folder is renamed into place whole, so its script marks a complete one
+has_converter() { [ -f "$CONVERT_DIR/convert_hf_to_gguf.py" ]; }
+if ! has_vocab || ! has_converter; then
   SDIST_TMP=$(mktemp -d)
   trap 'rm -rf "$SDIST_TMP"' EXIT
   .venv/bin/python -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$SDIST_TMP"
-  MODELS=llama_cpp_python-0.3.36/vendor/llama.cpp/models
-  tar -xzf "$SDIST_TMP/llama_cpp_python-0.3.36.tar.gz" -C "$SDIST_TMP" --strip-components=4 \
-    "$MODELS/ggml-vocab-llama-bpe.gguf" "$MODELS/ggml-vocab-llama-spm.gguf"
-  (cd "$SDIST_TMP" && echo "$VOCAB_SUMS" | sha256sum -c --status -)
-  mkdir -p "$VOCAB_DIR"
-  mv "$SDIST_TMP"/ggml-vocab-llama-*.gguf "$VOCAB_DIR/"
+  SDIST="$SDIST_TMP/llama_cpp_python-0.3.36.tar.gz"
+  VENDOR=llama_cpp_python-0.3.36/vendor/llama.cpp
+  if ! has_vocab; then
+    tar -xzf "$SDIST" -C "$SDIST_TMP" --strip-components=4 \
+      "$VENDOR/models/ggml-vocab-llama-bpe.gguf" "$VENDOR/models/ggml-vocab-llama-spm.gguf"
+    (cd "$SDIST_TMP" && echo "$VOCAB_SUMS" | sha256sum -c --status -)
+    mkdir -p "$VOCAB_DIR"
+    mv "$SDIST_TMP"/ggml-vocab-llama-*.gguf "$VOCAB_DIR/"
+  fi
+  if ! has_converter; then
+    mkdir -p "$SDIST_TMP/convert" "$(dirname "$CONVERT_DIR")"
+    tar -xzf "$SDIST" -C "$SDIST_TMP/convert" --strip-components=3 \
+      "$VENDOR/convert_hf_to_gguf.py" "$VENDOR/conversion" "$VENDOR/gguf-py"
+    STAGED=$(mktemp -d "$CONVERT_DIR.XXXXXX")  # beside it: the rename below is one step
+    cp -R "$SDIST_TMP/convert/." "$STAGED/"
+    rm -rf "$CONVERT_DIR"  # a folder without the script is a copy cut short
+    mv -T "$STAGED" "$CONVERT_DIR"
+  fi
 fi
 
 # Real trained GGUF files for tests/test_real_checkpoints.py and tests/test_tools_real.py, joined from PyPI

@@ -67,25 +67,33 @@ def test_qwen3_5_alone_equals_batched_and_scoring_equals_generation(family_model
         assert one.prompt_logprobs == many.prompt_logprobs
 
 
-def test_qwen3_5_request_through_preemption_n4_and_windows(family_model):
-    """One request's bits: alone; as one of n = 4 greedy children (each its own state slot); beside
-    four long requests in a KV cache too small for them (preempted: computed again from its first
-    token, its state slot given back and taken anew); in multi-step windows."""
+def test_qwen3_5_request_through_preemption_n4_prefix_hits_and_windows(family_model):
+    """One request's bits (sample and prompt logprobs): alone with no prefix cache; then from the cache
+    (its state restored from the snapshot at the last boundary its prompt passed: 48 tokens, every 3
+    blocks on this model), as each of n = 4 greedy children; beside four long requests in a KV cache too
+    small for them (preempted: computed again, its state slot given back and taken anew); in multi-step
+    windows."""
     path = family_model("qwen3_5")
-    prompt = FAMILY_PROMPTS[3]
-    with LLM(path, multiprocess=False) as llm:
+    prompt = FAMILY_PROMPTS[0]
+    with LLM(path, multiprocess=False, enable_prefix_caching=False) as llm:
         plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert len(plain.prompt_token_ids) > 48
+    with LLM(path, multiprocess=False, max_num_batched_tokens=40) as llm:
+        first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        warm = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
         children = llm.generate([prompt], SamplingParams(**{**_fields(GREEDY), "n": 4}), use_tqdm=False)[0]
-    assert len(children.outputs) == 4
+        stats = llm.get_engine_stats()
+    assert warm.num_cached_tokens == children.num_cached_tokens == 48 and stats.num_state_snapshots >= 1
+    assert len(children.outputs) == 4 and children.prompt_logprobs == plain.prompt_logprobs
     for child in children.outputs:
         assert [(t, e) for t, e in zip(child.token_ids, child.logprobs)] == list(
             zip(plain.outputs[0].token_ids, plain.outputs[0].logprobs))
     with LLM(path, multiprocess=False, **CHUNKED) as llm:
-        crowded = llm.generate(FAMILY_PROMPTS[:3] + [prompt] + FAMILY_PROMPTS[4:], GREEDY, use_tqdm=False)[3]
+        crowded = llm.generate(FAMILY_PROMPTS[1:4] + [prompt], GREEDY, use_tqdm=False)[3]
         assert llm.get_engine_stats().num_preemptions > 0
     with LLM(path, multiprocess=False, num_scheduler_steps=4) as llm:
-        windowed = llm.generate([prompt, FAMILY_PROMPTS[0]], GREEDY, use_tqdm=False)[0]
-    for other in (crowded, windowed):
+        windowed = llm.generate([prompt, FAMILY_PROMPTS[1]], GREEDY, use_tqdm=False)[0]
+    for other in (first, warm, crowded, windowed):
         assert sampled_rows(other) == sampled_rows(plain) and other.prompt_logprobs == plain.prompt_logprobs
 
 

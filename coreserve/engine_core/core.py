@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 
 from coreserve.engine_core.grammars import Grammars
+from coreserve.engine_core.hybrid_memory import hybrid_memory
 from coreserve.engine_core.kv_cache_manager import KVCacheManager
 from coreserve.engine_core.kv_event_log import KVEventLog
 from coreserve.engine_core.kv_event_publisher import KVEventPublisher
@@ -55,25 +56,26 @@ class EngineCore:
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
-        self.num_state_slots = self._hybrid_state_slots(args)
-        self.state_bytes = self.num_state_slots * args.state_bytes_per_seq  # a hybrid's state cache, at most
-        self.enable_prefix_caching = config.enable_prefix_caching and not args.is_hybrid
+        self.hybrid = hybrid_memory(config, args.state_bytes_per_seq, self.executor.bytes_per_block())
         self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
-        self.executor.allocate_kv_cache(self.num_kv_blocks, self.num_state_slots)
+        self.executor.allocate_kv_cache(self.num_kv_blocks, self.hybrid.num_state_slots,
+                                        self.hybrid.num_snapshot_slots(self.num_kv_blocks))
         events = config.kv_events_config
-        is_publishing = events is not None and events.is_publishing
-        if is_publishing and not self.enable_prefix_caching:
+        is_publishing = events is not None and events.is_publishing and config.enable_prefix_caching
+        if events is not None and events.is_publishing and not is_publishing:
             logger.warning("kv_events_config: prefix caching is off, so no KV-cache events are sent")
-        self.kv_events = KVEventLog(config.block_size) if is_publishing and self.enable_prefix_caching else None
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, self.enable_prefix_caching,
-                                       self.kv_events)
+        if is_publishing and args.is_hybrid:  # a block is a hit only at a snapshot: announced blocks would lie
+            logger.warning("kv_events_config: a hybrid model's KV-cache events are not built, so none are sent")
+            is_publishing = False
+        self.kv_events = KVEventLog(config.block_size) if is_publishing else None
+        self.kv_cache = self._kv_pool()
         self.loras = LoraTable(self.executor, config.enable_lora, config.max_loras, config.max_cpu_loras,
                                config.lora_allowed_roots)
         self.loras.on_drop = lambda slot: self.kv_cache.forget_lora_load(slot)  # the pool of the moment
         self.eos_token_ids = eos_token_ids(config.model)
         self.scheduler = Scheduler(
             self.kv_cache,
-            max_num_seqs=self.num_state_slots or config.max_num_seqs,
+            max_num_seqs=self.hybrid.num_state_slots or config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             num_scheduler_steps=config.num_scheduler_steps,
@@ -92,34 +94,16 @@ class EngineCore:
         """A fresh block pool (after sleep freed the KV cache): every block free, nothing indexed."""
         assert not self.scheduler.running
         previous = self.kv_cache.index
-        self.kv_cache = KVCacheManager(
-            self.num_kv_blocks, self.config.block_size, self.enable_prefix_caching, self.kv_events,
-            previous.next_content_id if previous is not None else 1,
-        )
+        self.kv_cache = self._kv_pool(previous.next_content_id if previous is not None else 1)
         self.scheduler.kv_cache = self.kv_cache
         if self.kv_events is not None:
             self.kv_events.cleared()
 
-    def _hybrid_state_slots(self, args) -> int:
-        """A hybrid model's state slots (0: not a hybrid): one a running request, max_num_seqs of them,
-        at most half of kv_cache_gib (the scheduler then runs no more requests than that). What a hybrid
-        does not do yet is refused by name; its prefix cache is off (docs/models.md)."""
-        if not args.is_hybrid:
-            return 0
+    def _kv_pool(self, first_content_id: int = 1) -> KVCacheManager:
+        """Every block free, nothing indexed (content ids go on from `first_content_id`)."""
         config = self.config
-        for name, is_asked in (("speculative decoding", config.speculative_config is not None),
-                               ("LoRA (enable_lora)", config.enable_lora)):
-            if is_asked:
-                raise ValueError(f"{name} with a hybrid model (recurrent layers) is not built yet")
-        if config.enable_prefix_caching:
-            logger.info("prefix caching is off for a hybrid model (its recurrent state has no snapshots yet)")
-        fit = int(config.kv_cache_gib * 2**30 // 2 // args.state_bytes_per_seq)
-        slots = max(1, min(config.max_num_seqs, fit))
-        if slots < config.max_num_seqs:
-            logger.warning("max_num_seqs is %d, not %d: a request's recurrent state takes %.1f MiB, and the state "
-                           "cache is held to half of kv_cache_gib=%s", slots, config.max_num_seqs,
-                           args.state_bytes_per_seq / 2**20, config.kv_cache_gib)
-        return slots
+        return KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching, self.kv_events,
+                              first_content_id, self.hybrid.snapshots(self.num_kv_blocks, config.block_size))
 
     def _backed_num_blocks(self, num_blocks: int) -> int:
         """The KV cache's pages are committed as blocks are first written, so a cache the host cannot
@@ -128,7 +112,7 @@ class EngineCore:
         given num_kv_blocks that does not is refused, naming the flag; the default is cut to fit (at
         least one full-length sequence)."""
         need, available = self.executor.host_kv_bytes(num_blocks), host_memory_available()
-        need += self.state_bytes if need else 0  # a hybrid's state cache, where the KV cache is on the host
+        need += self.hybrid.state_bytes if need else 0  # a hybrid's state slots, where the KV cache is on the host
         if available is not None:
             available = int(available * KV_MEMORY_SHARE)
         if not need or available is None or need <= available:
@@ -145,7 +129,7 @@ class EngineCore:
 
     def _default_num_blocks(self) -> int:
         per_seq = -(-self.max_model_len // self.config.block_size)
-        budget = int((self.config.kv_cache_gib * 2**30 - self.state_bytes) // self.executor.bytes_per_block())
+        budget = int((self.config.kv_cache_gib * 2**30 - self.hybrid.state_bytes) // self.executor.bytes_per_block())
         return max(1, min(self.config.max_num_seqs * per_seq, budget))
 
     def stats(self, nonce: int = 0) -> EngineStats:
@@ -161,8 +145,9 @@ class EngineCore:
             prefix_cache_queries=self.kv_cache.num_queried_tokens,
             prefix_cache_hits=self.kv_cache.num_hit_tokens,
             num_prefill_tokens=scheduler.num_prefill_tokens,
-            num_state_slots=self.num_state_slots,
-            state_bytes_per_seq=self.state_bytes // max(1, self.num_state_slots),
+            num_state_slots=self.hybrid.num_state_slots,
+            state_bytes_per_seq=self.hybrid.state_bytes_per_seq,
+            num_state_snapshots=self.kv_cache.snapshots.num_snapshots if self.kv_cache.snapshots is not None else 0,
             running_lora_adapters=_adapter_names(scheduler.running),
             waiting_lora_adapters=_adapter_names(r for r in scheduler.requests.values() if r.status == RequestStatus.WAITING),
             **_speculative_stats(scheduler),

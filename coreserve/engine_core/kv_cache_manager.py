@@ -19,11 +19,14 @@ import numpy as np
 from coreserve.engine_core.kv_event_log import KVEventLog
 from coreserve.engine_core.prefix_index import PrefixIndex
 from coreserve.engine_core.prompt_rows import Flavour, PromptRows
+from coreserve.engine_core.state_snapshots import StateSnapshots
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 events: KVEventLog | None = None, first_content_id: int = 1) -> None:
+                 events: KVEventLog | None = None, first_content_id: int = 1,
+                 snapshots: StateSnapshots | None = None) -> None:
+        """`snapshots`: a hybrid model's (its cached prefixes restore the recurrent state too)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._is_free = np.ones(num_blocks, dtype=bool)  # empty: held by no request, indexing nothing
@@ -37,6 +40,7 @@ class KVCacheManager:
         self.num_queried_tokens = 0  # prompt tokens of requests that looked their prefix up
         self.num_hit_tokens = 0  # of those, tokens found in the cache
         self.events = events if enable_prefix_caching else None
+        self.snapshots = snapshots if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,10 +79,33 @@ class KVCacheManager:
             self._num_refs[block] += 1
             blocks.append(block)
             chain.append(self.index.content_id(block))
+        if self.snapshots is not None:  # a hybrid's prefix ends where its recurrent state was kept
+            num_kept = self.snapshots.restorable(req_id, blocks)
+            self._give_back(blocks[num_kept:])
+            blocks, chain = blocks[:num_kept], chain[:num_kept]
         self._req_blocks[req_id], self._req_chain[req_id] = blocks, chain
         self.num_queried_tokens += len(token_ids)
         self.num_hit_tokens += len(blocks) * size
         return len(blocks) * size
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """Cached blocks a request took and does not keep (past its last snapshot): evictable again."""
+        for block in reversed(blocks):
+            self._num_refs[block] -= 1
+            if self._num_refs[block] == 0:
+                self.index.release(block)
+
+    def cut_chunk(self, num_computed: int, num_new: int) -> int:
+        """A chunk's tokens: a hybrid's end at its next snapshot boundary (StateSnapshots.cut)."""
+        return num_new if self.snapshots is None else self.snapshots.cut(num_computed, num_new)
+
+    def plan_snapshot(self, req_id: str, num_computed: int) -> int | None:
+        """The snapshot slot the worker copies the request's state into after this step; None: none."""
+        return None if self.snapshots is None else self.snapshots.plan(req_id, num_computed)
+
+    def restore_slot(self, req_id: str) -> int:
+        """The snapshot slot a newly admitted request's state starts from; -1: from zeros."""
+        return -1 if self.snapshots is None else self.snapshots.restore_slot(req_id)
 
     def cache_full_blocks(
         self,
@@ -92,7 +119,17 @@ class KVCacheManager:
     ) -> list[tuple[int, int]]:
         """Indexes the request's full blocks whose KV is written (positions below `num_computed`), under
         its cache `salt` and its LongRoPE factors; returns the newly indexed ones as (block number in the
-        request, the block holding the content). `lora` (its adapter's int id and name) is for the events."""
+        request, the block holding the content). `lora` (its adapter's int id and name) is for the events.
+        A hybrid's snapshots of the step go with the blocks indexed at their boundaries."""
+        indexed = self._index_full_blocks(req_id, prompt_ids, output_ids, num_computed, salt, is_long_rope, lora)
+        if self.snapshots is not None:
+            self.snapshots.attach(req_id, indexed)
+        return indexed
+
+    def _index_full_blocks(
+        self, req_id: str, prompt_ids: list[int], output_ids: list[int], num_computed: int,
+        salt: str | None, is_long_rope: bool, lora: tuple[int, str] | None,
+    ) -> list[tuple[int, int]]:
         if self.index is None or req_id in self._unindexed:
             return []
         chain = self._req_chain.setdefault(req_id, [])
@@ -152,6 +189,8 @@ class KVCacheManager:
             if self._num_free == 0:  # only cached blocks are left: the least recently freed is rewritten
                 next_block, content_id = self.index.evict_oldest()
                 self.prompt_rows.drop(next_block)
+                if self.snapshots is not None:
+                    self.snapshots.drop_block(next_block)
                 if self.events is not None:
                     self.events.removed(content_id)
             else:
@@ -169,6 +208,8 @@ class KVCacheManager:
         """Releases the request's blocks, its last ones first, so that a prefix's tail is evicted first."""
         self._req_chain.pop(req_id, None)
         self._unindexed.discard(req_id)
+        if self.snapshots is not None:
+            self.snapshots.drop_request(req_id)
         for block in reversed(self._req_blocks.pop(req_id, [])):
             self._num_refs[block] -= 1
             if self._num_refs[block] > 0:
@@ -189,6 +230,8 @@ class KVCacheManager:
                 self._is_free[block] = True
                 self._num_free += 1
         self.index = PrefixIndex(self.index.next_content_id)
+        if self.snapshots is not None:
+            self.snapshots.clear()
         if self.events is not None:
             self.events.cleared()
         self.prompt_rows.clear()
@@ -209,6 +252,8 @@ class KVCacheManager:
 
         for block, content_id, was_evictable in self.index.forget_roots(is_forgotten):
             self.prompt_rows.drop(block)
+            if self.snapshots is not None:
+                self.snapshots.drop_block(block)
             if was_evictable:
                 self._is_free[block] = True
                 self._num_free += 1

@@ -30,10 +30,12 @@ def is_prefix_being_computed(kv: KVCacheManager, long_rope: LongRopeRule, runnin
                              req: Request) -> bool:
     """`req`'s first block is not cached yet, but a running request with the same first block is
     computing it (n > 1, one system prompt): waiting for it lets `req` read the prefix the two share
-    instead of computing it again."""
+    instead of computing it again (a hybrid's: where its prompt passes a snapshot boundary)."""
     size = kv.block_size
     if req.num_prompt_tokens <= size:
         return False
+    if kv.snapshots is not None and req.num_prompt_tokens <= kv.snapshots.every_tokens:
+        return False  # a hybrid's hit lands on a snapshot boundary: none within this prompt, nothing to wait for
     first, salt, is_long = req.prompt_token_ids[:size], req.cache_salt, long_rope.is_past_switch(req)
     if kv.index.lookup(kv.index.root_of(salt, is_long), tuple(first)) is not None:
         return False

@@ -108,8 +108,9 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
-    def new_request_data(self, block_ids: list[int]) -> NewRequestData:
-        """What the worker is told when it first runs the request, or again after a preemption."""
+    def new_request_data(self, block_ids: list[int], state_snapshot: int = -1) -> NewRequestData:
+        """What the worker is told when it first runs the request, or again after a preemption;
+        `state_snapshot`: a hybrid model's snapshot slot its cached prefix restores (-1: none)."""
         params = self.params
         return NewRequestData(
             req_id=self.req_id,
@@ -124,6 +125,7 @@ class Request:
             eos_token_ids=self.eos_token_ids,
             is_long_rope=self.is_long_rope,
             lora_slot=self.lora_slot,
+            state_snapshot=state_snapshot,
         )
 
     def add_prompt_logprobs(

@@ -23,7 +23,7 @@ from coreserve.engine_core.stop import append_until_stop
 from coreserve.engine_core.waiting_queue import WaitingQueue
 from coreserve.protocol.config import SpeculativeConfig
 from coreserve.protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from coreserve.protocol.step import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from coreserve.protocol.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -121,7 +121,7 @@ class Scheduler:
             is_restarted = self.long_rope.restart(req, self.kv_cache, output)
             if is_restarted and self.kv_cache.index is not None and req.can_read_prefix_cache:
                 read_cached_prefix(self.kv_cache, req)  # its long prefix, where another request computed it
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, budget)
             num_spec, new_blocks = 0, None
             if self.speculation is not None:
                 max_len = self.long_rope.max_len(req)
@@ -131,7 +131,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             if is_restarted:  # the worker takes it anew (its old state dropped first)
-                output.new_reqs.append(req.new_request_data(self.kv_cache.blocks_of(req.req_id)))
+                output.new_reqs.append(self._new_request_data(req))
             else:
                 output.cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
             self._commit(req, num_new, output)
@@ -155,7 +155,8 @@ class Scheduler:
             budget -= num_new
         for req in reversed(skipped):
             self.waiting.appendleft(req)
-        if self.num_scheduler_steps > 1 and not is_preempted and not output.new_reqs and not output.spec_tokens:
+        is_plain = not output.new_reqs and not output.spec_tokens and not output.state_snapshots
+        if self.num_scheduler_steps > 1 and not is_preempted and is_plain:
             reqs = [self.requests[data.req_id] for data in output.cached_reqs]
             max_lens = [self.long_rope.max_len(req) for req in reqs]
             extend_to_window(output, reqs, self.kv_cache, self.num_scheduler_steps, max_lens)
@@ -214,7 +215,7 @@ class Scheduler:
         req.is_long_rope = self.long_rope.is_past_switch(req)
         if can_read_cache:
             read_cached_prefix(self.kv_cache, req)
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        num_new = self._chunk(req, budget)
         if self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_new) is None:
             self.kv_cache.free(req.req_id)
             req.reset_for_recompute()
@@ -222,9 +223,17 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(req)
         req.status = RequestStatus.RUNNING
-        output.new_reqs.append(req.new_request_data(self.kv_cache.blocks_of(req.req_id)))
+        output.new_reqs.append(self._new_request_data(req))
         self._commit(req, num_new, output)
         return num_new
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        """What the worker takes a request (anew) with: its blocks, and a hybrid's snapshot to start from."""
+        return req.new_request_data(self.kv_cache.blocks_of(req.req_id), self.kv_cache.restore_slot(req.req_id))
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """The request's tokens this step within `budget` (a hybrid's cut at its next snapshot boundary)."""
+        return self.kv_cache.cut_chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
         output.num_scheduled_tokens[req.req_id] = num_new
@@ -232,6 +241,9 @@ class Scheduler:
             0, min(req.num_computed_tokens + num_new, req.num_prompt_tokens) - req.num_computed_tokens
         )
         req.num_computed_tokens += num_new
+        slot = self.kv_cache.plan_snapshot(req.req_id, req.num_computed_tokens)  # a hybrid's, at a boundary
+        if slot is not None:
+            output.state_snapshots[req.req_id] = slot
 
     def _allocate_or_preempt(self, req: Request, num_new: int, output: SchedulerOutput) -> list[int] | None:
         """Preempts the newest running requests until `req` fits; None when `req` itself had to go."""

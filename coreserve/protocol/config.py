@@ -183,6 +183,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     num_scheduler_steps: int = 1
     enable_prefix_caching: bool = True  # full prompt blocks computed once and shared (docs/decisions.md)
+    # A hybrid model's prefix cache keeps its recurrent state every this many blocks of a chain (a hit lands
+    # on one: docs/models.md); None: the fewest that keep those snapshots within a quarter of the KV cache
+    state_snapshot_blocks: int | None = None
     # torch intra-op threads in the core (in each worker under tensor parallelism); None: torch's default
     num_threads: int | None = None
     # Worker processes, each holding 1/N of every layer's heads and MLP columns (docs/tensor_parallel.md).
@@ -237,6 +240,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.state_snapshot_blocks is not None and self.state_snapshot_blocks < 1:
+            raise ValueError(f"state_snapshot_blocks must be at least 1, got {self.state_snapshot_blocks}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -284,6 +289,8 @@ ENGINE_ARG_HELP = {
     "device": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda",
     "num_scheduler_steps": "model steps a decode-only batch runs before the scheduler looks again (default 1)",
     "enable_prefix_caching": "reuse the KV of prompt prefixes computed before (true, the default, or false)",
+    "state_snapshot_blocks": "a hybrid model's prefix cache: its recurrent state kept every this many blocks "
+                             "(default: snapshots within a quarter of the KV cache)",
     "num_threads": "torch intra-op threads in the core, in each worker with tensor_parallel_size > 1 "
     "(default: torch's choice, shared out among the workers)",
     "tensor_parallel_size": "worker processes that split each layer's heads and MLP columns, one all-reduce "

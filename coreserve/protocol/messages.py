@@ -189,6 +189,7 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True):
     # the bytes a running request's slot takes; 0 for a model of attention layers only
     num_state_slots: int = 0
     state_bytes_per_seq: int = 0
+    num_state_snapshots: int = 0  # with prefix caching: the states kept at cached chains' boundaries
 
 
 class ControlReply(msgspec.Struct, tag="done", array_like=True):

@@ -31,6 +31,9 @@ class NewRequestData:
     # switch when it was admitted); False: the short ones (coreserve/engine_core/scheduler.py)
     is_long_rope: bool = False
     lora_slot: int = -1  # the loaded LoRA adapter the request runs with (coreserve/engine_core/lora_table.py); -1: none
+    # A hybrid model: the snapshot slot its recurrent state starts from, its cached prefix's last boundary
+    # (coreserve/engine_core/state_snapshots.py); -1: from zeros
+    state_snapshot: int = -1
 
 
 @dataclass
@@ -56,6 +59,9 @@ class SchedulerOutput:
     # The proposals the scheduler made itself (a grammar request's: cut where its grammar refuses one);
     # its grammar's bitmask has a row for each verified position (grammar_req_ids repeats its id)
     spec_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # A hybrid model: req_id -> the snapshot slot its recurrent state is copied into after this step (its
+    # computed tokens end on a snapshot boundary: coreserve/engine_core/state_snapshots.py)
+    state_snapshots: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

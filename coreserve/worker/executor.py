@@ -21,8 +21,9 @@ class Executor(Protocol):
 
     def bytes_per_block(self) -> int: ...  # KV cache bytes a block takes (on each rank)
     def host_kv_bytes(self, num_blocks: int) -> int: ...  # host memory that many blocks take (0 on a GPU)
-    # num_state_slots: a hybrid model's state cache (coreserve/worker/kv_memory.py), a slot a running request
-    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None: ...
+    # A hybrid model's state cache (coreserve/worker/kv_memory.py): a slot a running request, and the prefix
+    # cache's snapshot slots
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0, num_snapshot_slots: int = 0) -> None: ...
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
     def close(self) -> None: ...  # stops rank processes, if any; safe to call twice
 

@@ -6,9 +6,11 @@ allocates it again, zeroed (`restore`); new weights rebind the backend to it (`r
 A hybrid model's recurrent layers keep, in its place, a state cache: a slot a running sequence
 (`LayerState`: the conv's last inputs and the recurrence's state), taken when a request enters the
 runner (zeroed: a sequence starts from nothing) and given back when it leaves, finished or preempted
-(a preempted request is computed again from its first token). The core sizes the slots
-(coreserve/engine_core/core.py: no more running requests than slots); their pages are written only
-as slots are first taken.
+(a preempted request is computed again from its first token, or from a snapshot). With prefix caching,
+snapshot slots beside: a request's state is copied into one after a step that ends on a boundary of
+its chain, and a request whose cached prefix ends there starts from a copy of it
+(coreserve/engine_core/state_snapshots.py). The core sizes both (coreserve/engine_core/hybrid_memory.py);
+their pages are written only as slots are first used.
 
 The runner's steps read `caches`; its control verbs (coreserve/worker/runner_control.py) free and
 restore them. The block count itself is the core's (coreserve/engine_core/core.py sizes the pool).
@@ -42,7 +44,9 @@ class KvMemory:
         self.caches: list[torch.Tensor | LayerState] = []
         self.num_blocks = 0  # what the cache holds, kept through a sleep for the wake
         self.num_state_slots = 0  # a hybrid's state cache, kept through a sleep too
+        self.num_snapshot_slots = 0
         self.free_state_slots: list[int] = []
+        self.snapshots: list[LayerState] = []  # a recurrent layer's snapshot slots, in layer order
 
     def bytes_per_block(self) -> int:
         a = self.model.args
@@ -54,7 +58,7 @@ class KvMemory:
         draft = 0 if self.proposer is None else self.proposer.host_kv_bytes(num_blocks)
         return (num_blocks * self.bytes_per_block() if self.is_on_host else 0) + draft
 
-    def allocate(self, num_blocks: int, num_state_slots: int = 0) -> None:
+    def allocate(self, num_blocks: int, num_state_slots: int = 0, num_snapshot_slots: int = 0) -> None:
         begun = time.perf_counter()
         a = self.model.args
         shape = (2, a.num_kv_heads, num_blocks * self.block_size, a.head_dim)
@@ -62,6 +66,8 @@ class KvMemory:
         self.caches = [next(kv) if spec.mixer == "attention" else self._states(num_state_slots) for spec in a.layers]
         self.num_blocks, self.num_state_slots = num_blocks, num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
+        self.num_snapshot_slots = num_snapshot_slots
+        self.snapshots = [self._states(num_snapshot_slots) for _ in self._layer_states()] if num_snapshot_slots else []
         if not a.is_hybrid:  # the fused decode forward reads attention layers only
             self.backend.bind(self.model, self.caches)
         if self.proposer is not None:
@@ -82,14 +88,27 @@ class KvMemory:
     def caches_device(self) -> torch.device:
         return torch.device("cpu") if self.is_on_host else self.model.embed_tokens.weight.device
 
-    def take_state_slot(self) -> int:
-        """A free slot of the state cache, zeroed in every recurrent layer: a sequence's start."""
+    def _layer_states(self) -> list[LayerState]:
+        return [cache for cache in self.caches if isinstance(cache, LayerState)]
+
+    def take_state_slot(self, snapshot: int = -1) -> int:
+        """A free slot of the state cache: zeroed in every recurrent layer (a sequence's start), or a copy
+        of snapshot slot `snapshot` (its cached prefix's)."""
         slot = self.free_state_slots.pop()  # the core runs no more requests than slots
-        for cache in self.caches:
-            if isinstance(cache, LayerState):
+        for index, cache in enumerate(self._layer_states()):
+            if snapshot < 0:
                 cache.conv[slot].zero_()
                 cache.recurrent[slot].zero_()
+            else:
+                cache.conv[slot].copy_(self.snapshots[index].conv[snapshot])
+                cache.recurrent[slot].copy_(self.snapshots[index].recurrent[snapshot])
         return slot
+
+    def save_snapshot(self, slot: int, snapshot: int) -> None:
+        """State slot `slot` (a request's, after a step that ended on a boundary) into snapshot slot `snapshot`."""
+        for index, cache in enumerate(self._layer_states()):
+            self.snapshots[index].conv[snapshot].copy_(cache.conv[slot])
+            self.snapshots[index].recurrent[snapshot].copy_(cache.recurrent[slot])
 
     def give_state_slot(self, slot: int) -> None:
         self.free_state_slots.append(slot)
@@ -97,14 +116,14 @@ class KvMemory:
     def free(self) -> None:
         """Sleep: the caches go (the backend drops what reads them first); the block count stays."""
         self.backend.release()
-        self.caches = []
+        self.caches, self.snapshots = [], []
         if self.proposer is not None:
             self.proposer.release()
 
     def restore(self) -> None:
         """Wake: the caches of the kept block count again, zeroed (nothing where they are here)."""
         if not self.caches and self.num_blocks:
-            self.allocate(self.num_blocks, self.num_state_slots)
+            self.allocate(self.num_blocks, self.num_state_slots, self.num_snapshot_slots)
 
     def rebind(self) -> None:
         """The weights moved: what the backend derived from their addresses and the caches', again."""

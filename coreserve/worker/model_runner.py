@@ -134,14 +134,17 @@ class ModelRunner:
     def host_kv_bytes(self, num_blocks: int) -> int:
         return self.kv.host_kv_bytes(num_blocks)
 
-    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
-        self.kv.allocate(num_blocks, num_state_slots)
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0, num_snapshot_slots: int = 0) -> None:
+        self.kv.allocate(num_blocks, num_state_slots, num_snapshot_slots)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step, on the threads the backend gives it (fewer while the host is shared)."""
         with self.backend.step_threads():
-            return self._step(scheduler_output)
+            output = self._step(scheduler_output)
+        for req_id, snapshot in scheduler_output.state_snapshots.items():  # a hybrid's, at a chain's boundary
+            self.kv.save_snapshot(self.states[req_id].state_slot, snapshot)
+        return output
 
     def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The forward of every scheduled token, then the sampled rows and the prompt logprob rows of the
@@ -310,9 +313,9 @@ class ModelRunner:
                 self.speculator.proposer.forget(req_id)
         for data in scheduler_output.new_reqs:
             self.states[data.req_id] = state = RequestState.from_new(data)
-            if self.kv.num_state_slots:  # a hybrid's sequence starts from a zeroed state: from its first token
-                assert state.num_computed_tokens == 0, "a hybrid model's prefix cache is off"
-                state.state_slot = self.kv.take_state_slot()
+            if self.kv.num_state_slots:  # a hybrid's state: from zeros, or its cached prefix's snapshot
+                assert (state.num_computed_tokens == 0) == (data.state_snapshot < 0), "a prefix without its state"
+                state.state_slot = self.kv.take_state_slot(data.state_snapshot)
             if asks_extras(state):
                 self.asking_extras.add(data.req_id)
             if self.speculator is not None:

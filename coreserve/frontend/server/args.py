@@ -69,6 +69,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "dtype": (str, ("auto", "float32", "bfloat16", "float16")),
     "seed": (int, None),
     "enable_prefix_caching": (_boolean, None),
+    "state_snapshot_blocks": (int, None),
     "tensor_parallel_size": (int, None),
     "batch_invariant": (_boolean, None),
     "kernel_variant": (str, get_args(KernelVariantSetting)),

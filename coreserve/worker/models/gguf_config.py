@@ -4,8 +4,10 @@
 GGUF names the architecture (`general.architecture`) and keeps its numbers under that prefix. Loaded:
 `llama` (Llama 2/3 and SmolLM; Mistral too, which llama.cpp writes as `llama`: named so in
 `general.name`, it becomes MistralForCausalLM as transformers makes it; with experts, Mixtral),
-`qwen2`, `qwen3`, `qwen3moe`, `olmoe`, `phi3` (LongRoPE's factors are tensors in the file), `gemma2`
-and `gemma3`. What llama.cpp leaves out of the metadata, it fixes in its code, and so here: Qwen3-MoE
+`qwen2`, `qwen3`, `qwen3moe`, `olmoe`, `phi3` (LongRoPE's factors are tensors in the file), `gemma2`,
+`gemma3` and `qwen35` (Qwen3.5: its Gated DeltaNet's keys read in coreserve/worker/models/gguf_recurrent.py;
+the layers of a multi-token-prediction head, `nextn_predict_layers` blocks past the model's, are not the
+model's). What llama.cpp leaves out of the metadata, it fixes in its code, and so here: Qwen3-MoE
 and Mixtral renormalise the top-k, OLMoE does not; Gemma's query scale is the head size's except for
 the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden / heads); Gemma 2 alternates local and
 global layers, Gemma 3 has 5 local to 1 global with a local RoPE base of 10000 (`GGUF_ARCHS`, one
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from coreserve.protocol.gguf_header import GGUFHeader
 from coreserve.worker.models.config_checks import check_config_numbers
+from coreserve.worker.models.gguf_recurrent import linear_attention_keys
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class GgufArch:
     has_longrope_tensors: bool = False  # partial rotary and LongRoPE's factors as tensors (Phi-3)
     big_query_scale_layers: int | None = None  # the layer count whose query scale is hidden / heads (27B)
     has_local_layers: bool = False  # gemma3.attention.sliding_window_pattern and rope.freq_base_swa
+    has_linear_attention: bool = False  # Gated DeltaNet layers (ssm.* keys) beside partial-rotary attention
 
 
 _GEMMA = dict(activation="gelu_pytorch_tanh", norms_plus_one=True)
@@ -56,6 +60,8 @@ GGUF_ARCHS = {
     "phi3": GgufArch("Phi3ForCausalLM", "phi3", has_longrope_tensors=True),
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", big_query_scale_layers=46, **_GEMMA),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", big_query_scale_layers=62, has_local_layers=True, **_GEMMA),
+    # every norm but the Gated DeltaNet's own (ssm_norm) stored as 1 + weight, as Gemma's
+    "qwen35": GgufArch("Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, has_linear_attention=True),
 }
 # `<arch>.KEY` -> config.json key
 _KEYS = {
@@ -111,11 +117,14 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
         raise ValueError(f"{header.path}: RoPE frequencies stored as a tensor (rope_freqs.weight, Llama 3.1's "
                          "scaling in GGUF) are not supported")
     config = {key: meta[f"{arch}.{gguf_key}"] for gguf_key, key in _KEYS.items() if f"{arch}.{gguf_key}" in meta}
+    num_draft = num_draft_layers(header, arch)
+    if num_draft:  # block_count counts a multi-token-prediction head's layers too
+        config["num_hidden_layers"] -= num_draft
     if "vocab_size" not in config:  # older files: one embedding row per token
         config["vocab_size"] = len(meta.get("tokenizer.ggml.tokens", []))
     rules = GGUF_ARCHS[arch]
     architecture, model_type = _hf_architecture(rules, meta, bool(config.get("num_experts")))
-    has_bias = "blk.0.attn_q.bias" in names
+    has_bias = any(name.endswith(".attn_q.bias") for name in names)  # a hybrid's layer 0 has no attention
     config.update(
         architectures=[architecture],
         model_type=model_type,
@@ -173,7 +182,24 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
     if rules.has_local_layers:
         keys["sliding_window_pattern"] = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6))
         keys["rope_local_base_freq"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    if rules.has_linear_attention:
+        keys.update(linear_attention_keys(header, arch, config))
     return keys
+
+
+def num_draft_layers(header: GGUFHeader, arch: str) -> int:
+    """The layers of a multi-token-prediction head (`nextn_predict_layers`), the file's last blocks."""
+    meta = header.metadata
+    count, num_blocks = meta.get(f"{arch}.nextn_predict_layers"), meta.get(f"{arch}.block_count")
+    if count is None:
+        return 0
+    if isinstance(count, bool) or not isinstance(count, int) or not isinstance(num_blocks, int):
+        raise ValueError(f"{header.path}: GGUF keys {arch}.nextn_predict_layers={count!r} and {arch}.block_count="
+                         f"{num_blocks!r} must be integers")
+    if not 0 <= count < num_blocks:
+        raise ValueError(f"{header.path}: GGUF key {arch}.nextn_predict_layers={count} leaves no layers of the "
+                         f"{num_blocks} blocks to the model")
+    return count
 
 
 def _is_default_attention(attention: float, config: dict, rope: dict) -> bool:

@@ -6,8 +6,10 @@ has a type with a product here (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; coreserve/wo
 its rows are whole blocks (a fused projection of several such types keeps each tensor's rows in its
 own); any other (F16, Q2_K, Q3_K, Q5_0, Q5_1) is dequantized to fp32 at load, as with
 `dtype="float32"`: the same values either way. Rows move as bytes: llama.cpp's q/k row interleave is
-undone on whole rows, tensor parallelism keeps whole rows (split by output features) or whole blocks of
-each row (split by input features) of the rank's part. docs/quantized.md.
+undone on whole rows, as Qwen3.5's tiled value heads (gguf_recurrent.py) are: on whole rows, and on
+out_proj's columns where a value head is whole blocks (else that projection is dequantized); tensor
+parallelism keeps whole rows (split by output features) or whole blocks of each row (split by input
+features) of the rank's part. docs/quantized.md.
 """
 
 from __future__ import annotations
@@ -30,17 +32,22 @@ def quantization_plan(path: str, model: nn.Module, destination: Destination) -> 
     modules of `model` (this rank's shapes) that stay in their blocks; a fused linear layer whose GGUF
     tensors differ in type keeps each tensor's rows in its own: its runs, (rows, ggml type) in order."""
     found: dict[str, list[tuple[int, int, int]]] = {}  # module -> (first row, rows, ggml type) a tensor
+    moved_apart: set[str] = set()  # modules with columns that move across blocks: dequantized
     for entry in gguf_weights.list_tensors(path):
         target = destination(entry.name)
         if target is None or not target[0].endswith(".weight") or len(entry.shape) != 2:
             continue
         module_path, rows = target[0].removesuffix(".weight"), target[1]
+        if entry.tiled_heads is not None and entry.tiled_heads.in_bytes(entry.info.ggml_type) is None:
+            moved_apart.add(module_path)
         module = model.get_submodule(module_path)
         num_out = module.num_embeddings if isinstance(module, nn.Embedding) else getattr(module, "out_features", 0)
         start, stop, _ = (rows or slice(None)).indices(num_out)
         found.setdefault(module_path, []).append((start, stop - start, entry.info.ggml_type))
     plan: dict[str, int | Parts] = {}
     for module_path, runs in found.items():
+        if module_path in moved_apart:
+            continue
         module = model.get_submodule(module_path)
         num_in = module.embedding_dim if isinstance(module, nn.Embedding) else getattr(module, "in_features", 0)
         types = {ggml_type for _, _, ggml_type in runs}
@@ -82,6 +89,10 @@ def read_blocks_into(entry: gguf_weights.GGUFEntry, destination: torch.Tensor, s
         raw = torch.from_numpy(gguf_weights._raw_rows(entry))  # [rows, row bytes]
     if entry.interleaved_heads is not None:  # whole rows permuted: the values travel with their bytes
         raw = gguf_weights._undo_pair_interleave(raw, entry.interleaved_heads)
+    if entry.tiled_heads is not None:  # whole rows, or columns of whole blocks (the plan's condition)
+        in_bytes = entry.tiled_heads.in_bytes(entry.info.ggml_type)
+        assert in_bytes is not None, entry.name
+        raw = in_bytes.undo(raw, entry.name)
     if shard is not None and is_split(entry.name):
         part = rank_part(entry.name, raw, shard)
         block_bytes = QUANT_TYPES[entry.info.ggml_type][1]

@@ -7,7 +7,9 @@ fills parameters from either. Each tensor's bytes are memory-mapped and dequanti
 a time straight into the model's parameter (q and k whole, with their permuted copy). llama.cpp
 stores the q and k projections of `llama`-architecture files with each head's rows interleaved in
 pairs (its RoPE rotates adjacent pairs, HF's rotates halves); they are put back in HF's order here, as
-transformers does.
+transformers does. A `qwen35` file's Gated DeltaNet tensors are read back into HF's form as
+coreserve/worker/models/gguf_recurrent.py says; a multi-token-prediction head's blocks (the last
+`nextn_predict_layers`) are named `mtp.blk.N...`: like a folder's `mtp.` tensors, not the model's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from coreserve.protocol.gguf_header import GGUFTensorInfo, read_gguf_header
-from coreserve.worker.models.gguf_config import GGUF_ARCHS, gguf_architecture
+from coreserve.protocol.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
+from coreserve.worker.models.gguf_config import GGUF_ARCHS, gguf_architecture, num_draft_layers
+from coreserve.worker.models.gguf_recurrent import (
+    LINEAR_ATTENTION_NAMES,
+    LINEAR_ATTENTION_PARAMS,
+    LinearShapes,
+    TiledHeads,
+    a_log_from_ssm_a,
+    linear_shapes,
+    tiled_heads,
+)
 
 # ggml type value -> name, for the types loaded (every other is refused by name)
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
@@ -47,7 +58,10 @@ _ARCH_LAYER = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, in that order
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "qwen35": LINEAR_ATTENTION_NAMES,  # attn_qkv and attn_gate: the Gated DeltaNet's in_proj_qkv, in_proj_z
 }
+_ARCH_PARAMS = {"qwen35": LINEAR_ATTENTION_PARAMS}  # names after `blk.N.` that are whole HF parameters
+_PLAIN_NORMS = ("ssm_norm",)  # a norms_plus_one architecture's norms stored as they are
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE: config
 
@@ -61,33 +75,76 @@ class GGUFEntry:
     num_bytes: int
     interleaved_heads: int | None  # llama-architecture q/k: heads whose rows llama.cpp permuted
     minus_one: bool = False  # Gemma's norms: llama.cpp stores 1 + weight
+    tiled_heads: TiledHeads | None = None  # Qwen3.5's value heads llama.cpp tiled (gguf_recurrent.py)
+    is_ssm_a: bool = False  # Qwen3.5's ssm_a = -exp(A_log): read as A_log
 
 
 def list_tensors(path: str) -> Iterator[GGUFEntry]:
     """Every tensor of the file, in file order; an unsupported tensor type is a ValueError naming it."""
     header = read_gguf_header(path)
     arch = gguf_architecture(header)
-    rules, meta = GGUF_ARCHS[arch], header.metadata
+    meta = header.metadata
     heads = {"attn_q": meta.get(f"{arch}.attention.head_count"), "attn_k": meta.get(f"{arch}.attention.head_count_kv")}
     heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
+    shapes = linear_shapes(header, arch) if GGUF_ARCHS[arch].has_linear_attention else None
+    first_draft = _first_draft_block(header)
     for info in sorted(header.tensors, key=lambda t: t.offset):
+        if _is_draft(info.name, first_draft):  # never read: its type does not matter
+            yield GGUFEntry("mtp." + info.name, info, path, tuple(reversed(info.dims)), info.num_bytes, None)
+            continue
         if info.ggml_type not in SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {info.name} has GGUF type {_type_name(info.ggml_type)}, which is "
                              f"not supported; supported: {sorted(SUPPORTED_TYPES.values())}")
         if info.name in _CONFIG_TENSORS:
             continue
         name, module = hf_name(info.name, arch)
-        interleaved = int(heads[module]) if rules.interleaved_qk and module in heads else None
         if module in _EXPERTS:
             yield from _expert_entries(info, path, name)
             continue
-        minus_one = rules.norms_plus_one and name.endswith("norm.weight")
-        yield GGUFEntry(name, info, path, tuple(reversed(info.dims)), info.num_bytes, interleaved, minus_one)
+        yield _entry(info, path, arch, (name, module), heads, shapes)
+
+
+def file_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's GGUF dimensions by its GGUF name, a multi-token-prediction head's as `mtp.blk.N...`:
+    not the model's layers (what the loader's check of the layer count reads)."""
+    header = read_gguf_header(path)
+    first_draft = _first_draft_block(header)
+    return {("mtp." if _is_draft(t.name, first_draft) else "") + t.name: t.dims for t in header.tensors}
+
+
+def _first_draft_block(header: GGUFHeader) -> int | None:
+    """The first block of a multi-token-prediction head (`nextn_predict_layers` blocks at the end)."""
+    arch = gguf_architecture(header)
+    num_draft = num_draft_layers(header, arch)
+    return header.metadata[f"{arch}.block_count"] - num_draft if num_draft else None
+
+
+def _is_draft(gguf_name: str, first_draft: int | None) -> bool:
+    parts = gguf_name.split(".")
+    is_block = len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit()
+    return first_draft is not None and is_block and int(parts[1]) >= first_draft
+
+
+def _entry(info: GGUFTensorInfo, path: str, arch: str, names: tuple[str, str | None], heads: dict,
+           shapes: LinearShapes | None) -> GGUFEntry:
+    """A tensor's entry under its HF name (and the GGUF module it came from), with what reading it takes."""
+    (name, module), rules = names, GGUF_ARCHS[arch]
+    interleaved = int(heads[module]) if rules.interleaved_qk and module in heads else None
+    minus_one = rules.norms_plus_one and name.endswith("norm.weight") and module not in _PLAIN_NORMS
+    shape = tuple(reversed(info.dims))
+    if module == "ssm_conv1d" and len(shape) == 2:  # llama.cpp squeezed HF's [channels, 1, kernel]
+        shape = (shape[0], 1, shape[1])
+    tiled = tiled_heads(module, shapes) if shapes is not None and module is not None else None
+    return GGUFEntry(name, info, path, shape, info.num_bytes, interleaved, minus_one, tiled, module == "ssm_a")
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> tuple[str, str | None]:
     """The HF tensor name, and the GGUF module name it came from (`attn_q`, ...). An experts tensor
     (`ffn_gate_exps`, all of a layer's experts) gets its layer's prefix, `model.layers.N.mlp.experts`."""
+    parts = gguf_name.split(".", 2)
+    params = _ARCH_PARAMS.get(arch, {})
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in params:
+        return f"model.layers.{parts[1]}.{params[parts[2]]}", parts[2].split(".")[0]
     module, _, kind = gguf_name.rpartition(".")
     if module in _TOP:
         return f"{_TOP[module]}.{kind}", module
@@ -118,7 +175,8 @@ def read_into(entry: GGUFEntry, destination: torch.Tensor) -> None:
     block of rows at a time: only one block's fp32 values exist besides the destination."""
     if destination.numel() != int(np.prod(entry.shape)):
         raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit {list(destination.shape)}")
-    if entry.interleaved_heads is not None or entry.minus_one or not destination.is_contiguous():  # small
+    is_moved = entry.interleaved_heads is not None or entry.tiled_heads is not None or entry.is_ssm_a
+    if is_moved or entry.minus_one or not destination.is_contiguous():  # small, or the whole tensor's rows moved
         destination.copy_(read_tensor(entry).view(destination.shape))
         return
     rows = _raw_rows(entry)  # [num_rows, bytes per row] uint8
@@ -133,6 +191,10 @@ def read_tensor(entry: GGUFEntry) -> torch.Tensor:
     values = torch.from_numpy(_dequantize(_raw_rows(entry), entry)).reshape(entry.shape)
     if entry.interleaved_heads is not None:
         values = _undo_pair_interleave(values, entry.interleaved_heads)
+    if entry.tiled_heads is not None:
+        values = entry.tiled_heads.undo(values, entry.name)
+    if entry.is_ssm_a:
+        values = a_log_from_ssm_a(values, entry.name)
     return values - 1 if entry.minus_one else values
 
 

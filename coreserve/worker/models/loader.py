@@ -135,7 +135,7 @@ def load_model(
 def _file_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape as the file's header states it (no tensor data read)."""
     if is_gguf(model_dir):
-        return {t.name: t.dims for t in read_gguf_header(model_dir).tensors}
+        return gguf_weights.file_shapes(model_dir)
     return {e.name: e.shape for e in safetensors_files.list_tensors(model_dir)}
 
 

@@ -91,7 +91,7 @@ class TensorParallelExecutor:
         """Every rank's share, in this host's memory where the ranks run on the CPU."""
         return self.size * num_blocks * self._bytes_per_block if not self.is_cuda else 0
 
-    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0, num_snapshot_slots: int = 0) -> None:
         assert not num_state_slots, "a hybrid model under tensor parallelism is refused at load"
         self._send_all(AllocateKvCache(num_blocks))
         self._gather(Done)

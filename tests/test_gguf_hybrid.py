@@ -1,0 +1,150 @@
+"""Qwen3.5 GGUF files (`qwen35`) as llama.cpp's own converter writes them (its convert_hf_to_gguf.py, run in a
+subprocess from the folder scripts/setup.sh extracts) from the random qwen3_5 family model, whose 2 key heads
+serve 4 value heads (so the converter tiles the value heads): the f32 file, with a multi-token-prediction
+head beside the model, gives HF transformers' logprobs on the folder; the Q8_0 file kept in its blocks gives
+the bits of the same file dequantized, alone and batched; value heads put back on a quantized tensor's bytes
+give the values put back on its dequantization.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_logprobs, load_hf
+from test_gguf_families import numbers
+
+from coreserve import LLM, SamplingParams
+from coreserve.protocol.gguf_header import read_gguf_header
+from coreserve.worker.models.gguf_recurrent import TiledHeads
+from coreserve.worker.models.loader import read_config
+from coreserve.worker.models.quantized import QuantLinear
+
+CONVERTER = Path.home() / ".cache" / "coreserve" / "llama.cpp-convert-0.3.36"
+# fp32 on both sides, in bf16 mode too (the converter and HF widen the bf16 folder's values alike)
+TOLERANCE = 1e-4
+PROMPTS = [[(7 * i + 3 * j) % 20000 + 100 for j in range(n)] for i, n in enumerate((5, 23, 40))]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3, prompt_logprobs=3),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True, logprobs=3, prompt_logprobs=3),
+]
+needs_converter = pytest.mark.skipif(
+    not (CONVERTER / "convert_hf_to_gguf.py").exists(),
+    reason=f"llama.cpp's converter is not at {CONVERTER} (scripts/setup.sh --test extracts it)",
+)
+
+
+def _with_draft_head(source: Path, folder: Path) -> Path:
+    """`source` plus a multi-token-prediction head (`mtp.*`, as a hub folder has; HF's model ignores it)."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    for item in source.iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            (folder / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    tensors = load_file(str(source / "model.safetensors"))
+    head = {n.replace("model.layers.1.", "mtp.layers.0."): t.clone() for n, t in tensors.items() if ".layers.1." in n}
+    width = config["hidden_size"]
+    noise = torch.randn(width, 2 * width, generator=torch.Generator().manual_seed(1))
+    head |= {"mtp.fc.weight": noise, **{f"mtp.{n}.weight": torch.zeros(width) for n in
+             ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")}}
+    save_file({**tensors, **head}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted(family_model, tmp_path_factory) -> dict[str, str]:
+    """{"f32": the draft-headed folder's f32 file, "q8_0": the plain folder's Q8_0 file (--no-mtp)}, both
+    written by llama.cpp's converter at once."""
+    source = Path(family_model("qwen3_5"))
+    out = tmp_path_factory.mktemp("qwen35-gguf")
+    jobs = {"f32": (_with_draft_head(source, out / "with-head"), []), "q8_0": (source, ["--no-mtp"])}
+    env = dict(os.environ, PYTHONPATH=str(CONVERTER / "gguf-py"), HF_HUB_OFFLINE="1")
+    procs = {
+        kind: subprocess.Popen(
+            [sys.executable, str(CONVERTER / "convert_hf_to_gguf.py"), str(folder), "--outtype", kind,
+             "--outfile", str(out / f"{kind}.gguf"), *flags],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for kind, (folder, flags) in jobs.items()
+    }
+    for kind, proc in procs.items():
+        log = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 0, f"llama.cpp's converter failed ({kind}):\n{log[-3000:]}"
+    return {kind: str(out / f"{kind}.gguf") for kind in procs}
+
+
+def run(path: str, dtype: str, kept: list | None = None) -> tuple[list, list]:
+    """(the prompts batched in 16-token chunks, each prompt alone), numbers and all."""
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    params = [PARAMS[i % 2] for i in range(len(PROMPTS))]
+    with LLM(path, multiprocess=False, dtype=dtype, max_num_batched_tokens=16) as llm:
+        if kept is not None:
+            kept.extend(n for n, m in llm.client.core.executor.model.named_modules() if isinstance(m, QuantLinear))
+        batched = llm.generate(prompts, params, use_tqdm=False)
+        alone = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    return batched, alone
+
+
+@needs_converter
+def test_f32_gguf_with_a_draft_head_gives_hfs_logprobs(converted, family_model):
+    """Prompt and sample logprobs of the f32 file within 1e-4 of HF's forward on the folder
+    (the converter's fp32 values: its 1 + weight norms, -exp(A_log) and tiled heads read back); the
+    draft head's block is in the file but not the model's."""
+    path = converted["f32"]
+    assert read_config(path)["num_hidden_layers"] == 2
+    assert "blk.2.nextn.eh_proj.weight" in {t.name for t in read_gguf_header(path).tensors}
+    outputs, _ = run(path, "float32")
+    hf = load_hf(family_model("qwen3_5"))
+    for i, (ids, output) in enumerate(zip(PROMPTS, outputs)):
+        completion = output.outputs[0]
+        reference = hf_logprobs(hf, ids + completion.token_ids[:-1])
+        for position, entries in enumerate(output.prompt_logprobs[1:], start=1):
+            for token_id, logprob in entries.items():
+                assert abs(logprob.logprob - reference[position - 1, token_id].item()) < TOLERANCE
+        for step, (token_id, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = reference[len(ids) - 1 + step]
+            assert token_id in entries
+            if PARAMS[i % 2].temperature == 0:  # greedy: HF's argmax
+                assert row[token_id] >= row.max() - TOLERANCE
+            for entry_id, logprob in entries.items():
+                assert abs(logprob.logprob - row[entry_id].item()) < TOLERANCE
+
+
+@needs_converter
+def test_q8_0_gguf_kept_in_blocks_gives_its_dequantizations_bits(converted):
+    """dtype "auto" (the Gated DeltaNet's fused in_proj in its Q8_0 blocks, value-head rows moved as
+    bytes) against dtype "float32" on the same file: the same numbers, batched and alone."""
+    kept: list[str] = []
+    batched, alone = run(converted["q8_0"], "auto", kept)
+    assert "layers.0.linear_attn.in_proj" in kept and "layers.1.qkv_proj" in kept
+    assert "layers.0.linear_attn.out_proj" not in kept  # 16-wide value heads: its columns move within blocks
+    fp32_batched, fp32_alone = run(converted["q8_0"], "float32")
+    assert numbers(batched) == numbers(fp32_batched)
+    assert numbers(alone) == numbers(fp32_alone)
+
+
+def test_value_heads_moved_as_bytes_are_the_values_moved():
+    """out_proj's columns (value heads of 32, whole Q8_0 blocks) put back on the raw blocks, then
+    dequantized, equal the dequantized values put back; a head that splits a block has no byte order."""
+    from gguf import GGMLQuantizationType, quants
+
+    order = TiledHeads(dim=1, start=0, num_key_heads=2, num_per_key=3, head_size=32)
+    values = np.random.default_rng(0).standard_normal((5, 6 * 32)).astype(np.float32)
+    raw = torch.from_numpy(quants.quantize(values, GGMLQuantizationType.Q8_0))
+    in_bytes = order.in_bytes(GGMLQuantizationType.Q8_0)
+    moved = quants.dequantize(in_bytes.undo(raw, "out_proj").numpy(), GGMLQuantizationType.Q8_0)
+    dequantized = torch.from_numpy(quants.dequantize(raw.numpy(), GGMLQuantizationType.Q8_0))
+    assert np.array_equal(moved, order.undo(dequantized, "out_proj").numpy())
+    # HF's head 3k + v (key head k's value head v) is the file's 2v + k: v0 of each key head, then v1, v2
+    file_heads = [2 * v + k for k in range(2) for v in range(3)]
+    assert torch.equal(order.undo(torch.arange(6 * 32)[None], "x")[0, ::32], 32 * torch.tensor(file_heads))
+    assert TiledHeads(1, 0, 2, 2, 16).in_bytes(GGMLQuantizationType.Q8_0) is None
