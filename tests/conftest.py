@@ -449,6 +449,12 @@ FAMILY_CONFIGS = {
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
     ),
+    # LFM2: a gated short convolution layer (kernel 3), then attention with per-head q/k norms; the MLP's
+    # width auto-adjusted (2/3 of 128, rounded up to 32: 96), tied embeddings
+    "lfm2": dict(
+        model_type="lfm2", tokenizer="llama3", layer_types=["conv", "full_attention"], conv_L_cache=3,
+        block_multiple_of=32, norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
     # OLMoE: q/k norms over the whole projections, clip_qkv, top-k probabilities as they are
     "olmoe": dict(
         model_type="olmoe", tokenizer="llama2", num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,

@@ -67,6 +67,12 @@ def converted(family_model, tmp_path_factory) -> dict[str, str]:
     source = Path(family_model("qwen3_5"))
     out = tmp_path_factory.mktemp("qwen35-gguf")
     jobs = {"f32": (_with_draft_head(source, out / "with-head"), []), "q8_0": (source, ["--no-mtp"])}
+    return convert(jobs, out)
+
+
+def convert(jobs: dict[str, tuple[Path, list[str]]], out: Path) -> dict[str, str]:
+    """{outtype: (folder, extra flags)} -> {outtype: its file under `out`}, llama.cpp's converter run on
+    every job at once."""
     env = dict(os.environ, PYTHONPATH=str(CONVERTER / "gguf-py"), HF_HUB_OFFLINE="1")
     procs = {
         kind: subprocess.Popen(
@@ -82,16 +88,16 @@ def converted(family_model, tmp_path_factory) -> dict[str, str]:
     return {kind: str(out / f"{kind}.gguf") for kind in procs}
 
 
-def run(path: str, dtype: str, kept: list | None = None) -> tuple[list, list]:
-    """(the prompts batched in 16-token chunks, each prompt alone), numbers and all."""
+def run(path: str, dtype: str, kept: list | None = None, alone: bool = True) -> tuple[list, list]:
+    """(the prompts batched in 16-token chunks, each prompt alone (`alone`; else [])), numbers and all."""
     prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
     params = [PARAMS[i % 2] for i in range(len(PROMPTS))]
     with LLM(path, multiprocess=False, dtype=dtype, max_num_batched_tokens=16) as llm:
         if kept is not None:
             kept.extend(n for n, m in llm.client.core.executor.model.named_modules() if isinstance(m, QuantLinear))
         batched = llm.generate(prompts, params, use_tqdm=False)
-        alone = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
-    return batched, alone
+        each = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)] if alone else []
+    return batched, each
 
 
 @needs_converter
@@ -102,8 +108,13 @@ def test_f32_gguf_with_a_draft_head_gives_hfs_logprobs(converted, family_model):
     path = converted["f32"]
     assert read_config(path)["num_hidden_layers"] == 2
     assert "blk.2.nextn.eh_proj.weight" in {t.name for t in read_gguf_header(path).tensors}
-    outputs, _ = run(path, "float32")
-    hf = load_hf(family_model("qwen3_5"))
+    outputs, _ = run(path, "float32", alone=False)
+    assert_gives_hfs_logprobs(outputs, load_hf(family_model("qwen3_5")))
+
+
+def assert_gives_hfs_logprobs(outputs: list, hf) -> None:
+    """Each prompt's prompt and sample logprobs within TOLERANCE of HF's forward on its tokens; greedy
+    samples HF's argmax."""
     for i, (ids, output) in enumerate(zip(PROMPTS, outputs)):
         completion = output.outputs[0]
         reference = hf_logprobs(hf, ids + completion.token_ids[:-1])

@@ -1,7 +1,8 @@
-"""Hybrid models (recurrent layers beside attention), Qwen3.5 first: a random `Qwen3_5ForCausalLM` (a Gated
-DeltaNet layer, then an output-gated attention layer) against Hugging Face transformers, the invariants
-on the state cache (alone = batched, scoring = generation, chunk size, preemption, n > 1, multi-step
-windows), a hub folder's vision-language layout, the C mixer against torch's, and what is refused.
+"""Hybrid models (recurrent layers beside attention): a random `Qwen3_5ForCausalLM` (a Gated DeltaNet layer,
+then an output-gated attention layer) and a random `Lfm2ForCausalLM` (a short convolution layer, then
+attention) against Hugging Face transformers; the invariants on the state cache (alone = batched,
+scoring = generation, chunk size, preemption, n > 1, prefix-cache hits from state snapshots, multi-step
+windows); a hub folder's vision-language layout; the C mixer against torch's; what is refused.
 """
 
 from __future__ import annotations
@@ -26,20 +27,22 @@ CHUNKED = dict(max_num_batched_tokens=16, num_kv_blocks=8, block_size=16)
 BF16_TOLERANCE = 0.75  # measured 0.50 on the C path (Qwen3's 0.09): docs/models.md
 
 
-@pytest.mark.parametrize("multiprocess, engine_args", [
-    (False, CHUNKED),
-    (True, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's mixer, whole prompts
+@pytest.mark.parametrize("family, multiprocess, engine_args", [
+    ("qwen3_5", False, CHUNKED),
+    ("qwen3_5", False, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's mixer
+    ("lfm2", True, CHUNKED),
 ])
-def test_qwen3_5_matches_hf(multiprocess, engine_args, family_model):
-    """Prompt logprobs against HF's forward (which runs a prompt's recurrence in chunks) and generation
-    against its `generate` (token by token from its cache), chunked and preempted."""
-    path = family_model("qwen3_5")
+def test_hybrid_matches_hf(family, multiprocess, engine_args, family_model):
+    """Prompt logprobs against HF's forward (which runs Qwen3.5's recurrence over a prompt in chunks) and
+    generation against its `generate` (token by token from its cache), chunked and preempted."""
+    path = family_model(family)
     with LLM(path, multiprocess=multiprocess, **engine_args) as llm:
         outputs = llm.generate(FAMILY_PROMPTS, GREEDY, use_tqdm=False)
         stats = llm.get_engine_stats()
     if "num_kv_blocks" in engine_args:
         assert stats.num_preemptions > 0
-    assert stats.num_state_slots > 0 and stats.state_bytes_per_seq == 4 * (128 * 3 + 4 * 16 * 16)
+    state_bytes = {"qwen3_5": 4 * (128 * 3 + 4 * 16 * 16), "lfm2": 4 * 2 * 64}  # conv (+ recurrent) states
+    assert stats.num_state_slots > 0 and stats.state_bytes_per_seq == state_bytes[family]
     hf = load_hf(path)
     tolerance = HF_TOLERANCE if engine_args.get("can_use_cpu_kernels", True) else HF_TOLERANCE_TORCH_PATH
     if IS_BF16_MODE:  # bf16 products round the activations, and the recurrence carries that on (docs/models.md)
@@ -52,11 +55,12 @@ def test_qwen3_5_matches_hf(multiprocess, engine_args, family_model):
             _assert_sample_logprobs(completion, hf_generate_logprobs(hf, prompt, completion.token_ids), tolerance)
 
 
-def test_qwen3_5_alone_equals_batched_and_scoring_equals_generation(family_model):
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_alone_equals_batched_and_scoring_equals_generation(family, family_model):
     """Each prompt alone in whole-prompt steps, then all in one batch in 16-token chunks (other lengths
     beside each), then every generated sequence scored: the recurrence runs token by token both ways."""
     params = [GREEDY if i % 2 == 0 else SAMPLED for i in range(len(FAMILY_PROMPTS))]
-    path = family_model("qwen3_5")
+    path = family_model(family)
     with LLM(path, multiprocess=False, max_num_batched_tokens=512) as llm:
         alone = [llm.generate([prompt], p, use_tqdm=False)[0] for prompt, p in zip(FAMILY_PROMPTS, params)]
     with LLM(path, multiprocess=False, max_num_batched_tokens=16) as llm:
@@ -67,13 +71,14 @@ def test_qwen3_5_alone_equals_batched_and_scoring_equals_generation(family_model
         assert one.prompt_logprobs == many.prompt_logprobs
 
 
-def test_qwen3_5_request_through_preemption_n4_prefix_hits_and_windows(family_model):
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_request_through_preemption_n4_prefix_hits_and_windows(family, family_model):
     """One request's bits (sample and prompt logprobs): alone with no prefix cache; then from the cache
     (its state restored from the snapshot at the last boundary its prompt passed: 48 tokens, every 3
-    blocks on this model), as each of n = 4 greedy children; beside four long requests in a KV cache too
-    small for them (preempted: computed again, its state slot given back and taken anew); in multi-step
-    windows."""
-    path = family_model("qwen3_5")
+    blocks for Qwen3.5's state here, every block for LFM2's), as each of n = 4 greedy children; beside
+    four long requests in a KV cache too small for them (preempted: computed again, its state slot given
+    back and taken anew); in multi-step windows."""
+    path = family_model(family)
     prompt = FAMILY_PROMPTS[0]
     with LLM(path, multiprocess=False, enable_prefix_caching=False) as llm:
         plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
@@ -207,3 +212,16 @@ def test_qwen3_5_through_the_server(family_model):
     assert whole.choices[0].text == expected.text and whole.choices[0].logprobs.token_logprobs == logprobs
     streamed = [value for chunk in chunks if chunk.choices for value in chunk.choices[0].logprobs.token_logprobs]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text and streamed == logprobs
+
+
+def test_lfm2_config_reading(family_model):
+    """LFM2's MLP width as HF adjusts it, its layer kinds from full_attn_idxs too, and its checks."""
+    config = json.loads((Path(family_model("lfm2")) / "config.json").read_text())
+    args = DecoderArgs.from_hf_config(config)
+    assert args.intermediate_size == 96 and [s.mixer for s in args.layers] == ["short_conv", "attention"]
+    by_index = {k: v for k, v in config.items() if k != "layer_types"} | {"full_attn_idxs": [1]}
+    assert DecoderArgs.from_hf_config(by_index).layers == args.layers
+    assert DecoderArgs.from_hf_config({**config, "block_auto_adjust_ff_dim": False}).intermediate_size == 128
+    for change, message in [({"conv_L_cache": 1}, "conv_L_cache"), ({"block_multiple_of": 0}, "block_multiple_of")]:
+        with pytest.raises(ValueError, match=message):
+            DecoderArgs.from_hf_config({**config, **change})

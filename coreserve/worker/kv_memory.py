@@ -25,6 +25,7 @@ import torch
 
 from coreserve.worker.backend import Backend
 from coreserve.worker.models.decoder import DecoderModel
+from coreserve.worker.models.family import SHORT_CONV
 from coreserve.worker.models.gated_deltanet import LayerState
 from coreserve.worker.speculative.proposers import Proposer
 
@@ -63,11 +64,13 @@ class KvMemory:
         a = self.model.args
         shape = (2, a.num_kv_heads, num_blocks * self.block_size, a.head_dim)
         kv = iter(self.backend.allocate_kv_cache(len(a.attention_layers), shape, self.dtype))
-        self.caches = [next(kv) if spec.mixer == "attention" else self._states(num_state_slots) for spec in a.layers]
+        self.caches = [next(kv) if spec.mixer == "attention" else self._states(num_state_slots, spec.mixer)
+                       for spec in a.layers]
         self.num_blocks, self.num_state_slots = num_blocks, num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
         self.num_snapshot_slots = num_snapshot_slots
-        self.snapshots = [self._states(num_snapshot_slots) for _ in self._layer_states()] if num_snapshot_slots else []
+        mixers = [spec.mixer for spec in a.layers if spec.mixer != "attention"]
+        self.snapshots = [self._states(num_snapshot_slots, mixer) for mixer in mixers] if num_snapshot_slots else []
         if not a.is_hybrid:  # the fused decode forward reads attention layers only
             self.backend.bind(self.model, self.caches)
         if self.proposer is not None:
@@ -75,13 +78,19 @@ class KvMemory:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); startup: KV cache %.3f s", num_blocks,
                     self.block_size, num_blocks * self.bytes_per_block() / 2**20, time.perf_counter() - begun)
 
-    def _states(self, num_slots: int) -> LayerState:
-        """A recurrent layer's slots, unwritten (a slot is zeroed when taken)."""
-        lin = self.model.args.linear
-        assert lin is not None and num_slots > 0, "a hybrid model needs state slots"
-        conv = torch.empty(num_slots, lin.conv_kernel - 1, lin.conv_dim, device=self.caches_device)
-        recurrent = torch.empty(num_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim,
-                                device=self.caches_device)
+    def _states(self, num_slots: int, mixer: str) -> LayerState:
+        """A recurrent layer's slots, unwritten (a slot is zeroed when taken): a Gated DeltaNet's conv and
+        recurrent states, a short conv's conv state."""
+        a = self.model.args
+        assert num_slots > 0, "a hybrid model needs state slots"
+        device = self.caches_device
+        if mixer == SHORT_CONV:
+            assert a.short_conv is not None
+            return LayerState(torch.empty(num_slots, a.short_conv.kernel - 1, a.hidden_size, device=device), None)
+        lin = a.linear
+        assert lin is not None
+        conv = torch.empty(num_slots, lin.conv_kernel - 1, lin.conv_dim, device=device)
+        recurrent = torch.empty(num_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim, device=device)
         return LayerState(conv, recurrent)
 
     @property
@@ -96,19 +105,21 @@ class KvMemory:
         of snapshot slot `snapshot` (its cached prefix's)."""
         slot = self.free_state_slots.pop()  # the core runs no more requests than slots
         for index, cache in enumerate(self._layer_states()):
-            if snapshot < 0:
-                cache.conv[slot].zero_()
-                cache.recurrent[slot].zero_()
-            else:
-                cache.conv[slot].copy_(self.snapshots[index].conv[snapshot])
-                cache.recurrent[slot].copy_(self.snapshots[index].recurrent[snapshot])
+            for part_index, part in enumerate(cache):
+                if part is None:
+                    continue
+                if snapshot < 0:
+                    part[slot].zero_()
+                else:
+                    part[slot].copy_(self.snapshots[index][part_index][snapshot])
         return slot
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
         """State slot `slot` (a request's, after a step that ended on a boundary) into snapshot slot `snapshot`."""
-        for index, cache in enumerate(self._layer_states()):
-            self.snapshots[index].conv[snapshot].copy_(cache.conv[slot])
-            self.snapshots[index].recurrent[snapshot].copy_(cache.recurrent[slot])
+        for cache, kept in zip(self._layer_states(), self.snapshots):
+            for part, kept_part in zip(cache, kept):
+                if part is not None:
+                    kept_part[snapshot].copy_(part[slot])
 
     def give_state_slot(self, slot: int) -> None:
         self.free_state_slots.append(slot)

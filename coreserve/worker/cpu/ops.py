@@ -19,6 +19,7 @@ from coreserve.worker.cpu.kernels import decode_attention, gated_deltanet, rms_n
 from coreserve.worker.cpu.linear import linear
 from coreserve.worker.models.gated_deltanet import LayerState
 from coreserve.worker.models.ops import HeadShape, Rope, TorchOps, gelu_tanh_mul
+from coreserve.worker.models.short_conv import short_conv
 from coreserve.worker.step.attention import AttentionMetadata, AttentionSpec, StateSpan, paged_attention
 
 
@@ -73,6 +74,12 @@ class CpuOps:
     ) -> torch.Tensor:
         """csrc/recurrent_mixers.c, a call a sequence: its numbers never depend on the others'."""
         return gated_deltanet(self.kernels, mixer, proj, state, spans)
+
+    def short_conv(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor:
+        """torch's: products and sums element by element, the same bits in any batch (short_conv.py)."""
+        return short_conv(mixer, proj, state, spans)
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

@@ -11,7 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coreserve.worker.models.config_checks import check_config_numbers
-from coreserve.worker.models.family import GATED_DELTANET, GELU_TANH, SILU, Family, family_of, text_config
+from coreserve.worker.models.family import (
+    GATED_DELTANET,
+    GELU_TANH,
+    SHORT_CONV,
+    SILU,
+    Family,
+    family_of,
+    text_config,
+)
 from coreserve.worker.models.layer_spec import LayerSpec, global_rope_config, layer_kinds, layer_specs, rope_spec
 from coreserve.worker.models.rope import RopeSpec, long_rope_switch
 
@@ -71,6 +79,18 @@ class LinearAttentionArgs:
 
 
 @dataclass(frozen=True)
+class ShortConvArgs:
+    """A short convolution layer's (LFM2's conv layers): in_proj's B, C and x, y = C * conv(B * x), a
+    depthwise causal conv of `kernel` over the hidden size (coreserve/worker/models/short_conv.py)."""
+
+    kernel: int  # conv_L_cache
+    has_bias: bool  # conv_bias: in_proj, the conv and out_proj have biases
+
+    def state_bytes(self, hidden_size: int) -> int:
+        return 4 * (self.kernel - 1) * hidden_size
+
+
+@dataclass(frozen=True)
 class DecoderArgs:
     vocab_size: int
     hidden_size: int
@@ -92,6 +112,7 @@ class DecoderArgs:
     final_softcap: float | None = None  # logits become cap tanh(logit / cap) (Gemma 2)
     moe: MoeArgs | None = None  # the mixtures of experts
     linear: LinearAttentionArgs | None = None  # the Gated DeltaNet layers' shapes (Qwen3.5)
+    short_conv: ShortConvArgs | None = None  # the short convolution layers' (LFM2)
     # A vision-language folder's decoder tensors are under "model.language_model." (read as "model.");
     # tensors under skipped_prefixes (its vision tower, a multi-token-prediction head) are not this model's
     text_prefix: str = "model."
@@ -110,9 +131,9 @@ class DecoderArgs:
     @property
     def state_bytes_per_seq(self) -> int:
         """A running sequence's recurrent state over every recurrent layer (0: not a hybrid)."""
-        if self.linear is None:
-            return 0
-        return self.linear.state_bytes * (self.num_layers - len(self.attention_layers))
+        per_layer = {GATED_DELTANET: self.linear.state_bytes if self.linear else 0,
+                     SHORT_CONV: self.short_conv.state_bytes(self.hidden_size) if self.short_conv else 0}
+        return sum(per_layer.get(spec.mixer, 0) for spec in self.layers)
 
     @property
     def is_llama_shaped(self) -> bool:
@@ -154,12 +175,12 @@ class DecoderArgs:
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
+            intermediate_size=_intermediate_size(config, family),
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=config.get(family.eps_key, 1e-6),
             max_position_embeddings=max_positions,
             rope=rope,
             qkv_bias=family.always_qkv_bias or attention_bias,
@@ -172,9 +193,37 @@ class DecoderArgs:
             final_softcap=config.get("final_logit_softcapping") if family.has_softcaps else None,
             moe=moe,
             linear=_linear_args(config) if family.recurrent == GATED_DELTANET else None,
+            short_conv=_short_conv_args(config) if family.recurrent == SHORT_CONV else None,
             text_prefix="model.language_model." if family.nests_text_config else "model.",
             skipped_prefixes=("model.visual.", "mtp.") if family.recurrent == GATED_DELTANET else (),
         )
+
+
+def _intermediate_size(config: dict, family: Family) -> int:
+    """The MLP's width; LFM2's auto-adjusted one as HF computes it (2/3, times the multiplier, rounded up to
+    block_multiple_of)."""
+    size = config["intermediate_size"]
+    if not (family.adjusts_ff_dim and config.get("block_auto_adjust_ff_dim", True)):
+        return size
+    size = int(2 * size / 3)
+    multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is not None:
+        multiple = config.get("block_multiple_of", 256)
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or not 1 <= multiple <= 1 << 16:
+            raise ValueError(f"block_multiple_of={multiple!r} must be an integer in 1..65536")
+        if not isinstance(multiplier, (int, float)) or not 0 < multiplier <= 64:
+            raise ValueError(f"block_ffn_dim_multiplier={multiplier!r} must be a number in (0, 64]")
+        size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    if size < 1:
+        raise ValueError(f"intermediate_size={config['intermediate_size']} leaves no MLP after LFM2's adjustment")
+    return size
+
+
+def _short_conv_args(config: dict) -> ShortConvArgs:
+    kernel = config.get("conv_L_cache", 3)
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or not 2 <= kernel <= 64:
+        raise ValueError(f"conv_L_cache={kernel!r} must be an integer in 2..64")
+    return ShortConvArgs(kernel, bool(config.get("conv_bias", False)))
 
 
 def _linear_args(config: dict) -> LinearAttentionArgs:

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from coreserve.worker.models.config import DecoderArgs
-from coreserve.worker.models.family import SILU
+from coreserve.worker.models.family import GATED_DELTANET, SHORT_CONV, SILU
 from coreserve.worker.models.gated_deltanet import GatedDeltaNet, LayerState
+from coreserve.worker.models.short_conv import ShortConv
 from coreserve.worker.models.moe import SparseMoe
 from coreserve.worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
 from coreserve.worker.models.rope import RopeSpec, cos_sin_tables, long_rows_start
@@ -122,14 +123,16 @@ class DecoderLayer(nn.Module):
         if spec.has_sandwich_norms:  # post_attention_layernorm is then on the attention's output
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
-        # A recurrent mixer (Qwen3.5's linear_attention layers) in place of attention: no q/k/v, no KV cache
-        self.linear_attn = GatedDeltaNet(args) if spec.mixer != "attention" else None
+        # A recurrent mixer in place of attention (Qwen3.5's linear_attention layers, LFM2's conv layers): no
+        # q/k/v, no KV cache, a state slot a sequence
+        self.linear_attn = GatedDeltaNet(args) if spec.mixer == GATED_DELTANET else None
+        self.conv = ShortConv(args) if spec.mixer == SHORT_CONV else None
         self.moe = SparseMoe(args) if spec.is_moe else None
         self.routed: torch.Tensor | None = None  # a mixture's last step: each token's experts [T, top_k]
         if self.moe is None:
             self.gate_up_proj = nn.Linear(hidden, 2 * args.intermediate_size, bias=False)
             self.down_proj = nn.Linear(args.intermediate_size, hidden, bias=False)
-        if self.linear_attn is None:
+        if spec.mixer == "attention":
             self._add_attention(args)
         self.heads = HeadShape(args.num_heads, args.num_kv_heads, args.head_dim)
 
@@ -158,6 +161,9 @@ class DecoderLayer(nn.Module):
             mixed = ops.gated_deltanet(self.linear_attn, ops.linear(self.linear_attn.in_proj, normed), cache,
                                        meta.state_spans)
             attn_out = ops.linear(self.linear_attn.out_proj, mixed)
+        elif self.conv is not None:
+            mixed = ops.short_conv(self.conv, ops.linear(self.conv.in_proj, normed), cache, meta.state_spans)
+            attn_out = ops.linear(self.conv.out_proj, mixed)
         else:
             attn_out = ops.sum_over_ranks(self._attention(normed, rope, cache, meta, ops))
         pre_mlp_norm = self.post_attention_layernorm

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 SILU, GELU_TANH = "silu", "gelu_pytorch_tanh"  # the gated MLP's activation: SwiGLU, GeGLU
 FULL, SLIDING = "full_attention", "sliding_attention"  # config.json's layer_types
 LINEAR = "linear_attention"  # a Gated DeltaNet layer (Qwen3.5): a recurrent state, no KV cache
-GATED_DELTANET = "gated_deltanet"  # LayerSpec.mixer of a LINEAR layer ("attention" for the others)
+CONV = "conv"  # a short convolution layer (LFM2): a conv state, no KV cache
+GATED_DELTANET, SHORT_CONV = "gated_deltanet", "short_conv"  # LayerSpec.mixer of those ("attention" else)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,10 @@ class Family:
     has_local_rope_base: bool = False  # rope_local_base_freq: the sliding layers' own RoPE (Gemma 3)
     ties_by_default: bool = False  # tie_word_embeddings when config.json leaves it out
     moe: MoeRule | None = None
-    recurrent: str | None = None  # GATED_DELTANET: layer_types' LINEAR layers are that mixer (Qwen3.5)
+    recurrent: str | None = None  # the mixer of layer_types' `recurrent_layer` layers: GATED_DELTANET, SHORT_CONV
+    recurrent_layer: str = LINEAR  # the layer kind (layer_types' name) that is the recurrent mixer
+    eps_key: str = "rms_norm_eps"  # the config key of the RMSNorms' epsilon (LFM2: norm_eps)
+    adjusts_ff_dim: bool = False  # LFM2's block_auto_adjust_ff_dim: the MLP is 2/3 of intermediate_size, rounded
     has_output_gate: bool = False  # attention's output times sigmoid(gate), gate beside q in q_proj (Qwen3.5)
     nests_text_config: bool = False  # config.json's text_config holds the decoder (a vision-language folder)
 
@@ -92,6 +96,11 @@ FAMILIES = {
     # the multi-token-prediction head skipped by name: coreserve/worker/models/loader.py)
     "Qwen3_5ForCausalLM": Family("qwen3_5", **_QWEN3_5),
     "Qwen3_5ForConditionalGeneration": Family("qwen3_5", nests_text_config=True, **_QWEN3_5),
+    # LFM2: gated short convolutions (kernel conv_L_cache) beside attention with per-head q/k norms
+    "Lfm2ForCausalLM": Family(
+        "lfm2", qk_norm="head", layer_types=frozenset({FULL, CONV}), recurrent=SHORT_CONV, recurrent_layer=CONV,
+        eps_key="norm_eps", adjusts_ff_dim=True, ties_by_default=True,
+    ),
 }
 
 

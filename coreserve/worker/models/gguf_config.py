@@ -1,19 +1,18 @@
 """A GGUF file's metadata as the Hugging Face config.json it stands for, so that one reader
 (`DecoderArgs.from_hf_config`) checks and builds every model (engine-core process).
 
-GGUF names the architecture (`general.architecture`) and keeps its numbers under that prefix. Loaded:
-`llama` (Llama 2/3 and SmolLM; Mistral too, which llama.cpp writes as `llama`: named so in
-`general.name`, it becomes MistralForCausalLM as transformers makes it; with experts, Mixtral),
-`qwen2`, `qwen3`, `qwen3moe`, `olmoe`, `phi3` (LongRoPE's factors are tensors in the file), `gemma2`,
-`gemma3` and `qwen35` (Qwen3.5: its Gated DeltaNet's keys read in coreserve/worker/models/gguf_recurrent.py;
-the layers of a multi-token-prediction head, `nextn_predict_layers` blocks past the model's, are not the
-model's). What llama.cpp leaves out of the metadata, it fixes in its code, and so here: Qwen3-MoE
-and Mixtral renormalise the top-k, OLMoE does not; Gemma's query scale is the head size's except for
-the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden / heads); Gemma 2 alternates local and
-global layers, Gemma 3 has 5 local to 1 global with a local RoPE base of 10000 (`GGUF_ARCHS`, one
-entry of rules per architecture, the only place one is named). Anything else, and any
-key that changes the math (RoPE frequencies stored as a tensor, other RoPE scalings), is a ValueError
-naming it.
+GGUF names the architecture (`general.architecture`) and keeps its numbers under that prefix. Loaded: `llama`
+(Llama 2/3 and SmolLM; Mistral too, which llama.cpp writes as `llama`: named so in `general.name`, it becomes
+MistralForCausalLM as transformers makes it; with experts, Mixtral), `qwen2`, `qwen3`, `qwen3moe`, `olmoe`,
+`phi3` (LongRoPE's factors are tensors in the file), `gemma2`, `gemma3`, `qwen35` (Qwen3.5: its Gated
+DeltaNet's keys read in coreserve/worker/models/gguf_recurrent.py; the layers of a multi-token-prediction
+head, `nextn_predict_layers` blocks past the model's, are not the model's) and `lfm2` (LFM2: its conv layers
+marked by a KV head count of 0, read there too). What llama.cpp leaves out of the metadata, it fixes in its
+code, and so here: Qwen3-MoE and Mixtral renormalise the top-k, OLMoE does not; Gemma's query scale is the
+head size's except for the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden / heads); Gemma 2
+alternates local and global layers, Gemma 3 has 5 local to 1 global with a local RoPE base of 10000
+(`GGUF_ARCHS`, one entry of rules per architecture, the only place one is named). Anything else, and any key
+that changes the math (RoPE frequencies stored as a tensor, other RoPE scalings), is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 
 from coreserve.protocol.gguf_header import GGUFHeader
 from coreserve.worker.models.config_checks import check_config_numbers
-from coreserve.worker.models.gguf_recurrent import linear_attention_keys
+from coreserve.worker.models.gguf_recurrent import attention_kv_heads, linear_attention_keys, short_conv_keys
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,7 @@ class GgufArch:
     big_query_scale_layers: int | None = None  # the layer count whose query scale is hidden / heads (27B)
     has_local_layers: bool = False  # gemma3.attention.sliding_window_pattern and rope.freq_base_swa
     has_linear_attention: bool = False  # Gated DeltaNet layers (ssm.* keys) beside partial-rotary attention
+    has_short_conv: bool = False  # LFM2's conv layers: head_count_kv one a layer, 0 for a conv layer
 
 
 _GEMMA = dict(activation="gelu_pytorch_tanh", norms_plus_one=True)
@@ -62,6 +62,7 @@ GGUF_ARCHS = {
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", big_query_scale_layers=62, has_local_layers=True, **_GEMMA),
     # every norm but the Gated DeltaNet's own (ssm_norm) stored as 1 + weight, as Gemma's
     "qwen35": GgufArch("Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, has_linear_attention=True),
+    "lfm2": GgufArch("Lfm2ForCausalLM", "lfm2", has_short_conv=True),
 }
 # `<arch>.KEY` -> config.json key
 _KEYS = {
@@ -123,6 +124,8 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     if "vocab_size" not in config:  # older files: one embedding row per token
         config["vocab_size"] = len(meta.get("tokenizer.ggml.tokens", []))
     rules = GGUF_ARCHS[arch]
+    if rules.has_short_conv:  # head_count_kv one a layer, 0 for a conv layer: the attention layers' count
+        config["num_key_value_heads"] = attention_kv_heads(header, arch)
     architecture, model_type = _hf_architecture(rules, meta, bool(config.get("num_experts")))
     has_bias = any(name.endswith(".attn_q.bias") for name in names)  # a hybrid's layer 0 has no attention
     config.update(
@@ -184,6 +187,8 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
         keys["rope_local_base_freq"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
     if rules.has_linear_attention:
         keys.update(linear_attention_keys(header, arch, config))
+    if rules.has_short_conv:
+        keys.update(short_conv_keys(header, arch, config))
     return keys
 
 

@@ -1,6 +1,6 @@
-"""Qwen3.5's Gated DeltaNet layers in a `qwen35` GGUF file, read as their Hugging Face form (engine-core
-process): the `ssm.*` metadata as config.json's linear_* keys and layer kinds, and what each tensor llama.cpp
-wrote differs in from HF's.
+"""The recurrent layers of a GGUF file read as their Hugging Face form (engine-core process): Qwen3.5's Gated
+DeltaNet layers in a `qwen35` file (the `ssm.*` metadata as config.json's linear_* keys and layer kinds, and what
+each tensor llama.cpp wrote differs in from HF's), and LFM2's short convolution layers in an `lfm2` file.
 
 llama.cpp's converter stores A_log as `ssm_a` = -exp(A_log) (read back as log(-ssm_a)), dt_bias as
 `ssm_dt.bias`, and conv1d's kernel squeezed to [channels, kernel]. Where a key head serves several value
@@ -10,6 +10,12 @@ in_proj_qkv's v part, of in_proj_z, in_proj_b and in_proj_a, the entries of A_lo
 channels and out_proj's columns. `TiledHeads.undo` puts them back, on values or on a quantized tensor's
 bytes: rows move whole; out_proj's columns move as bytes only where a value head is whole blocks
 (`in_bytes`), else that tensor is dequantized (coreserve/worker/models/gguf_quantized.py).
+
+llama.cpp marks LFM2's conv layers by a KV head count of 0 in `attention.head_count_kv`, one count a layer
+(read back as layer_types, the attention layers' one count as num_key_value_heads), keeps the kernel's length
+as `shortconv.l_cache` (conv_L_cache), squeezes the conv's kernel to [hidden, kernel] as Qwen3.5's conv1d, and
+writes as `feed_forward_length` the MLP's real width, already auto-adjusted (so block_auto_adjust_ff_dim is
+false).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import numpy as np
 import torch
 
 from coreserve.protocol.gguf_header import GGML_BLOCKS, GGUFHeader
-from coreserve.worker.models.family import FULL, LINEAR
+from coreserve.worker.models.family import CONV, FULL, LINEAR
 
 # GGUF module -> the HF name under model.layers.N (ssm_a and ssm_dt.bias are whole names, no .weight)
 LINEAR_ATTENTION_NAMES = {
@@ -34,6 +40,11 @@ LINEAR_ATTENTION_NAMES = {
     "ssm_out": "linear_attn.out_proj",
 }
 LINEAR_ATTENTION_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+# LFM2's short convolution: GGUF module -> the HF name under model.layers.N
+SHORT_CONV_NAMES = {
+    "shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv", "shortconv.out_proj": "conv.out_proj",
+}
+_MAX_KV_HEADS = 1 << 10
 
 
 class LinearShapes(NamedTuple):
@@ -160,3 +171,47 @@ def a_log_from_ssm_a(ssm_a: torch.Tensor, name: str) -> torch.Tensor:
     if not bool((ssm_a < 0).all()):
         raise ValueError(f"{name}: llama.cpp's ssm_a is -exp(A_log), negative; this file's is not")
     return torch.log(-ssm_a.double()).float()
+
+
+def attention_kv_heads(header: GGUFHeader, arch: str) -> int | None:
+    """The attention layers' one KV head count, where `attention.head_count_kv` holds one a layer (0: a layer
+    without attention); None where no layer has attention."""
+    counts = set(_kv_head_counts(header, arch)) - {0}
+    if len(counts) > 1:
+        raise ValueError(f"{header.path}: GGUF key {arch}.attention.head_count_kv gives the attention layers "
+                         f"different KV head counts {sorted(counts)}; one count for all of them is supported")
+    return counts.pop() if counts else None
+
+
+def short_conv_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
+    """LFM2's config.json keys beside the common ones (`config`: those read and checked so far): layer_types,
+    conv_L_cache, conv_bias (from the tensors), norm_eps, and block_auto_adjust_ff_dim."""
+    num_layers, counts = config["num_hidden_layers"], _kv_head_counts(header, arch)
+    counts = counts * num_layers if len(counts) == 1 else counts  # one number: every layer's
+    if len(counts) != num_layers:
+        raise ValueError(f"{header.path}: GGUF key {arch}.attention.head_count_kv holds {len(counts)} counts for "
+                         f"{num_layers} layers ({arch}.block_count)")
+    key = f"{arch}.shortconv.l_cache"
+    kernel = header.metadata.get(key)
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or not 2 <= kernel <= 64:
+        raise ValueError(f"{header.path}: GGUF key {key}={kernel!r} must be an integer in 2..64 (the conv's kernel)")
+    if config.get("rms_norm_eps") is None:  # llama.cpp requires it too: no default to fall back on
+        raise ValueError(f"{header.path}: GGUF key {arch}.attention.layer_norm_rms_epsilon is missing")
+    return dict(
+        layer_types=[FULL if count else CONV for count in counts], conv_L_cache=kernel,
+        conv_bias=any(t.name.endswith(".shortconv.in_proj.bias") for t in header.tensors),
+        norm_eps=config["rms_norm_eps"],
+        block_auto_adjust_ff_dim=False,  # feed_forward_length is the width the converter adjusted already
+    )
+
+
+def _kv_head_counts(header: GGUFHeader, arch: str) -> list[int]:
+    """`attention.head_count_kv` as a list: one count a layer, or one for all (a list of one), each checked."""
+    key = f"{arch}.attention.head_count_kv"
+    value = header.metadata.get(key)
+    values = list(value) if isinstance(value, np.ndarray | list) else [value]
+    is_counts = all(isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) for v in values)
+    if not values or not is_counts or not all(0 <= v <= _MAX_KV_HEADS for v in values):
+        raise ValueError(f"{header.path}: GGUF key {key}={value!r} must be a KV head count in 0..{_MAX_KV_HEADS}, "
+                         "or one a layer")
+    return [int(v) for v in values]

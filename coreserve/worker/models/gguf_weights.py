@@ -9,7 +9,9 @@ stores the q and k projections of `llama`-architecture files with each head's ro
 pairs (its RoPE rotates adjacent pairs, HF's rotates halves); they are put back in HF's order here, as
 transformers does. A `qwen35` file's Gated DeltaNet tensors are read back into HF's form as
 coreserve/worker/models/gguf_recurrent.py says; a multi-token-prediction head's blocks (the last
-`nextn_predict_layers`) are named `mtp.blk.N...`: like a folder's `mtp.` tensors, not the model's.
+`nextn_predict_layers`) are named `mtp.blk.N...`: like a folder's `mtp.` tensors, not the model's. An `lfm2`
+file's tensors get LFM2's own HF names (`conv.in_proj`, `feed_forward.w1`, `model.embedding_norm`, ...), its
+conv kernel back to nn.Conv1d's [hidden, 1, kernel].
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from coreserve.worker.models.gguf_config import GGUF_ARCHS, gguf_architecture, n
 from coreserve.worker.models.gguf_recurrent import (
     LINEAR_ATTENTION_NAMES,
     LINEAR_ATTENTION_PARAMS,
+    SHORT_CONV_NAMES,
     LinearShapes,
     TiledHeads,
     a_log_from_ssm_a,
@@ -53,12 +56,19 @@ _LAYER = {
     "post_attention_norm": "post_attention_layernorm",  # Gemma's sandwich (its ffn_norm is the pre-MLP norm)
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_ARCH_TOP = {"lfm2": {"token_embd_norm": "model.embedding_norm"}}  # LFM2's final norm, despite the GGUF name
+_LFM2_LAYER = {
+    **SHORT_CONV_NAMES, "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm", "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+}
 # Per architecture, where a GGUF name means something else than in `llama` (the loader's name map)
 _ARCH_LAYER = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, in that order
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "qwen35": LINEAR_ATTENTION_NAMES,  # attn_qkv and attn_gate: the Gated DeltaNet's in_proj_qkv, in_proj_z
+    "lfm2": _LFM2_LAYER,
 }
 _ARCH_PARAMS = {"qwen35": LINEAR_ATTENTION_PARAMS}  # names after `blk.N.` that are whole HF parameters
 _PLAIN_NORMS = ("ssm_norm",)  # a norms_plus_one architecture's norms stored as they are
@@ -83,9 +93,10 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
     """Every tensor of the file, in file order; an unsupported tensor type is a ValueError naming it."""
     header = read_gguf_header(path)
     arch = gguf_architecture(header)
-    meta = header.metadata
-    heads = {"attn_q": meta.get(f"{arch}.attention.head_count"), "attn_k": meta.get(f"{arch}.attention.head_count_kv")}
-    heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
+    meta, heads = header.metadata, {}
+    if GGUF_ARCHS[arch].interleaved_qk:  # the heads whose q/k rows llama.cpp permuted (a count for all layers)
+        heads = {"attn_q": meta.get(f"{arch}.attention.head_count"), "attn_k": meta.get(f"{arch}.attention.head_count_kv")}
+        heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
     shapes = linear_shapes(header, arch) if GGUF_ARCHS[arch].has_linear_attention else None
     first_draft = _first_draft_block(header)
     for info in sorted(header.tensors, key=lambda t: t.offset):
@@ -132,7 +143,7 @@ def _entry(info: GGUFTensorInfo, path: str, arch: str, names: tuple[str, str | N
     interleaved = int(heads[module]) if rules.interleaved_qk and module in heads else None
     minus_one = rules.norms_plus_one and name.endswith("norm.weight") and module not in _PLAIN_NORMS
     shape = tuple(reversed(info.dims))
-    if module == "ssm_conv1d" and len(shape) == 2:  # llama.cpp squeezed HF's [channels, 1, kernel]
+    if module in ("ssm_conv1d", "shortconv.conv") and len(shape) == 2:  # llama.cpp squeezed [channels, 1, kernel]
         shape = (shape[0], 1, shape[1])
     tiled = tiled_heads(module, shapes) if shapes is not None and module is not None else None
     return GGUFEntry(name, info, path, shape, info.num_bytes, interleaved, minus_one, tiled, module == "ssm_a")
@@ -146,9 +157,10 @@ def hf_name(gguf_name: str, arch: str = "llama") -> tuple[str, str | None]:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in params:
         return f"model.layers.{parts[1]}.{params[parts[2]]}", parts[2].split(".")[0]
     module, _, kind = gguf_name.rpartition(".")
-    if module in _TOP:
-        return f"{_TOP[module]}.{kind}", module
-    parts = module.split(".")
+    top = {**_TOP, **_ARCH_TOP.get(arch, {})}
+    if module in top:
+        return f"{top[module]}.{kind}", module
+    parts = module.split(".", 2)  # a layer's module may have a dot itself (`shortconv.in_proj`)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERTS:
         return f"model.layers.{parts[1]}.mlp.experts", parts[2]
     layer = {**_LAYER, **_ARCH_LAYER.get(arch, {})}

@@ -60,7 +60,7 @@ def layer_specs(
             clip_qkv=clip,
             activation=family.activation,
             is_moe=family.moe is not None and i not in dense_layers,
-            mixer=family.recurrent if family.recurrent and kinds[i] == LINEAR else "attention",
+            mixer=family.recurrent if family.recurrent and kinds[i] == family.recurrent_layer else "attention",
             has_output_gate=family.has_output_gate,
         )
         for i, window in enumerate(windows)
@@ -72,6 +72,9 @@ def layer_kinds(config: dict, family: Family) -> list[str]:
     full-attention layer every full_attention_interval (HF's default 4), the rest LINEAR."""
     num_layers = config["num_hidden_layers"]
     kinds = config.get("layer_types")
+    attention_layers = config.get("full_attn_idxs")  # LFM2's older configs: its attention layers' indices
+    if kinds is None and family.recurrent and isinstance(attention_layers, list):
+        return [FULL if i in attention_layers else family.recurrent_layer for i in range(num_layers)]
     if kinds is None and family.recurrent:
         interval = config.get("full_attention_interval", 4)
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:

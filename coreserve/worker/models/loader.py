@@ -215,7 +215,8 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
     """The parameter (and row block of a fused one) that an HF tensor fills; None: not this model's."""
     if args.text_prefix != "model." and hf_name.startswith(args.text_prefix):
         hf_name = "model." + hf_name[len(args.text_prefix):]
-    top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
+    top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
+           "model.embedding_norm.weight": "norm.weight"}  # LFM2's final norm
     if hf_name in top:
         return top[hf_name], None
     if hf_name == "lm_head.weight":  # a tied checkpoint may still carry it: HF ignores it, so do we
@@ -233,6 +234,8 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
         "self_attn.v_proj": ("qkv_proj", slice(q_rows + kv_size, q_rows + 2 * kv_size)),
         "mlp.gate_proj": ("gate_up_proj", slice(0, inter)),
         "mlp.up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+        "feed_forward.w1": ("gate_up_proj", slice(0, inter)),  # LFM2's
+        "feed_forward.w3": ("gate_up_proj", slice(inter, 2 * inter)),
         # Phi-3's checkpoints hold them fused already, in the same order (q, k, v; gate, up)
         "self_attn.qkv_proj": ("qkv_proj", None),
         "mlp.gate_up_proj": ("gate_up_proj", None),
@@ -240,6 +243,8 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
     module, kind = rest.rsplit(".", 1)
     if args.linear is not None and module.split(".")[0] == "linear_attn":
         return _linear_attention_destination(args, prefix, module, kind)
+    if args.short_conv is not None and module in ("conv.in_proj", "conv.conv", "conv.out_proj"):
+        return prefix + f"{module}.{kind}", None
     if args.moe is not None and module.split(".")[0] in ("mlp", "block_sparse_moe"):
         expert = _expert_destination(args, module)
         if expert is not None:
@@ -250,6 +255,9 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
         return prefix + f"{name}.{kind}", rows
     plain = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj", "self_attn.q_norm": "q_norm",
              "self_attn.k_norm": "k_norm", "input_layernorm": "input_layernorm",
+             # LFM2's names of the same
+             "self_attn.out_proj": "o_proj", "feed_forward.w2": "down_proj", "self_attn.q_layernorm": "q_norm",
+             "self_attn.k_layernorm": "k_norm", "operator_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
              "post_attention_layernorm": "post_attention_layernorm",
              "pre_feedforward_layernorm": "pre_feedforward_layernorm",  # Gemma's sandwich
              "post_feedforward_layernorm": "post_feedforward_layernorm"}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coreserve.worker.models.gated_deltanet import LayerState, gated_deltanet_span
+from coreserve.worker.models.short_conv import short_conv
 from coreserve.worker.step.attention import (
     AttentionMetadata,
     AttentionSpec,
@@ -58,6 +59,9 @@ class ModelOps(Protocol):
     def gated_deltanet(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
     ) -> torch.Tensor: ...  # in_proj's rows [T, width] -> [T, value_dim], each span from its state slot
+    def short_conv(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor: ...  # in_proj's rows [T, 3 hidden] -> [T, hidden] (LFM2)
     # [T, hidden] partial output of a layer half -> the whole: the sum over tensor-parallel ranks
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
 
@@ -129,6 +133,11 @@ class TorchOps:
         for first, num, slot in spans:
             out[first : first + num] = gated_deltanet_span(mixer, proj[first : first + num], state, slot)
         return out.to(proj.dtype)
+
+    def short_conv(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor:
+        return short_conv(mixer, proj, state, spans).to(proj.dtype)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
