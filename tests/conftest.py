@@ -85,6 +85,21 @@ def pytest_collection_modifyitems(config, items) -> None:
 PEAK_RSS_LIMIT_MIB = 4096  # issue 49: a host with a memory limit runs the suite; engines give memory back
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _heap_given_back_after_each_module():
+    """After each test module, the C heap's free pages go back to the OS (glibc's malloc_trim, as an idle
+    core does: coreserve/engine_core/server.py), so that the peak RSS below measures what tests hold, not
+    the free pages earlier modules left scattered through the heap."""
+    yield
+    import ctypes
+    import gc
+
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def _peak_rss_mib() -> float:
     import resource
 

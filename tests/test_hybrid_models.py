@@ -225,3 +225,29 @@ def test_lfm2_config_reading(family_model):
     for change, message in [({"conv_L_cache": 1}, "conv_L_cache"), ({"block_multiple_of": 0}, "block_multiple_of")]:
         with pytest.raises(ValueError, match=message):
             DecoderArgs.from_hf_config({**config, **change})
+
+
+def test_qwen3_5_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(family_model, tmp_path):
+    """An engine that served (its prefix cache and state snapshots filled), slept, woke and took new
+    weights answers with the bits of an engine started on those weights: no state, snapshot or cached
+    block of the old weights is read."""
+    from rl_checks import perturbed_hf
+
+    path = family_model("qwen3_5")
+    source, prompts = Path(path), FAMILY_PROMPTS[:3]
+    hf = perturbed_hf(path, seed=3)
+    hf.save_pretrained(str(tmp_path))
+    for item in source.iterdir():
+        if not (tmp_path / item.name).exists():
+            (tmp_path / item.name).symlink_to(item)
+    with LLM(path, multiprocess=False, max_num_batched_tokens=40) as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.get_engine_stats().num_state_snapshots > 0
+        llm.sleep(1)
+        llm.wake_up()
+        llm.update_weights(hf.named_parameters())
+        updated = llm.generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(str(tmp_path), multiprocess=False, max_num_batched_tokens=40) as llm:
+        fresh = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for one, other in zip(updated, fresh):
+        assert sampled_rows(one) == sampled_rows(other) and one.prompt_logprobs == other.prompt_logprobs
