@@ -105,6 +105,24 @@ def run_until_idle(scheduler: Scheduler, worker: ShadowWorker, max_steps: int = 
     raise AssertionError("did not finish")
 
 
+def random_traffic(scheduler: Scheduler, worker: ShadowWorker, rng, prefixes: list[list[int]], num_requests: int,
+                   num_clients: int = 1) -> None:
+    """`num_requests` requests, each a random one of `prefixes` and a few tokens more, from `num_clients`
+    clients; one in ten of those in flight aborted; a step every third request; then until idle."""
+    live: list[str] = []
+    for i in range(num_requests):
+        prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))]
+        client = bytes([i % num_clients])
+        scheduler.add_request(make_request(f"r{i}", prompt, client=client, max_tokens=rng.randrange(1, 20)))
+        live.append(f"r{i}")
+        if rng.random() < 0.1:
+            scheduler.abort_requests([live.pop(rng.randrange(len(live)))])
+        if i % 3 == 0:
+            out = scheduler.schedule()
+            scheduler.update_from_output(out, worker.execute(out, scheduler))
+    run_until_idle(scheduler, worker)
+
+
 def test_n_completions_of_one_prompt_prefill_it_once():
     scheduler = Scheduler(KVCacheManager(64, BLOCK, True), 8, 256, max_model_len=128)
     prompt = list(range(1, 34))  # 33 tokens: 8 full blocks, the last token computed by each
@@ -140,19 +158,7 @@ def test_stress_shared_prefixes_random_aborts_and_a_cache_smaller_than_the_worki
     scheduler = Scheduler(KVCacheManager(num_blocks, BLOCK, True), 8, 32, max_model_len=128)
     worker = ShadowWorker(num_blocks)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 24))] for _ in range(20)]
-    live: list[str] = []
-    for i in range(1000):
-        prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))]
-        scheduler.add_request(
-            make_request(f"r{i}", prompt, client=bytes([i % 3]), max_tokens=rng.randrange(1, 20))
-        )
-        live.append(f"r{i}")
-        if rng.random() < 0.1:
-            scheduler.abort_requests([live.pop(rng.randrange(len(live)))])
-        if i % 3 == 0:
-            out = scheduler.schedule()
-            scheduler.update_from_output(out, worker.execute(out, scheduler))
-    run_until_idle(scheduler, worker)
+    random_traffic(scheduler, worker, rng, prefixes, 1000, num_clients=3)
     kv = scheduler.kv_cache
     assert worker.num_checked_hits > 100 and scheduler.num_preemptions > 0
     assert kv.num_free_blocks == num_blocks and not scheduler.requests

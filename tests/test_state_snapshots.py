@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from test_prefix_cache import BLOCK, ShadowWorker, make_request
+from test_prefix_cache import BLOCK, ShadowWorker, make_request, random_traffic
 
 from coreserve.engine_core.kv_cache_manager import KVCacheManager
 from coreserve.engine_core.scheduler import Scheduler
@@ -53,19 +53,7 @@ def test_every_restored_state_is_its_prefix_under_aborts_preemption_and_eviction
     scheduler = Scheduler(KVCacheManager(num_blocks, BLOCK, True, snapshots=snapshots), 8, 32, max_model_len=128)
     worker = HybridShadowWorker(num_blocks)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 30))] for _ in range(12)]
-    live: list[str] = []
-    for i in range(800):
-        prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))]
-        scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 20)))
-        live.append(f"r{i}")
-        if rng.random() < 0.1:
-            scheduler.abort_requests([live.pop(rng.randrange(len(live)))])
-        if i % 3 == 0:
-            out = scheduler.schedule()
-            scheduler.update_from_output(out, worker.execute(out, scheduler))
-    while scheduler.has_unfinished_requests():
-        out = scheduler.schedule()
-        scheduler.update_from_output(out, worker.execute(out, scheduler))
+    random_traffic(scheduler, worker, rng, prefixes, 800)
     assert worker.num_restored > 50 and scheduler.num_preemptions > 0
     assert scheduler.kv_cache.num_hit_tokens % (EVERY_BLOCKS * BLOCK) == 0
     kv = scheduler.kv_cache
