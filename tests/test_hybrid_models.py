@@ -222,6 +222,10 @@ def test_lfm2_config_reading(family_model):
     by_index = {k: v for k, v in config.items() if k != "layer_types"} | {"full_attn_idxs": [1]}
     assert DecoderArgs.from_hf_config(by_index).layers == args.layers
     assert DecoderArgs.from_hf_config({**config, "block_auto_adjust_ff_dim": False}).intermediate_size == 128
+    older = {k: v for k, v in config.items() if k not in ("intermediate_size", "tie_word_embeddings")}
+    older |= {"block_ff_dim": 128, "tie_embedding": False}  # LFM2's hub configs' names, as HF reads them
+    assert DecoderArgs.from_hf_config(older).intermediate_size == 96
+    assert not DecoderArgs.from_hf_config(older).tie_word_embeddings
     for change, message in [({"conv_L_cache": 1}, "conv_L_cache"), ({"block_multiple_of": 0}, "block_multiple_of")]:
         with pytest.raises(ValueError, match=message):
             DecoderArgs.from_hf_config({**config, **change})

@@ -52,6 +52,7 @@ class Family:
     recurrent_layer: str = LINEAR  # the layer kind (layer_types' name) that is the recurrent mixer
     eps_key: str = "rms_norm_eps"  # the config key of the RMSNorms' epsilon (LFM2: norm_eps)
     adjusts_ff_dim: bool = False  # LFM2's block_auto_adjust_ff_dim: the MLP is 2/3 of intermediate_size, rounded
+    key_aliases: tuple[tuple[str, str], ...] = ()  # (older key, HF's key): the older one wins where given, as in HF
     has_output_gate: bool = False  # attention's output times sigmoid(gate), gate beside q in q_proj (Qwen3.5)
     nests_text_config: bool = False  # config.json's text_config holds the decoder (a vision-language folder)
 
@@ -100,17 +101,19 @@ FAMILIES = {
     "Lfm2ForCausalLM": Family(
         "lfm2", qk_norm="head", layer_types=frozenset({FULL, CONV}), recurrent=SHORT_CONV, recurrent_layer=CONV,
         eps_key="norm_eps", adjusts_ff_dim=True, ties_by_default=True,
+        key_aliases=(("block_ff_dim", "intermediate_size"), ("tie_embedding", "tie_word_embeddings")),
     ),
 }
 
 
 def text_config(config: dict) -> dict:
     """The decoder's config: a vision-language folder's text_config (under the folder's architectures,
-    with its tie_word_embeddings where only the outer level states it), else config.json itself."""
+    with its tie_word_embeddings where only the outer level states it), else config.json itself with its
+    older keys read as HF reads them (LFM2's block_ff_dim, tie_embedding)."""
     family = family_of(config)
     inner = config.get("text_config")
     if not family.nests_text_config:
-        return config
+        return {**config, **{key: config[old] for old, key in family.key_aliases if old in config}}
     if not isinstance(inner, dict):
         raise ValueError(f"{config.get('architectures')}: config.json needs a text_config object")
     merged = {**inner, "architectures": config["architectures"]}
