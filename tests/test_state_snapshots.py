@@ -63,19 +63,20 @@ def test_every_restored_state_is_its_prefix_under_aborts_preemption_and_eviction
     assert len(snapshots._free) == num_slots
 
 
-def test_a_chunk_stops_at_the_boundary_and_a_hit_lands_on_one():
+def test_a_chunk_stops_at_its_last_boundary_and_a_hit_lands_on_one():
     snapshots = StateSnapshots(4, EVERY_BLOCKS, BLOCK)
     scheduler = Scheduler(KVCacheManager(32, BLOCK, True, snapshots=snapshots), 8, 64, max_model_len=128)
     worker = HybridShadowWorker(32)
     prompt = list(range(1, 3 * EVERY_BLOCKS * BLOCK - 2))  # two boundaries inside, the third past its end
     scheduler.add_request(make_request("a", prompt, max_tokens=1))
-    out = scheduler.schedule()
-    assert out.num_scheduled_tokens == {"a": EVERY_BLOCKS * BLOCK} and out.state_snapshots == {"a": 0}
+    out = scheduler.schedule()  # a 64-token budget passes both boundaries: cut at the second
+    assert out.num_scheduled_tokens == {"a": 2 * EVERY_BLOCKS * BLOCK} and out.state_snapshots == {"a": 0}
     scheduler.update_from_output(out, worker.execute(out, scheduler))
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         scheduler.update_from_output(out, worker.execute(out, scheduler))
-    assert snapshots.num_snapshots == 2
+    assert snapshots.num_snapshots == 1  # none at the first boundary, inside the first chunk
     scheduler.add_request(make_request("b", prompt + [7, 8], max_tokens=1))
     out = scheduler.schedule()
-    assert out.new_reqs[0].num_computed_tokens == 2 * EVERY_BLOCKS * BLOCK and out.new_reqs[0].state_snapshot == 1
+    assert out.new_reqs[0].num_computed_tokens == 2 * EVERY_BLOCKS * BLOCK and out.new_reqs[0].state_snapshot == 0
+    assert out.num_scheduled_tokens == {"b": len(prompt) + 2 - 2 * EVERY_BLOCKS * BLOCK}

@@ -130,7 +130,8 @@ class EngineCore:
     def _default_num_blocks(self) -> int:
         per_seq = -(-self.max_model_len // self.config.block_size)
         budget = int((self.config.kv_cache_gib * 2**30 - self.hybrid.state_bytes) // self.executor.bytes_per_block())
-        return max(1, min(self.config.max_num_seqs * per_seq, budget))
+        max_num_seqs = self.hybrid.num_state_slots or self.config.max_num_seqs  # a hybrid runs no more
+        return max(1, min(max_num_seqs * per_seq, budget))
 
     def stats(self, nonce: int = 0) -> EngineStats:
         scheduler = self.scheduler

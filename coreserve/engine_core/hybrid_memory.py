@@ -52,7 +52,10 @@ def hybrid_memory(config: EngineConfig, state_bytes_per_seq: int, bytes_per_bloc
         if is_asked:
             raise ValueError(f"{name} with a hybrid model (recurrent layers) is not built yet")
     fit = int(config.kv_cache_gib * 2**30 * STATE_SHARE // state_bytes_per_seq)
-    slots = max(1, min(config.max_num_seqs, fit))
+    if fit < 1:
+        raise ValueError(f"a request's recurrent state takes {state_bytes_per_seq / 2**30:.2f} GiB, more than "
+                         f"{STATE_SHARE} of kv_cache_gib={config.kv_cache_gib}: raise kv_cache_gib (--kv-cache-gib)")
+    slots = min(config.max_num_seqs, fit)
     if slots < config.max_num_seqs:
         logger.warning("max_num_seqs is %d, not %d: a request's recurrent state takes %.1f MiB, and the state "
                        "slots are held to %s of kv_cache_gib=%s", slots, config.max_num_seqs,

@@ -81,19 +81,12 @@ class KVCacheManager:
             chain.append(self.index.content_id(block))
         if self.snapshots is not None:  # a hybrid's prefix ends where its recurrent state was kept
             num_kept = self.snapshots.restorable(req_id, blocks)
-            self._give_back(blocks[num_kept:])
+            self._release(blocks[num_kept:])  # cached blocks past its last snapshot: not kept
             blocks, chain = blocks[:num_kept], chain[:num_kept]
         self._req_blocks[req_id], self._req_chain[req_id] = blocks, chain
         self.num_queried_tokens += len(token_ids)
         self.num_hit_tokens += len(blocks) * size
         return len(blocks) * size
-
-    def _give_back(self, blocks: list[int]) -> None:
-        """Cached blocks a request took and does not keep (past its last snapshot): evictable again."""
-        for block in reversed(blocks):
-            self._num_refs[block] -= 1
-            if self._num_refs[block] == 0:
-                self.index.release(block)
 
     def cut_chunk(self, num_computed: int, num_new: int) -> int:
         """A chunk's tokens: a hybrid's end at its next snapshot boundary (StateSnapshots.cut)."""
@@ -210,7 +203,12 @@ class KVCacheManager:
         self._unindexed.discard(req_id)
         if self.snapshots is not None:
             self.snapshots.drop_request(req_id)
-        for block in reversed(self._req_blocks.pop(req_id, [])):
+        self._release(self._req_blocks.pop(req_id, []))
+
+    def _release(self, blocks: list[int]) -> None:
+        """A request lets go of `blocks`, its last ones first: a block no request holds is evictable
+        where the prefix cache indexes it, else free."""
+        for block in reversed(blocks):
             self._num_refs[block] -= 1
             if self._num_refs[block] > 0:
                 continue

@@ -37,7 +37,9 @@ def is_prefix_being_computed(kv: KVCacheManager, long_rope: LongRopeRule, runnin
     if kv.snapshots is not None and req.num_prompt_tokens <= kv.snapshots.every_tokens:
         return False  # a hybrid's hit lands on a snapshot boundary: none within this prompt, nothing to wait for
     first, salt, is_long = req.prompt_token_ids[:size], req.cache_salt, long_rope.is_past_switch(req)
-    if kv.index.lookup(kv.index.root_of(salt, is_long), tuple(first)) is not None:
+    # its first block cached: it reads what is there (a hybrid's hit needs a snapshot at a boundary, which
+    # a running request may still be computing: it waits for that request as below)
+    if kv.snapshots is None and kv.index.lookup(kv.index.root_of(salt, is_long), tuple(first)) is not None:
         return False
     return any(
         r.prompt_token_ids[:size] == first

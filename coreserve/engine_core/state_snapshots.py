@@ -1,9 +1,9 @@
 """A hybrid model's prefix cache (engine-core process): where a cached prefix can restore the recurrent
 state too. The KV blocks of a prefix are not enough for a model with recurrent layers (Qwen3.5's Gated
 DeltaNet): their state after the prefix's last token is needed as well. So the state is kept, in the
-worker's snapshot slots (coreserve/worker/kv_memory.py), every `every_blocks` blocks of a chain: a
-prefill chunk is cut where it would cross such a boundary, and the request's state after that step is
-copied into a slot tied to the boundary's block. A request's cached prefix then ends at the last boundary
+worker's snapshot slots (coreserve/worker/kv_memory.py), at boundaries every `every_blocks` blocks of a
+chain: a prefill chunk that passes boundaries is cut at the last of them, and the request's state after
+that step is copied into a slot tied to the boundary's block (the boundaries inside a chunk get none). A request's cached prefix then ends at the last boundary
 of its chain that has a snapshot; the worker starts its state from that slot. A snapshot goes with its
 block (evicted, reset, forgotten); with no free slot no snapshot is taken (the prefix is then computed).
 
@@ -29,9 +29,9 @@ class StateSnapshots:
         return len(self._slot_of)
 
     def cut(self, num_computed: int, num_new: int) -> int:
-        """A chunk's tokens, cut where it would cross a boundary (never more than num_new, at least 1)."""
-        next_boundary = (num_computed // self.every_tokens + 1) * self.every_tokens
-        return min(num_new, next_boundary - num_computed)
+        """A chunk's tokens, ending at the last boundary it passes (a snapshot there), else all num_new."""
+        last_boundary = (num_computed + num_new) // self.every_tokens * self.every_tokens
+        return last_boundary - num_computed if last_boundary > num_computed else num_new
 
     def plan(self, req_id: str, num_computed: int) -> int | None:
         """A slot for the request's state after this step, where its computed tokens end on a boundary

@@ -66,8 +66,9 @@ class KvMemory:
         kv = iter(self.backend.allocate_kv_cache(len(a.attention_layers), shape, self.dtype))
         self.caches = [next(kv) if spec.mixer == "attention" else self._states(num_state_slots, spec.mixer)
                        for spec in a.layers]
+        if num_state_slots != self.num_state_slots:  # the first allocation; a wake keeps who holds what (the
+            self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # slept requests give theirs back)
         self.num_blocks, self.num_state_slots = num_blocks, num_state_slots
-        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
         self.num_snapshot_slots = num_snapshot_slots
         mixers = [spec.mixer for spec in a.layers if spec.mixer != "attention"]
         self.snapshots = [self._states(num_snapshot_slots, mixer) for mixer in mixers] if num_snapshot_slots else []

@@ -147,7 +147,7 @@ SIGNATURES: dict[str, Signature] = {
     "decode_forward_layout": _sig(_I64, ("type", ctypes.c_char_p), ("field", ctypes.c_char_p)),
     "gated_deltanet_span": _sig(
         _INT, ("proj", _P), ("stride", _I64), ("num_tokens", _I64), ("conv_state", _P), ("ssm_state", _P),
-        ("conv_weight", _P), ("a_log", _P), ("dt_bias", _P), ("norm_weight", _P), ("eps", _F32),
+        ("taps", _P), ("a_log", _P), ("dt_bias", _P), ("norm_weight", _P), ("eps", _F32),
         ("num_key_heads", _I64), ("num_value_heads", _I64), ("key_head_dim", _I64), ("value_head_dim", _I64),
         ("kernel", _I64), ("scratch", _P), ("out", _P), ("num_threads", _I32),
     ),

@@ -245,7 +245,10 @@ def gated_deltanet(kernels: CpuKernels, mixer, proj: torch.Tensor, state, spans)
     num_threads = torch.get_num_threads()
     out = torch.empty(proj.shape[0], mixer.value_dim)
     scratch = torch.empty(max((num for _, num, _ in spans), default=0), lin.conv_dim)
-    params = [t.data_ptr() for t in (mixer.conv1d.weight, mixer.A_log, mixer.dt_bias, mixer.norm.weight)]
+    taps = mixer.conv1d.weight.reshape(lin.conv_dim, lin.conv_kernel).t().contiguous()  # once a layer a step
+    tensors = (taps, mixer.A_log, mixer.dt_bias, mixer.norm.weight)
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)  # apply_cpu_backend's widening
+    params = [t.data_ptr() for t in tensors]
     for first, num, slot in spans:
         status = kernels.gated_deltanet_span(
             proj[first].data_ptr(), proj.shape[1], num, state.conv[slot].data_ptr(), state.recurrent[slot].data_ptr(),

@@ -169,6 +169,8 @@ class DecoderArgs:
         rope = rope_spec(global_rope_config(config, family), head_dim, max_positions)
         moe = moe_args(config, family)
         layers = layer_specs(config, family, rope, moe.dense_layers if moe else (), head_dim, max_positions)
+        if all(spec.mixer != "attention" for spec in layers):
+            raise ValueError("a model with no attention layer (every layer recurrent) is not supported")
         local = [s.rope for s in layers if s.rope is not rope]
         if local and "longrope" in (rope.rope_type, local[0].rope_type):  # both tables read at one row
             raise ValueError("RoPE 'longrope' in a model with a RoPE per kind of layer is not supported")
@@ -226,14 +228,18 @@ def _short_conv_args(config: dict) -> ShortConvArgs:
     return ShortConvArgs(kernel, bool(config.get("conv_bias", False)))
 
 
+# linear_* key -> its largest value: a state of value heads x key_head_dim x value_head_dim floats a sequence
+# and layer, and the C mixer's [value_head_dim] stack row, stay bounded (Qwen3.5: 16-64 heads of 128)
+_LINEAR_KEYS = {"linear_num_key_heads": 1024, "linear_num_value_heads": 1024, "linear_key_head_dim": 1024,
+                "linear_value_head_dim": 1024, "linear_conv_kernel_dim": 64}
+
+
 def _linear_args(config: dict) -> LinearAttentionArgs:
-    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim")
     values = []
-    for key in keys:
+    for key, bound in _LINEAR_KEYS.items():
         value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16:
-            raise ValueError(f"{key}={value!r} must be an integer in 1..65536")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            raise ValueError(f"{key}={value!r} must be an integer in 1..{bound}")
         values.append(value)
     args = LinearAttentionArgs(*values)
     if args.num_value_heads % args.num_key_heads:

@@ -49,18 +49,13 @@ def gated_deltanet_span(
     mixer: GatedDeltaNet, proj: torch.Tensor, state: LayerState, slot: int
 ) -> torch.Tensor:
     """torch's mixer over one sequence's rows proj [n, width] (the input projection's), its states at
-    `slot` updated in place -> [n, value_dim] fp32. The C kernel's arithmetic, token by token."""
+    `slot` updated in place -> [n, value_dim] fp32. The C kernel's steps token by token, its sums in torch's
+    order (within rounding of the C kernel's, not its bits: one backend serves an engine)."""
     lin, n = mixer.shape, proj.shape[0]
     hk, hv, dk, dv = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
     proj = proj.float()
     mixed, z, b, a = proj.split([lin.conv_dim, mixer.value_dim, hv, hv], dim=-1)
-    weight = mixer.conv1d.weight.float().squeeze(1)  # [conv_dim, kernel]
-    window = torch.cat((state.conv[slot], mixed), dim=0)  # [kernel - 1 + n, conv_dim]
-    acc = window[0:n] * weight[:, 0]
-    for j in range(1, lin.conv_kernel):
-        acc = acc + window[j : j + n] * weight[:, j]
-    state.conv[slot].copy_(window[n:])
-    conv = F.silu(acc)
+    conv = F.silu(causal_conv(state.conv[slot], mixed, mixer.conv1d.weight.float().squeeze(1)))
     q, k, v = conv.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q = _l2norm(q.reshape(n, hk, dk)) / dk**0.5
     k = _l2norm(k.reshape(n, hk, dk))
@@ -69,7 +64,7 @@ def gated_deltanet_span(
     decay = torch.exp(-mixer.A_log.float().exp() * F.softplus(a + mixer.dt_bias.float()))  # [n, hv]
     beta = torch.sigmoid(b)
     s = state.recurrent[slot]  # [hv, dk, dv]
-    out = torch.empty(n, hv, dv)
+    out = torch.empty(n, hv, dv, device=proj.device)
     for t in range(n):
         s.mul_(decay[t, :, None, None])
         kv_mem = (s * k[t, :, :, None]).sum(dim=1)
@@ -79,6 +74,27 @@ def gated_deltanet_span(
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + mixer.eps)
     gated = mixer.norm.weight.float() * normed * F.silu(z.reshape(n, hv, dv))
     return gated.reshape(n, mixer.value_dim)
+
+
+def causal_conv(state_row: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, channels] after a sequence's conv state [kernel - 1, channels] (its last inputs, oldest first)
+    through a depthwise causal conv of weight [channels, kernel]: each output a sum of products, oldest tap
+    first, element by element (the same bits in any batch); the state advanced in place -> [n, channels]."""
+    n, kernel = x.shape[0], weight.shape[1]
+    window = torch.cat((state_row, x), dim=0)  # [kernel - 1 + n, channels]
+    acc = window[0:n] * weight[:, 0]
+    for j in range(1, kernel):
+        acc = acc + window[j : j + n] * weight[:, j]
+    state_row.copy_(window[n:])
+    return acc
+
+
+def each_sequence(span, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans, width: int) -> torch.Tensor:
+    """A step's rows [T, in] -> [T, width] fp32, `span(mixer, rows, state, slot)` a sequence (StateSpan)."""
+    out = torch.empty(proj.shape[0], width, dtype=torch.float32, device=proj.device)
+    for first, num, slot in spans:
+        out[first : first + num] = span(mixer, proj[first : first + num], state, slot)
+    return out
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

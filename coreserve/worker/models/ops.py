@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coreserve.worker.models.gated_deltanet import LayerState, gated_deltanet_span
+from coreserve.worker.models.gated_deltanet import LayerState, each_sequence, gated_deltanet_span
 from coreserve.worker.models.short_conv import short_conv
 from coreserve.worker.step.attention import (
     AttentionMetadata,
@@ -129,10 +129,7 @@ class TorchOps:
     def gated_deltanet(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
     ) -> torch.Tensor:
-        out = torch.empty(proj.shape[0], mixer.value_dim, dtype=torch.float32, device=proj.device)
-        for first, num, slot in spans:
-            out[first : first + num] = gated_deltanet_span(mixer, proj[first : first + num], state, slot)
-        return out.to(proj.dtype)
+        return each_sequence(gated_deltanet_span, mixer, proj, state, spans, mixer.value_dim).to(proj.dtype)
 
     def short_conv(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from coreserve.worker.models.config import DecoderArgs
-from coreserve.worker.models.gated_deltanet import LayerState
+from coreserve.worker.models.gated_deltanet import LayerState, causal_conv, each_sequence
 
 
 class ShortConv(nn.Module):
@@ -30,22 +30,13 @@ class ShortConv(nn.Module):
 def short_conv_span(mixer: ShortConv, proj: torch.Tensor, state: LayerState, slot: int) -> torch.Tensor:
     """One sequence's rows proj [n, 3 hidden] (in_proj's) -> C * conv(B * x) [n, hidden] fp32, its conv
     state at `slot` ([kernel - 1, hidden], oldest first) advanced in place."""
-    n, hidden = proj.shape[0], mixer.hidden_size
-    b, c, x = proj.float().split(hidden, dim=-1)
-    weight = mixer.conv.weight.float().squeeze(1)  # [hidden, kernel]
-    window = torch.cat((state.conv[slot], b * x), dim=0)  # [kernel - 1 + n, hidden]
-    acc = window[0:n] * weight[:, 0]
-    for j in range(1, mixer.kernel):
-        acc = acc + window[j : j + n] * weight[:, j]
+    b, c, x = proj.float().split(mixer.hidden_size, dim=-1)
+    acc = causal_conv(state.conv[slot], b * x, mixer.conv.weight.float().squeeze(1))
     if mixer.conv.bias is not None:
         acc = acc + mixer.conv.bias.float()
-    state.conv[slot].copy_(window[n:])
     return c * acc
 
 
 def short_conv(mixer: ShortConv, proj: torch.Tensor, state: LayerState, spans) -> torch.Tensor:
     """Every sequence of the step (`spans`: StateSpan), each from and to its slot -> [T, hidden] fp32."""
-    out = torch.empty(proj.shape[0], mixer.hidden_size, dtype=torch.float32, device=proj.device)
-    for first, num, slot in spans:
-        out[first : first + num] = short_conv_span(mixer, proj[first : first + num], state, slot)
-    return out
+    return each_sequence(short_conv_span, mixer, proj, state, spans, mixer.hidden_size)

@@ -11,19 +11,9 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "vector_exp.h"
-
-/* silu on 8 lanes: sigmoid from exp(-|x|), so exp never sees a positive argument */
-static inline float8 silu8(float8 x) {
-    const int8x32 negative = x < (float8){0};
-    const float8 magnitude = (float8)((int8x32)x & ~((int8x32){0} + (int32_t)0x80000000));
-    const float8 e = exp_nonpositive(-magnitude);
-    const float8 numerator = (float8)(((int8x32)((float8){0} + 1.0f) & ~negative) | ((int8x32)e & negative));
-    return x * (numerator / (1.0f + e));
-}
 
 /* x[i] = silu(x[i]), or x[i] * silu(gate[i]) where gate is given: 8 at a time, the rest one lane each
  * of the same arithmetic, so an element's value never depends on where it falls */
@@ -109,23 +99,21 @@ static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); 
 
 /* proj: [n, stride] rows of the layer's input projection: conv_dim channels (q, k, v), then z
  * [hv * dv], then b [hv], then a [hv]. conv_state: [kernel - 1, conv_dim], the last inputs, oldest first;
- * ssm_state: [hv, dk, dv]; conv_weight: [conv_dim, kernel]; scratch: [n, conv_dim];
- * out: [n, hv * dv]. Returns 0, -1 for shapes it does not take, -2 without memory. */
+ * ssm_state: [hv, dk, dv]; taps: [kernel, conv_dim], the conv's weight transposed (taps[j][c] is channel
+ * c's weight of input t - (kernel - 1) + j, once a step for every sequence); scratch: [n, conv_dim];
+ * out: [n, hv * dv]. Returns 0, or -1 for shapes it does not take. */
 int gated_deltanet_span(const float *proj, int64_t stride, int64_t n, float *conv_state, float *ssm_state,
-                        const float *conv_weight, const float *a_log, const float *dt_bias,
+                        const float *taps, const float *a_log, const float *dt_bias,
                         const float *norm_weight, float eps, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
                         int64_t kernel, float *scratch, float *out, int32_t num_threads) {
+    if (n < 1 || kernel < 2 || hk < 1 || hv < 1 || dk < 1 || dv < 1 || hv % hk) return -1;
     const int64_t key_dim = hk * dk, value_dim = hv * dv, conv_dim = 2 * key_dim + value_dim;
     const int64_t history = kernel - 1, group = hv / hk;
-    if (n < 1 || kernel < 2 || hv % hk || stride < conv_dim + value_dim + 2 * hv) return -1;
+    if (stride < conv_dim + value_dim + 2 * hv) return -1;
     if (num_threads < 1 || n * conv_dim < 65536) num_threads = 1;
 
-    /* the conv, token by token (each reads inputs only): taps[j][c] = conv_weight[c][j], a row of
-     * channels at a time; input u < 0 is the state's row history + u */
-    float *taps = malloc(sizeof(float) * kernel * conv_dim);
-    if (!taps) return -2;
-    for (int64_t c = 0; c < conv_dim; c++)
-        for (int64_t j = 0; j < kernel; j++) taps[j * conv_dim + c] = conv_weight[c * kernel + j];
+    /* the conv, token by token (each reads inputs only), a row of channels at a time; input u < 0 is
+     * the state's row history + u */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < n; t++) {
         float *restrict acc = scratch + t * conv_dim;
@@ -137,7 +125,6 @@ int gated_deltanet_span(const float *proj, int64_t stride, int64_t n, float *con
             for (int64_t c = 0; c < conv_dim; c++) acc[c] = acc[c] + w[c] * x[c];
         }
     }
-    free(taps);
     /* the state keeps the last `history` inputs: [history, conv_dim], oldest first */
     if (n >= history) {
         for (int64_t r = 0; r < history; r++)

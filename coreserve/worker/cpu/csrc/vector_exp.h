@@ -1,4 +1,5 @@
-/* exp(d) for d <= 0 on 8 float lanes, shared by logprob_rows.c and fused_ops.c (CPU kernels). */
+/* exp(d) for d <= 0 and silu on 8 float lanes, shared by logprob_rows.c, fused_ops.c and recurrent_mixers.c
+ * (CPU kernels). */
 #ifndef CORESERVE_VECTOR_EXP_H
 #define CORESERVE_VECTOR_EXP_H
 
@@ -23,6 +24,15 @@ static inline float8 exp_nonpositive(float8 d) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     return p * (float8)((whole + 127) << 23); /* 2^n built in the exponent field */
+}
+
+/* silu(x) on 8 lanes: sigmoid from exp(-|x|), so exp never sees a positive argument */
+static inline float8 silu8(float8 x) {
+    const int8x32 negative = x < (float8){0};
+    const float8 magnitude = (float8)((int8x32)x & ~((int8x32){0} + (int32_t)0x80000000));
+    const float8 e = exp_nonpositive(-magnitude);
+    const float8 numerator = (float8)(((int8x32)((float8){0} + 1.0f) & ~negative) | ((int8x32)e & negative));
+    return x * (numerator / (1.0f + e));
 }
 
 #endif
