@@ -15,7 +15,14 @@ from torch import nn
 
 from coreserve.worker.cpu.attention_plan import CpuAttentionPlan, KernelRows
 from coreserve.worker.cpu.bindings import CpuKernels
-from coreserve.worker.cpu.kernels import decode_attention, gated_deltanet, rms_norm, rope_write_kv, silu_mul
+from coreserve.worker.cpu.kernels import (
+    decode_attention,
+    gated_deltanet,
+    rms_norm,
+    rope_write_kv,
+    sigmoid,
+    silu_mul,
+)
 from coreserve.worker.cpu.linear import linear
 from coreserve.worker.models.gated_deltanet import LayerState
 from coreserve.worker.models.ops import HeadShape, Rope, TorchOps, gelu_tanh_mul
@@ -68,6 +75,9 @@ class CpuOps:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_mul(gate_up)  # torch's, element-wise (Gemma alone uses it)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return sigmoid(self.kernels, x)
 
     def gated_deltanet(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]

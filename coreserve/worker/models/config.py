@@ -20,7 +20,13 @@ from coreserve.worker.models.family import (
     family_of,
     text_config,
 )
-from coreserve.worker.models.layer_spec import LayerSpec, global_rope_config, layer_kinds, layer_specs, rope_spec
+from coreserve.worker.models.layer_spec import (
+    LayerSpec,
+    global_rope_config,
+    layer_kinds,
+    layer_specs,
+    rope_spec,
+)
 from coreserve.worker.models.rope import RopeSpec, long_rope_switch
 
 # Keys of other architectures that change the math; any of them set (not null, not 0/False/1) is refused
@@ -50,6 +56,7 @@ class MoeArgs:
     intermediate_size: int  # each expert's
     norm_topk_prob: bool
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE's mlp_only_layers, sparse step)
+    shared_intermediate_size: int = 0  # Qwen3-Next's shared expert's width, its output gated by a sigmoid; 0: none
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -266,7 +273,15 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
         intermediate_size=config[rule.width_key],
         norm_topk_prob=rule.always_renormalises or bool(config.get("norm_topk_prob", False)),
         dense_layers=dense,
+        shared_intermediate_size=_shared_expert_width(config) if rule.has_shared_expert else 0,
     )
+
+
+def _shared_expert_width(config: dict) -> int:
+    width = config.get("shared_expert_intermediate_size")
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= 1 << 20:
+        raise ValueError(f"shared_expert_intermediate_size={width!r} must be an integer in 1..{1 << 20}")
+    return width
 
 
 def _refuse_unsupported(config: dict, family: Family) -> None:
@@ -284,8 +299,8 @@ def _refuse_unsupported(config: dict, family: Family) -> None:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0 and not family.partial_rotary:
-        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4 "
-                         "and Qwen3.5 only")
+        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4, "
+                         "Qwen3.5 and Qwen3-Next only")
     if family.refuses_use_sliding_window and config.get("use_sliding_window"):
         raise ValueError(f"{name} with use_sliding_window=true (per-layer windows) is not supported")
     layer_types = set(layer_kinds(config, family))

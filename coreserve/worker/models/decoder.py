@@ -22,10 +22,10 @@ from torch import nn
 from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.family import GATED_DELTANET, SHORT_CONV, SILU
 from coreserve.worker.models.gated_deltanet import GatedDeltaNet, LayerState
-from coreserve.worker.models.short_conv import ShortConv
 from coreserve.worker.models.moe import SparseMoe
 from coreserve.worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
 from coreserve.worker.models.rope import RopeSpec, cos_sin_tables, long_rows_start
+from coreserve.worker.models.short_conv import ShortConv
 from coreserve.worker.step.attention import AttentionMetadata
 
 __all__ = ["DecoderArgs", "DecoderModel"]

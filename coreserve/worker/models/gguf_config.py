@@ -43,6 +43,7 @@ class GgufArch:
     big_query_scale_layers: int | None = None  # the layer count whose query scale is hidden / heads (27B)
     has_local_layers: bool = False  # gemma3.attention.sliding_window_pattern and rope.freq_base_swa
     has_linear_attention: bool = False  # Gated DeltaNet layers (ssm.* keys) beside partial-rotary attention
+    tiles_value_heads: bool = False  # their value heads tiled, not grouped by key head (Qwen3.5: gguf_recurrent.py)
     has_short_conv: bool = False  # LFM2's conv layers: head_count_kv one a layer, 0 for a conv layer
 
 
@@ -61,7 +62,13 @@ GGUF_ARCHS = {
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", big_query_scale_layers=46, **_GEMMA),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", big_query_scale_layers=62, has_local_layers=True, **_GEMMA),
     # every norm but the Gated DeltaNet's own (ssm_norm) stored as 1 + weight, as Gemma's
-    "qwen35": GgufArch("Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, has_linear_attention=True),
+    "qwen35": GgufArch(
+        "Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, has_linear_attention=True, tiles_value_heads=True,
+    ),
+    # Qwen3.5's layers over experts and a shared expert; its b/a projection (ssm_ba) grouped as HF's in_proj_ba
+    "qwen3next": GgufArch(
+        "Qwen3NextForCausalLM", "qwen3_next", norms_plus_one=True, has_linear_attention=True, has_dense_layers=True,
+    ),
     "lfm2": GgufArch("Lfm2ForCausalLM", "lfm2", has_short_conv=True),
 }
 # `<arch>.KEY` -> config.json key
@@ -80,6 +87,7 @@ _KEYS = {
     "expert_count": "num_experts",
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
     "attention.clamp_kqv": "clip_qkv",
