@@ -247,13 +247,14 @@ def test_lfm2_config_reading(family_model):
             DecoderArgs.from_hf_config({**config, **change})
 
 
-def test_qwen3_5_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(family_model, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])  # Qwen3-Next: its grouped in_proj rows as at load
+def test_hybrid_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(family, family_model, tmp_path):
     """An engine that served (its prefix cache and state snapshots filled), slept, woke and took new
     weights answers with the bits of an engine started on those weights: no state, snapshot or cached
     block of the old weights is read."""
     from rl_checks import perturbed_hf
 
-    path = family_model("qwen3_5")
+    path = family_model(family)
     source, prompts = Path(path), FAMILY_PROMPTS[:3]
     hf = perturbed_hf(path, seed=3)
     hf.save_pretrained(str(tmp_path))
@@ -265,7 +266,7 @@ def test_qwen3_5_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(fam
         assert llm.get_engine_stats().num_state_snapshots > 0
         llm.sleep(1)
         llm.wake_up()
-        llm.update_weights(hf.named_parameters())
+        llm.update_weights(load_file(str(tmp_path / "model.safetensors")).items())  # the names HF saves
         updated = llm.generate(prompts, GREEDY, use_tqdm=False)
     with LLM(str(tmp_path), multiprocess=False, max_num_batched_tokens=40) as llm:
         fresh = llm.generate(prompts, GREEDY, use_tqdm=False)
