@@ -1,9 +1,10 @@
 """A sample of the untrusted-input fuzzer (issue 62; the whole run is scripts/fuzz_untrusted.py, docs/testing.md):
 one or a few mutations of each kind (GGUF header numbers, nested arrays, alignment, config values, the
 tokenizer, the tensor list, a truncation, a NaN weight; config.json, safetensors headers and values, shard
-names that leave the folder; LoRA configs and tensors; hostile chat templates), each loaded as the engine
-loads it in one child process: each is refused with the engine's ValueError (or loads) within 10 s and
-512 MiB of growth, and afterwards a real engine in that process answers. About 17 s."""
+names that leave the folder; LoRA configs and tensors; hostile chat templates; the hybrids' recurrent keys
+and tensors in Qwen3-Next and LFM2 folders and GGUF files), each loaded as the engine loads it in one child
+process: each is refused with the engine's ValueError (or loads) within 10 s and 512 MiB of growth, and
+afterwards a real engine in that process answers. About 21 s."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ SAMPLE = (
     "adapter_model.safetensors: base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: A[0, 0] = NaN",
     "a loop of 10^10 steps",
     "'x' * 10**9",
+    # hybrids (issue 64): the Gated DeltaNet's and the short conv's keys and tensors
+    "Qwen3-Next folder: config.json: linear_num_value_heads = 3",
+    "Qwen3-Next folder: config.json: rope_parameters.partial_rotary_factor = -0.25",
+    "Qwen3-Next folder: model.safetensors: model.layers.0.linear_attn.A_log shape [3], data_offsets to match",
+    "Qwen3-Next GGUF: qwen3next.attention.recurrent_layers = [False, True] (bool array)",
+    "Qwen3-Next GGUF: qwen3next.expert_used_count = 9 (u32)",
+    "Qwen3-Next GGUF: tensor blk.0.ssm_ba.weight given dims [64, 7]",
+    "Qwen3-Next GGUF: blk.0.ssm_a: value at byte 0 = 1.0",
+    "LFM2 GGUF: lfm2.attention.head_count_kv = [2, 0] (u32 array)",
 )
 
 
@@ -69,4 +79,5 @@ def test_random_cases_are_a_function_of_the_seed():
 
     assert descriptions(7) == descriptions(7)
     assert descriptions(7) != descriptions(8)
-    assert {m.kind for _, m in draw_cases(bases, 7, 60, first)} >= {"gguf-header", "hf-config", "lora", "template"}
+    kinds = {m.kind for _, m in draw_cases(bases, 7, 60, first)}
+    assert kinds >= {"gguf-header", "hf-config", "lora", "template", "hybrid-config", "hybrid-gguf"}

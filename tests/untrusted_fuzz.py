@@ -1,5 +1,6 @@
 """A fuzzer of the engine's untrusted inputs (issue 62; scripts/fuzz_untrusted.py, tests/test_untrusted_fuzz.py):
-valid model files, adapters and chat templates mutated (tests/untrusted_fuzz_{gguf,hf,lora,templates}.py),
+valid model files, adapters and chat templates mutated (tests/untrusted_fuzz_{gguf,hf,lora,templates}.py; the
+hybrid models' folders and GGUF files: tests/untrusted_fuzz_hybrid*.py),
 each loaded the way the engine loads it in a long-lived child process (tests/untrusted_fuzz_child.py),
 which is killed past 10 s or 512 MiB of growth and started again. Each case ends:
 
@@ -27,14 +28,16 @@ from pathlib import Path
 
 import untrusted_fuzz_gguf
 import untrusted_fuzz_hf
+import untrusted_fuzz_hybrid
 import untrusted_fuzz_lora
 import untrusted_fuzz_templates
 from untrusted_fuzz_supervisor import Child, Reply
 from untrusted_mutation import Bases, Mutation
 
 GROUPS = {"gguf": untrusted_fuzz_gguf, "hf": untrusted_fuzz_hf, "lora": untrusted_fuzz_lora,
-          "template": untrusted_fuzz_templates}
-RANDOM_WEIGHTS = {"gguf": 4, "hf": 3, "lora": 2, "template": 1}  # how often a random case is of each group
+          "template": untrusted_fuzz_templates, "hybrid": untrusted_fuzz_hybrid}
+# how often a random case is of each group
+RANDOM_WEIGHTS = {"gguf": 4, "hf": 3, "lora": 2, "template": 1, "hybrid": 3}
 OUTCOMES = ("refused", "accepted", "crash", "hang", "memory")
 FAILING = ("crash", "hang", "memory")
 TIME_LIMIT_S = 10.0
@@ -121,7 +124,7 @@ def run_case(child: Child, bases: Bases, index: int, mutation: Mutation, scratch
     folder.mkdir()
     try:
         path = mutation.make(bases, folder)
-        reply = child.run_case(mutation.target, path, time_limit_s, int(memory_limit_mib * 1024))
+        reply = child.run_case(mutation.target, path, mutation.base, time_limit_s, int(memory_limit_mib * 1024))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     outcome, detail = judge(reply, time_limit_s, memory_limit_mib)

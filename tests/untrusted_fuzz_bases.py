@@ -1,13 +1,19 @@
 """The valid inputs the untrusted-input fuzzer mutates (tests/untrusted_mutation.py's `Bases`), made once
 under a cache folder and reused: a small llama GGUF (tests/gguf_files.py's model with a 512-token vocabulary,
 F32 but one Q8_0 tensor, so that dtype "auto" keeps blocks), a PEFT adapter for the built-in tiny model, and
-the tiny model's own folder. Runs in the fuzzer's child process (PEFT needs torch).
+the tiny model's own folder; and two hybrids (issue 64), each a random 2-layer HF folder with the tiny model's
+GPT-2 tokenizer (one llama.cpp's converter knows) and the f32 GGUF file that converter writes of it (run in a
+subprocess, as tests/test_gguf_hybrid.py runs it): Qwen3-Next (a Gated DeltaNet layer, then full attention,
+each over 8 experts and a shared one) and LFM2 (a short conv layer, then attention). Runs in the fuzzer's child
+process (PEFT needs torch).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +21,25 @@ from pathlib import Path
 from untrusted_mutation import Bases
 
 LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
+CONVERTER = "llama.cpp-convert-0.3.36"  # under coreserve's cache folder: scripts/setup.sh --test extracts it
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, hidden_act="silu",
+              vocab_size=50304, bos_token_id=50256, eos_token_id=50256)  # the GPT-2 tokenizer's, padded to 64
+# tests/conftest.py's qwen3_next and lfm2 family shapes
+HYBRID_CONFIGS = {
+    "next": dict(
+        model_type="qwen3_next", head_dim=32, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    ),
+    "lfm2": dict(
+        model_type="lfm2", layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
+        norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
+}
+_CONVERTER_FLAGS = {"next": ["--no-mtp"], "lfm2": []}  # LFM2's converter refuses --no-mtp
 
 
 def make_bases(cache_dir: Path) -> Bases:
@@ -23,7 +48,13 @@ def make_bases(cache_dir: Path) -> Bases:
     tiny = builtin_model_path("tiny")
     gguf = _made(cache_dir / "base.gguf", _write_gguf)
     lora = _made(cache_dir / "adapter", lambda path: _write_adapter(tiny, path))
-    return Bases(gguf=str(gguf), hf=tiny, lora=str(lora))
+    hybrids = {}
+    for name in HYBRID_CONFIGS:
+        folder = _made(cache_dir / f"{name}-hf", lambda path, name=name: _write_hybrid(name, tiny, path))
+        hybrids[f"{name}_hf"] = str(folder)
+        hybrids[f"{name}_gguf"] = str(_made(cache_dir / f"{name}.gguf", lambda path, name=name, folder=folder:
+                                            _convert(folder, path, _CONVERTER_FLAGS[name])))
+    return Bases(gguf=str(gguf), hf=tiny, lora=str(lora), **hybrids)
 
 
 def _made(path: Path, write: Callable[[Path], None]) -> Path:
@@ -56,3 +87,31 @@ def _write_adapter(base: str, path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS, init_lora_weights=False)
     get_peft_model(model, config).save_pretrained(str(path))
+
+
+def _write_hybrid(name: str, tiny: str, path: Path) -> None:
+    """A random checkpoint of HYBRID_CONFIGS[name] as transformers saves it, with the tiny model's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**_SMALL, **HYBRID_CONFIGS[name])
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(path))
+    for item in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny) / item, path / item)
+
+
+def _convert(folder: Path, path: Path, flags: list[str]) -> None:
+    """The f32 GGUF file llama.cpp's own converter writes of `folder`."""
+    from coreserve.protocol.builtin_model import default_cache_dir
+
+    converter = default_cache_dir() / CONVERTER
+    if not (converter / "convert_hf_to_gguf.py").exists():
+        raise FileNotFoundError(f"llama.cpp's converter is not at {converter}: run `bash scripts/setup.sh --test`")
+    env = dict(os.environ, PYTHONPATH=str(converter / "gguf-py"), HF_HUB_OFFLINE="1")
+    command = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+               "--outfile", str(path), *flags]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        log = done.stdout[-2000:] + done.stderr[-2000:]
+        raise RuntimeError(f"llama.cpp's converter failed on {folder}:\n{log}")

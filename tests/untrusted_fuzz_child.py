@@ -9,8 +9,10 @@ read_adapter against the tiny model; a chat template through chat_render_args in
 with its default limits. A step that loads returns a summary, compared with the base's, so that an
 accepted mutation can be told from one that silently changed the model.
 
-Messages on the pipe: ("prepare", cache_dir) -> Bases; ("case", target, path) -> ("start", rss KiB), then
-("step", name)s, then ("done", result); ("serve",) -> ("done", what a real LLM(None) answered).
+Messages on the pipe: ("prepare", cache_dir) -> Bases; ("base", name) -> ("done", None), the hybrid base
+`name` (a Bases field) loaded once for the comparison, before its first case; ("case", target, path, base) ->
+("start", rss KiB), then ("step", name)s, then ("done", result); ("serve",) -> ("done", what a real LLM(None)
+answered).
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ def child_main(conn, log_path: str) -> None:
         try:
             if message[0] == "prepare":
                 conn.send(("done", state.prepare(Path(message[1]))))
+            elif message[0] == "base":
+                conn.send(("done", state.summarise("model", getattr(state.bases, message[1]), message[1])))
             elif message[0] == "case":
-                conn.send(("done", run_case(state, conn, message[1], message[2])))
+                conn.send(("done", run_case(state, conn, *message[1:])))
             else:
                 conn.send(("done", serve_check()))
         except Exception:  # the harness's own error: the parent stops the run with it
@@ -91,19 +95,23 @@ class _State:
         self.summaries = {}
         bases = (("model", self.bases.gguf), ("model", self.bases.hf), ("lora", self.bases.lora), ("template", "base"))
         for target, path in bases:
-            steps = CHECKS[target](self, path, lambda step: None)
-            failed = [s for s in steps if s["outcome"] != "ok"]
-            if failed:
-                raise RuntimeError(f"the base {path} does not load: {failed}")
-            self.summaries[_base_key(target, path)] = {s["step"]: s["summary"] for s in steps}
+            self.summarise(target, path, _base_key(target, path, None))
         return self.bases
 
+    def summarise(self, target: str, path: str, key: str) -> None:
+        """The base's load, what its cases' loads are compared with."""
+        steps = CHECKS[target](self, path, lambda step: None)
+        failed = [s for s in steps if s["outcome"] != "ok"]
+        if failed:
+            raise RuntimeError(f"the base {path} does not load: {failed}")
+        self.summaries[key] = {s["step"]: s["summary"] for s in steps}
 
-def _base_key(target: str, path: str) -> str:
-    return f"{target}:{'gguf' if path.endswith('.gguf') else 'folder'}"
+
+def _base_key(target: str, path: str, base: str | None) -> str:
+    return base or f"{target}:{'gguf' if path.endswith('.gguf') else 'folder'}"
 
 
-def run_case(state: _State, conn, target: str, path: str) -> dict:
+def run_case(state: _State, conn, target: str, path: str, base: str | None) -> dict:
     """The case's steps (each with its outcome and, where it loaded, what differs from the base's load), its
     seconds and its peak resident growth in KiB."""
     gc.collect()
@@ -114,7 +122,7 @@ def run_case(state: _State, conn, target: str, path: str) -> dict:
     steps = CHECKS[target](state, path, lambda step: conn.send(("step", step)))
     seconds = time.monotonic() - start
     growth = status_kib("VmHWM") - before
-    base = state.summaries[_base_key(target, path)]
+    base = state.summaries[_base_key(target, path, base)]
     for step in steps:
         if step["outcome"] == "ok":  # what it loaded that the base's load did not: {part: value}
             parts, base_parts = step.pop("summary"), base.get(step["step"], {})

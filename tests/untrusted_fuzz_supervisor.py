@@ -37,6 +37,7 @@ class Child:
         self.process = None
         self.conn = None
         self.bases: Bases | None = None
+        self.summarised: set[str] = set()  # the hybrid bases this child has loaded for comparison
         self.num_starts = 0  # 1 + the restarts after a case killed the child
 
     def prepare(self) -> Bases:
@@ -49,15 +50,21 @@ class Child:
         self.process.start()
         child_conn.close()
         self.num_starts += 1
+        self.summarised = set()
         reply = self._call(("prepare", str(self.cache_dir)), PREPARE_TIME_S, None)
         if reply.ending != "done":
             raise RuntimeError(f"the fuzzer's child failed to start ({reply.ending}); see {self.log_path}")
         self.bases = reply.result
         return self.bases
 
-    def run_case(self, target: str, path: str, time_limit_s: float, memory_limit_kib: int) -> Reply:
+    def run_case(self, target: str, path: str, base: str | None, time_limit_s: float, memory_limit_kib: int) -> Reply:
+        """One case; `base`: the Bases field it was made from (None: the target's first base)."""
         self.prepare()
-        return self._call(("case", target, path), time_limit_s, memory_limit_kib)
+        if base is not None and base not in self.summarised:  # outside the case's own time and memory
+            if self._call(("base", base), PREPARE_TIME_S, None).ending != "done":
+                raise RuntimeError(f"the fuzzer's child failed to load the base {base}; see {self.log_path}")
+            self.summarised.add(base)
+        return self._call(("case", target, path, base), time_limit_s, memory_limit_kib)
 
     def serve(self, time_limit_s: float) -> Reply:
         self.prepare()

@@ -1,7 +1,7 @@
 """The vocabulary of the untrusted-input fuzzer (tests/untrusted_fuzz.py): the valid inputs it starts from
 (`Bases`), one mutation of one of them (`Mutation`: what it changes, and the function that writes the
 mutated copy), and the helpers the mutation modules share: odd values, a folder that links a base's files,
-a safetensors file rewritten around a new header.
+a safetensors file rewritten around a new header, a mutation of the first bases pointed at a hybrid one.
 
 A mutation writes only under the case's own folder; the bases are never changed.
 """
@@ -13,7 +13,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HUGE_INTS = (2**31, 2**32 - 1, 2**40, 2**63 - 1, 2**64 - 1)
@@ -29,6 +29,13 @@ class Bases:
     gguf: str  # a small llama GGUF file (tests/gguf_files.py's model, a 512-token vocabulary)
     hf: str  # the built-in tiny model's folder: read only, mutations copy or link its files
     lora: str  # a PEFT adapter folder for the tiny model (rank 2: q_proj, v_proj, down_proj)
+    # hybrids (tests/untrusted_fuzz_hybrid.py), 2 layers each with the tiny model's GPT-2 tokenizer: a random
+    # Qwen3-Next folder (a Gated DeltaNet layer, then full attention; experts and a shared expert), an LFM2
+    # folder (a short conv layer, then attention), and the GGUF file llama.cpp's converter writes of each
+    next_hf: str
+    next_gguf: str
+    lfm2_hf: str
+    lfm2_gguf: str
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,21 @@ class Mutation:
     description: str  # what was changed, enough to redo it by hand
     target: str  # what the child loads from the written path: "model", "lora" or "template"
     make: Callable[[Bases, Path], str]  # writes the mutated input under the folder, returns its path
+    # the Bases field it starts from, whose load it is compared with; None: the target's first base (the llama
+    # GGUF or the tiny folder, by the written path's suffix; the adapter; the ChatML template)
+    base: str | None = None
+
+
+def on_base(mutation: Mutation, base: str, kind: str, label: str) -> Mutation:
+    """`mutation`, written for the llama GGUF or the tiny folder, made from the hybrid base `base` instead
+    (the Bases field that the mutation's own helpers read is pointed at it) and compared with its load."""
+    slot = "gguf" if base.endswith("_gguf") else "hf"
+    make = mutation.make
+
+    def make_on(bases: Bases, folder: Path) -> str:
+        return make(replace(bases, **{slot: getattr(bases, base)}), folder)
+
+    return replace(mutation, kind=kind, description=f"{label}: {mutation.description}", make=make_on, base=base)
 
 
 def linked_copy(source: str, folder: Path, replaced: dict[str, bytes | None]) -> Path:

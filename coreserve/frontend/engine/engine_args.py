@@ -59,6 +59,9 @@ def direct_tokenizer_class(folder: str) -> str | None:
     tokenizer_config = _read_json(Path(folder) / "tokenizer_config.json")
     name = tokenizer_config.get("tokenizer_class")
     model_type = _read_json(Path(folder) / "config.json").get("model_type", "")
+    for key, value in (("tokenizer_config.json: tokenizer_class", name), ("config.json: model_type", model_type)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{key}={str(value)[:100]} is not a name (a string)")
     if name not in _DIRECT_CLASSES or model_type not in _DIRECT_MODEL_TYPES or "auto_map" in tokenizer_config:
         return None
     return name

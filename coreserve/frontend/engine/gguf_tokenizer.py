@@ -18,6 +18,10 @@ from coreserve.protocol.builtin_model import default_cache_dir
 from coreserve.protocol.gguf_header import read_gguf_header
 
 CONVERTER_VERSION = 1
+# GGUF architectures whose config transformers' GGUF reader does not know (5.25): AutoTokenizer reads the config
+# first and refuses them, so their tokenizer is built from the `tokenizer.*` keys alone, as AutoTokenizer then
+# builds any other file's
+_CONFIGLESS_ARCHS = ("qwen35", "qwen3next")
 
 
 def gguf_tokenizer_folder(path: str, cache_dir: Path | None = None) -> str:
@@ -40,12 +44,15 @@ def gguf_tokenizer_folder(path: str, cache_dir: Path | None = None) -> str:
 
 
 def _convert(path: str, folder: Path) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    check_gguf_vocabulary(read_gguf_header(path))
+    header = read_gguf_header(path)
+    check_gguf_vocabulary(header)
     source = Path(path).resolve()
+    is_configless = header.metadata.get("general.architecture") in _CONFIGLESS_ARCHS
+    loader = PreTrainedTokenizerFast if is_configless else AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        tokenizer = loader.from_pretrained(str(source.parent), gguf_file=source.name)
     except Exception as exc:  # noqa: BLE001 - what the checks above cannot foresee (a merge of unknown tokens)
         raise ValueError(f"{path}: the GGUF file's tokenizer cannot be converted: {exc!r}") from exc
     tokenizer.save_pretrained(str(folder))

@@ -265,16 +265,26 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
     dense: tuple[int, ...] = ()
     if rule.has_sparse_step:  # HF: sparse where not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
         step = config.get("decoder_sparse_step", 1) or 1
-        only = set(config.get("mlp_only_layers") or ())
+        only = config.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ValueError(f"mlp_only_layers={str(only)[:100]} must be a list of layer indices")
         dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
     return MoeArgs(
-        num_experts=config.get("num_experts") or config["num_local_experts"],
-        top_k=config["num_experts_per_tok"],
-        intermediate_size=config[rule.width_key],
+        num_experts=_moe_number(config, "num_experts", "num_local_experts"),
+        top_k=_moe_number(config, "num_experts_per_tok"),
+        intermediate_size=_moe_number(config, rule.width_key),
         norm_topk_prob=rule.always_renormalises or bool(config.get("norm_topk_prob", False)),
         dense_layers=dense,
         shared_intermediate_size=_shared_expert_width(config) if rule.has_shared_expert else 0,
     )
+
+
+def _moe_number(config: dict, *keys: str) -> int:
+    """The first of `keys` the config has (its range and relations checked by check_config_numbers)."""
+    found = [config[key] for key in keys if config.get(key) is not None]
+    if not found:
+        raise ValueError(f"the config of a mixture of experts has no {' or '.join(keys)}")
+    return found[0]
 
 
 def _shared_expert_width(config: dict) -> int:

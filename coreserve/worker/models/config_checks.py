@@ -66,6 +66,10 @@ def check_config_numbers(
     if config["hidden_size"] < heads:
         raise ValueError(f"{name('hidden_size')}={config['hidden_size']} has fewer features than "
                          f"{name('num_attention_heads')}={heads} heads")
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts and (config.get("num_experts_per_tok") or 0) > experts:
+        raise ValueError(f"{name('num_experts_per_tok')}={config['num_experts_per_tok']} is more than the {experts} "
+                         f"experts ({name('num_experts')})")
     positions = config.get("max_position_embeddings") or 2048
     if positions * head_dim > _MAX_ROPE_ELEMENTS:
         raise ValueError(f"{name('max_position_embeddings')}={positions} x a head of {head_dim} is over "
@@ -100,9 +104,10 @@ def _check_int(value: object, name: str, bound: int) -> None:
 
 
 def _check_floats(config: dict, name) -> None:
-    eps = config.get("rms_norm_eps", 1e-6)
-    if not _is_real(eps) or not 0 < eps < 1:
-        raise ValueError(f"{name('rms_norm_eps')}={eps!r} must be a finite number in (0, 1)")
+    for key in ("rms_norm_eps", "norm_eps"):  # LFM2 reads norm_eps
+        eps = config.get(key, 1e-6)
+        if not _is_real(eps) or not 0 < eps < 1:
+            raise ValueError(f"{name(key)}={eps!r} must be a finite number in (0, 1)")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ValueError(f"rope_scaling must be an object, got {rope!r}")

@@ -135,6 +135,8 @@ def text_config(config: dict) -> dict:
 def family_of(config: dict) -> Family:
     """The family of config.json's first supported architecture; ValueError where none is."""
     architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise ValueError(f"architectures={str(architectures)[:100]} must be a list of class names")
     for architecture in architectures:
         if architecture in FAMILIES:
             return FAMILIES[architecture]

@@ -40,7 +40,10 @@ def quantization_plan(path: str, model: nn.Module, destination: Destination) -> 
         module_path, rows = target[0].removesuffix(".weight"), target[1]
         if entry.tiled_heads is not None and entry.tiled_heads.in_bytes(entry.info.ggml_type) is None:
             moved_apart.add(module_path)
-        module = model.get_submodule(module_path)
+        try:
+            module = model.get_submodule(module_path)
+        except AttributeError:  # a tensor this config has no place for (an attention layer's linear_attn):
+            continue  # the loader refuses it by name
         num_out = module.num_embeddings if isinstance(module, nn.Embedding) else getattr(module, "out_features", 0)
         start, stop, _ = (rows or slice(None)).indices(num_out)
         found.setdefault(module_path, []).append((start, stop - start, entry.info.ggml_type))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coreserve.worker.models.family import FULL, LINEAR, SILU, SLIDING, Family
+from coreserve.worker.models.family import FULL, LINEAR, SHORT_CONV, SILU, SLIDING, Family
 from coreserve.worker.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec
 from coreserve.worker.step.attention import AttentionSpec
 
@@ -73,6 +73,8 @@ def layer_kinds(config: dict, family: Family) -> list[str]:
     num_layers = config["num_hidden_layers"]
     kinds = config.get("layer_types")
     attention_layers = config.get("full_attn_idxs")  # LFM2's older configs: its attention layers' indices
+    if kinds is None and family.recurrent == SHORT_CONV and attention_layers is None:
+        attention_layers = list(range(num_layers))  # HF's LFM2 without either list: every layer attention
     if kinds is None and family.recurrent and isinstance(attention_layers, list):
         return [FULL if i in attention_layers else family.recurrent_layer for i in range(num_layers)]
     if kinds is None and family.recurrent:
@@ -128,9 +130,11 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if isinstance(partial, bool) or not isinstance(partial, int | float) or not 0 < partial <= 1:
+        raise ValueError(f"partial_rotary_factor={partial!r} must be a number in (0, 1] (the rotated part of a head)")
     head_dim = int(head_dim * partial)  # Phi-4-mini: the first 3/4 of each head rotate, HF's int()
-    if head_dim % 2:
-        raise ValueError(f"partial_rotary_factor={partial} leaves an odd rotary width {head_dim}")
+    if head_dim % 2 or not head_dim:
+        raise ValueError(f"partial_rotary_factor={partial} leaves a rotary width of {head_dim}, not positive and even")
     if rope_type in ("llama3", "yarn", "longrope"):  # HF: a top-level original_max_position_embeddings wins
         original = config.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = original or params.get(

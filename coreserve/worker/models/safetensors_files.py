@@ -87,6 +87,8 @@ def read_into(entry: TensorEntry, destination: torch.Tensor) -> None:
     """Copies the tensor into `destination` (same number of elements, any dtype and device)."""
     if destination.numel() != _numel(entry.shape):
         raise ValueError(f"{entry.name}: shape {list(entry.shape)} does not fit {list(destination.shape)}")
+    if destination.is_floating_point() and not entry.dtype.is_floating_point:  # integers would load as garbage
+        raise ValueError(f"{entry.name}: dtype {entry.dtype} is not a floating-point type, as this weight's must be")
     direct = destination.device.type == "cpu" and destination.dtype == entry.dtype
     if direct and destination.is_contiguous():
         _read_bytes(entry, destination)
