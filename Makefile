@@ -6,7 +6,7 @@ demo: setup-runtime
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
 
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 # The suite again on bf16 copies of its checkpoints; tests marked fp32_exact are skipped (docs/testing.md).
 test-bf16: setup

@@ -464,6 +464,15 @@ FAMILY_CONFIGS = {
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
     ),
+    # Qwen3-Next: Qwen3.5's layers (its q/k/v/z and b/a projections interleaved a key head's group at a time
+    # in the checkpoint) with a mixture of 8 experts, 2 a token, and a sigmoid-gated shared expert
+    "qwen3_next": dict(
+        model_type="qwen3_next", tokenizer="llama3", head_dim=32, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    ),
     # LFM2: a gated short convolution layer (kernel 3), then attention with per-head q/k norms; the MLP's
     # width auto-adjusted (2/3 of 128, rounded up to 32: 96), tied embeddings
     "lfm2": dict(

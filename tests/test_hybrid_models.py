@@ -1,9 +1,10 @@
 """Hybrid models (recurrent layers beside attention): a random `Qwen3_5ForCausalLM` (a Gated DeltaNet layer,
-then an output-gated attention layer), a random `Lfm2ForCausalLM` (a short convolution layer, then
-attention) and a random `GraniteMoeHybridForCausalLM` (a Mamba2 layer, then NoPE attention, with Granite's
-multipliers) against Hugging Face transformers; the invariants on the state cache (alone = batched,
-scoring = generation, chunk size, preemption, n > 1, prefix-cache hits from state snapshots, multi-step
-windows); a hub folder's vision-language layout; the C mixers against torch's; what is refused.
+then an output-gated attention layer), a random `Qwen3NextForCausalLM` (the same layers over experts), a
+random `Lfm2ForCausalLM` (a short convolution layer, then attention) and a random `GraniteMoeHybridForCausalLM`
+(a Mamba2 layer, then NoPE attention, with Granite's multipliers) against Hugging Face transformers; the
+invariants on the state cache (alone = batched, scoring = generation, chunk size, preemption, n > 1,
+prefix-cache hits from state snapshots, multi-step windows); a hub folder's vision-language layout; the C
+mixers against torch's; what is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprob
 SAMPLED = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=5)
 # 16-token chunks; 8 blocks of 16 cannot hold five ~70-token sequences: chunked prefill and preemption
 CHUNKED = dict(max_num_batched_tokens=16, num_kv_blocks=8, block_size=16)
+HYBRID_FAMILIES = ["qwen3_5", "lfm2", "qwen3_next", "granitemoehybrid"]
 BF16_TOLERANCE = 0.75  # measured 0.50 on the C path (Qwen3's 0.09): docs/models.md
 
 
@@ -37,6 +39,7 @@ BF16_TOLERANCE = 0.75  # measured 0.50 on the C path (Qwen3's 0.09): docs/models
     ("qwen3_5", False, CHUNKED),
     ("qwen3_5", False, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's mixer
     ("lfm2", True, CHUNKED),
+    ("qwen3_next", True, CHUNKED),  # its checkpoint's grouped projections, experts beside a gated shared one
     ("granitemoehybrid", False, CHUNKED),
 ])
 def test_hybrid_matches_hf(family, multiprocess, engine_args, family_model):
@@ -49,7 +52,8 @@ def test_hybrid_matches_hf(family, multiprocess, engine_args, family_model):
     if "num_kv_blocks" in engine_args:
         assert stats.num_preemptions > 0
     # conv (+ recurrent) states: Granite's conv over x, B and C (64 + 2 x 2 x 16), a [16, 16] state a head
-    state_bytes = {"qwen3_5": 4 * (128 * 3 + 4 * 16 * 16), "lfm2": 4 * 2 * 64,
+    gated_deltanet_state = 4 * (128 * 3 + 4 * 16 * 16)
+    state_bytes = {"qwen3_5": gated_deltanet_state, "qwen3_next": gated_deltanet_state, "lfm2": 4 * 2 * 64,
                    "granitemoehybrid": 4 * (128 * 3 + 4 * 16 * 16)}
     assert stats.num_state_slots > 0 and stats.state_bytes_per_seq == state_bytes[family]
     hf = load_hf(path)
@@ -64,7 +68,7 @@ def test_hybrid_matches_hf(family, multiprocess, engine_args, family_model):
             _assert_sample_logprobs(completion, hf_generate_logprobs(hf, prompt, completion.token_ids), tolerance)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_alone_equals_batched_and_scoring_equals_generation(family, family_model):
     """Each prompt alone in whole-prompt steps, then all in one batch in 16-token chunks (other lengths
     beside each), then every generated sequence scored: the recurrence runs token by token both ways."""
@@ -80,7 +84,7 @@ def test_alone_equals_batched_and_scoring_equals_generation(family, family_model
         assert one.prompt_logprobs == many.prompt_logprobs
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_request_through_preemption_n4_prefix_hits_and_windows(family, family_model):
     """One request's bits (sample and prompt logprobs): alone with no prefix cache; then from the cache
     (its state restored from the snapshot at the last boundary its prompt passed: 48 tokens, every 3
@@ -207,6 +211,14 @@ def test_hybrid_config_checks(family_model):
     no_types = {k: v for k, v in config.items() if k != "layer_types"} | {"num_hidden_layers": 8}
     kinds = [s.mixer for s in DecoderArgs.from_hf_config(no_types).layers]
     assert kinds == ["gated_deltanet"] * 3 + ["attention"] + ["gated_deltanet"] * 3 + ["attention"]
+    # a shared expert: Qwen3-Next's, sized; refused by name where the family has none (Qwen3-MoE)
+    moe = json.loads((Path(family_model("qwen3_next")) / "config.json").read_text())
+    assert DecoderArgs.from_hf_config(moe).moe.shared_intermediate_size == 48
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        DecoderArgs.from_hf_config({**moe, "shared_expert_intermediate_size": 0})
+    qwen3_moe = json.loads((Path(family_model("qwen3_moe")) / "config.json").read_text())
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=48"):
+        DecoderArgs.from_hf_config({**qwen3_moe, "shared_expert_intermediate_size": 48})
 
 
 def test_qwen3_5_through_the_server(family_model):
@@ -247,13 +259,14 @@ def test_lfm2_config_reading(family_model):
             DecoderArgs.from_hf_config({**config, **change})
 
 
-def test_qwen3_5_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(family_model, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])  # Qwen3-Next: its grouped in_proj rows as at load
+def test_hybrid_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(family, family_model, tmp_path):
     """An engine that served (its prefix cache and state snapshots filled), slept, woke and took new
     weights answers with the bits of an engine started on those weights: no state, snapshot or cached
     block of the old weights is read."""
     from rl_checks import perturbed_hf
 
-    path = family_model("qwen3_5")
+    path = family_model(family)
     source, prompts = Path(path), FAMILY_PROMPTS[:3]
     hf = perturbed_hf(path, seed=3)
     hf.save_pretrained(str(tmp_path))
@@ -265,7 +278,7 @@ def test_qwen3_5_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(fam
         assert llm.get_engine_stats().num_state_snapshots > 0
         llm.sleep(1)
         llm.wake_up()
-        llm.update_weights(hf.named_parameters())
+        llm.update_weights(load_file(str(tmp_path / "model.safetensors")).items())  # the names HF saves
         updated = llm.generate(prompts, GREEDY, use_tqdm=False)
     with LLM(str(tmp_path), multiprocess=False, max_num_batched_tokens=40) as llm:
         fresh = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -118,6 +118,7 @@ SIGNATURES: dict[str, Signature] = {
         None, ("x", _P), ("delta", _P), ("num_tokens", _I64), ("hidden", _I64), ("weight", _P), ("eps", _F32),
         ("sum_out", _P), ("out", _P), ("num_threads", _I32),
     ),
+    "sigmoid": _sig(None, ("x", _P), ("n", _I64), ("out", _P)),
     "gemv_f32": _sig(None, *_PRODUCT, ("num_threads", _I32)),
     "gemv_bf16": _sig(_INT, *_PRODUCT, ("use_dot", _I32), ("num_threads", _I32)),
     "cpu_has_bf16_dot": _sig(_INT),
@@ -168,6 +169,7 @@ class CpuKernels:
     rope_write_kv: ctypes._CFuncPtr
     silu_mul: ctypes._CFuncPtr
     rms_norm: ctypes._CFuncPtr
+    sigmoid: ctypes._CFuncPtr
     gemv_f32: ctypes._CFuncPtr
     gemv_bf16: ctypes._CFuncPtr
     cpu_has_bf16_dot: ctypes._CFuncPtr

@@ -221,6 +221,15 @@ def silu_mul(kernels: CpuKernels, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sigmoid(kernels: CpuKernels, x: torch.Tensor) -> torch.Tensor:
+    """x: float32 -> 1 / (1 + exp(-x)), an element's bits the same wherever it sits in x."""
+    x = x.contiguous()
+    assert x.dtype == torch.float32
+    out = torch.empty_like(x)
+    kernels.sigmoid(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
+
+
 def rms_norm(
     kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from coreserve.worker.cpu.kernels import (
     mamba2,
     rms_norm,
     rope_write_kv,
+    sigmoid,
     silu_mul,
 )
 from coreserve.worker.cpu.linear import linear
@@ -75,6 +76,9 @@ class CpuOps:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_mul(gate_up)  # torch's, element-wise (Gemma alone uses it)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return sigmoid(self.kernels, x)
 
     def gated_deltanet(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]

@@ -67,6 +67,7 @@ class MoeArgs:
     intermediate_size: int  # each expert's
     norm_topk_prob: bool
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE's mlp_only_layers, sparse step)
+    shared_intermediate_size: int = 0  # Qwen3-Next's shared expert's width, its output gated by a sigmoid; 0: none
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -241,7 +242,15 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
         intermediate_size=config[rule.width_key],
         norm_topk_prob=rule.always_renormalises or bool(config.get("norm_topk_prob", False)),
         dense_layers=dense,
+        shared_intermediate_size=_shared_expert_width(config) if rule.has_shared_expert else 0,
     )
+
+
+def _shared_expert_width(config: dict) -> int:
+    width = config.get("shared_expert_intermediate_size")
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= 1 << 20:
+        raise ValueError(f"shared_expert_intermediate_size={width!r} must be an integer in 1..{1 << 20}")
+    return width
 
 
 def _refuse_unsupported(config: dict, family: Family) -> None:
@@ -259,8 +268,8 @@ def _refuse_unsupported(config: dict, family: Family) -> None:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0 and not family.partial_rotary:
-        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4 "
-                         "and Qwen3.5 only")
+        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4, "
+                         "Qwen3.5 and Qwen3-Next only")
     if family.dense_only_key is not None and config.get(family.dense_only_key, 8) != 0:  # HF's default: 8
         architecture = next(a for a in config["architectures"] if FAMILIES.get(a) is family)
         raise ValueError(f"{architecture.removesuffix('ForCausalLM')} with experts ({family.dense_only_key} > 0) "

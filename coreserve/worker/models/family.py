@@ -24,6 +24,8 @@ class MoeRule:
     width_key: str = "intermediate_size"  # the config key of each expert's width
     always_renormalises: bool = False  # Mixtral: the top-k renormalised whatever norm_topk_prob says
     has_sparse_step: bool = False  # Qwen3-MoE: decoder_sparse_step and mlp_only_layers make dense layers
+    has_shared_expert: bool = False  # Qwen3-Next: a shared expert of shared_expert_intermediate_size beside the
+    # routed ones, scaled by sigmoid(shared_expert_gate(x))
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Family:
     def allowed_keys(self) -> frozenset[str]:
         """Keys other families refuse that this one reads."""
         keys = {"num_experts", "num_local_experts"} if self.moe is not None else set()
+        if self.moe is not None and self.moe.has_shared_expert:
+            keys.add("shared_expert_intermediate_size")
         if self.has_softcaps:
             keys |= {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"}
         if self.has_multipliers:
@@ -108,6 +112,12 @@ FAMILIES = {
     # the multi-token-prediction head skipped by name: coreserve/worker/models/loader.py)
     "Qwen3_5ForCausalLM": Family("qwen3_5", **_QWEN3_5),
     "Qwen3_5ForConditionalGeneration": Family("qwen3_5", nests_text_config=True, **_QWEN3_5),
+    # Qwen3-Next: Qwen3.5's layers (its checkpoints interleave the Gated DeltaNet's projections a key head's
+    # group at a time: coreserve/worker/models/grouped_rows.py) over a mixture of experts with a shared expert
+    "Qwen3NextForCausalLM": Family(
+        "qwen3_next", moe=MoeRule(width_key="moe_intermediate_size", has_sparse_step=True, has_shared_expert=True),
+        **_QWEN3_5,
+    ),
     # LFM2: gated short convolutions (kernel conv_L_cache) beside attention with per-head q/k norms
     "Lfm2ForCausalLM": Family(
         "lfm2", qk_norm="head", layer_types=frozenset({FULL, CONV}), recurrent=SHORT_CONV, recurrent_layer=CONV,

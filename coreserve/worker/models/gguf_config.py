@@ -49,6 +49,8 @@ class GgufArch:
     big_query_scale_layers: int | None = None  # the layer count whose query scale is hidden / heads (27B)
     has_local_layers: bool = False  # gemma3.attention.sliding_window_pattern and rope.freq_base_swa
     has_linear_attention: bool = False  # Gated DeltaNet layers (ssm.* keys) beside partial-rotary attention
+    has_shared_expert: bool = False  # expert_shared_feed_forward_length: a gated shared expert's width (Qwen3-Next)
+    tiles_value_heads: bool = False  # their value heads tiled, not grouped by key head (Qwen3.5: gguf_recurrent.py)
     has_short_conv: bool = False  # LFM2's conv layers: head_count_kv one a layer, 0 for a conv layer
     has_mamba2: bool = False  # Granite 4.0-H's Mamba2 layers (ssm.* keys), marked as LFM2's conv layers
 
@@ -68,7 +70,14 @@ GGUF_ARCHS = {
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", big_query_scale_layers=46, **_GEMMA),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", big_query_scale_layers=62, has_local_layers=True, **_GEMMA),
     # every norm but the Gated DeltaNet's own (ssm_norm) stored as 1 + weight, as Gemma's
-    "qwen35": GgufArch("Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, has_linear_attention=True),
+    "qwen35": GgufArch(
+        "Qwen3_5ForCausalLM", "qwen3_5_text", norms_plus_one=True, has_linear_attention=True, tiles_value_heads=True,
+    ),
+    # Qwen3.5's layers over experts and a shared expert; its b/a projection (ssm_ba) grouped as HF's in_proj_ba
+    "qwen3next": GgufArch(
+        "Qwen3NextForCausalLM", "qwen3_next", norms_plus_one=True, has_linear_attention=True, has_dense_layers=True,
+        has_shared_expert=True,
+    ),
     "lfm2": GgufArch("Lfm2ForCausalLM", "lfm2", has_short_conv=True),
     # q/k rows interleaved as llama's (the converter permutes them, RoPE or not)
     "granitehybrid": GgufArch(
@@ -196,6 +205,8 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
     if rules.has_local_layers:
         keys["sliding_window_pattern"] = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6))
         keys["rope_local_base_freq"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    if rules.has_shared_expert:  # checked as config.json's key is (coreserve/worker/models/config.py)
+        keys["shared_expert_intermediate_size"] = meta.get(f"{arch}.expert_shared_feed_forward_length")
     if rules.has_linear_attention:
         keys.update(linear_attention_keys(header, arch, config))
     if rules.has_short_conv:

@@ -66,6 +66,12 @@ _LFM2_LAYER = {
     "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm", "ffn_gate": "feed_forward.w1",
     "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
 }
+# Qwen3-Next's: its Gated DeltaNet's (b/a still grouped by key head, as HF's) and its shared expert's
+_QWEN3NEXT_LAYER = {
+    **LINEAR_ATTENTION_NAMES, "ssm_ba": "linear_attn.in_proj_ba", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 # Per architecture, where a GGUF name means something else than in `llama` (the loader's name map)
 _ARCH_LAYER = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, in that order
@@ -74,9 +80,12 @@ _ARCH_LAYER = {
     "qwen35": LINEAR_ATTENTION_NAMES,  # attn_qkv and attn_gate: the Gated DeltaNet's in_proj_qkv, in_proj_z
     "lfm2": _LFM2_LAYER,
     "granitehybrid": MAMBA2_NAMES,
+    "qwen3next": _QWEN3NEXT_LAYER,
 }
 # names after `blk.N.` that are whole HF parameters
-_ARCH_PARAMS = {"qwen35": LINEAR_ATTENTION_PARAMS, "granitehybrid": MAMBA2_PARAMS}
+_ARCH_PARAMS = {
+    "qwen35": LINEAR_ATTENTION_PARAMS, "qwen3next": LINEAR_ATTENTION_PARAMS, "granitehybrid": MAMBA2_PARAMS,
+}
 _AS_VECTORS = ("ssm_a", "ssm_d", "ssm_norm")  # Mamba2's [heads, 1] and [groups, inner / groups]: HF's vectors
 _PLAIN_NORMS = ("ssm_norm",)  # a norms_plus_one architecture's norms stored as they are
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -107,7 +116,7 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
             kv_heads = attention_kv_heads(header, arch)
         heads = {"attn_q": meta.get(f"{arch}.attention.head_count"), "attn_k": kv_heads}
         heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
-    shapes = linear_shapes(header, arch) if GGUF_ARCHS[arch].has_linear_attention else None
+    shapes = linear_shapes(header, arch) if GGUF_ARCHS[arch].tiles_value_heads else None
     first_draft = _first_draft_block(header)
     for info in sorted(header.tensors, key=lambda t: t.offset):
         if _is_draft(info.name, first_draft):  # never read: its type does not matter

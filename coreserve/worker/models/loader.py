@@ -28,6 +28,7 @@ from coreserve.worker.models.family import family_of
 from coreserve.worker.models.finite_weights import check_finite_model
 from coreserve.worker.models.gguf_config import hf_config_from_gguf
 from coreserve.worker.models.gguf_quantized import quantization_plan
+from coreserve.worker.models.grouped_rows import grouped_rows
 from coreserve.worker.models.quantized import block_rows, quantize_modules
 from coreserve.worker.models.sharding import Shard, is_split, rank_part, shard_args
 
@@ -185,6 +186,9 @@ def load_weights(model: DecoderModel, model_dir: str, shard: Shard | None, check
         else:
             destination = param.data[rows] if rows is not None else param.data
             source.read_into(entry, destination)
+        order = grouped_rows(model.args.linear, entry.name)
+        if order is not None:  # whole rows move: values, or a tensor's blocks
+            destination.copy_(order.undo(destination.clone(), entry.name))
         filled[name] = filled.get(name, 0) + destination.numel()
     shared = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
     missing = [n for n, p in params.items() if n not in shared and filled.get(n) != p.numel()]
@@ -270,13 +274,15 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
 def _linear_attention_destination(
     args: DecoderArgs, prefix: str, module: str, kind: str
 ) -> tuple[str, slice | None] | None:
-    """A Gated DeltaNet layer's tensors: in_proj_qkv, _z, _b and _a fill one in_proj ([q k v | z | b | a])."""
+    """A Gated DeltaNet layer's tensors: in_proj_qkv, _z, _b and _a fill one in_proj ([q k v | z | b | a]);
+    Qwen3-Next's in_proj_qkvz and _ba fill its first and last rows (their groups undone: grouped_rows.py)."""
     assert args.linear is not None
     lin = args.linear
     conv, heads = lin.conv_dim, lin.num_value_heads
     z_end = conv + heads * lin.value_head_dim
     parts = {"in_proj_qkv": slice(0, conv), "in_proj_z": slice(conv, z_end),
-             "in_proj_b": slice(z_end, z_end + heads), "in_proj_a": slice(z_end + heads, z_end + 2 * heads)}
+             "in_proj_b": slice(z_end, z_end + heads), "in_proj_a": slice(z_end + heads, z_end + 2 * heads),
+             "in_proj_qkvz": slice(0, z_end), "in_proj_ba": slice(z_end, z_end + 2 * heads)}
     name = module.split(".", 1)[1] if "." in module else ""
     if name in parts:
         return prefix + f"linear_attn.in_proj.{kind}", parts[name]
@@ -295,8 +301,13 @@ def _expert_destination(args: DecoderArgs, module: str) -> tuple[str, slice | No
     """A mixture's router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) and its experts' tensors
     (`mlp.experts.E.gate_proj`, ...): gate and up fill each expert's fused gate_up_proj."""
     parts = module.split(".")
-    if parts[1:] == ["gate"]:
-        return "moe.gate", None
+    if parts[1:] in (["gate"], ["shared_expert_gate"]):
+        return f"moe.{parts[1]}", None
+    if len(parts) == 3 and parts[1] == "shared_expert" and parts[2] in _EXPERT_PARTS:  # Qwen3-Next's
+        assert args.moe is not None
+        width, role = args.moe.shared_intermediate_size, _EXPERT_PARTS[parts[2]]
+        rows = {"gate": slice(0, width), "up": slice(width, 2 * width), "down": None}[role]
+        return "moe.shared_expert." + ("down_proj" if role == "down" else "gate_up_proj"), rows
     if len(parts) != 4 or parts[1] != "experts" or parts[3] not in _EXPERT_PARTS:
         return None
     assert args.moe is not None

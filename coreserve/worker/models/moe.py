@@ -1,11 +1,12 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE) over the model's ops (engine-core process).
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE, Qwen3-Next) over the model's ops (engine-core process).
 
 The router is a linear layer; a softmax over its logits in fp32 picks each token's top_k experts, and
 their probabilities, renormalised where the family asks, weight the experts' outputs. Batch invariance
 holds as for the dense MLP: every token is routed by its own row alone, each expert's products run on
 the rows routed to it through `ops.linear` (row by row the same numbers in any batch on the CPU
 kernels), nothing is dropped for capacity, and a token's weighted outputs are summed in one fixed
-order, its experts' ids ascending (Hugging Face's order, whose loop adds the experts by id).
+order, its experts' ids ascending (Hugging Face's order, whose loop adds the experts by id). A shared
+expert (Qwen3-Next) sees every token; its output, times sigmoid(shared_expert_gate(x)), is added last.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class SparseMoe(nn.Module):
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = nn.Linear(args.hidden_size, moe.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(Expert(args.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+        shared_width = moe.shared_intermediate_size
+        self.shared_expert = Expert(args.hidden_size, shared_width) if shared_width else None
+        if self.shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> each token's experts [T, top_k] int64, most probable first (HF's router
@@ -68,4 +73,8 @@ class SparseMoe(nn.Module):
         total = outputs[:, 0] * weights[:, :1]
         for j in range(1, k):
             total = total + outputs[:, j] * weights[:, j : j + 1]
+        if self.shared_expert is not None:
+            shared_mlp = self.shared_expert
+            shared = ops.linear(shared_mlp.down_proj, ops.silu_mul(ops.linear(shared_mlp.gate_up_proj, x)))
+            total = total + ops.sigmoid(ops.linear(self.shared_expert_gate, x)) * shared
         return total, experts

@@ -53,6 +53,7 @@ class ModelOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # q [T, Hq, D], k and v [T, Hkv, D]; None: NoPE
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # [T, 2 I] -> [T, I]
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # Gemma's GeGLU, [T, 2 I] -> [T, I]
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor: ...  # element-wise, x's shape
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         meta: AttentionMetadata, spec: AttentionSpec,
@@ -125,6 +126,9 @@ class TorchOps:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_mul(gate_up)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x)
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

@@ -18,6 +18,7 @@ import torch
 
 from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.finite_weights import check_finite_tensor
+from coreserve.worker.models.grouped_rows import GroupedRows, grouped_rows
 from coreserve.worker.models.loader import weight_destination  # the loader's one map of HF names
 from coreserve.worker.models.sharding import Shard, is_split, rank_part
 
@@ -52,7 +53,7 @@ def update_weights_from_path(
         for name, _ in plan if check_tensors else ():  # read before any copy: a bad one leaves the old weights
             check_finite_tensor(named[name][:], name, "update_weights refused, the weights are unchanged")
         for name, target in plan:
-            copy_into(target, named[name], name, shard)
+            copy_into(target, named[name], name, shard, grouped_rows(model.args.linear, name))
     return len(plan)
 
 
@@ -136,12 +137,15 @@ def full_shape(name: str, part_shape: tuple[int, ...], shard: Shard | None) -> t
     return tuple(size * shard.size if d == dim else size for d, size in enumerate(part_shape))
 
 
-def copy_into(target: torch.Tensor, lazy, name: str, shard: Shard | None) -> None:
-    """Reads from the file only what this rank keeps (its rows or columns of a split tensor)."""
+def copy_into(target: torch.Tensor, lazy, name: str, shard: Shard | None, order: GroupedRows | None = None) -> None:
+    """Reads from the file only what this rank keeps (its rows or columns of a split tensor); `order`: the
+    rows' grouping to undo (Qwen3-Next's in_proj_qkvz and in_proj_ba, as at load)."""
     if shard is not None and is_split(name):
         tensor = _rank_slice(lazy, name, shard)
     else:
         tensor = lazy[:]
+    if order is not None:
+        tensor = order.undo(tensor, name)
     target.copy_(tensor.reshape(target.shape))  # converts the dtype (bf16 <-> fp32) and the device
 
 

@@ -91,6 +91,12 @@ void silu_mul(const float *gate_up, int64_t num_tokens, int64_t intermediate, fl
     for (int64_t t = 0; t < num_tokens; t++) silu_mul_token(gate_up, t, intermediate, out);
 }
 
+/* 1 / (1 + exp(-x)) element by element, each the same scalar steps wherever it sits in x (torch's vector
+ * loop and its tail compute it two ways: Qwen3-Next's one gate a token would change with the batch). */
+void sigmoid(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
 /* HF's RMSNorm in fp32, x * rsqrt(mean(x^2) + eps) * weight, optionally of x + delta (the residual add
  * before it), whose sum is then written to sum_out. x, delta, sum_out, out: [T, hidden]; weight:
  * [hidden]. The mean of squares is summed in double (torch sums fp32 pairwise: both within rounding). */
