@@ -479,6 +479,14 @@ FAMILY_CONFIGS = {
         model_type="lfm2", tokenizer="llama3", layer_types=["conv", "full_attention"], conv_L_cache=3,
         block_multiple_of=32, norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
+    # Granite 4.0-H (dense): a Mamba2 layer (4 heads of 16 in 2 groups, d_state 16, conv kernel 4), then NoPE
+    # attention on heads of 32; a shared_mlp of 96 (not intermediate_size); the four multipliers
+    "granitemoehybrid": dict(
+        model_type="granitemoehybrid", tokenizer="llama3", num_attention_heads=2, layer_types=["mamba", "attention"],
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1,
+        num_local_experts=0, shared_intermediate_size=96, position_embedding_type="nope",
+        embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09, logits_scaling=1.6,
+    ),
     # OLMoE: q/k norms over the whole projections, clip_qkv, top-k probabilities as they are
     "olmoe": dict(
         model_type="olmoe", tokenizer="llama2", num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
@@ -499,7 +507,7 @@ def write_family_model(
     tokenizer = AutoTokenizer.from_pretrained(real_tokenizer_path(spec.pop("tokenizer")))
     vocab = spec.pop("padded_vocab", None) or -(-len(tokenizer) // 64) * 64
     config = AutoConfig.for_model(
-        **_SMALL, **spec, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
+        **{**_SMALL, **spec}, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)

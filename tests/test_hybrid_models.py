@@ -1,8 +1,10 @@
 """Hybrid models (recurrent layers beside attention): a random `Qwen3_5ForCausalLM` (a Gated DeltaNet layer,
-then an output-gated attention layer), a random `Qwen3NextForCausalLM` (the same layers over experts) and a
-random `Lfm2ForCausalLM` (a short convolution layer, then attention) against Hugging Face transformers; the
+then an output-gated attention layer), a random `Qwen3NextForCausalLM` (the same layers over experts), a
+random `Lfm2ForCausalLM` (a short convolution layer, then attention) and a random `GraniteMoeHybridForCausalLM`
+(a Mamba2 layer, then NoPE attention, with Granite's multipliers) against Hugging Face transformers; the
 invariants on the state cache (alone = batched, scoring = generation, chunk size, preemption, n > 1,
-prefix-cache hits from state snapshots, multi-step windows); a hub folder's vision-language layout; the C mixer against torch's; what is refused.
+prefix-cache hits from state snapshots, multi-step windows); a hub folder's vision-language layout; the C
+mixers against torch's; what is refused.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprob
 SAMPLED = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=5)
 # 16-token chunks; 8 blocks of 16 cannot hold five ~70-token sequences: chunked prefill and preemption
 CHUNKED = dict(max_num_batched_tokens=16, num_kv_blocks=8, block_size=16)
-HYBRID_FAMILIES = ["qwen3_5", "lfm2", "qwen3_next"]
+HYBRID_FAMILIES = ["qwen3_5", "lfm2", "qwen3_next", "granitemoehybrid"]
 BF16_TOLERANCE = 0.75  # measured 0.50 on the C path (Qwen3's 0.09): docs/models.md
 
 
@@ -38,6 +40,7 @@ BF16_TOLERANCE = 0.75  # measured 0.50 on the C path (Qwen3's 0.09): docs/models
     ("qwen3_5", False, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's mixer
     ("lfm2", True, CHUNKED),
     ("qwen3_next", True, CHUNKED),  # its checkpoint's grouped projections, experts beside a gated shared one
+    ("granitemoehybrid", False, CHUNKED),
 ])
 def test_hybrid_matches_hf(family, multiprocess, engine_args, family_model):
     """Prompt logprobs against HF's forward (which runs Qwen3.5's recurrence over a prompt in chunks) and
@@ -48,8 +51,10 @@ def test_hybrid_matches_hf(family, multiprocess, engine_args, family_model):
         stats = llm.get_engine_stats()
     if "num_kv_blocks" in engine_args:
         assert stats.num_preemptions > 0
+    # conv (+ recurrent) states: Granite's conv over x, B and C (64 + 2 x 2 x 16), a [16, 16] state a head
     gated_deltanet_state = 4 * (128 * 3 + 4 * 16 * 16)
-    state_bytes = {"qwen3_5": gated_deltanet_state, "qwen3_next": gated_deltanet_state, "lfm2": 4 * 2 * 64}  # conv (+ recurrent) states
+    state_bytes = {"qwen3_5": gated_deltanet_state, "qwen3_next": gated_deltanet_state, "lfm2": 4 * 2 * 64,
+                   "granitemoehybrid": 4 * (128 * 3 + 4 * 16 * 16)}
     assert stats.num_state_slots > 0 and stats.state_bytes_per_seq == state_bytes[family]
     hf = load_hf(path)
     tolerance = HF_TOLERANCE if engine_args.get("can_use_cpu_kernels", True) else HF_TOLERANCE_TORCH_PATH
@@ -85,7 +90,7 @@ def test_request_through_preemption_n4_prefix_hits_and_windows(family, family_mo
     (its state restored from the snapshot at the last boundary its prompt passed: 48 tokens, every 3
     blocks for Qwen3.5's state here, every block for LFM2's), as each of n = 4 greedy children; beside
     four long requests in a KV cache too small for them (preempted: computed again, its state slot given
-    back and taken anew); in multi-step windows."""
+    back and taken anew); in multi-step windows. Granite's state is every 3 blocks too."""
     path = family_model(family)
     prompt = FAMILY_PROMPTS[0]
     with LLM(path, multiprocess=False, enable_prefix_caching=False) as llm:
@@ -142,32 +147,39 @@ def test_qwen3_5_hub_layout_gives_the_same_bits(family_model, tmp_path):
         assert sampled_rows(one) == sampled_rows(other) and one.prompt_logprobs == other.prompt_logprobs
 
 
-def test_c_mixer_equals_torch_and_its_own_token_by_token(family_model):
-    """csrc/recurrent_mixers.c against the torch reference (gated_deltanet_span) on the test model's
-    first layer: within float rounding; and a span in one call = its tokens one call each, bit for bit."""
-    from coreserve.worker.cpu.kernels import gated_deltanet, load_cpu_kernels
+@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])
+def test_c_mixer_equals_torch_and_its_own_token_by_token(family, family_model):
+    """csrc/recurrent_mixers.c against the torch reference (gated_deltanet_span, mamba2_span) on the test
+    model's first layer: within float rounding; and a span in one call = its tokens one call each, bit for
+    bit (the conv state too)."""
+    from coreserve.worker.cpu.kernels import gated_deltanet, load_cpu_kernels, mamba2
     from coreserve.worker.models.gated_deltanet import LayerState
     from coreserve.worker.models.loader import load_model
     from coreserve.worker.models.ops import TorchOps
     from coreserve.worker.step.attention import StateSpan
 
-    model = load_model(family_model("qwen3_5"), torch.float32, torch.device("cpu"))
-    mixer = model.layers[0].linear_attn
+    model = load_model(family_model(family), torch.float32, torch.device("cpu"))
+    layer = model.layers[0]
+    mixer = layer.linear_attn or layer.mamba
+    is_mamba = layer.mamba is not None
+    c_mixer, torch_mixer = (mamba2, TorchOps().mamba2) if is_mamba else (gated_deltanet, TorchOps().gated_deltanet)
     lin = mixer.shape
+    recurrent = ((lin.num_heads, lin.head_dim, lin.state_size) if is_mamba
+                 else (lin.num_value_heads, lin.key_head_dim, lin.value_head_dim))
     torch.manual_seed(0)
     proj = torch.randn(23, mixer.in_proj.out_features)
 
     def states() -> LayerState:
-        return LayerState(torch.zeros(2, lin.conv_kernel - 1, lin.conv_dim),
-                          torch.zeros(2, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim))
+        return LayerState(torch.zeros(2, lin.conv_kernel - 1, lin.conv_dim), torch.zeros(2, *recurrent))
 
     kernels = load_cpu_kernels()
     whole_state, steps_state, torch_state = states(), states(), states()
-    whole = gated_deltanet(kernels, mixer, proj, whole_state, [StateSpan(0, 23, 1)])
-    steps = torch.cat([gated_deltanet(kernels, mixer, proj[t : t + 1].contiguous(), steps_state, [StateSpan(0, 1, 1)])
+    whole = c_mixer(kernels, mixer, proj, whole_state, [StateSpan(0, 23, 1)])
+    steps = torch.cat([c_mixer(kernels, mixer, proj[t : t + 1].contiguous(), steps_state, [StateSpan(0, 1, 1)])
                        for t in range(23)])
-    reference = TorchOps().gated_deltanet(mixer, proj, torch_state, [StateSpan(0, 23, 1)])
+    reference = torch_mixer(mixer, proj, torch_state, [StateSpan(0, 23, 1)])
     assert torch.equal(whole, steps) and torch.equal(whole_state.recurrent, steps_state.recurrent)
+    assert torch.equal(whole_state.conv, steps_state.conv) and torch.allclose(whole_state.conv, torch_state.conv)
     assert torch.allclose(whole, reference, atol=1e-5, rtol=1e-4)
     assert torch.allclose(whole_state.recurrent, torch_state.recurrent, atol=1e-5, rtol=1e-4)
     assert not whole_state.recurrent[0].any()  # the other slot untouched
@@ -272,3 +284,51 @@ def test_hybrid_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(fami
         fresh = llm.generate(prompts, GREEDY, use_tqdm=False)
     for one, other in zip(updated, fresh):
         assert sampled_rows(one) == sampled_rows(other) and one.prompt_logprobs == other.prompt_logprobs
+
+
+def test_granite_config_reading(family_model):
+    """Granite 4.0-H's config: the Mamba2 shapes (HF's defaults where absent), the four multipliers, the
+    shared MLP's width, NoPE, the hub's older layer names; what is not built refused by name."""
+    config = json.loads((Path(family_model("granitemoehybrid")) / "config.json").read_text())
+    args = DecoderArgs.from_hf_config(config)
+    mixer, attention = args.layers
+    assert (mixer.mixer, attention.mixer) == ("mamba2", "attention") and args.intermediate_size == 96
+    assert attention.attention.scale == 0.09 and attention.residual_multiplier == 0.6 and not args.is_llama_shaped
+    assert (args.embedding_multiplier, args.logits_scaling, args.rope.rope_type) == (3.0, 1.6, "none")
+    older = {k: v for k, v in config.items() if k != "layer_types"} | {"layers_block_type": ["mamba", "attention"]}
+    assert DecoderArgs.from_hf_config(older).layers == args.layers
+    assert DecoderArgs.from_hf_config({**config, "position_embedding_type": "rope"}).rope.rope_type == "default"
+    defaults = {k: v for k, v in config.items() if not k.startswith("mamba_")} | {"mamba_n_heads": 4}
+    assert DecoderArgs.from_hf_config(defaults).mamba.state_size == 256  # HF's d_state, head_dim 128 / 4
+    for change, message in [
+        ({"num_local_experts": 4}, r"GraniteMoeHybrid with experts \(num_local_experts > 0\) is not built yet"),
+        ({"num_local_experts": None}, "GraniteMoeHybrid with experts"),  # HF's default: 8
+        ({"mamba_n_groups": 3}, "not a multiple of mamba_n_groups"),
+        ({"mamba_d_head": 8}, "must equal mamba_expand"),
+        ({"mamba_d_state": 0}, "mamba_d_state"),
+        ({"time_step_limit": [0.0, 10.0]}, "time_step_limit"),
+        ({"position_embedding_type": "alibi"}, "position_embedding_type"),
+        ({"residual_multiplier": -1.0}, "residual_multiplier"),
+        ({"shared_intermediate_size": 0}, "shared_intermediate_size"),
+        ({"layer_types": None}, "no attention layer"),  # HF's default: every layer a mamba layer
+    ]:
+        with pytest.raises(ValueError, match=message):
+            DecoderArgs.from_hf_config({**config, **change})
+
+
+def test_granite_with_rope_and_the_hubs_layer_names_matches_hf(family_model, tmp_path):
+    """position_embedding_type "rope" (RoPE on the attention layers, as HF's) and the hub's `mamba` /
+    `attention` layer names: prompt and sample logprobs within 1e-4 of HF's on that folder."""
+    source = Path(family_model("granitemoehybrid"))
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (tmp_path / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    config |= {"position_embedding_type": "rope", "layer_types": ["mamba", "attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with LLM(str(tmp_path), multiprocess=False) as llm:
+        outputs = llm.generate(FAMILY_PROMPTS[:2], GREEDY, use_tqdm=False)
+    hf = load_hf(str(tmp_path))
+    tolerance = BF16_TOLERANCE if IS_BF16_MODE else HF_TOLERANCE
+    for output in outputs:
+        _assert_prompt_logprobs(output, hf_logprobs(hf, output.prompt_token_ids), tolerance)

@@ -25,7 +25,7 @@ import torch
 
 from coreserve.worker.backend import Backend
 from coreserve.worker.models.decoder import DecoderModel
-from coreserve.worker.models.family import SHORT_CONV
+from coreserve.worker.models.family import MAMBA2, SHORT_CONV
 from coreserve.worker.models.gated_deltanet import LayerState
 from coreserve.worker.speculative.proposers import Proposer
 
@@ -81,13 +81,18 @@ class KvMemory:
 
     def _states(self, num_slots: int, mixer: str) -> LayerState:
         """A recurrent layer's slots, unwritten (a slot is zeroed when taken): a Gated DeltaNet's conv and
-        recurrent states, a short conv's conv state."""
+        recurrent states, a short conv's conv state, a Mamba2's conv and SSM states."""
         a = self.model.args
         assert num_slots > 0, "a hybrid model needs state slots"
         device = self.caches_device
         if mixer == SHORT_CONV:
             assert a.short_conv is not None
             return LayerState(torch.empty(num_slots, a.short_conv.kernel - 1, a.hidden_size, device=device), None)
+        if mixer == MAMBA2:
+            m = a.mamba
+            assert m is not None
+            return LayerState(torch.empty(num_slots, m.conv_kernel - 1, m.conv_dim, device=device),
+                              torch.empty(num_slots, m.num_heads, m.head_dim, m.state_size, device=device))
         lin = a.linear
         assert lin is not None
         conv = torch.empty(num_slots, lin.conv_kernel - 1, lin.conv_dim, device=device)

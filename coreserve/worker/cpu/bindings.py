@@ -152,6 +152,12 @@ SIGNATURES: dict[str, Signature] = {
         ("num_key_heads", _I64), ("num_value_heads", _I64), ("key_head_dim", _I64), ("value_head_dim", _I64),
         ("kernel", _I64), ("scratch", _P), ("out", _P), ("num_threads", _I32),
     ),
+    "mamba2_span": _sig(
+        _INT, ("proj", _P), ("stride", _I64), ("num_tokens", _I64), ("conv_state", _P), ("ssm_state", _P),
+        ("taps", _P), ("conv_bias", _P), ("a_log", _P), ("dt_bias", _P), ("d", _P), ("norm_weight", _P),
+        ("eps", _F32), ("num_heads", _I64), ("head_dim", _I64), ("num_groups", _I64), ("state_size", _I64),
+        ("kernel", _I64), ("scratch", _P), ("out", _P), ("num_threads", _I32),
+    ),
 }
 
 
@@ -178,6 +184,7 @@ class CpuKernels:
     decode_forward: ctypes._CFuncPtr
     decode_forward_layout: ctypes._CFuncPtr
     gated_deltanet_span: ctypes._CFuncPtr
+    mamba2_span: ctypes._CFuncPtr
     has_bf16_dot: bool = False  # this CPU runs AVX512-BF16's dot instruction (asked at load)
     has_amx: bool = False  # this CPU runs AMX-BF16 and the kernel grants the tiles (asked at load)
 

@@ -267,3 +267,26 @@ def gated_deltanet(kernels: CpuKernels, mixer, proj: torch.Tensor, state, spans)
         if status != 0:
             raise RuntimeError(f"gated_deltanet_span refused the shapes {lin} (status {status})")
     return out
+
+
+def mamba2(kernels: CpuKernels, mixer, proj: torch.Tensor, state, spans) -> torch.Tensor:
+    """A Mamba2 layer's mixer (coreserve/worker/models/mamba2.py's module, its params fp32) over proj [T, width]
+    float32, one C call a sequence (`spans`: StateSpan), each from and to its state slot -> [T, inner]."""
+    assert proj.is_contiguous() and proj.dtype == torch.float32
+    m = mixer.shape
+    out = torch.empty(proj.shape[0], m.inner)
+    scratch = torch.empty(max((num for _, num, _ in spans), default=0), m.conv_dim)
+    taps = mixer.conv1d.weight.reshape(m.conv_dim, m.conv_kernel).t().contiguous()  # once a layer a step
+    tensors = (taps, mixer.A_log, mixer.dt_bias, mixer.D, mixer.norm.weight)
+    bias = mixer.conv1d.bias
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in (*tensors, *([bias] if bias is not None else [])))
+    taps_ptr, *params = [t.data_ptr() for t in tensors]
+    for first, num, slot in spans:
+        status = kernels.mamba2_span(
+            proj[first].data_ptr(), proj.shape[1], num, state.conv[slot].data_ptr(), state.recurrent[slot].data_ptr(),
+            taps_ptr, None if bias is None else bias.data_ptr(), *params, mixer.eps, m.num_heads, m.head_dim,
+            m.num_groups, m.state_size, m.conv_kernel, scratch.data_ptr(), out[first].data_ptr(), torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"mamba2_span refused the shapes {m} (status {status})")
+    return out

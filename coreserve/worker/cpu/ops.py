@@ -18,6 +18,7 @@ from coreserve.worker.cpu.bindings import CpuKernels
 from coreserve.worker.cpu.kernels import (
     decode_attention,
     gated_deltanet,
+    mamba2,
     rms_norm,
     rope_write_kv,
     sigmoid,
@@ -34,7 +35,7 @@ def _whole(partial: torch.Tensor) -> torch.Tensor:
     return partial  # one process holds the whole layer
 
 
-_TORCH = TorchOps()  # torch's rope_write_kv, for the partial rotary the C kernel does not do
+_TORCH = TorchOps()  # torch's rope_write_kv, for the partial rotary and NoPE the C kernel does not do
 
 
 class CpuOps:
@@ -63,9 +64,9 @@ class CpuOps:
         return linear(layer, x, self.kernels, self.is_batch_invariant, self.is_int8)
 
     def rope_write_kv(
-        self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
+        self, qkv: torch.Tensor, rope: Rope | None, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if rope[0].shape[-1] < shape.head_dim:  # partial rotary: torch's rotation, then the C attention
+        if rope is None or rope[0].shape[-1] < shape.head_dim:  # NoPE, partial rotary: torch's, then the C attention
             q, k, v = _TORCH.rope_write_kv(qkv, rope, slots, shape, cache)
             return q.contiguous(), k, v
         return rope_write_kv(self.kernels, qkv, *rope, slots, shape.num_heads, cache)  # one call
@@ -90,6 +91,12 @@ class CpuOps:
     ) -> torch.Tensor:
         """torch's: products and sums element by element, the same bits in any batch (short_conv.py)."""
         return short_conv(mixer, proj, state, spans)
+
+    def mamba2(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor:
+        """csrc/recurrent_mixers.c, a call a sequence: its numbers never depend on the others'."""
+        return mamba2(self.kernels, mixer, proj, state, spans)
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

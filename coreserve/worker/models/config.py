@@ -1,9 +1,9 @@
 """A Hugging Face config.json read into the model's arguments, for the families of
 coreserve/worker/models/family.py's table (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, dense Phi-3/Phi-4,
-Gemma 2 and 3, and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE): the model's shapes, and one
-frozen `LayerSpec` a layer (coreserve/worker/models/layer_spec.py), built here once; refused with a ValueError
-where config.json asks for math the engine does not do (engine-core process; the frontend reads
-nothing of it).
+Gemma 2 and 3, the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, and the hybrids Qwen3.5, LFM2 and
+Granite 4.0-H): the model's shapes, and one frozen `LayerSpec` a layer (coreserve/worker/models/layer_spec.py),
+built here once; refused with a ValueError where config.json asks for math the engine does not do
+(engine-core process; the frontend reads nothing of it).
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 from coreserve.worker.models.config_checks import check_config_numbers
 from coreserve.worker.models.family import (
+    FAMILIES,
     GATED_DELTANET,
     GELU_TANH,
+    MAMBA2,
     SHORT_CONV,
     SILU,
     Family,
@@ -25,9 +27,18 @@ from coreserve.worker.models.layer_spec import (
     global_rope_config,
     layer_kinds,
     layer_specs,
+    multiplier,
     rope_spec,
 )
-from coreserve.worker.models.rope import RopeSpec, long_rope_switch
+from coreserve.worker.models.recurrent_args import (
+    LinearAttentionArgs,
+    Mamba2Args,
+    ShortConvArgs,
+    linear_attention_args,
+    mamba2_args,
+    short_conv_args,
+)
+from coreserve.worker.models.rope import NO_ROPE, RopeSpec, long_rope_switch
 
 # Keys of other architectures that change the math; any of them set (not null, not 0/False/1) is refused
 # unless the family reads it (Family.allowed_keys).
@@ -63,41 +74,6 @@ class MoeArgs:
 
 
 @dataclass(frozen=True)
-class LinearAttentionArgs:
-    """A Gated DeltaNet layer's shapes (Qwen3.5's linear_* keys): a causal depthwise conv of
-    `conv_kernel` over q, k and v, then a gated delta-rule recurrence with a [key_head_dim,
-    value_head_dim] state per value head (coreserve/worker/models/gated_deltanet.py)."""
-
-    num_key_heads: int
-    num_value_heads: int  # a multiple of num_key_heads: each q/k head serves that many value heads
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int
-
-    @property
-    def conv_dim(self) -> int:  # q, k and v side by side, the conv's channels
-        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
-
-    @property
-    def state_bytes(self) -> int:
-        """One sequence's state in a layer, fp32: the conv's last conv_kernel - 1 inputs and the recurrence's."""
-        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim
-        return 4 * (self.conv_dim * (self.conv_kernel - 1) + recurrent)
-
-
-@dataclass(frozen=True)
-class ShortConvArgs:
-    """A short convolution layer's (LFM2's conv layers): in_proj's B, C and x, y = C * conv(B * x), a
-    depthwise causal conv of `kernel` over the hidden size (coreserve/worker/models/short_conv.py)."""
-
-    kernel: int  # conv_L_cache
-    has_bias: bool  # conv_bias: in_proj, the conv and out_proj have biases
-
-    def state_bytes(self, hidden_size: int) -> int:
-        return 4 * (self.kernel - 1) * hidden_size
-
-
-@dataclass(frozen=True)
 class DecoderArgs:
     vocab_size: int
     hidden_size: int
@@ -120,6 +96,9 @@ class DecoderArgs:
     moe: MoeArgs | None = None  # the mixtures of experts
     linear: LinearAttentionArgs | None = None  # the Gated DeltaNet layers' shapes (Qwen3.5)
     short_conv: ShortConvArgs | None = None  # the short convolution layers' (LFM2)
+    mamba: Mamba2Args | None = None  # the Mamba2 layers' (Granite 4.0-H)
+    embedding_multiplier: float | None = None  # Granite: the embedding times it (a Python float, as HF)
+    logits_scaling: float | None = None  # Granite: the logits divided by it
     # A vision-language folder's decoder tensors are under "model.language_model." (read as "model.");
     # tensors under skipped_prefixes (its vision tower, a multi-token-prediction head) are not this model's
     text_prefix: str = "model."
@@ -139,7 +118,8 @@ class DecoderArgs:
     def state_bytes_per_seq(self) -> int:
         """A running sequence's recurrent state over every recurrent layer (0: not a hybrid)."""
         per_layer = {GATED_DELTANET: self.linear.state_bytes if self.linear else 0,
-                     SHORT_CONV: self.short_conv.state_bytes(self.hidden_size) if self.short_conv else 0}
+                     SHORT_CONV: self.short_conv.state_bytes(self.hidden_size) if self.short_conv else 0,
+                     MAMBA2: self.mamba.state_bytes if self.mamba else 0}
         return sum(per_layer.get(spec.mixer, 0) for spec in self.layers)
 
     @property
@@ -149,7 +129,8 @@ class DecoderArgs:
         return (
             all(s.is_llama_shaped and s.rope == self.rope for s in self.layers)
             and self.embed_scale is None and self.final_softcap is None and not self.norm_offset
-            and self.moe is None and self.rope.head_dim == self.head_dim
+            and self.moe is None and self.rope.head_dim == self.head_dim and self.rope.rope_type != NO_ROPE
+            and self.embedding_multiplier is None and self.logits_scaling is None
         )
 
     @property
@@ -174,6 +155,8 @@ class DecoderArgs:
         max_positions = config.get("max_position_embeddings", 2048)
         attention_bias = family.reads_attention_bias and bool(config.get("attention_bias"))
         rope = rope_spec(global_rope_config(config, family), head_dim, max_positions)
+        if family.has_multipliers and config.get("position_embedding_type") != "rope":  # HF: RoPE only then
+            rope = RopeSpec(NO_ROPE, rope.theta, head_dim, max_positions)
         moe = moe_args(config, family)
         layers = layer_specs(config, family, rope, moe.dense_layers if moe else (), head_dim, max_positions)
         if all(spec.mixer != "attention" for spec in layers):
@@ -201,17 +184,29 @@ class DecoderArgs:
             embed_scale=config["hidden_size"] ** 0.5 if family.scales_embedding else None,
             final_softcap=config.get("final_logit_softcapping") if family.has_softcaps else None,
             moe=moe,
-            linear=_linear_args(config) if family.recurrent == GATED_DELTANET else None,
-            short_conv=_short_conv_args(config) if family.recurrent == SHORT_CONV else None,
+            linear=linear_attention_args(config) if family.recurrent == GATED_DELTANET else None,
+            short_conv=short_conv_args(config) if family.recurrent == SHORT_CONV else None,
+            mamba=mamba2_args(config) if family.recurrent == MAMBA2 else None,
+            embedding_multiplier=_multiplier(config, family, "embedding_multiplier"),
+            logits_scaling=_multiplier(config, family, "logits_scaling"),
             text_prefix="model.language_model." if family.nests_text_config else "model.",
             skipped_prefixes=("model.visual.", "mtp.") if family.recurrent == GATED_DELTANET else (),
         )
 
 
+def _multiplier(config: dict, family: Family, key: str) -> float | None:
+    """Granite's model-wide multiplier `key`; None: none (another family, or 1)."""
+    value = multiplier(config, key) if family.has_multipliers else 1.0
+    return None if value == 1 else value
+
+
 def _intermediate_size(config: dict, family: Family) -> int:
     """The MLP's width; LFM2's auto-adjusted one as HF computes it (2/3, times the multiplier, rounded up to
-    block_multiple_of)."""
-    size = config["intermediate_size"]
+    block_multiple_of); Granite's shared_mlp's (HF's default 1024)."""
+    size = config.get(family.mlp_width_key, 1024)
+    if family.mlp_width_key != "intermediate_size" and (isinstance(size, bool) or not isinstance(size, int)
+                                                        or not 1 <= size <= 1 << 20):
+        raise ValueError(f"{family.mlp_width_key}={size!r} must be an integer in 1..{1 << 20}")
     if not (family.adjusts_ff_dim and config.get("block_auto_adjust_ff_dim", True)):
         return size
     size = int(2 * size / 3)
@@ -228,35 +223,6 @@ def _intermediate_size(config: dict, family: Family) -> int:
     return size
 
 
-def _short_conv_args(config: dict) -> ShortConvArgs:
-    kernel = config.get("conv_L_cache", 3)
-    if isinstance(kernel, bool) or not isinstance(kernel, int) or not 2 <= kernel <= 64:
-        raise ValueError(f"conv_L_cache={kernel!r} must be an integer in 2..64")
-    return ShortConvArgs(kernel, bool(config.get("conv_bias", False)))
-
-
-# linear_* key -> its largest value: a state of value heads x key_head_dim x value_head_dim floats a sequence
-# and layer, and the C mixer's [value_head_dim] stack row, stay bounded (Qwen3.5: 16-64 heads of 128)
-_LINEAR_KEYS = {"linear_num_key_heads": 1024, "linear_num_value_heads": 1024, "linear_key_head_dim": 1024,
-                "linear_value_head_dim": 1024, "linear_conv_kernel_dim": 64}
-
-
-def _linear_args(config: dict) -> LinearAttentionArgs:
-    values = []
-    for key, bound in _LINEAR_KEYS.items():
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
-            raise ValueError(f"{key}={value!r} must be an integer in 1..{bound}")
-        values.append(value)
-    args = LinearAttentionArgs(*values)
-    if args.num_value_heads % args.num_key_heads:
-        raise ValueError(f"linear_num_value_heads={args.num_value_heads} is not a multiple of "
-                         f"linear_num_key_heads={args.num_key_heads}")
-    if args.conv_kernel < 2:
-        raise ValueError(f"linear_conv_kernel_dim={args.conv_kernel}: the conv needs a kernel of 2 or more")
-    return args
-
-
 def moe_args(config: dict, family: Family) -> MoeArgs | None:
     rule = family.moe
     if rule is None:
@@ -269,8 +235,11 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
         if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
             raise ValueError(f"mlp_only_layers={str(only)[:100]} must be a list of layer indices")
         dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts:
+        raise ValueError(f"{family.model_type}: a mixture needs num_experts (or num_local_experts) of 1 or more")
     return MoeArgs(
-        num_experts=_moe_number(config, "num_experts", "num_local_experts"),
+        num_experts=num_experts,
         top_k=_moe_number(config, "num_experts_per_tok"),
         intermediate_size=_moe_number(config, rule.width_key),
         norm_topk_prob=rule.always_renormalises or bool(config.get("norm_topk_prob", False)),
@@ -311,6 +280,13 @@ def _refuse_unsupported(config: dict, family: Family) -> None:
     if partial != 1.0 and not family.partial_rotary:
         raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is supported for Phi-3/4, "
                          "Qwen3.5 and Qwen3-Next only")
+    if family.dense_only_key is not None and config.get(family.dense_only_key, 8) != 0:  # HF's default: 8
+        architecture = next(a for a in config["architectures"] if FAMILIES.get(a) is family)
+        raise ValueError(f"{architecture.removesuffix('ForCausalLM')} with experts ({family.dense_only_key} > 0) "
+                         "is not built yet")
+    position = config.get("position_embedding_type")
+    if family.has_multipliers and position not in (None, "nope", "rope"):
+        raise ValueError(f"position_embedding_type={position!r} is not supported (\"rope\", or \"nope\" / null)")
     if family.refuses_use_sliding_window and config.get("use_sliding_window"):
         raise ValueError(f"{name} with use_sliding_window=true (per-layer windows) is not supported")
     layer_types = set(layer_kinds(config, family))

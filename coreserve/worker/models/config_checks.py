@@ -34,9 +34,11 @@ _OPTIONAL_INT_BOUNDS = {
     "moe_intermediate_size": 1 << 20,
     "decoder_sparse_step": 1 << 10,
 }
+_ZERO_MEANS_NONE = ("num_experts", "num_local_experts")  # 0: no experts (Granite 4.0-H's dense variant)
 _MAX_ROPE_ELEMENTS = 1 << 27  # max_position_embeddings x head_dim: each RoPE table's fp32 elements
 _POSITIVE_FLOATS = ("rope_theta", "attn_logit_softcapping", "final_logit_softcapping", "clip_qkv",
-                    "query_pre_attn_scalar", "rope_local_base_freq")
+                    "query_pre_attn_scalar", "rope_local_base_freq", "embedding_multiplier", "residual_multiplier",
+                    "attention_multiplier", "logits_scaling")
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")  # what the engine reads (a pad id of -1 is common and unread)
 _LAYER_PATTERNS = (re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\."), re.compile(r"^blk\.(\d+)\."))
 _SLACK_ELEMENTS = 1 << 20  # buffers a model holds beyond its checkpoint's tensors
@@ -55,7 +57,8 @@ def check_config_numbers(
         if config.get(key) is None:
             raise ValueError(f"the model's config has no {name(key)}")
     for key, bound in {**_INT_BOUNDS, **_OPTIONAL_INT_BOUNDS}.items():
-        if config.get(key) is not None:
+        is_none = key in _ZERO_MEANS_NONE and type(config.get(key)) is int and config[key] == 0
+        if config.get(key) is not None and not is_none:
             _check_int(config[key], name(key), bound)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads

@@ -1,7 +1,8 @@
 """The decoder over a paged KV cache for every family of coreserve/worker/models/family.py: one layer body
 that reads its layer's frozen spec (coreserve/worker/models/layer_spec.py: norms and their offset, the sandwich,
 q/k norms, attention's window, scale and soft-cap, its RoPE table, GeGLU or SwiGLU, experts from
-coreserve/worker/models/moe.py or a dense MLP), tied or untied embeddings (engine-core process).
+coreserve/worker/models/moe.py or a dense MLP, a recurrent mixer in place of attention, Granite's
+multipliers), tied or untied embeddings (engine-core process).
 
 The one statement of the model's math. Every op goes through `self.ops` (coreserve/worker/models/ops.py),
 chosen once outside the model: torch's, or the CPU backend's (fp32 activations, norms and KV cache
@@ -20,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from coreserve.worker.models.config import DecoderArgs
-from coreserve.worker.models.family import GATED_DELTANET, SHORT_CONV, SILU
+from coreserve.worker.models.family import GATED_DELTANET, MAMBA2, SHORT_CONV, SILU
 from coreserve.worker.models.gated_deltanet import GatedDeltaNet, LayerState
+from coreserve.worker.models.mamba2 import Mamba2
 from coreserve.worker.models.moe import SparseMoe
 from coreserve.worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
-from coreserve.worker.models.rope import RopeSpec, cos_sin_tables, long_rows_start
+from coreserve.worker.models.rope import Rotary
 from coreserve.worker.models.short_conv import ShortConv
 from coreserve.worker.step.attention import AttentionMetadata
 
@@ -78,40 +80,10 @@ class ModelWeights(NamedTuple):
     lm_head_bias: torch.Tensor | None = None
 
 
-class Rotary(nn.Module):
-    """HF's cos and sin tables [max_positions, D] repeat their first half ([freqs, freqs]), so only that
-    half is kept: 1 MiB each, not 2, for 8192 positions of D 64 (issue 25's memory at load). LongRoPE's
-    have a row per position of its long factors after the short ones' (from `long_rows_start`)."""
-
-    def __init__(self, spec: RopeSpec) -> None:
-        super().__init__()
-        self.long_rows_start = long_rows_start(spec, spec.max_position_embeddings)
-        # On the CPU even within a meta-device model (the loader's): meta arithmetic first imports
-        # torch._dynamo (seconds); the loader keeps these tables and moves them to the model's device.
-        with torch.device("cpu"):
-            cos, sin = cos_sin_tables(spec, spec.max_position_embeddings)  # [rows, head_dim]
-            half = cos.shape[-1] // 2
-            # The full width is computed as HF computes it; its halves are the same values.
-            if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
-                raise RuntimeError("RoPE tables whose halves differ: half-width tables would change the bits")
-            cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
-        self.register_buffer("cos", cos, persistent=False)  # [rows, D / 2]
-        self.register_buffer("sin", sin, persistent=False)
-
-    def tables(self, rope_rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [T, 1, D] of this step's rows (StepInputs.rope_rows), looked up once
-        for all layers: [cos, cos] and rotate_half's minus folded in, [-sin, sin]."""
-        cos, sin = self.cos[rope_rows].unsqueeze(1), self.sin[rope_rows].unsqueeze(1)
-        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        if cos.dtype == dtype:
-            return cos, signed_sin
-        return cos.to(dtype), signed_sin.to(dtype)
-
-
 class DecoderLayer(nn.Module):
     """One body for every family: what differs (norms and their offset, the sandwich, q/k norms,
-    attention's window, scale and soft-cap, GeGLU or SwiGLU, experts or dense) is read from the
-    layer's frozen spec (coreserve/worker/models/layer_spec.py)."""
+    attention's window, scale and soft-cap, GeGLU or SwiGLU, experts or dense, a recurrent mixer, Granite's
+    residual multiplier) is read from the layer's frozen spec (coreserve/worker/models/layer_spec.py)."""
 
     def __init__(self, args: DecoderArgs, index: int = 0) -> None:
         super().__init__()
@@ -123,10 +95,11 @@ class DecoderLayer(nn.Module):
         if spec.has_sandwich_norms:  # post_attention_layernorm is then on the attention's output
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
-        # A recurrent mixer in place of attention (Qwen3.5's linear_attention layers, LFM2's conv layers): no
-        # q/k/v, no KV cache, a state slot a sequence
+        # A recurrent mixer in place of attention (Qwen3.5's linear_attention layers, LFM2's conv layers,
+        # Granite's mamba layers): no q/k/v, no KV cache, a state slot a sequence
         self.linear_attn = GatedDeltaNet(args) if spec.mixer == GATED_DELTANET else None
         self.conv = ShortConv(args) if spec.mixer == SHORT_CONV else None
+        self.mamba = Mamba2(args) if spec.mixer == MAMBA2 else None
         self.moe = SparseMoe(args) if spec.is_moe else None
         self.routed: torch.Tensor | None = None  # a mixture's last step: each token's experts [T, top_k]
         if self.moe is None:
@@ -151,21 +124,18 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(self.kv_size, eps, spec.norm_offset)
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, cache: torch.Tensor | LayerState, meta: AttentionMetadata,
+        self, x: torch.Tensor, rope: Rope | None, cache: torch.Tensor | LayerState, meta: AttentionMetadata,
         ops: ModelOps,
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; this step's K and V written to `cache` (a recurrent layer's
         cache: its state slots, each sequence's advanced by its tokens)."""
         spec, normed = self.spec, ops.rms_norm(self.input_layernorm, x)
-        if self.linear_attn is not None:
-            mixed = ops.gated_deltanet(self.linear_attn, ops.linear(self.linear_attn.in_proj, normed), cache,
-                                       meta.state_spans)
-            attn_out = ops.linear(self.linear_attn.out_proj, mixed)
-        elif self.conv is not None:
-            mixed = ops.short_conv(self.conv, ops.linear(self.conv.in_proj, normed), cache, meta.state_spans)
-            attn_out = ops.linear(self.conv.out_proj, mixed)
-        else:
+        if spec.mixer == "attention":
             attn_out = ops.sum_over_ranks(self._attention(normed, rope, cache, meta, ops))
+        else:
+            attn_out = self._recurrent(normed, cache, meta, ops)
+        if spec.residual_multiplier is not None:  # Granite: residual + out * multiplier, as HF
+            attn_out = attn_out * spec.residual_multiplier
         pre_mlp_norm = self.post_attention_layernorm
         if spec.has_sandwich_norms:
             attn_out = ops.rms_norm(self.post_attention_layernorm, attn_out)
@@ -174,10 +144,22 @@ class DecoderLayer(nn.Module):
         mlp_out = ops.sum_over_ranks(self._mlp(normed, ops))
         if spec.has_sandwich_norms:
             mlp_out = ops.rms_norm(self.post_feedforward_layernorm, mlp_out)
+        if spec.residual_multiplier is not None:
+            mlp_out = mlp_out * spec.residual_multiplier
         return x + mlp_out
 
+    def _recurrent(
+        self, normed: torch.Tensor, cache: LayerState, meta: AttentionMetadata, ops: ModelOps
+    ) -> torch.Tensor:
+        """normed [T, hidden] -> in_proj, the mixer over each sequence of the step from its state slot,
+        out_proj: [T, hidden]."""
+        mixer = self.linear_attn or self.conv or self.mamba
+        mix = {GATED_DELTANET: ops.gated_deltanet, SHORT_CONV: ops.short_conv, MAMBA2: ops.mamba2}[self.spec.mixer]
+        return ops.linear(mixer.out_proj, mix(mixer, ops.linear(mixer.in_proj, normed), cache, meta.state_spans))
+
     def _attention(
-        self, normed: torch.Tensor, rope: Rope, cache: torch.Tensor, meta: AttentionMetadata, ops: ModelOps
+        self, normed: torch.Tensor, rope: Rope | None, cache: torch.Tensor, meta: AttentionMetadata,
+        ops: ModelOps,
     ) -> torch.Tensor:
         """normed [T, hidden] -> this rank's partial attention output [T, hidden]."""
         spec, num_tokens = self.spec, normed.shape[0]
@@ -265,6 +247,8 @@ class DecoderModel(nn.Module):
         it as progress)."""
         ops, embed_scale = self.ops, self.args.embed_scale
         x = ops.embed(self.embed_tokens, input_ids)
+        if self.args.embedding_multiplier is not None:  # Granite: a Python float, as HF multiplies
+            x = x * self.args.embedding_multiplier
         if embed_scale is not None:  # HF's normalizer: sqrt(hidden) rounded to the weights' dtype; a table
             table = self.embed_tokens.weight  # kept in GGUF blocks is uint8 storage: its values are x's dtype
             dtype = table.dtype if table.is_floating_point() else x.dtype
@@ -295,7 +279,10 @@ class DecoderModel(nn.Module):
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, hidden] -> logits [R, vocab] float32 (Gemma 2: soft-capped, cap tanh(logit / cap))."""
-        logits = self.ops.linear(self.lm_head, hidden).float()
-        cap = self.args.final_softcap
+        """hidden: [R, hidden] -> logits [R, vocab] float32 (Gemma 2: soft-capped, cap tanh(logit / cap); Granite:
+        divided by logits_scaling in the logits' dtype, as HF)."""
+        logits = self.ops.linear(self.lm_head, hidden)
+        if self.args.logits_scaling is not None:
+            logits = logits.div_(self.args.logits_scaling)  # in place: no [R, vocab] copy
+        logits, cap = logits.float(), self.args.final_softcap
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)  # in place: no [R, vocab] copies

@@ -1,7 +1,8 @@
 """The families this engine runs, one table entry each: what a family's config.json means beyond
-Llama's (biases, q/k norms, windows, Gemma's norms and soft-caps, experts), as rules that
-coreserve/worker/models/layer_spec.py and config.py read (engine-core process). The only place a family is
-named: a new family is an entry here, its weight names in the loaders, and its tests.
+Llama's (biases, q/k norms, windows, Gemma's norms and soft-caps, experts, recurrent mixers, Granite's
+multipliers), as rules that coreserve/worker/models/layer_spec.py and config.py read (engine-core process).
+The only place a family is named: a new family is an entry here, its weight names in the loaders, and its
+tests.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ SILU, GELU_TANH = "silu", "gelu_pytorch_tanh"  # the gated MLP's activation: Swi
 FULL, SLIDING = "full_attention", "sliding_attention"  # config.json's layer_types
 LINEAR = "linear_attention"  # a Gated DeltaNet layer (Qwen3.5): a recurrent state, no KV cache
 CONV = "conv"  # a short convolution layer (LFM2): a conv state, no KV cache
-GATED_DELTANET, SHORT_CONV = "gated_deltanet", "short_conv"  # LayerSpec.mixer of those ("attention" else)
+# LayerSpec.mixer of those ("attention" else); MAMBA2: Granite 4.0-H's LINEAR layers
+GATED_DELTANET, SHORT_CONV, MAMBA2 = "gated_deltanet", "short_conv", "mamba2"
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,20 @@ class Family:
     has_local_rope_base: bool = False  # rope_local_base_freq: the sliding layers' own RoPE (Gemma 3)
     ties_by_default: bool = False  # tie_word_embeddings when config.json leaves it out
     moe: MoeRule | None = None
-    recurrent: str | None = None  # the mixer of layer_types' `recurrent_layer` layers: GATED_DELTANET, SHORT_CONV
+    recurrent: str | None = None  # the mixer of layer_types' `recurrent_layer` layers (GATED_DELTANET, ...)
     recurrent_layer: str = LINEAR  # the layer kind (layer_types' name) that is the recurrent mixer
+    is_recurrent_by_default: bool = False  # no layer_types: every layer recurrent (Granite's HF default)
+    kind_aliases: tuple[tuple[str, str], ...] = ()  # (older layer_types name, HF's): Granite's mamba, attention
     eps_key: str = "rms_norm_eps"  # the config key of the RMSNorms' epsilon (LFM2: norm_eps)
     adjusts_ff_dim: bool = False  # LFM2's block_auto_adjust_ff_dim: the MLP is 2/3 of intermediate_size, rounded
     key_aliases: tuple[tuple[str, str], ...] = ()  # (older key, HF's key): the older one wins where given, as in HF
     has_output_gate: bool = False  # attention's output times sigmoid(gate), gate beside q in q_proj (Qwen3.5)
     nests_text_config: bool = False  # config.json's text_config holds the decoder (a vision-language folder)
+    # Granite: embedding_multiplier, residual_multiplier, attention_multiplier (the attention's scale) and
+    # logits_scaling (HF's defaults 1); position_embedding_type (RoPE only where "rope")
+    has_multipliers: bool = False
+    mlp_width_key: str = "intermediate_size"  # the dense MLP's width (Granite: shared_intermediate_size)
+    dense_only_key: str | None = None  # experts under this key (HF's default 8 where absent) not built yet
 
     @property
     def allowed_keys(self) -> frozenset[str]:
@@ -66,6 +75,8 @@ class Family:
             keys.add("shared_expert_intermediate_size")
         if self.has_softcaps:
             keys |= {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"}
+        if self.has_multipliers:
+            keys |= {"embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"}
         return frozenset(keys)
 
 
@@ -112,6 +123,14 @@ FAMILIES = {
         "lfm2", qk_norm="head", layer_types=frozenset({FULL, CONV}), recurrent=SHORT_CONV, recurrent_layer=CONV,
         eps_key="norm_eps", adjusts_ff_dim=True, ties_by_default=True,
         key_aliases=(("block_ff_dim", "intermediate_size"), ("tie_embedding", "tie_word_embeddings")),
+    ),
+    # Granite 4.0-H (dense: 350M, 1B, micro): Mamba2 mixers beside a few attention layers, a SwiGLU shared_mlp
+    # in every layer, four scalar multipliers, NoPE or RoPE; the mixtures (num_local_experts > 0) refused
+    "GraniteMoeHybridForCausalLM": Family(
+        "granitemoehybrid", reads_attention_bias=True, layer_types=frozenset({FULL, LINEAR}), recurrent=MAMBA2,
+        is_recurrent_by_default=True, kind_aliases=(("mamba", LINEAR), ("attention", FULL)),
+        key_aliases=(("layers_block_type", "layer_types"),), has_multipliers=True,
+        mlp_width_key="shared_intermediate_size", dense_only_key="num_local_experts",
     ),
 }
 

@@ -24,7 +24,9 @@ class LayerState(NamedTuple):
     """A recurrent layer's state cache, a slot a running sequence, fp32."""
 
     conv: torch.Tensor  # [slots, conv_kernel - 1, conv_dim], the last inputs, oldest first
-    recurrent: torch.Tensor | None  # [slots, value heads, key_head_dim, value_head_dim]; None: a short conv's
+    # [slots, value heads, key_head_dim, value_head_dim] (Mamba2's: [slots, heads, head_dim, d_state]); None:
+    # a short conv's
+    recurrent: torch.Tensor | None
 
 
 class GatedDeltaNet(nn.Module):

@@ -6,8 +6,9 @@ GGUF names the architecture (`general.architecture`) and keeps its numbers under
 MistralForCausalLM as transformers makes it; with experts, Mixtral), `qwen2`, `qwen3`, `qwen3moe`, `olmoe`,
 `phi3` (LongRoPE's factors are tensors in the file), `gemma2`, `gemma3`, `qwen35` (Qwen3.5: its Gated
 DeltaNet's keys read in coreserve/worker/models/gguf_recurrent.py; the layers of a multi-token-prediction
-head, `nextn_predict_layers` blocks past the model's, are not the model's) and `lfm2` (LFM2: its conv layers
-marked by a KV head count of 0, read there too). What llama.cpp leaves out of the metadata, it fixes in its
+head, `nextn_predict_layers` blocks past the model's, are not the model's), `lfm2` (LFM2: its conv layers
+marked by a KV head count of 0, read there too) and `granitehybrid` (Granite 4.0-H: its Mamba2 layers marked
+so too, its multipliers and NoPE, read there). What llama.cpp leaves out of the metadata, it fixes in its
 code, and so here: Qwen3-MoE and Mixtral renormalise the top-k, OLMoE does not; Gemma's query scale is the
 head size's except for the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden / heads); Gemma 2
 alternates local and global layers, Gemma 3 has 5 local to 1 global with a local RoPE base of 10000
@@ -21,7 +22,12 @@ from dataclasses import dataclass
 
 from coreserve.protocol.gguf_header import GGUFHeader
 from coreserve.worker.models.config_checks import check_config_numbers
-from coreserve.worker.models.gguf_recurrent import attention_kv_heads, linear_attention_keys, short_conv_keys
+from coreserve.worker.models.gguf_recurrent import (
+    attention_kv_heads,
+    linear_attention_keys,
+    mamba2_keys,
+    short_conv_keys,
+)
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,10 @@ class GgufArch:
     big_query_scale_layers: int | None = None  # the layer count whose query scale is hidden / heads (27B)
     has_local_layers: bool = False  # gemma3.attention.sliding_window_pattern and rope.freq_base_swa
     has_linear_attention: bool = False  # Gated DeltaNet layers (ssm.* keys) beside partial-rotary attention
+    has_shared_expert: bool = False  # expert_shared_feed_forward_length: a gated shared expert's width (Qwen3-Next)
     tiles_value_heads: bool = False  # their value heads tiled, not grouped by key head (Qwen3.5: gguf_recurrent.py)
     has_short_conv: bool = False  # LFM2's conv layers: head_count_kv one a layer, 0 for a conv layer
+    has_mamba2: bool = False  # Granite 4.0-H's Mamba2 layers (ssm.* keys), marked as LFM2's conv layers
 
 
 _GEMMA = dict(activation="gelu_pytorch_tanh", norms_plus_one=True)
@@ -68,8 +76,13 @@ GGUF_ARCHS = {
     # Qwen3.5's layers over experts and a shared expert; its b/a projection (ssm_ba) grouped as HF's in_proj_ba
     "qwen3next": GgufArch(
         "Qwen3NextForCausalLM", "qwen3_next", norms_plus_one=True, has_linear_attention=True, has_dense_layers=True,
+        has_shared_expert=True,
     ),
     "lfm2": GgufArch("Lfm2ForCausalLM", "lfm2", has_short_conv=True),
+    # q/k rows interleaved as llama's (the converter permutes them, RoPE or not)
+    "granitehybrid": GgufArch(
+        "GraniteMoeHybridForCausalLM", "granitemoehybrid", interleaved_qk=True, has_mamba2=True,
+    ),
 }
 # `<arch>.KEY` -> config.json key
 _KEYS = {
@@ -87,7 +100,6 @@ _KEYS = {
     "expert_count": "num_experts",
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
-    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
     "attention.clamp_kqv": "clip_qkv",
@@ -132,7 +144,7 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     if "vocab_size" not in config:  # older files: one embedding row per token
         config["vocab_size"] = len(meta.get("tokenizer.ggml.tokens", []))
     rules = GGUF_ARCHS[arch]
-    if rules.has_short_conv:  # head_count_kv one a layer, 0 for a conv layer: the attention layers' count
+    if rules.has_short_conv or rules.has_mamba2:  # head_count_kv one a layer, 0 for a recurrent layer
         config["num_key_value_heads"] = attention_kv_heads(header, arch)
     architecture, model_type = _hf_architecture(rules, meta, bool(config.get("num_experts")))
     has_bias = any(name.endswith(".attn_q.bias") for name in names)  # a hybrid's layer 0 has no attention
@@ -193,10 +205,14 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
     if rules.has_local_layers:
         keys["sliding_window_pattern"] = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6))
         keys["rope_local_base_freq"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    if rules.has_shared_expert:  # checked as config.json's key is (coreserve/worker/models/config.py)
+        keys["shared_expert_intermediate_size"] = meta.get(f"{arch}.expert_shared_feed_forward_length")
     if rules.has_linear_attention:
         keys.update(linear_attention_keys(header, arch, config))
     if rules.has_short_conv:
         keys.update(short_conv_keys(header, arch, config))
+    if rules.has_mamba2:
+        keys.update(mamba2_keys(header, arch, config))
     return keys
 
 

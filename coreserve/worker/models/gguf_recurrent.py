@@ -16,6 +16,13 @@ llama.cpp marks LFM2's conv layers by a KV head count of 0 in `attention.head_co
 as `shortconv.l_cache` (conv_L_cache), squeezes the conv's kernel to [hidden, kernel] as Qwen3.5's conv1d, and
 writes as `feed_forward_length` the MLP's real width, already auto-adjusted (so block_auto_adjust_ff_dim is
 false).
+
+Granite 4.0-H's Mamba2 layers (`granitehybrid`) are marked as LFM2's conv layers; the `ssm.*` keys give the
+mamba_* keys (`time_step_rank` the heads, `inner_size` their width, `group_count`, `state_size`,
+`conv_kernel`); `ssm_a` is -exp(A_log) [heads, 1], `ssm_d` D [heads, 1], `ssm_norm` the gated norm's weight
+[groups, inner / groups] (read back as vectors), `ssm_dt.bias` dt_bias; the multipliers are `attention.scale`,
+`embedding_scale`, `residual_scale` and `logit_scale`; the shared MLP's width `expert_shared_feed_forward_length`
+(`feed_forward_length` is the experts'); RoPE only where `rope.scaling.finetuned` (llama.cpp's NoPE switch).
 """
 
 from __future__ import annotations
@@ -44,6 +51,13 @@ LINEAR_ATTENTION_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_
 SHORT_CONV_NAMES = {
     "shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv", "shortconv.out_proj": "conv.out_proj",
 }
+# Granite 4.0-H's Mamba2: GGUF module -> the HF name under model.layers.N, and its whole parameters
+MAMBA2_NAMES = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm",
+                "ssm_out": "mamba.out_proj"}
+MAMBA2_PARAMS = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias"}
+# GGUF keys of Granite's multipliers -> config.json's
+_MULTIPLIERS = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 _MAX_KV_HEADS = 1 << 10
 
 
@@ -57,13 +71,8 @@ class LinearShapes(NamedTuple):
 
 def linear_shapes(header: GGUFHeader, arch: str) -> LinearShapes:
     """The Gated DeltaNet's shapes from the metadata, each checked to be a positive integer."""
-    meta = header.metadata
-
     def number(key: str) -> int:
-        value = meta.get(f"{arch}.{key}")
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 24:
-            raise ValueError(f"{header.path}: GGUF key {arch}.{key}={value!r} must be a positive integer")
-        return value
+        return _positive_int(header, f"{arch}.{key}")
 
     num_value_heads, value_width = number("ssm.time_step_rank"), number("ssm.inner_size")
     if value_width % num_value_heads:
@@ -71,6 +80,13 @@ def linear_shapes(header: GGUFHeader, arch: str) -> LinearShapes:
                          f"{arch}.ssm.time_step_rank={num_value_heads} value heads")
     return LinearShapes(number("ssm.group_count"), num_value_heads, number("ssm.state_size"),
                         value_width // num_value_heads, number("ssm.conv_kernel"))
+
+
+def _positive_int(header: GGUFHeader, key: str) -> int:
+    value = header.metadata.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 24:
+        raise ValueError(f"{header.path}: GGUF key {key}={value!r} must be a positive integer")
+    return value
 
 
 def linear_attention_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
@@ -215,3 +231,34 @@ def _kv_head_counts(header: GGUFHeader, arch: str) -> list[int]:
         raise ValueError(f"{header.path}: GGUF key {key}={value!r} must be a KV head count in 0..{_MAX_KV_HEADS}, "
                          "or one a layer")
     return [int(v) for v in values]
+
+
+def mamba2_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
+    """Granite 4.0-H's config.json keys beside the common ones (`config`: those read and checked so far):
+    layer_types, the mamba_* keys (their sizes checked again by the config's reader), the biases (from the
+    tensors), shared_intermediate_size, num_local_experts, the multipliers and position_embedding_type."""
+    meta, names, hidden = header.metadata, {t.name for t in header.tensors}, config["hidden_size"]
+    counts = _kv_head_counts(header, arch)
+    if len(counts) != config["num_hidden_layers"]:
+        raise ValueError(f"{header.path}: GGUF key {arch}.attention.head_count_kv holds {len(counts)} counts for "
+                         f"{config['num_hidden_layers']} layers ({arch}.block_count)")
+
+    def number(key: str) -> int:
+        return _positive_int(header, f"{arch}.ssm.{key}")
+
+    heads, inner = number("time_step_rank"), number("inner_size")
+    if inner % heads or inner % hidden:
+        raise ValueError(f"{header.path}: GGUF key {arch}.ssm.inner_size={inner} must be a multiple of "
+                         f"{arch}.ssm.time_step_rank={heads} and of the hidden size {hidden}")
+    keys = dict(
+        layer_types=[FULL if count else LINEAR for count in counts], mamba_n_heads=heads,
+        mamba_d_head=inner // heads, mamba_expand=inner // hidden, mamba_n_groups=number("group_count"),
+        mamba_d_state=number("state_size"), mamba_d_conv=number("conv_kernel"),
+        mamba_conv_bias=any(name.endswith(".ssm_conv1d.bias") for name in names),
+        mamba_proj_bias=any(name.endswith(".ssm_in.bias") for name in names),
+        shared_intermediate_size=meta.get(f"{arch}.expert_shared_feed_forward_length", config["intermediate_size"]),
+        num_local_experts=config.get("num_experts") or 0,
+        position_embedding_type="rope" if meta.get(f"{arch}.rope.scaling.finetuned") else "nope",
+    )
+    keys.update({key: meta[f"{arch}.{name}"] for name, key in _MULTIPLIERS.items() if f"{arch}.{name}" in meta})
+    return keys

@@ -11,7 +11,8 @@ transformers does. A `qwen35` file's Gated DeltaNet tensors are read back into H
 coreserve/worker/models/gguf_recurrent.py says; a multi-token-prediction head's blocks (the last
 `nextn_predict_layers`) are named `mtp.blk.N...`: like a folder's `mtp.` tensors, not the model's. An `lfm2`
 file's tensors get LFM2's own HF names (`conv.in_proj`, `feed_forward.w1`, `model.embedding_norm`, ...), its
-conv kernel back to nn.Conv1d's [hidden, 1, kernel].
+conv kernel back to nn.Conv1d's [hidden, 1, kernel]. A `granitehybrid` file's Mamba2 tensors get Granite's HF
+names (`mamba.in_proj`, `mamba.A_log`, ...), the vectors llama.cpp stored as matrices read back as vectors.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from coreserve.worker.models.gguf_config import GGUF_ARCHS, gguf_architecture, n
 from coreserve.worker.models.gguf_recurrent import (
     LINEAR_ATTENTION_NAMES,
     LINEAR_ATTENTION_PARAMS,
+    MAMBA2_NAMES,
+    MAMBA2_PARAMS,
     SHORT_CONV_NAMES,
     LinearShapes,
     TiledHeads,
     a_log_from_ssm_a,
+    attention_kv_heads,
     linear_shapes,
     tiled_heads,
 )
@@ -75,9 +79,14 @@ _ARCH_LAYER = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "qwen35": LINEAR_ATTENTION_NAMES,  # attn_qkv and attn_gate: the Gated DeltaNet's in_proj_qkv, in_proj_z
     "lfm2": _LFM2_LAYER,
+    "granitehybrid": MAMBA2_NAMES,
     "qwen3next": _QWEN3NEXT_LAYER,
 }
-_ARCH_PARAMS = {"qwen35": LINEAR_ATTENTION_PARAMS, "qwen3next": LINEAR_ATTENTION_PARAMS}  # names after `blk.N.` that are whole HF parameters
+# names after `blk.N.` that are whole HF parameters
+_ARCH_PARAMS = {
+    "qwen35": LINEAR_ATTENTION_PARAMS, "qwen3next": LINEAR_ATTENTION_PARAMS, "granitehybrid": MAMBA2_PARAMS,
+}
+_AS_VECTORS = ("ssm_a", "ssm_d", "ssm_norm")  # Mamba2's [heads, 1] and [groups, inner / groups]: HF's vectors
 _PLAIN_NORMS = ("ssm_norm",)  # a norms_plus_one architecture's norms stored as they are
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE: config
@@ -102,7 +111,10 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
     arch = gguf_architecture(header)
     meta, heads = header.metadata, {}
     if GGUF_ARCHS[arch].interleaved_qk:  # the heads whose q/k rows llama.cpp permuted (a count for all layers)
-        heads = {"attn_q": meta.get(f"{arch}.attention.head_count"), "attn_k": meta.get(f"{arch}.attention.head_count_kv")}
+        kv_heads = meta.get(f"{arch}.attention.head_count_kv")
+        if not isinstance(kv_heads, int | None):  # one a layer (0: a recurrent layer's): the attention layers'
+            kv_heads = attention_kv_heads(header, arch)
+        heads = {"attn_q": meta.get(f"{arch}.attention.head_count"), "attn_k": kv_heads}
         heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
     shapes = linear_shapes(header, arch) if GGUF_ARCHS[arch].tiles_value_heads else None
     first_draft = _first_draft_block(header)
@@ -152,6 +164,8 @@ def _entry(info: GGUFTensorInfo, path: str, arch: str, names: tuple[str, str | N
     shape = tuple(reversed(info.dims))
     if module in ("ssm_conv1d", "shortconv.conv") and len(shape) == 2:  # llama.cpp squeezed [channels, 1, kernel]
         shape = (shape[0], 1, shape[1])
+    if module in _AS_VECTORS and len(shape) == 2:
+        shape = (shape[0] * shape[1],)
     tiled = tiled_heads(module, shapes) if shapes is not None and module is not None else None
     return GGUFEntry(name, info, path, shape, info.num_bytes, interleaved, minus_one, tiled, module == "ssm_a")
 

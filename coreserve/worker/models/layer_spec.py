@@ -23,8 +23,9 @@ class LayerSpec:
     clip_qkv: float | None  # q, k and v clamped to [-clip, clip] after the norms; None: not clamped
     activation: str  # the gated MLP's: SILU (SwiGLU) or GELU_TANH (GeGLU)
     is_moe: bool  # the MLP is a mixture of experts (DecoderArgs.moe), else dense
-    mixer: str = "attention"  # or GATED_DELTANET: a recurrent mixer (DecoderArgs.linear), no KV cache
+    mixer: str = "attention"  # or GATED_DELTANET, SHORT_CONV, MAMBA2: a recurrent mixer, no KV cache
     has_output_gate: bool = False  # attention's output times sigmoid(gate) before o_proj (Qwen3.5)
+    residual_multiplier: float | None = None  # Granite: residual + out * multiplier, the mixer's and the MLP's
 
     @property
     def is_llama_shaped(self) -> bool:
@@ -33,7 +34,7 @@ class LayerSpec:
             self.attention.scale is None and self.attention.softcap is None and not self.norm_offset
             and not self.has_sandwich_norms and self.qk_norm in (None, "head") and self.clip_qkv is None
             and self.activation == SILU and not self.is_moe and self.mixer == "attention"
-            and not self.has_output_gate
+            and not self.has_output_gate and self.residual_multiplier is None
         )
 
 
@@ -48,6 +49,9 @@ def layer_specs(
     if family.has_softcaps:
         scale = float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5
         softcap = config.get("attn_logit_softcapping")
+    residual = None
+    if family.has_multipliers:  # HF's default 1: a scale of 1, not head_dim ** -0.5
+        scale, residual = multiplier(config, "attention_multiplier"), multiplier(config, "residual_multiplier")
     clip = (config.get("clip_qkv") or None) if family.has_clip_qkv else None
     kinds = layer_kinds(config, family)
     return tuple(
@@ -62,16 +66,28 @@ def layer_specs(
             is_moe=family.moe is not None and i not in dense_layers,
             mixer=family.recurrent if family.recurrent and kinds[i] == family.recurrent_layer else "attention",
             has_output_gate=family.has_output_gate,
+            residual_multiplier=None if residual == 1 else residual,
         )
         for i, window in enumerate(windows)
     )
 
 
+def multiplier(config: dict, key: str) -> float:
+    """Granite's multiplier `key`, HF's default 1 where absent or null (checked positive: config_checks.py)."""
+    value = config.get(key)
+    return 1.0 if value is None else float(value)
+
+
 def layer_kinds(config: dict, family: Family) -> list[str]:
-    """Each layer's kind as config.json's layer_types names it; a hybrid config without the list: a
-    full-attention layer every full_attention_interval (HF's default 4), the rest LINEAR."""
+    """Each layer's kind as config.json's layer_types names it (older names as HF's: Granite's mamba); a hybrid
+    config without the list: a full-attention layer every full_attention_interval (HF's default 4), the rest
+    LINEAR, or every layer recurrent where that is the family's default."""
     num_layers = config["num_hidden_layers"]
     kinds = config.get("layer_types")
+    if isinstance(kinds, list) and family.kind_aliases:
+        kinds = [dict(family.kind_aliases).get(kind, kind) if isinstance(kind, str) else kind for kind in kinds]
+    if kinds is None and family.is_recurrent_by_default:
+        return [family.recurrent_layer] * num_layers
     attention_layers = config.get("full_attn_idxs")  # LFM2's older configs: its attention layers' indices
     if kinds is None and family.recurrent == SHORT_CONV and attention_layers is None:
         attention_layers = list(range(num_layers))  # HF's LFM2 without either list: every layer attention

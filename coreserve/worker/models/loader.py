@@ -240,14 +240,17 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
         "mlp.up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
         "feed_forward.w1": ("gate_up_proj", slice(0, inter)),  # LFM2's
         "feed_forward.w3": ("gate_up_proj", slice(inter, 2 * inter)),
-        # Phi-3's checkpoints hold them fused already, in the same order (q, k, v; gate, up)
+        # Phi-3's checkpoints hold them fused already, in the same order (q, k, v; gate, up), Granite's MLP too
         "self_attn.qkv_proj": ("qkv_proj", None),
         "mlp.gate_up_proj": ("gate_up_proj", None),
+        "shared_mlp.input_linear": ("gate_up_proj", None),
     }
     module, kind = rest.rsplit(".", 1)
     if args.linear is not None and module.split(".")[0] == "linear_attn":
         return _linear_attention_destination(args, prefix, module, kind)
     if args.short_conv is not None and module in ("conv.in_proj", "conv.conv", "conv.out_proj"):
+        return prefix + f"{module}.{kind}", None
+    if args.mamba is not None and module in _MAMBA2_MODULES:  # Granite's names are the model's own
         return prefix + f"{module}.{kind}", None
     if args.moe is not None and module.split(".")[0] in ("mlp", "block_sparse_moe"):
         expert = _expert_destination(args, module)
@@ -262,7 +265,7 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
              # LFM2's names of the same
              "self_attn.out_proj": "o_proj", "feed_forward.w2": "down_proj", "self_attn.q_layernorm": "q_norm",
              "self_attn.k_layernorm": "k_norm", "operator_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-             "post_attention_layernorm": "post_attention_layernorm",
+             "post_attention_layernorm": "post_attention_layernorm", "shared_mlp.output_linear": "down_proj",
              "pre_feedforward_layernorm": "pre_feedforward_layernorm",  # Gemma's sandwich
              "post_feedforward_layernorm": "post_feedforward_layernorm"}
     return (prefix + f"{plain[module]}.{kind}", None) if module in plain else None
@@ -288,6 +291,8 @@ def _linear_attention_destination(
     return None
 
 
+# A Mamba2 layer's modules (their A_log, D and dt_bias are the layer's `mamba` module's own parameters)
+_MAMBA2_MODULES = ("mamba", "mamba.in_proj", "mamba.conv1d", "mamba.norm", "mamba.out_proj")
 # An expert's tensors by their names in each family's checkpoints (Mixtral's w1, w3, w2)
 _EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coreserve.worker.models.gated_deltanet import LayerState, each_sequence, gated_deltanet_span
+from coreserve.worker.models.mamba2 import mamba2
 from coreserve.worker.models.short_conv import short_conv
 from coreserve.worker.step.attention import (
     AttentionMetadata,
@@ -48,8 +49,8 @@ class ModelOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # (x + delta, norm(x + delta))
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor: ...  # [T, in] -> [T, out]
     def rope_write_kv(
-        self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # q [T, Hq, D], k and v [T, Hkv, D]
+        self, qkv: torch.Tensor, rope: Rope | None, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # q [T, Hq, D], k and v [T, Hkv, D]; None: NoPE
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # [T, 2 I] -> [T, I]
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # Gemma's GeGLU, [T, 2 I] -> [T, I]
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor: ...  # element-wise, x's shape
@@ -63,6 +64,9 @@ class ModelOps(Protocol):
     def short_conv(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
     ) -> torch.Tensor: ...  # in_proj's rows [T, 3 hidden] -> [T, hidden] (LFM2)
+    def mamba2(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor: ...  # in_proj's rows [T, width] -> [T, inner] (Granite 4.0-H)
     # [T, hidden] partial output of a layer half -> the whole: the sum over tensor-parallel ranks
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
 
@@ -103,13 +107,15 @@ class TorchOps:
         return layer(x)
 
     def rope_write_kv(
-        self, qkv: torch.Tensor, rope: Rope, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
+        self, qkv: torch.Tensor, rope: Rope | None, slots: torch.Tensor, shape: HeadShape, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_tokens, q_size = qkv.shape[0], shape.num_heads * shape.head_dim
         kv_size = shape.num_kv_heads * shape.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, shape.num_heads, shape.head_dim), *rope)
-        k = apply_rotary(k.view(num_tokens, shape.num_kv_heads, shape.head_dim), *rope)
+        q = q.reshape(num_tokens, shape.num_heads, shape.head_dim)
+        k = k.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
         write_kv(cache, k, v, slots)
         return q, k, v
@@ -139,6 +145,11 @@ class TorchOps:
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
     ) -> torch.Tensor:
         return short_conv(mixer, proj, state, spans).to(proj.dtype)
+
+    def mamba2(
+        self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
+    ) -> torch.Tensor:
+        return mamba2(mixer, proj, state, spans).to(proj.dtype)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

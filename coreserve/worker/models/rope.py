@@ -7,7 +7,8 @@ the cos/sin tables are the same bits as HF's. `dynamic` (NTK) is HF's static cas
 frequencies only for sequences longer than `max_position_embeddings`, which this engine never runs
 (max_model_len is capped there), so below it the frequencies are the default ones. `longrope`'s
 tables hold both of its sets of rows; which one a request's tokens read is the scheduler's choice, by
-the request's length (coreserve/engine_core/scheduler.py).
+the request's length (coreserve/engine_core/scheduler.py). `Rotary` holds a model's tables (half of each
+row, as HF's repeat) and looks up a step's rows; NoPE (`NO_ROPE`, Granite 4.0-H) has none.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+NO_ROPE = "none"  # no rotation at all (Granite 4.0-H's NoPE): no tables, q and k attend as they are
 
 
 @dataclass(frozen=True)
@@ -151,3 +154,38 @@ def _yarn_correction_range(
     if truncate:
         low, high = math.floor(low), math.ceil(high)
     return max(low, 0), min(high, dim - 1)
+
+
+class Rotary(nn.Module):
+    """HF's cos and sin tables [max_positions, D] repeat their first half ([freqs, freqs]), so only that
+    half is kept: 1 MiB each, not 2, for 8192 positions of D 64 (issue 25's memory at load). LongRoPE's
+    have a row per position of its long factors after the short ones' (from `long_rows_start`). NoPE
+    (`NO_ROPE`): no tables, and q and k are not rotated."""
+
+    def __init__(self, spec: RopeSpec) -> None:
+        super().__init__()
+        self.long_rows_start = long_rows_start(spec, spec.max_position_embeddings)
+        self.is_identity = spec.rope_type == NO_ROPE
+        # On the CPU even within a meta-device model (the loader's): meta arithmetic first imports
+        # torch._dynamo (seconds); the loader keeps these tables and moves them to the model's device.
+        with torch.device("cpu"):
+            rows = 0 if self.is_identity else spec.max_position_embeddings
+            cos, sin = cos_sin_tables(spec, rows) if rows else (torch.empty(0, 2), torch.empty(0, 2))
+            half = cos.shape[-1] // 2
+            # The full width is computed as HF computes it; its halves are the same values.
+            if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+                raise RuntimeError("RoPE tables whose halves differ: half-width tables would change the bits")
+            cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+        self.register_buffer("cos", cos, persistent=False)  # [rows, D / 2]
+        self.register_buffer("sin", sin, persistent=False)
+
+    def tables(self, rope_rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sign-folded sin [T, 1, D] of this step's rows (StepInputs.rope_rows), looked up once
+        for all layers: [cos, cos] and rotate_half's minus folded in, [-sin, sin]; None: NoPE."""
+        if self.is_identity:
+            return None
+        cos, sin = self.cos[rope_rows].unsqueeze(1), self.sin[rope_rows].unsqueeze(1)
+        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        if cos.dtype == dtype:
+            return cos, signed_sin
+        return cos.to(dtype), signed_sin.to(dtype)

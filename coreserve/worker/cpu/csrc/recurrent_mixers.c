@@ -1,8 +1,11 @@
-/* A Gated DeltaNet layer's mixer over one sequence's tokens of a step, in fp32 (engine-core process):
- * the causal depthwise conv over q, k and v from the sequence's conv state, silu; q and k normalised
- * (L2, eps 1e-6) and q scaled by 1 / sqrt(dk); the decay g = -exp(A_log) softplus(a + dt_bias) and
- * beta = sigmoid(b); then the gated delta rule token by token from the sequence's recurrent state;
- * then each value head's RMSNorm times silu(z). The states are updated in place.
+/* The recurrent mixers over one sequence's tokens of a step, in fp32 (engine-core process). A Gated
+ * DeltaNet layer's (Qwen3.5): the causal depthwise conv over q, k and v from the sequence's conv state,
+ * silu; q and k normalised (L2, eps 1e-6) and q scaled by 1 / sqrt(dk); the decay g = -exp(A_log)
+ * softplus(a + dt_bias) and beta = sigmoid(b); then the gated delta rule token by token from the
+ * sequence's recurrent state; then each value head's RMSNorm times silu(z). A Mamba2 layer's (Granite
+ * 4.0-H): the conv over x, B and C plus its bias, silu; each head's state decays by exp(dt A) and takes
+ * (dt B) x^T, dt = softplus(dt + dt_bias), A = -exp(A_log); y = S C + D x; then y silu(z) normed over
+ * each group's slice, times the norm's weight. The states are updated in place.
  *
  * Every value is computed token by token in one fixed order, whatever the number of tokens given: a
  * prompt's tokens in one call and the same tokens one call each (decoding) give the same bits, and
@@ -97,6 +100,37 @@ static void delta_rule_token(float *restrict s, const float *restrict q, const f
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold */
 
+/* The causal depthwise conv of `channels` columns of rows in[t * stride] (t < n), token by token (each reads
+ * inputs only), a row of channels at a time, oldest tap first, plus bias where given: out [n, channels].
+ * conv_state: [kernel - 1, channels], the last inputs, oldest first (input u < 0 is its row history + u),
+ * advanced in place; taps: [kernel, channels], the weight transposed (taps[j][c] is channel c's weight
+ * of input t - (kernel - 1) + j). */
+static void causal_conv(const float *in, int64_t stride, int64_t n, float *conv_state, const float *taps,
+                        const float *bias, int64_t channels, int64_t kernel, float *out, int32_t num_threads) {
+    const int64_t history = kernel - 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        float *restrict acc = out + t * channels;
+        for (int64_t c = 0; c < channels; c++) acc[c] = 0.0f;
+        for (int64_t j = 0; j < kernel; j++) {
+            const int64_t u = t - history + j;
+            const float *restrict x = u < 0 ? conv_state + (history + u) * channels : in + u * stride;
+            const float *restrict w = taps + j * channels;
+            for (int64_t c = 0; c < channels; c++) acc[c] = acc[c] + w[c] * x[c];
+        }
+        if (bias)
+            for (int64_t c = 0; c < channels; c++) acc[c] = acc[c] + bias[c];
+    }
+    if (n >= history) {
+        for (int64_t r = 0; r < history; r++)
+            memcpy(conv_state + r * channels, in + (n - history + r) * stride, sizeof(float) * channels);
+    } else {
+        memmove(conv_state, conv_state + n * channels, sizeof(float) * (history - n) * channels);
+        for (int64_t r = 0; r < n; r++)
+            memcpy(conv_state + (history - n + r) * channels, in + r * stride, sizeof(float) * channels);
+    }
+}
+
 /* proj: [n, stride] rows of the layer's input projection: conv_dim channels (q, k, v), then z
  * [hv * dv], then b [hv], then a [hv]. conv_state: [kernel - 1, conv_dim], the last inputs, oldest first;
  * ssm_state: [hv, dk, dv]; taps: [kernel, conv_dim], the conv's weight transposed (taps[j][c] is channel
@@ -108,32 +142,10 @@ int gated_deltanet_span(const float *proj, int64_t stride, int64_t n, float *con
                         int64_t kernel, float *scratch, float *out, int32_t num_threads) {
     if (n < 1 || kernel < 2 || hk < 1 || hv < 1 || dk < 1 || dv < 1 || hv % hk) return -1;
     const int64_t key_dim = hk * dk, value_dim = hv * dv, conv_dim = 2 * key_dim + value_dim;
-    const int64_t history = kernel - 1, group = hv / hk;
+    const int64_t group = hv / hk;
     if (stride < conv_dim + value_dim + 2 * hv) return -1;
     if (num_threads < 1 || n * conv_dim < 65536) num_threads = 1;
-
-    /* the conv, token by token (each reads inputs only), a row of channels at a time; input u < 0 is
-     * the state's row history + u */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < n; t++) {
-        float *restrict acc = scratch + t * conv_dim;
-        for (int64_t c = 0; c < conv_dim; c++) acc[c] = 0.0f;
-        for (int64_t j = 0; j < kernel; j++) {
-            const int64_t u = t - history + j;
-            const float *restrict x = u < 0 ? conv_state + (history + u) * conv_dim : proj + u * stride;
-            const float *restrict w = taps + j * conv_dim;
-            for (int64_t c = 0; c < conv_dim; c++) acc[c] = acc[c] + w[c] * x[c];
-        }
-    }
-    /* the state keeps the last `history` inputs: [history, conv_dim], oldest first */
-    if (n >= history) {
-        for (int64_t r = 0; r < history; r++)
-            memcpy(conv_state + r * conv_dim, proj + (n - history + r) * stride, sizeof(float) * conv_dim);
-    } else {
-        memmove(conv_state, conv_state + n * conv_dim, sizeof(float) * (history - n) * conv_dim);
-        for (int64_t r = 0; r < n; r++)
-            memcpy(conv_state + (history - n + r) * conv_dim, proj + r * stride, sizeof(float) * conv_dim);
-    }
+    causal_conv(proj, stride, n, conv_state, taps, NULL, conv_dim, kernel, scratch, num_threads);
 
     /* the conv's silu; q and k of each token and key head L2-normalised, q scaled */
     const float q_scale = 1.0f / sqrtf((float)dk);
@@ -175,6 +187,84 @@ int gated_deltanet_span(const float *proj, int64_t stride, int64_t n, float *con
             const float inv = 1.0f / sqrtf(sum / (float)dv + eps);
             for (int64_t j = 0; j < dv; j++) o[j] = norm_weight[j] * (o[j] * inv);
             silu_in_place(o, dv, z);
+        }
+    }
+    return 0;
+}
+
+/* One head's token: s = decay s + (dt B) x^T, y = s C + D x. s: [p, size]; x: [p]; b, c: [size]; db: [size]
+ * room. The sums over the state's columns 8 lanes at a time (the rest one at a time), in one fixed order. */
+static void mamba2_token(float *restrict s, const float *restrict x, const float *restrict b,
+                         const float *restrict c, float dt, float decay, float d, int64_t p, int64_t size,
+                         float *restrict db, float *restrict y) {
+    const int64_t blocked = size - size % 8;
+    const float8 decay8 = (float8){0} + decay;
+    for (int64_t j = 0; j < size; j++) db[j] = b[j] * dt;
+    for (int64_t i = 0; i < p; i++) {
+        float *restrict row = s + i * size;
+        const float8 xi = (float8){0} + x[i];
+        float8 acc = {0};
+        for (int64_t j = 0; j < blocked; j += 8) {
+            float8 si, dbj, cj;
+            memcpy(&si, row + j, sizeof si);
+            memcpy(&dbj, db + j, sizeof dbj);
+            memcpy(&cj, c + j, sizeof cj);
+            si = si * decay8 + dbj * xi;
+            memcpy(row + j, &si, sizeof si);
+            acc = acc + si * cj;
+        }
+        float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (int64_t j = blocked; j < size; j++) {
+            row[j] = row[j] * decay + db[j] * x[i];
+            sum = sum + row[j] * c[j];
+        }
+        y[i] = sum + d * x[i];
+    }
+}
+
+/* proj: [n, stride] rows of the layer's input projection: z [heads * p], then the conv's channels x
+ * [heads * p], B [groups * size], C [groups * size], then dt [heads]. conv_state: [kernel - 1, conv_dim];
+ * ssm_state: [heads, p, size]; taps: [kernel, conv_dim] (as causal_conv's); conv_bias: [conv_dim] or NULL;
+ * a_log, dt_bias, d: [heads]; norm_weight: [heads * p]; scratch: [n, conv_dim]; out: [n, heads * p].
+ * Returns 0, or -1 for shapes it does not take. */
+int mamba2_span(const float *proj, int64_t stride, int64_t n, float *conv_state, float *ssm_state,
+                const float *taps, const float *conv_bias, const float *a_log, const float *dt_bias,
+                const float *d, const float *norm_weight, float eps, int64_t heads, int64_t p, int64_t groups,
+                int64_t size, int64_t kernel, float *scratch, float *out, int32_t num_threads) {
+    if (n < 1 || kernel < 2 || heads < 1 || p < 1 || groups < 1 || size < 1 || heads % groups) return -1;
+    const int64_t inner = heads * p, conv_dim = inner + 2 * groups * size, per_group = heads / groups;
+    if (stride < inner + conv_dim + heads) return -1;
+    if (num_threads < 1 || n * conv_dim < 65536) num_threads = 1;
+    causal_conv(proj + inner, stride, n, conv_state, taps, conv_bias, conv_dim, kernel, scratch, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; t++) silu_in_place(scratch + t * conv_dim, conv_dim, NULL);
+
+    /* the SSM, a head a thread's, token by token */
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t h = 0; h < heads; h++) {
+        float db[size];
+        const float rate = -expf(a_log[h]);
+        const int64_t g = h / per_group;
+        for (int64_t t = 0; t < n; t++) {
+            const float *row = scratch + t * conv_dim;
+            const float dt = softplus(proj[t * stride + inner + conv_dim + h] + dt_bias[h]);
+            mamba2_token(ssm_state + h * p * size, row + h * p, row + inner + g * size,
+                         row + inner + (groups + g) * size, dt, expf(dt * rate), d[h], p, size, db,
+                         out + t * inner + h * p);
+        }
+    }
+
+    /* y silu(z), each group's slice RMS-normed, times the weight */
+    const int64_t width = inner / groups;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        silu_in_place(out + t * inner, inner, proj + t * stride);
+        for (int64_t g = 0; g < groups; g++) {
+            float *o = out + t * inner + g * width;
+            float sum = 0.0f;
+            for (int64_t j = 0; j < width; j++) sum += o[j] * o[j];
+            const float inv = 1.0f / sqrtf(sum / (float)width + eps);
+            for (int64_t j = 0; j < width; j++) o[j] = norm_weight[g * width + j] * (o[j] * inv);
         }
     }
     return 0;
