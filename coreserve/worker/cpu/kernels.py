@@ -249,44 +249,50 @@ def gated_deltanet(kernels: CpuKernels, mixer, proj: torch.Tensor, state, spans)
     """A Gated DeltaNet layer's mixer (coreserve/worker/models/gated_deltanet.py's module, its params fp32)
     over proj [T, width] float32, one C call a sequence (`spans`: StateSpan), each from and to its
     state slot (`state`: LayerState) -> [T, value_dim]."""
-    assert proj.is_contiguous() and proj.dtype == torch.float32
     lin = mixer.shape
-    num_threads = torch.get_num_threads()
-    out = torch.empty(proj.shape[0], mixer.value_dim)
-    scratch = torch.empty(max((num for _, num, _ in spans), default=0), lin.conv_dim)
-    taps = mixer.conv1d.weight.reshape(lin.conv_dim, lin.conv_kernel).t().contiguous()  # once a layer a step
-    tensors = (taps, mixer.A_log, mixer.dt_bias, mixer.norm.weight)
-    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)  # apply_cpu_backend's widening
-    params = [t.data_ptr() for t in tensors]
+    out, scratch, taps = _span_buffers(mixer, proj, spans, lin.conv_dim, lin.conv_kernel, mixer.value_dim)
+    params = _pointers(taps, mixer.A_log, mixer.dt_bias, mixer.norm.weight)
     for first, num, slot in spans:
         status = kernels.gated_deltanet_span(
             proj[first].data_ptr(), proj.shape[1], num, state.conv[slot].data_ptr(), state.recurrent[slot].data_ptr(),
             *params, mixer.eps, lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim,
-            lin.conv_kernel, scratch.data_ptr(), out[first].data_ptr(), num_threads,
+            lin.conv_kernel, scratch.data_ptr(), out[first].data_ptr(), torch.get_num_threads(),
         )
-        if status != 0:
-            raise RuntimeError(f"gated_deltanet_span refused the shapes {lin} (status {status})")
+        _check_span(status, "gated_deltanet_span", lin)
     return out
 
 
 def mamba2(kernels: CpuKernels, mixer, proj: torch.Tensor, state, spans) -> torch.Tensor:
     """A Mamba2 layer's mixer (coreserve/worker/models/mamba2.py's module, its params fp32) over proj [T, width]
     float32, one C call a sequence (`spans`: StateSpan), each from and to its state slot -> [T, inner]."""
-    assert proj.is_contiguous() and proj.dtype == torch.float32
-    m = mixer.shape
-    out = torch.empty(proj.shape[0], m.inner)
-    scratch = torch.empty(max((num for _, num, _ in spans), default=0), m.conv_dim)
-    taps = mixer.conv1d.weight.reshape(m.conv_dim, m.conv_kernel).t().contiguous()  # once a layer a step
-    tensors = (taps, mixer.A_log, mixer.dt_bias, mixer.D, mixer.norm.weight)
-    bias = mixer.conv1d.bias
-    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in (*tensors, *([bias] if bias is not None else [])))
-    taps_ptr, *params = [t.data_ptr() for t in tensors]
+    m, bias = mixer.shape, mixer.conv1d.bias
+    out, scratch, taps = _span_buffers(mixer, proj, spans, m.conv_dim, m.conv_kernel, m.inner)
+    taps_ptr, *params = _pointers(taps, mixer.A_log, mixer.dt_bias, mixer.D, mixer.norm.weight)
+    bias_ptr = None if bias is None else _pointers(bias)[0]
     for first, num, slot in spans:
         status = kernels.mamba2_span(
             proj[first].data_ptr(), proj.shape[1], num, state.conv[slot].data_ptr(), state.recurrent[slot].data_ptr(),
-            taps_ptr, None if bias is None else bias.data_ptr(), *params, mixer.eps, m.num_heads, m.head_dim,
-            m.num_groups, m.state_size, m.conv_kernel, scratch.data_ptr(), out[first].data_ptr(), torch.get_num_threads(),
+            taps_ptr, bias_ptr, *params, mixer.eps, m.num_heads, m.head_dim, m.num_groups, m.state_size,
+            m.conv_kernel, scratch.data_ptr(), out[first].data_ptr(), torch.get_num_threads(),
         )
-        if status != 0:
-            raise RuntimeError(f"mamba2_span refused the shapes {m} (status {status})")
+        _check_span(status, "mamba2_span", m)
     return out
+
+
+def _span_buffers(mixer, proj: torch.Tensor, spans, conv_dim: int, kernel: int, width: int):
+    """A recurrent mixer's out [T, width], its conv scratch (the longest span's rows) and the conv's taps
+    [kernel, conv_dim] (transposed once a layer a step, not a sequence)."""
+    assert proj.is_contiguous() and proj.dtype == torch.float32
+    out = torch.empty(proj.shape[0], width)
+    scratch = torch.empty(max((num for _, num, _ in spans), default=0), conv_dim)
+    return out, scratch, mixer.conv1d.weight.reshape(conv_dim, kernel).t().contiguous()
+
+
+def _pointers(*tensors: torch.Tensor) -> list[int]:
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)  # apply_cpu_backend's widening
+    return [t.data_ptr() for t in tensors]
+
+
+def _check_span(status: int, name: str, shape) -> None:
+    if status != 0:
+        raise RuntimeError(f"{name} refused the shapes {shape} (status {status})")

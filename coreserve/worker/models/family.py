@@ -60,6 +60,7 @@ class Family:
     adjusts_ff_dim: bool = False  # LFM2's block_auto_adjust_ff_dim: the MLP is 2/3 of intermediate_size, rounded
     key_aliases: tuple[tuple[str, str], ...] = ()  # (older key, HF's key): the older one wins where given, as in HF
     has_output_gate: bool = False  # attention's output times sigmoid(gate), gate beside q in q_proj (Qwen3.5)
+    defaults: tuple[tuple[str, object], ...] = ()  # HF's config class defaults that differ from Llama's, where absent
     nests_text_config: bool = False  # config.json's text_config holds the decoder (a vision-language folder)
     # Granite: embedding_multiplier, residual_multiplier, attention_multiplier (the attention's scale) and
     # logits_scaling (HF's defaults 1); position_embedding_type (RoPE only where "rope")
@@ -80,6 +81,7 @@ class Family:
         return frozenset(keys)
 
 
+_QWEN3_5_DEFAULTS = (("head_dim", 256), ("partial_rotary_factor", 0.25))  # HF's Qwen3.5 / Qwen3-Next configs
 _QWEN3_5 = dict(
     reads_attention_bias=True, qk_norm="head", layer_types=frozenset({FULL, LINEAR}), partial_rotary=True,
     norm_offset=1.0, recurrent=GATED_DELTANET, has_output_gate=True,
@@ -110,13 +112,15 @@ FAMILIES = {
     # Qwen3.5 (dense): three Gated DeltaNet layers in four, output-gated attention on a quarter of each head
     # rotated; its hub folders are vision-language ones, the decoder in text_config (the vision tower and
     # the multi-token-prediction head skipped by name: coreserve/worker/models/loader.py)
-    "Qwen3_5ForCausalLM": Family("qwen3_5", **_QWEN3_5),
-    "Qwen3_5ForConditionalGeneration": Family("qwen3_5", nests_text_config=True, **_QWEN3_5),
+    "Qwen3_5ForCausalLM": Family("qwen3_5", defaults=_QWEN3_5_DEFAULTS, **_QWEN3_5),
+    "Qwen3_5ForConditionalGeneration": Family(
+        "qwen3_5", nests_text_config=True, defaults=_QWEN3_5_DEFAULTS, **_QWEN3_5,
+    ),
     # Qwen3-Next: Qwen3.5's layers (its checkpoints interleave the Gated DeltaNet's projections a key head's
     # group at a time: coreserve/worker/models/grouped_rows.py) over a mixture of experts with a shared expert
     "Qwen3NextForCausalLM": Family(
         "qwen3_next", moe=MoeRule(width_key="moe_intermediate_size", has_sparse_step=True, has_shared_expert=True),
-        **_QWEN3_5,
+        defaults=(*_QWEN3_5_DEFAULTS, ("norm_topk_prob", True)), **_QWEN3_5,
     ),
     # LFM2: gated short convolutions (kernel conv_L_cache) beside attention with per-head q/k norms
     "Lfm2ForCausalLM": Family(
@@ -138,14 +142,16 @@ FAMILIES = {
 def text_config(config: dict) -> dict:
     """The decoder's config: a vision-language folder's text_config (under the folder's architectures,
     with its tie_word_embeddings where only the outer level states it), else config.json itself with its
-    older keys read as HF reads them (LFM2's block_ff_dim, tie_embedding)."""
+    older keys read as HF reads them (LFM2's block_ff_dim, tie_embedding), and the family's defaults where
+    a key is absent (Qwen3-Next's norm_topk_prob: true)."""
     family = family_of(config)
     inner = config.get("text_config")
     if not family.nests_text_config:
-        return {**config, **{key: config[old] for old, key in family.key_aliases if old in config}}
+        aliased = {key: config[old] for old, key in family.key_aliases if old in config}
+        return {**dict(family.defaults), **config, **aliased}
     if not isinstance(inner, dict):
         raise ValueError(f"{config.get('architectures')}: config.json needs a text_config object")
-    merged = {**inner, "architectures": config["architectures"]}
+    merged = {**dict(family.defaults), **inner, "architectures": config["architectures"]}
     if "tie_word_embeddings" not in inner and "tie_word_embeddings" in config:
         merged["tie_word_embeddings"] = config["tie_word_embeddings"]
     return merged

@@ -258,7 +258,11 @@ def mamba2_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
         mamba_proj_bias=any(name.endswith(".ssm_in.bias") for name in names),
         shared_intermediate_size=meta.get(f"{arch}.expert_shared_feed_forward_length", config["intermediate_size"]),
         num_local_experts=config.get("num_experts") or 0,
-        position_embedding_type="rope" if meta.get(f"{arch}.rope.scaling.finetuned") else "nope",
+        # llama.cpp's reading: RoPE unless the key says false (its converter writes false for every Granite 4.0-H)
+        position_embedding_type="rope" if meta.get(f"{arch}.rope.scaling.finetuned", True) else "nope",
     )
     keys.update({key: meta[f"{arch}.{name}"] for name, key in _MULTIPLIERS.items() if f"{arch}.{name}" in meta})
+    if not keys.get("attention_multiplier"):  # llama.cpp: 1 / sqrt(head size) where the scale is absent or 0
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        keys["attention_multiplier"] = head_dim**-0.5
     return keys

@@ -130,7 +130,14 @@ def mamba2_args(config: dict) -> Mamba2Args:
         raise ValueError("mamba_d_conv=1: the conv needs a kernel of 2 or more")
     _check_time_step_limit(config.get("time_step_limit"))
     return Mamba2Args(heads, head_dim, groups, values["mamba_d_state"], values["mamba_d_conv"],
-                      bool(config.get("mamba_conv_bias", True)), bool(config.get("mamba_proj_bias", False)))
+                      _flag(config, "mamba_conv_bias", True), _flag(config, "mamba_proj_bias", False))
+
+
+def _flag(config: dict, key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):  # "false" would read as true
+        raise ValueError(f"{key}={value!r} must be true or false")
+    return value
 
 
 def _check_time_step_limit(limit: object) -> None:
