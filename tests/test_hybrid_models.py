@@ -214,6 +214,8 @@ def test_hybrid_config_checks(family_model):
     # a shared expert: Qwen3-Next's, sized; refused by name where the family has none (Qwen3-MoE)
     moe = json.loads((Path(family_model("qwen3_next")) / "config.json").read_text())
     assert DecoderArgs.from_hf_config(moe).moe.shared_intermediate_size == 48
+    bare = DecoderArgs.from_hf_config({k: v for k, v in moe.items() if k not in ("norm_topk_prob", "head_dim")})
+    assert bare.moe.norm_topk_prob and bare.head_dim == 256  # HF's Qwen3NextConfig defaults, where absent
     with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
         DecoderArgs.from_hf_config({**moe, "shared_expert_intermediate_size": 0})
     qwen3_moe = json.loads((Path(family_model("qwen3_moe")) / "config.json").read_text())
