@@ -9,8 +9,10 @@ and a shared expert, its b/a projection grouped by key head as HF's) likewise, f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,7 @@ from coreserve.worker.models.loader import read_config
 from coreserve.worker.models.quantized import QuantLinear
 
 CONVERTER = Path.home() / ".cache" / "coreserve" / "llama.cpp-convert-0.3.36"
+CONVERTED = Path.home() / ".cache" / "coreserve" / "converted-gguf"  # convert()'s files, by their input's digest
 # fp32 on both sides, in bf16 mode too (the converter and HF widen the bf16 folder's values alike)
 TOLERANCE = 1e-4
 # Qwen3-Next's 40-token prompt: HF's chunked forward and its own token-by-token recurrence differ by 8.9e-5
@@ -75,21 +78,35 @@ def converted(family_model, tmp_path_factory) -> dict[str, str]:
 
 
 def convert(jobs: dict[str, tuple[Path, list[str]]], out: Path) -> dict[str, str]:
-    """{outtype: (folder, extra flags)} -> {outtype: its file under `out`}, llama.cpp's converter run on
-    every job at once."""
+    """{outtype: (folder, extra flags)} -> {outtype: its file}, llama.cpp's converter run on every job at once;
+    each file kept under CONVERTED by a digest of everything the converter reads (the folder's bytes, the
+    flags, the converter's version), so a later session reuses what the converter wrote for the same input."""
     env = dict(os.environ, PYTHONPATH=str(CONVERTER / "gguf-py"), HF_HUB_OFFLINE="1")
+    files = {kind: CONVERTED / f"{_digest(folder, [kind, *flags])}.gguf" for kind, (folder, flags) in jobs.items()}
     procs = {
         kind: subprocess.Popen(
             [sys.executable, str(CONVERTER / "convert_hf_to_gguf.py"), str(folder), "--outtype", kind,
              "--outfile", str(out / f"{kind}.gguf"), *flags],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        for kind, (folder, flags) in jobs.items()
+        for kind, (folder, flags) in jobs.items() if not files[kind].exists()
     }
     for kind, proc in procs.items():
         log = proc.communicate(timeout=120)[0]
         assert proc.returncode == 0, f"llama.cpp's converter failed ({kind}):\n{log[-3000:]}"
-    return {kind: str(out / f"{kind}.gguf") for kind in procs}
+        CONVERTED.mkdir(parents=True, exist_ok=True)
+        partial = files[kind].with_suffix(f".{os.getpid()}.part")
+        shutil.copyfile(out / f"{kind}.gguf", partial)
+        os.replace(partial, files[kind])  # whole or not at all
+    return {kind: str(path) for kind, path in files.items()}
+
+
+def _digest(folder: Path, flags: list[str]) -> str:
+    """sha256 of the converter's version, `flags` and every file of `folder` (links followed), by name."""
+    digest = hashlib.sha256(f"{CONVERTER.name}\0{flags}".encode())
+    for item in sorted(folder.iterdir()):
+        digest.update(item.name.encode() + b"\0" + item.read_bytes())
+    return digest.hexdigest()[:32]
 
 
 def run(path: str, dtype: str, kept: list | None = None, alone: bool = True) -> tuple[list, list]:
