@@ -155,13 +155,19 @@ def assert_gives_hfs_logprobs(outputs: list, hf, tolerance: float = TOLERANCE) -
 def test_q8_0_gguf_kept_in_blocks_gives_its_dequantizations_bits(converted):
     """dtype "auto" (the Gated DeltaNet's fused in_proj in its Q8_0 blocks, value-head rows moved as
     bytes) against dtype "float32" on the same file: the same numbers, batched and alone."""
-    kept: list[str] = []
-    batched, alone = run(converted["q8_0"], "auto", kept)
-    assert "layers.0.linear_attn.in_proj" in kept and "layers.1.qkv_proj" in kept
+    kept = assert_blocks_give_fp32s_bits(converted["q8_0"], {"layers.0.linear_attn.in_proj", "layers.1.qkv_proj"})
     assert "layers.0.linear_attn.out_proj" not in kept  # 16-wide value heads: its columns move within blocks
-    fp32_batched, fp32_alone = run(converted["q8_0"], "float32")
-    assert numbers(batched) == numbers(fp32_batched)
-    assert numbers(alone) == numbers(fp32_alone)
+
+
+def assert_blocks_give_fp32s_bits(path: str, modules: set[str]) -> set[str]:
+    """The file kept in its blocks (dtype "auto", `modules` among the kept) gives dtype "float32"'s numbers
+    on the same file, batched and alone; returns the kept modules."""
+    kept: list[str] = []
+    batched, alone = run(path, "auto", kept)
+    assert modules <= set(kept)
+    fp32_batched, fp32_alone = run(path, "float32")
+    assert numbers(batched) == numbers(fp32_batched) and numbers(alone) == numbers(fp32_alone)
+    return set(kept)
 
 
 @pytest.fixture(scope="module")
@@ -178,11 +184,8 @@ def test_qwen3_next_gguf_gives_hfs_logprobs_and_its_blocks_their_dequantizations
     same file's float32 numbers."""
     outputs, _ = run(converted_next["f32"], "float32", alone=False)
     assert_gives_hfs_logprobs(outputs, load_hf(family_model("qwen3_next")), NEXT_TOLERANCE)
-    kept: list[str] = []
-    batched, alone = run(converted_next["q8_0"], "auto", kept)
-    assert {"layers.0.linear_attn.in_proj", "layers.0.moe.shared_expert.gate_up_proj"} <= set(kept)
-    fp32_batched, fp32_alone = run(converted_next["q8_0"], "float32")
-    assert numbers(batched) == numbers(fp32_batched) and numbers(alone) == numbers(fp32_alone)
+    assert_blocks_give_fp32s_bits(converted_next["q8_0"], {"layers.0.linear_attn.in_proj",
+                                                           "layers.0.moe.shared_expert.gate_up_proj"})
 
 
 def test_value_heads_moved_as_bytes_are_the_values_moved():

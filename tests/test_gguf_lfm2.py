@@ -13,8 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import load_hf
-from test_gguf_families import numbers
-from test_gguf_hybrid import assert_gives_hfs_logprobs, convert, needs_converter, run
+from test_gguf_hybrid import (
+    assert_blocks_give_fp32s_bits,
+    assert_gives_hfs_logprobs,
+    convert,
+    needs_converter,
+    run,
+)
 
 from coreserve.protocol.gguf_header import read_gguf_header
 from coreserve.worker.models import gguf_weights
@@ -50,12 +55,8 @@ def test_f32_gguf_gives_hfs_logprobs(converted, family_model):
 def test_q8_0_gguf_kept_in_blocks_gives_its_dequantizations_bits(converted):
     """dtype "auto" (the short conv's in_proj and out_proj, the attention and the MLP in their Q8_0 blocks)
     against dtype "float32" on the same file: the same numbers, batched and alone."""
-    kept: list[str] = []
-    batched, alone = run(converted["q8_0"], "auto", kept)
-    assert {"layers.0.conv.in_proj", "layers.0.conv.out_proj", "layers.1.qkv_proj"} <= set(kept)
-    fp32_batched, fp32_alone = run(converted["q8_0"], "float32")
-    assert numbers(batched) == numbers(fp32_batched)
-    assert numbers(alone) == numbers(fp32_alone)
+    assert_blocks_give_fp32s_bits(converted["q8_0"], {"layers.0.conv.in_proj", "layers.0.conv.out_proj",
+                                                      "layers.1.qkv_proj"})
 
 
 @needs_converter
