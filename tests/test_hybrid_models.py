@@ -39,7 +39,10 @@ BF16_TOLERANCE = 0.75  # measured 0.50 on the C path (Qwen3's 0.09): docs/models
     ("qwen3_5", False, CHUNKED),
     ("qwen3_5", False, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's mixer
     ("lfm2", True, CHUNKED),
-    ("qwen3_next", True, CHUNKED),  # its checkpoint's grouped projections, experts beside a gated shared one
+    pytest.param(  # its checkpoint's grouped projections, experts beside a gated shared one
+        "qwen3_next", True, CHUNKED,
+        marks=pytest.mark.fp32_exact("bf16 routing flips near-ties against fp32 HF (as tests/test_moe.py's)"),
+    ),
     ("granitemoehybrid", False, CHUNKED),
 ])
 def test_hybrid_matches_hf(family, multiprocess, engine_args, family_model):
@@ -261,6 +264,7 @@ def test_lfm2_config_reading(family_model):
             DecoderArgs.from_hf_config({**config, **change})
 
 
+@pytest.mark.fp32_exact("bf16 mode: the updated engine and the fresh one differ by ~0.03 nats (open, issue 64's note)")
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])  # Qwen3-Next: its grouped in_proj rows as at load
 def test_hybrid_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(family, family_model, tmp_path):
     """An engine that served (its prefix cache and state snapshots filled), slept, woke and took new
