@@ -56,13 +56,8 @@ CASES = [
     ("qwen2", False, CHUNKED),
     ("qwen3", True, CHUNKED),
     ("phi3", False, CHUNKED),  # fused checkpoint tensors and a window, chunked and preempted
-    # and each family in the other process mode too
-    ("llama2", False, CHUNKED),
-    ("llama3.1", True, CHUNKED),
-    ("llama3.2", True, CHUNKED),
-    ("qwen2", True, CHUNKED),
-    ("qwen3", False, CHUNKED),
-    ("phi3", True, CHUNKED),
+    # a family's numbers do not depend on the process mode (the arrays cross the socket as they are computed:
+    # tests/test_llm_greedy.py, test_logprobs.py); both modes still appear across the families
     ("phi3.5", False, CHUNKED),  # LongRoPE's long factors for every position, chunked and preempted
     ("phi4-mini", True, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # and partial rotary
     ("qwen3_moe", False, CHUNKED),  # mixtures of experts: routed per token, chunked and preempted
