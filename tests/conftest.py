@@ -492,6 +492,28 @@ FAMILY_CONFIGS = {
         model_type="olmoe", tokenizer="llama2", num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
         clip_qkv=2.0, pad_token_id=0,
     ),
+    # OLMo 2: norms on attention's and the MLP's outputs only, q/k norms over the whole projections
+    "olmo2": dict(
+        model_type="olmo2", tokenizer="llama3", rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+    ),
+    # OLMo 3: OLMo 2's layers, a sliding one (window 24, its own default RoPE) then a global one under YaRN
+    "olmo3": dict(
+        model_type="olmo3", tokenizer="llama3", sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            "full_attention": dict(
+                rope_type="yarn", rope_theta=500000.0, factor=8.0, original_max_position_embeddings=32,
+            ),
+        },
+    ),
+    # SmolLM3: four layers, the fourth without RoPE (HF's no_rope_layers default, llama.cpp's fixed rule), tied
+    "smollm3": dict(model_type="smollm3", tokenizer="llama3", num_hidden_layers=4),
+    # Exaone 4: norms on the outputs only, per-head q/k norms; a local layer (window 24, RoPE), a global one (NoPE)
+    "exaone4": dict(
+        model_type="exaone4", tokenizer="llama3", head_dim=32, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
 }
 
 

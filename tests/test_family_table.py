@@ -94,3 +94,66 @@ def test_layer_specs_are_frozen(family_model):
     spec = DecoderArgs.from_hf_config(_config(family_model, "llama2")).layers[0]
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.is_moe = True  # type: ignore[misc]
+
+
+def _small(architecture: str, **keys) -> dict:
+    """A config.json of `architecture` at the test models' size, `keys` over it (no weights: the spec alone)."""
+    return {"architectures": [architecture], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, **keys}
+
+
+def test_olmo3_norms_the_outputs_only_and_its_sliding_layers_take_their_own_rope(family_model):
+    args = DecoderArgs.from_hf_config(_config(family_model, "olmo3"))
+    local, full = args.layers
+    assert local.attention == AttentionSpec(window=24) and full.attention == AttentionSpec(window=None)
+    assert full.rope == args.rope and args.rope.rope_type == "yarn" and args.rope.theta == 500000.0
+    assert local.rope.rope_type == "default" and local.rope.theta == 10000.0
+    assert all(s.has_sandwich_norms and not s.has_pre_norms and s.qk_norm == "whole" for s in args.layers)
+    assert not args.is_llama_shaped
+
+
+def test_olmo3_older_config_keeps_its_rope_scaling_to_the_global_layers():
+    """rope_scaling + rope_theta (the hub's Olmo-3 configs): HF gives both to the full_attention layers alone,
+    the sliding ones its default RoPE (base 500000 whatever rope_theta says); without layer_types three sliding
+    layers in four, the window HF's default 4096."""
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}
+    args = DecoderArgs.from_hf_config(_small("Olmo3ForCausalLM", rope_scaling=yarn, rope_theta=10000.0))
+    assert [s.attention.window for s in args.layers] == [4096, 4096, 4096, None]
+    assert args.layers[3].rope == args.rope and (args.rope.rope_type, args.rope.theta) == ("yarn", 10000.0)
+    assert {(s.rope.rope_type, s.rope.theta) for s in args.layers[:3]} == {("default", 500000.0)}
+    olmo2 = DecoderArgs.from_hf_config(_small("Olmo2ForCausalLM", sliding_window=8))  # no windows in OLMo 2
+    assert {s.attention.window for s in olmo2.layers} == {None} and olmo2.rope.theta == 10000.0
+
+
+def test_smollm3_layers_listed_0_in_no_rope_layers_take_no_rope():
+    args = DecoderArgs.from_hf_config(_small("SmolLM3ForCausalLM", no_rope_layers=[1, 0, 1, 1]))
+    assert [s.rope.rope_type for s in args.layers] == ["default", "none", "default", "default"]
+    assert args.rope.theta == 2000000.0 and args.tie_word_embeddings and not args.is_llama_shaped
+    by_interval = DecoderArgs.from_hf_config(_small("SmolLM3ForCausalLM", no_rope_layer_interval=2))
+    assert [s.rope.rope_type for s in by_interval.layers] == ["default", "none", "default", "none"]
+
+
+def test_exaone4_global_layers_take_no_rope_where_the_model_has_windows():
+    args = DecoderArgs.from_hf_config(_small("Exaone4ForCausalLM"))  # HF's defaults: window 4096, pattern 4
+    assert [(s.attention.window, s.rope.rope_type) for s in args.layers] == [(4096, "default")] * 3 + [(None, "none")]
+    assert all(s.qk_norm == "head" and not s.has_pre_norms and s.has_sandwich_norms for s in args.layers)
+    unwindowed = _small("Exaone4ForCausalLM", sliding_window=None, layer_types=["full_attention"] * 4)
+    assert {(s.attention.window, s.rope.rope_type) for s in DecoderArgs.from_hf_config(unwindowed).layers} == {
+        (None, "default")}
+
+
+@pytest.mark.parametrize(
+    "architecture, keys, message",
+    [
+        ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}, "no_rope_layers"),
+        ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 2, 1, 1]}, "no_rope_layers"),
+        ("SmolLM3ForCausalLM", {"no_rope_layer_interval": 0}, "no_rope_layer_interval"),
+        ("SmolLM3ForCausalLM", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+        ("Exaone4ForCausalLM", {"sliding_window_pattern": "LLLG"}, "sliding_window_pattern"),
+        ("Olmo3ForCausalLM", {"sliding_window": None}, "sliding_window"),
+        ("Olmo2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_new_families_refuse_what_they_cannot_read_by_name(architecture, keys, message):
+    with pytest.raises(ValueError, match=message):
+        DecoderArgs.from_hf_config(_small(architecture, **keys))

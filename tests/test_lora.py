@@ -310,6 +310,19 @@ def test_a_gguf_base_kept_in_blocks_with_fused_projections_equals_peft(family_mo
     assert worst < TOLERANCE, worst
 
 
+def test_an_adapter_on_olmo2_equals_peft(family_model, tmp_path):
+    """OLMo 2: the adapters' q and k deltas go through its q/k norms over the whole projections, its norms sit on
+    attention's and the MLP's outputs only; PEFT's unmerged forward on the folder is the reference."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = write_adapter(family_model("olmo2"), tmp_path / "adapter", 5, 8, 16, targets)
+    with LLM(family_model("olmo2"), multiprocess=False, enable_lora=True, num_kv_blocks=128) as llm:
+        request = LoRARequest("olmo2", 1, str(tmp_path / "adapter"))
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], PARAMS, use_tqdm=False,
+                               lora_request=request)
+    worst = max(worst_from_peft(peft_model, prompt, output) for prompt, output in zip(PROMPTS, outputs))
+    assert worst < TOLERANCE, worst
+
+
 class RecordingExecutor:
     """The runner's add_lora and remove_lora verbs as a record (the LoRA table's logic alone): the slots
     loaded, the paths read in order; the path /broken is refused as a missing folder."""

@@ -1,8 +1,9 @@
 """Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE,
-Mixtral, OLMoE) against Hugging Face transformers on the same random weights: greedy tokens, sample and
-prompt logprobs, past the RoPE thresholds and the sliding window, with chunked prefill and preemption
-forced; batch invariance for the families added since the first (alone = batched, scoring = generation);
-config keys the engine cannot honour refused. The routed experts: test_moe.py.
+Mixtral, OLMoE, OLMo 2, OLMo 3, SmolLM3, Exaone 4) against Hugging Face transformers on the same random
+weights: greedy tokens, sample and prompt logprobs, past the RoPE thresholds and the sliding window, with
+chunked prefill and preemption forced; HF's `generate` (its caches) for the newest; batch invariance for the
+families added since the first (alone = batched, scoring = generation); config keys the engine cannot honour
+refused. The routed experts: test_moe.py.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ CASES = [
     ("gemma2", True, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's ops
     ("gemma3", True, CHUNKED),  # two RoPE tables, q/k norms
     ("gemma3", False, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),
+    ("olmo2", False, CHUNKED),  # norms on the outputs only, q/k norms over the whole projections
+    ("olmo3", True, CHUNKED),  # and a sliding layer with its own RoPE beside a YaRN global one
+    ("smollm3", False, CHUNKED),  # a NoPE layer
+    ("exaone4", False, CHUNKED),  # a local layer (window, RoPE), a global one without RoPE, per-head q/k norms
+    ("exaone4", False, dict(max_num_batched_tokens=512, can_use_cpu_kernels=False)),  # torch's ops
 ]
 
 
@@ -102,7 +108,9 @@ def test_family_matches_hf(family, multiprocess, engine_args, family_model):
             _assert_prompt_logprobs(output, reference, tolerance)
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral", "olmoe"])
+# OLMo 2's layers are OLMo 3's without its windows and second RoPE
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral", "olmoe", "olmo3", "smollm3",
+                                    "exaone4"])
 def test_alone_equals_batched_and_scoring_equals_generation(family, family_model):
     """Each of 5 prompts alone, then all in one batch with 16-token chunks; then the generated sequence
     scored with prompt_logprobs (prefill) against its sample logprobs (decode)."""
@@ -180,6 +188,17 @@ def test_phi3_under_tensor_parallelism_is_refused_by_name(family_model):
         LLM(family_model("phi3"), tensor_parallel_size=2)
 
 
+def test_olmo_under_tensor_parallelism_is_refused_by_name(family_model):
+    """Its q/k norms span the heads of every rank: a rank's load refuses it (no ranks spawned here)."""
+    import torch
+
+    from coreserve.worker.models.loader import load_model
+    from coreserve.worker.models.sharding import Shard
+
+    with pytest.raises(ValueError, match="OLMo 2"):
+        load_model(family_model("olmo2"), "float32", torch.device("cpu"), Shard(rank=0, size=2))
+
+
 def hf_generate_logprobs(model, prompt_ids: list[int], completion_ids: list[int]):
     """[len(completion_ids), vocab] float64 log_softmax of the raw logits of HF's `generate` with its
     cache, made to pick `completion_ids` (teacher-forced through a logits processor). HF's Phi-3 picks
@@ -209,6 +228,19 @@ def _assert_sample_logprobs(completion, reference, tolerance: float) -> None:
         assert row[token_id] >= row.max() - tolerance, step
         for entry_id, logprob in entries.items():
             assert abs(logprob.logprob - row[entry_id].item()) < tolerance, (step, entry_id)
+
+
+@pytest.mark.parametrize("family", ["olmo3", "smollm3", "exaone4"])  # OLMo 2's layers are OLMo 3's, unwindowed
+def test_new_family_matches_hf_generate(family, family_model):
+    """A greedy completion past the window (24) against HF's own decoding with its cache (its sliding-window
+    and NoPE layers' caches as HF keeps them), the sampled logprobs within the tolerance."""
+    path = family_model(family)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    with LLM(path, multiprocess=False) as llm:
+        output = llm.generate(FAMILY_PROMPTS[:1], params, use_tqdm=False)[0]
+    completion = output.outputs[0]
+    reference = hf_generate_logprobs(load_hf(path), output.prompt_token_ids, completion.token_ids)
+    _assert_sample_logprobs(completion, reference, HF_TOLERANCE)
 
 
 LONGROPE_PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=3)

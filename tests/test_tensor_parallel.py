@@ -98,7 +98,8 @@ def test_two_ranks_equal_one_in_process_with_multi_step(tiny_path, tp1_outputs):
     assert all(proc.poll() is not None for proc in procs)  # stopped with the engine
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "gemma3"])  # biases, q/k norms, sandwich norms
+# biases, q/k norms, sandwich norms; Exaone 4's norms on the outputs only (after the sum over ranks), NoPE layer
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "gemma3", "exaone4"])
 def test_two_ranks_equal_one_for_model_families(family, family_model):
     path = family_model(family)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=2)

@@ -1,9 +1,9 @@
 """A Hugging Face config.json read into the model's arguments, for the families of
 coreserve/worker/models/family.py's table (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, dense Phi-3/Phi-4,
-Gemma 2 and 3, the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, and the hybrids Qwen3.5, LFM2 and
-Granite 4.0-H): the model's shapes, and one frozen `LayerSpec` a layer (coreserve/worker/models/layer_spec.py),
-built here once; refused with a ValueError where config.json asks for math the engine does not do
-(engine-core process; the frontend reads nothing of it).
+Gemma 2 and 3, OLMo 2 and 3, SmolLM3, Exaone 4, the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, and the
+hybrids Qwen3.5, Qwen3-Next, LFM2 and Granite 4.0-H): the model's shapes, and one frozen `LayerSpec` a layer
+(coreserve/worker/models/layer_spec.py), built here once; refused with a ValueError where config.json asks for
+math the engine does not do (engine-core process; the frontend reads nothing of it).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The decoder over a paged KV cache for every family of coreserve/worker/models/family.py: one layer body
-that reads its layer's frozen spec (coreserve/worker/models/layer_spec.py: norms and their offset, the sandwich,
-q/k norms, attention's window, scale and soft-cap, its RoPE table, GeGLU or SwiGLU, experts from
-coreserve/worker/models/moe.py or a dense MLP, a recurrent mixer in place of attention, Granite's
-multipliers), tied or untied embeddings (engine-core process).
+that reads its layer's frozen spec (coreserve/worker/models/layer_spec.py: norms and their offset, the sandwich
+or norms on the outputs only, q/k norms, attention's window, scale and soft-cap, its RoPE table or none, GeGLU or
+SwiGLU, experts from coreserve/worker/models/moe.py or a dense MLP, a recurrent mixer in place of attention,
+Granite's multipliers), tied or untied embeddings (engine-core process).
 
 The one statement of the model's math. Every op goes through `self.ops` (coreserve/worker/models/ops.py),
 chosen once outside the model: torch's, or the CPU backend's (fp32 activations, norms and KV cache
@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
 class LayerWeights(NamedTuple):
     """A decoder layer's tensors by role; a missing bias or norm is None."""
 
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden]; None: norms on the outputs only (OLMo 2/3, Exaone 4)
     qkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
     q_norm: torch.Tensor | None  # [D] Qwen3 ([Hq D] OLMoE)
@@ -81,19 +81,22 @@ class ModelWeights(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    """One body for every family: what differs (norms and their offset, the sandwich, q/k norms,
-    attention's window, scale and soft-cap, GeGLU or SwiGLU, experts or dense, a recurrent mixer, Granite's
-    residual multiplier) is read from the layer's frozen spec (coreserve/worker/models/layer_spec.py)."""
+    """One body for every family: what differs (norms and their offset, the sandwich or the outputs' norms alone,
+    q/k norms, attention's window, scale and soft-cap, GeGLU or SwiGLU, experts or dense, a recurrent mixer,
+    Granite's residual multiplier) is read from the layer's frozen spec
+    (coreserve/worker/models/layer_spec.py)."""
 
     def __init__(self, args: DecoderArgs, index: int = 0) -> None:
         super().__init__()
         self.args, self.spec = args, args.layers[index]
         spec, eps, hidden = self.spec, args.rms_norm_eps, args.hidden_size
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.input_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
+        if spec.has_pre_norms:  # OLMo 2/3, Exaone 4: norms on the outputs only
+            self.input_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
         self.post_attention_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
         if spec.has_sandwich_norms:  # post_attention_layernorm is then on the attention's output
-            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
+            if spec.has_pre_norms:
+                self.pre_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, spec.norm_offset)
         # A recurrent mixer in place of attention (Qwen3.5's linear_attention layers, LFM2's conv layers,
         # Granite's mamba layers): no q/k/v, no KV cache, a state slot a sequence
@@ -129,7 +132,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; this step's K and V written to `cache` (a recurrent layer's
         cache: its state slots, each sequence's advanced by its tokens)."""
-        spec, normed = self.spec, ops.rms_norm(self.input_layernorm, x)
+        spec = self.spec
+        normed = ops.rms_norm(self.input_layernorm, x) if spec.has_pre_norms else x
         if spec.mixer == "attention":
             attn_out = ops.sum_over_ranks(self._attention(normed, rope, cache, meta, ops))
         else:
@@ -139,8 +143,11 @@ class DecoderLayer(nn.Module):
         pre_mlp_norm = self.post_attention_layernorm
         if spec.has_sandwich_norms:
             attn_out = ops.rms_norm(self.post_attention_layernorm, attn_out)
-            pre_mlp_norm = self.pre_feedforward_layernorm
-        x, normed = ops.add_rms_norm(pre_mlp_norm, x, attn_out)
+            pre_mlp_norm = self.pre_feedforward_layernorm if spec.has_pre_norms else None
+        if pre_mlp_norm is None:  # the MLP reads the residual stream as it is (OLMo 2/3, Exaone 4)
+            x = normed = x + attn_out
+        else:
+            x, normed = ops.add_rms_norm(pre_mlp_norm, x, attn_out)
         mlp_out = ops.sum_over_ranks(self._mlp(normed, ops))
         if spec.has_sandwich_norms:
             mlp_out = ops.rms_norm(self.post_feedforward_layernorm, mlp_out)
@@ -194,14 +201,15 @@ class DecoderLayer(nn.Module):
         has_qk_norm = self.spec.qk_norm is not None
         dense = self.moe is None
         return LayerWeights(
-            self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
+            self.input_layernorm.weight if self.spec.has_pre_norms else None, self.qkv_proj.weight,
+            self.qkv_proj.bias,
             self.q_norm.weight if has_qk_norm else None, self.k_norm.weight if has_qk_norm else None,
             self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
             self.gate_up_proj.weight if dense else None, self.down_proj.weight if dense else None,
         )
 
     def _norm_qk(self, qkv: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        """Qwen3: RMSNorm over each head of q and k (OLMoE: over all of q and all of k, torch's), before
+        """Qwen3: RMSNorm over each head of q and k (OLMoE, OLMo 2/3: over all of q and all of k, torch's), before
         RoPE; qkv [T, (Hq + 2 Hkv) D] stays whole. The per-head norms are the ops', a row [T H, D] a head:
         the fused decode forward norms each head with the same C, so a token's bits do not depend on
         which path its step took (batch invariance)."""

@@ -1,6 +1,7 @@
-"""The families this engine runs, one table entry each: what a family's config.json means beyond
-Llama's (biases, q/k norms, windows, Gemma's norms and soft-caps, experts, recurrent mixers, Granite's
-multipliers), as rules that coreserve/worker/models/layer_spec.py and config.py read (engine-core process).
+"""The families this engine runs, one table entry each: what a family's config.json means beyond Llama's
+(biases, q/k norms, windows, Gemma's norms and soft-caps, OLMo's norms on the outputs only, NoPE layers,
+experts, recurrent mixers, Granite's multipliers), as rules that coreserve/worker/models/layer_spec.py and
+config.py read (engine-core process).
 The only place a family is named: a new family is an entry here, its weight names in the loaders, and its
 tests.
 """
@@ -46,10 +47,15 @@ class Family:
     activation: str = SILU
     norm_offset: float = 0.0  # RMSNorm scales by offset + weight (Gemma: 1)
     has_sandwich_norms: bool = False  # norms on attention's and the MLP's outputs too (Gemma)
+    has_pre_norms: bool = True  # norms before attention and the MLP (OLMo 2/3, Exaone 4: none, their outputs' only)
     scales_embedding: bool = False  # the embedding times sqrt(hidden) (Gemma)
     has_softcaps: bool = False  # attention and final soft-caps, query_pre_attn_scalar (Gemma 2/3)
     rope_per_kind: bool = False  # rope_parameters may hold one RoPE per kind of layer (Gemma)
-    has_local_rope_base: bool = False  # rope_local_base_freq: the sliding layers' own RoPE (Gemma 3)
+    # the sliding layers' own default RoPE where rope_parameters has none a kind: (the config key of its base,
+    # HF's default base): Gemma 3's rope_local_base_freq; OLMo 3's none (HF gives rope_theta and rope_scaling to
+    # the global layers alone, the sliding ones its default base)
+    local_rope_base: tuple[str | None, float] | None = None
+    nope: str = "none"  # NoPE layers: "listed" (SmolLM3's no_rope_layers), "global" (Exaone 4's, windows given)
     ties_by_default: bool = False  # tie_word_embeddings when config.json leaves it out
     moe: MoeRule | None = None
     recurrent: str | None = None  # the mixer of layer_types' `recurrent_layer` layers (GATED_DELTANET, ...)
@@ -90,6 +96,7 @@ _GEMMA = dict(
     window="layers", layer_types=frozenset({FULL, SLIDING}), activation=GELU_TANH, norm_offset=1.0,
     has_sandwich_norms=True, scales_embedding=True, has_softcaps=True, rope_per_kind=True, ties_by_default=True,
 )
+_OLMO = dict(reads_attention_bias=True, qk_norm="whole", has_sandwich_norms=True, has_pre_norms=False)
 # HF architecture -> its family
 FAMILIES = {
     "LlamaForCausalLM": Family("llama", reads_attention_bias=True),
@@ -107,7 +114,27 @@ FAMILIES = {
     "Gemma2ForCausalLM": Family("gemma2", layer_pattern=2, **_GEMMA),
     "Gemma3ForCausalLM": Family(
         "gemma3", qk_norm="head", layer_pattern=6, layer_pattern_key="sliding_window_pattern",
-        has_local_rope_base=True, **_GEMMA,
+        local_rope_base=("rope_local_base_freq", 10000.0), **_GEMMA,
+    ),
+    # OLMo 2: norms on attention's and the MLP's outputs only, q/k norms over the whole projections
+    "Olmo2ForCausalLM": Family("olmo2", **_OLMO),
+    # OLMo 3: OLMo 2's layers, three sliding-window layers in four; the global layers' RoPE scaling (YaRN) theirs
+    "Olmo3ForCausalLM": Family(
+        "olmo3", window="layers", layer_pattern=4, layer_types=frozenset({FULL, SLIDING}), rope_per_kind=True,
+        local_rope_base=(None, 500000.0), defaults=(("rope_theta", 500000.0), ("sliding_window", 4096)),
+        **_OLMO,
+    ),
+    # SmolLM3: Llama's layers, no RoPE where no_rope_layers[i] is 0 (every fourth layer by default), tied
+    "SmolLM3ForCausalLM": Family(
+        "smollm3", reads_attention_bias=True, refuses_use_sliding_window=True, nope="listed", ties_by_default=True,
+        defaults=(("rope_theta", 2000000.0),),
+    ),
+    # Exaone 4: norms on the outputs only, per-head q/k norms; local layers (a window, RoPE) and global ones
+    # (no window, and no RoPE where the model has windows)
+    "Exaone4ForCausalLM": Family(
+        "exaone4", qk_norm="head", has_sandwich_norms=True, has_pre_norms=False, window="layers", layer_pattern=4,
+        layer_pattern_key="sliding_window_pattern", layer_types=frozenset({FULL, SLIDING}), nope="global",
+        defaults=(("sliding_window", 4096),),
     ),
     # Qwen3.5 (dense): three Gated DeltaNet layers in four, output-gated attention on a quarter of each head
     # rotated; its hub folders are vision-language ones, the decoder in text_config (the vision tower and

@@ -1,7 +1,8 @@
 """What each decoder layer computes, read once from config.json under its family's rules
 (coreserve/worker/models/family.py) into a frozen `LayerSpec`: its norms, attention (window, scale, soft-cap),
-RoPE, q/k norms and MLP (engine-core process). The one layer body (coreserve/worker/models/decoder.py) and the
-fused decode forward's descriptors (coreserve/worker/cpu/fused_decode.py) read these specs, never a family.
+RoPE (or NoPE: SmolLM3's listed layers, Exaone 4's global ones), q/k norms and MLP (engine-core process). The
+one layer body (coreserve/worker/models/decoder.py) and the fused decode forward's descriptors
+(coreserve/worker/cpu/fused_decode.py) read these specs, never a family.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coreserve.worker.models.family import FULL, LINEAR, SHORT_CONV, SILU, SLIDING, Family
-from coreserve.worker.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec
+from coreserve.worker.models.rope import NO_ROPE, SUPPORTED_ROPE_TYPES, RopeSpec
 from coreserve.worker.step.attention import AttentionSpec
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     attention: AttentionSpec
-    rope: RopeSpec  # this layer's RoPE (Gemma 3's sliding layers have their own)
+    rope: RopeSpec  # this layer's RoPE (Gemma 3's sliding layers have their own; NO_ROPE: none)
     norm_offset: float  # every RMSNorm of the layer scales by offset + weight (0, or Gemma's 1)
     has_sandwich_norms: bool  # norms on attention's and the MLP's outputs before the residual adds them
     qk_norm: str | None  # "head": each head of q and k, before RoPE; "whole": all of q, all of k; None
@@ -26,6 +27,7 @@ class LayerSpec:
     mixer: str = "attention"  # or GATED_DELTANET, SHORT_CONV, MAMBA2: a recurrent mixer, no KV cache
     has_output_gate: bool = False  # attention's output times sigmoid(gate) before o_proj (Qwen3.5)
     residual_multiplier: float | None = None  # Granite: residual + out * multiplier, the mixer's and the MLP's
+    has_pre_norms: bool = True  # norms on attention's and the MLP's inputs (OLMo 2/3, Exaone 4: the outputs' only)
 
     @property
     def is_llama_shaped(self) -> bool:
@@ -34,7 +36,7 @@ class LayerSpec:
             self.attention.scale is None and self.attention.softcap is None and not self.norm_offset
             and not self.has_sandwich_norms and self.qk_norm in (None, "head") and self.clip_qkv is None
             and self.activation == SILU and not self.is_moe and self.mixer == "attention"
-            and not self.has_output_gate and self.residual_multiplier is None
+            and not self.has_output_gate and self.residual_multiplier is None and self.has_pre_norms
         )
 
 
@@ -45,6 +47,8 @@ def layer_specs(
     with a dense MLP."""
     windows = _windows(config, family)
     local_rope = _local_rope(config, family, head_dim, max_positions)
+    nope = nope_layers(config, family, windows)
+    assert not (nope and local_rope is not None), "DecoderModel holds two RoPE tables: the model's and one other"
     scale, softcap = None, None
     if family.has_softcaps:
         scale = float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5
@@ -57,7 +61,7 @@ def layer_specs(
     return tuple(
         LayerSpec(
             attention=AttentionSpec(window, scale, softcap),
-            rope=local_rope if local_rope is not None and window is not None else rope,
+            rope=_layer_rope(rope, local_rope if window is not None else None, i in nope),
             norm_offset=family.norm_offset,
             has_sandwich_norms=family.has_sandwich_norms,
             qk_norm=family.qk_norm,
@@ -67,9 +71,37 @@ def layer_specs(
             mixer=family.recurrent if family.recurrent and kinds[i] == family.recurrent_layer else "attention",
             has_output_gate=family.has_output_gate,
             residual_multiplier=None if residual == 1 else residual,
+            has_pre_norms=family.has_pre_norms,
         )
         for i, window in enumerate(windows)
     )
+
+
+def _layer_rope(rope: RopeSpec, local: RopeSpec | None, is_nope: bool) -> RopeSpec:
+    """A layer's RoPE: none (NoPE), the sliding layers' own, or the model's."""
+    if is_nope:
+        return RopeSpec(NO_ROPE, rope.theta, rope.head_dim, rope.max_position_embeddings)
+    return local if local is not None else rope
+
+
+def nope_layers(config: dict, family: Family, windows: list[int | None]) -> set[int]:
+    """The layers without RoPE. SmolLM3: no_rope_layers[i] 0 (HF's use_rope = no_rope_layers[i]), by default
+    every no_rope_layer_interval-th layer; Exaone 4: its global layers, where the model has windows (HF
+    rotates every layer where sliding_window is null)."""
+    num_layers = config["num_hidden_layers"]
+    if family.nope == "global":
+        return {i for i, window in enumerate(windows) if window is None} if config.get("sliding_window") else set()
+    if family.nope != "listed":
+        return set()
+    listed = config.get("no_rope_layers")
+    if listed is None:
+        interval = config.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"no_rope_layer_interval={interval!r} must be a positive integer")
+        return {i for i in range(num_layers) if (i + 1) % interval == 0}
+    if not isinstance(listed, list) or len(listed) != num_layers or any(v not in (0, 1) for v in listed):
+        raise ValueError(f"no_rope_layers must list 1 (RoPE) or 0 (none) for each of the {num_layers} layers")
+    return {i for i, uses_rope in enumerate(listed) if not uses_rope}
 
 
 def multiplier(config: dict, key: str) -> float:
@@ -115,8 +147,12 @@ def _windows(config: dict, family: Family) -> list[int | None]:
     if not kinds:  # older configs: every pattern-th layer global, from a local one
         key = family.layer_pattern_key
         pattern = config.get(key, family.layer_pattern) if key else family.layer_pattern
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"{key}={pattern!r} must be a positive integer where layer_types is not given")
         kinds = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
     window = config.get("sliding_window")
+    if window is None and SLIDING in kinds:
+        raise ValueError("sliding_attention layers need a sliding_window (config.json's is null)")
     return [window if kind == SLIDING else None for kind in kinds]
 
 
@@ -133,9 +169,10 @@ def _local_rope(config: dict, family: Family, head_dim: int, max_positions: int)
     params = config.get("rope_parameters") or {}
     if family.rope_per_kind and SLIDING in params:
         return rope_spec({**config, "rope_parameters": params[SLIDING]}, head_dim, max_positions)
-    if family.has_local_rope_base:
-        base = float(config.get("rope_local_base_freq", 10000.0))
-        return RopeSpec("default", base, head_dim, max_positions, {})
+    if family.local_rope_base is not None:
+        key, default = family.local_rope_base
+        base = config.get(key, default) if key is not None else default
+        return RopeSpec("default", float(base), head_dim, max_positions, {})
     return None
 
 

@@ -106,7 +106,8 @@ def load_model(
         raise ValueError("tensor_parallel_size > 1 with a hybrid model (recurrent layers, Qwen3.5) is not built")
     if shard is not None and any(spec.qk_norm == "whole" for spec in args.layers):
         raise ValueError(
-            "tensor_parallel_size > 1 with OLMoE (its q/k norms span every head, across the ranks) is not built"
+            "tensor_parallel_size > 1 with OLMoE, OLMo 2 or OLMo 3 (their q/k norms span every head, across the "
+            "ranks) is not built"
         )
     keeps_blocks = dtype == "auto" and is_gguf(model_dir)  # GGUF's default: its quantization kept
     dtype = _weights_dtype(args, model_dir, dtype, device)
