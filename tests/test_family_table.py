@@ -128,7 +128,8 @@ def test_olmo3_older_config_keeps_its_rope_scaling_to_the_global_layers():
 def test_smollm3_layers_listed_0_in_no_rope_layers_take_no_rope():
     args = DecoderArgs.from_hf_config(_small("SmolLM3ForCausalLM", no_rope_layers=[1, 0, 1, 1]))
     assert [s.rope.rope_type for s in args.layers] == ["default", "none", "default", "default"]
-    assert args.rope.theta == 2000000.0 and args.tie_word_embeddings and not args.is_llama_shaped
+    assert args.rope.theta == 2000000.0 and args.tie_word_embeddings
+    assert args.is_llama_shaped  # the fused decode step takes its NoPE layers
     by_interval = DecoderArgs.from_hf_config(_small("SmolLM3ForCausalLM", no_rope_layer_interval=2))
     assert [s.rope.rope_type for s in by_interval.layers] == ["default", "none", "default", "none"]
 

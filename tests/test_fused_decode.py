@@ -1,6 +1,6 @@
 """The fused decode forward (coreserve/worker/cpu/fused_decode.py, coreserve/worker/cpu/csrc/decode_forward.c) against the op-by-op path
 of the same model on the same paged cache: bit for bit, for every family's features (q/k/v and o
-biases, sliding window, tied embeddings, Qwen3's per-head q/k norms), fp32 and bf16
+biases, sliding window, tied embeddings, Qwen3's per-head q/k norms, SmolLM3's NoPE layers), fp32 and bf16
 weights, with and without the bf16 dot instruction, one row and many; and its lm_head products equal
 compute_logits' on the same hidden states."""
 
@@ -21,8 +21,8 @@ from coreserve.worker.step.input_batch import RequestState, build_step_inputs
 
 BLOCK_SIZE = 8
 # llama3.1 carries q/k/v and o biases, mistral a window of 24 (the prompts cross it), qwen2 q/k/v
-# biases and tied embeddings, qwen3 per-head q/k norms
-FAMILIES = ["llama3.1", "mistral", "qwen2", "qwen3"]
+# biases and tied embeddings, qwen3 per-head q/k norms, smollm3 a layer without RoPE
+FAMILIES = ["llama3.1", "mistral", "qwen2", "qwen3", "smollm3"]
 
 
 @pytest.fixture(scope="module")

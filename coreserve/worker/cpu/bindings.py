@@ -19,7 +19,7 @@ class LayerDesc(ctypes.Structure):
                                   "post_norm", "gate_up", "down", "key_cache", "value_cache")),
         *((name, _I64) for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate",
                                     "num_slots", "is_bf16", "window", "qkv_type", "o_type", "gate_up_type",
-                                    "down_type")),
+                                    "down_type", "is_nope")),
     ]
 
 

@@ -27,6 +27,7 @@ from coreserve.worker.cpu.quant_linear import part_array_address
 from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.models.decoder import LayerWeights, ModelWeights
 from coreserve.worker.models.quantized import QUANT_PARTS, ggml_type_of
+from coreserve.worker.models.rope import NO_ROPE
 from coreserve.worker.step.input_batch import StepInputs
 
 FUSED_MAX_ROWS = GEMV_MAX_ROWS  # the few-row products' range: past it prefill-sized products win
@@ -188,7 +189,7 @@ def _is_bf16(layers: list[LayerWeights]) -> int:
 
 def layer_desc(w: LayerWeights, cache: torch.Tensor, a: DecoderArgs, index: int, is_bf16: int) -> LayerDesc:
     """Layer `index`'s struct layer_desc over its `cache` [2, Hkv, slots, D] float32; its window is its
-    spec's (AttentionSpec.window, 0: none), as the op-by-op attention reads it."""
+    spec's (AttentionSpec.window, 0: none), as the op-by-op attention reads it, and so is its NoPE."""
     products = (w.qkv, w.o, w.gate_up, w.down)
     assert _can_read([w]) and all(p.is_contiguous() for p in products)
     assert cache.is_contiguous() and cache.dtype == torch.float32
@@ -202,6 +203,7 @@ def layer_desc(w: LayerWeights, cache: torch.Tensor, a: DecoderArgs, index: int,
         intermediate=a.intermediate_size, num_slots=cache.shape[2],
         is_bf16=is_bf16, window=a.layers[index].attention.window or 0, qkv_type=ggml_type_of(w.qkv), o_type=ggml_type_of(w.o),
         gate_up_type=ggml_type_of(w.gate_up), down_type=ggml_type_of(w.down),
+        is_nope=int(a.layers[index].rope.rope_type == NO_ROPE),
     )
 
 

@@ -125,9 +125,9 @@ class DecoderArgs:
     @property
     def is_llama_shaped(self) -> bool:
         """Whether decode_forward.c reads this model: every layer computes what it does, on one RoPE
-        that rotates every feature of a head."""
+        that rotates every feature of a head, or none (SmolLM3's NoPE layers)."""
         return (
-            all(s.is_llama_shaped and s.rope == self.rope for s in self.layers)
+            all(s.is_llama_shaped and (s.rope == self.rope or s.rope.rope_type == NO_ROPE) for s in self.layers)
             and self.embed_scale is None and self.final_softcap is None and not self.norm_offset
             and self.moe is None and self.rope.head_dim == self.head_dim and self.rope.rope_type != NO_ROPE
             and self.embedding_multiplier is None and self.logits_scaling is None

@@ -11,7 +11,8 @@
  * (kernel_parts.h), so the numbers are those of the op-by-op path bit for bit (Qwen3's per-head q/k
  * norms too: the op-by-op path norms each head with rms_norm_token as well).
  *
- * A layer: h = x + o(attention(rope(qkv(norm(x))))); out = h + down(silu(gate(norm(h))) * up(...)).
+ * A layer: h = x + o(attention(rope(qkv(norm(x))))); out = h + down(silu(gate(norm(h))) * up(...)); a NoPE
+ * layer's q and k are not rotated.
  */
 #include <omp.h>
 #include <stddef.h>
@@ -121,9 +122,10 @@ static void attention_half(const struct model_desc *model, const struct layer_de
     for (int64_t t = 0; t < T; t++) {
         if (q_norm) norm_heads(b->qkv + t * s->qkv_size, q_norm, k_norm, s->num_q, s->num_kv, s->head_dim, eps);
         float c[D], signed_s[D];
-        rope_rows(model->cos + positions[t] * (D / 2), model->sin + positions[t] * (D / 2), D, c, signed_s);
-        rope_write_kv_token(b->qkv, c, signed_s, step->slots, t, s->num_q, s->num_kv, s->head_dim, b->q, b->k,
-                            layer->key_cache, layer->value_cache, num_slots);
+        if (!layer->is_nope)
+            rope_rows(model->cos + positions[t] * (D / 2), model->sin + positions[t] * (D / 2), D, c, signed_s);
+        rope_write_kv_token(b->qkv, layer->is_nope ? NULL : c, signed_s, step->slots, t, s->num_q, s->num_kv,
+                            s->head_dim, b->q, b->k, layer->key_cache, layer->value_cache, num_slots);
     }
 #pragma omp for schedule(dynamic, 1) collapse(2)
     for (int64_t i = 0; i < T; i++)
@@ -296,7 +298,7 @@ static const struct {
     FIELD(layer_desc, num_q_heads), FIELD(layer_desc, num_kv_heads), FIELD(layer_desc, head_dim),
     FIELD(layer_desc, intermediate), FIELD(layer_desc, num_slots), FIELD(layer_desc, is_bf16),
     FIELD(layer_desc, window), FIELD(layer_desc, qkv_type), FIELD(layer_desc, o_type),
-    FIELD(layer_desc, gate_up_type), FIELD(layer_desc, down_type),
+    FIELD(layer_desc, gate_up_type), FIELD(layer_desc, down_type), FIELD(layer_desc, is_nope),
     SIZE(model_desc), FIELD(model_desc, embed), FIELD(model_desc, embed_is_bf16), FIELD(model_desc, final_norm),
     FIELD(model_desc, cos), FIELD(model_desc, sin), FIELD(model_desc, num_layers),
     FIELD(model_desc, layers), FIELD(model_desc, embed_quant_type), FIELD(model_desc, lm_head),

@@ -29,6 +29,7 @@ struct layer_desc {
     /* each product's weights are GGUF blocks of this ggml type; 0: floats (fp32, or bf16 by is_bf16);
      * QUANT_PARTS (kernel_parts.h): runs of rows of different types, and the pointer their array */
     int64_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t is_nope;          /* no RoPE in this layer (SmolLM3's listed layers): q and k as the product gives them */
 };
 
 /* What every step of one model shares. */

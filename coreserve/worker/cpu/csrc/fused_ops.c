@@ -26,8 +26,12 @@ void rope_write_kv_token(const float *qkv, const float *c, const float *s, const
         const float *x = row + h * head_dim;
         float *out = h < num_q_heads ? q_out + (t * num_q_heads + h) * head_dim
                                      : k_out + (t * num_kv_heads + h - num_q_heads) * head_dim;
-        for (int i = 0; i < half; i++) out[i] = x[i] * c[i] + x[i + half] * s[i];
-        for (int i = half; i < head_dim; i++) out[i] = x[i] * c[i] + x[i - half] * s[i];
+        if (!c) { /* NoPE: q and k as they are */
+            memcpy(out, x, sizeof(float) * head_dim);
+        } else {
+            for (int i = 0; i < half; i++) out[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (int i = half; i < head_dim; i++) out[i] = x[i] * c[i] + x[i - half] * s[i];
+        }
         if (h >= num_q_heads)
             memcpy(key_cache + ((int64_t)(h - num_q_heads) * num_slots + slots[t]) * head_dim, out,
                    sizeof(float) * head_dim);

@@ -18,7 +18,8 @@ static inline uint16_t to_bf16(float value) {
 }
 
 /* fused_ops.c: token t of RMSNorm (of x + delta, written to sum_out, when delta is given), of
- * silu(gate) * up, and of RoPE (c, s: the token's cos and signed sin rows) with the KV-cache write. */
+ * silu(gate) * up, and of RoPE (c, s: the token's cos and signed sin rows; c NULL: none, NoPE) with the
+ * KV-cache write. */
 void rms_norm_token(const float *x, const float *delta, int64_t t, int64_t hidden, const float *weight,
                     float eps, float *sum_out, float *out);
 void silu_mul_token(const float *gate_up, int64_t t, int64_t intermediate, float *out);
