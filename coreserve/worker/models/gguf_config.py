@@ -7,13 +7,15 @@ MistralForCausalLM as transformers makes it; with experts, Mixtral), `qwen2`, `q
 `phi3` (LongRoPE's factors are tensors in the file), `gemma2`, `gemma3`, `qwen35` (Qwen3.5: its Gated
 DeltaNet's keys read in coreserve/worker/models/gguf_recurrent.py; the layers of a multi-token-prediction
 head, `nextn_predict_layers` blocks past the model's, are not the model's), `lfm2` (LFM2: its conv layers
-marked by a KV head count of 0, read there too) and `granitehybrid` (Granite 4.0-H: its Mamba2 layers marked
-so too, its multipliers and NoPE, read there). What llama.cpp leaves out of the metadata, it fixes in its
-code, and so here: Qwen3-MoE and Mixtral renormalise the top-k, OLMoE does not; Gemma's query scale is the
-head size's except for the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden / heads); Gemma 2
-alternates local and global layers, Gemma 3 has 5 local to 1 global with a local RoPE base of 10000
-(`GGUF_ARCHS`, one entry of rules per architecture, the only place one is named). Anything else, and any key
-that changes the math (RoPE frequencies stored as a tensor, other RoPE scalings), is a ValueError naming it.
+marked by a KV head count of 0, read there too), `granitehybrid` (Granite 4.0-H: its Mamba2 layers marked so
+too, its multipliers and NoPE, read there), `olmo2` (OLMo 2; OLMo 3 where it has windows), `smollm3` and
+`exaone4` (their window layers read in coreserve/worker/models/gguf_windows.py). What llama.cpp leaves out of
+the metadata, it fixes in its code, and so here: Qwen3-MoE and Mixtral renormalise the top-k, OLMoE does not;
+Gemma's query scale is the head size's except for the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden
+/ heads); Gemma 2 alternates local and global layers, Gemma 3 has 5 local to 1 global with a local RoPE base
+of 10000 (`GGUF_ARCHS`, one entry of rules per architecture, the only place one is named). Anything else, and
+any key that changes the math (RoPE frequencies stored as a tensor, other RoPE scalings), is a ValueError
+naming it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from coreserve.worker.models.gguf_recurrent import (
     mamba2_keys,
     short_conv_keys,
 )
+from coreserve.worker.models.gguf_windows import window_keys
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class GgufArch:
     tiles_value_heads: bool = False  # their value heads tiled, not grouped by key head (Qwen3.5: gguf_recurrent.py)
     has_short_conv: bool = False  # LFM2's conv layers: head_count_kv one a layer, 0 for a conv layer
     has_mamba2: bool = False  # Granite 4.0-H's Mamba2 layers (ssm.* keys), marked as LFM2's conv layers
+    with_windows: tuple[str, str] | None = None  # (architecture, model_type) where the file has windows (OLMo 3)
+    has_window_layers: bool = False  # sliding-window layers by attention.sliding_window_pattern (gguf_windows.py)
+    has_local_rope: bool = False  # the sliding layers rotate at rope.freq_base_swa, unscaled (OLMo 3)
 
 
 _GEMMA = dict(activation="gelu_pytorch_tanh", norms_plus_one=True)
@@ -83,6 +89,15 @@ GGUF_ARCHS = {
     "granitehybrid": GgufArch(
         "GraniteMoeHybridForCausalLM", "granitemoehybrid", interleaved_qk=True, has_mamba2=True,
     ),
+    # OLMo 2, and OLMo 3 where the file has windows
+    "olmo2": GgufArch(
+        "Olmo2ForCausalLM", "olmo2", with_windows=("Olmo3ForCausalLM", "olmo3"), has_window_layers=True,
+        has_local_rope=True,
+    ),
+    # llama's layout; no RoPE on every fourth layer, fixed in llama.cpp's code as in HF's default no_rope_layers
+    "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", interleaved_qk=True, head_dim_from_rope=True),
+    # its windows read at any depth (llama.cpp applies them at 64 layers, the 32B's, alone: docs/models.md)
+    "exaone4": GgufArch("Exaone4ForCausalLM", "exaone4", has_window_layers=True),
 }
 # `<arch>.KEY` -> config.json key
 _KEYS = {
@@ -117,10 +132,12 @@ def gguf_architecture(header: GGUFHeader) -> str:
     return arch
 
 
-def _hf_architecture(rules: GgufArch, meta: dict, has_experts: bool) -> tuple[str, str]:
-    """(HF architecture, model_type): llama.cpp writes Mistral and Mixtral as `llama`."""
+def _hf_architecture(rules: GgufArch, meta: dict, has_experts: bool, has_windows: bool) -> tuple[str, str]:
+    """(HF architecture, model_type): llama.cpp writes Mistral and Mixtral as `llama`, OLMo 3 as `olmo2`."""
     if has_experts and rules.with_experts is not None:
         return rules.with_experts
+    if has_windows and rules.with_windows is not None:
+        return rules.with_windows
     if rules.by_name is not None and rules.by_name[0] in str(meta.get("general.name", "")).lower():
         return rules.by_name[1:]
     return rules.architecture, rules.model_type
@@ -146,7 +163,8 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     rules = GGUF_ARCHS[arch]
     if rules.has_short_conv or rules.has_mamba2:  # head_count_kv one a layer, 0 for a recurrent layer
         config["num_key_value_heads"] = attention_kv_heads(header, arch)
-    architecture, model_type = _hf_architecture(rules, meta, bool(config.get("num_experts")))
+    has_windows = bool(config.get("sliding_window")) and rules.has_window_layers
+    architecture, model_type = _hf_architecture(rules, meta, bool(config.get("num_experts")), has_windows)
     has_bias = any(name.endswith(".attn_q.bias") for name in names)  # a hybrid's layer 0 has no attention
     config.update(
         architectures=[architecture],
@@ -165,7 +183,10 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     config.update(_family_keys(header, arch, config))
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     config.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})  # checked
-    return {k: (v.item() if hasattr(v, "item") else v) for k, v in config.items() if v is not None}
+    kept = {k: (v.item() if hasattr(v, "item") else v) for k, v in config.items() if v is not None}
+    if rules.has_window_layers and not has_windows:  # none: not the HF config's default window
+        kept["sliding_window"] = None
+    return kept
 
 
 def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
@@ -205,6 +226,8 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
     if rules.has_local_layers:
         keys["sliding_window_pattern"] = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6))
         keys["rope_local_base_freq"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    if rules.has_window_layers:
+        keys.update(window_keys(header, arch, config, rules.has_local_rope))
     if rules.has_shared_expert:  # checked as config.json's key is (coreserve/worker/models/config.py)
         keys["shared_expert_intermediate_size"] = meta.get(f"{arch}.expert_shared_feed_forward_length")
     if rules.has_linear_attention:

@@ -1,0 +1,86 @@
+"""GGUF files of issue 65's attention families as llama.cpp's own converter writes them (its convert_hf_to_gguf.py,
+run in a subprocess from the folder scripts/setup.sh extracts, kept by their input's digest) from the random family
+models: `olmo2` (OLMo 2; OLMo 3 too, whose file is an olmo2 one with sliding-window keys), `smollm3` (llama's
+layout, q/k rows interleaved, its NoPE layer fixed in llama.cpp's code) and `exaone4`. The f32 file gives HF
+transformers' logprobs on the folder, its config read back as the folder's (layer kinds, the sliding layers' own
+RoPE, no window where the file has none); the Q8_0 file kept in its blocks gives the bits of the same file
+dequantized, alone and batched; a window pattern that does not fit is a ValueError naming its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import load_hf
+from test_gguf_hybrid import (
+    assert_blocks_give_fp32s_bits,
+    assert_gives_hfs_logprobs,
+    convert,
+    needs_converter,
+    run,
+)
+
+from coreserve.protocol.gguf_header import read_gguf_header
+from coreserve.worker.models.gguf_config import hf_config_from_gguf
+from coreserve.worker.models.loader import read_config
+
+SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
+# family -> (the HF architecture its file reads back as, its layer_types, its sliding_window)
+EXPECTED = {
+    "olmo2": ("Olmo2ForCausalLM", None, None),
+    "olmo3": ("Olmo3ForCausalLM", SLIDING_THEN_FULL, 24),
+    "smollm3": ("SmolLM3ForCausalLM", None, None),
+    "exaone4": ("Exaone4ForCausalLM", SLIDING_THEN_FULL, 24),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(family_model, tmp_path_factory):
+    """converted(family) -> {"f32": ..., "q8_0": ...}: the family folder's files, written by the converter at once."""
+    made: dict[str, dict[str, str]] = {}
+
+    def get(family: str) -> dict[str, str]:
+        if family not in made:
+            source = Path(family_model(family))
+            made[family] = convert({"f32": (source, []), "q8_0": (source, [])}, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return get
+
+
+@needs_converter
+@pytest.mark.parametrize("family", list(EXPECTED))
+def test_converted_gguf_gives_hfs_logprobs_and_its_blocks_their_dequantizations_bits(family, converted, family_model):
+    if family == "smollm3" and importlib.util.find_spec("sentencepiece") is None:
+        pytest.skip("llama.cpp's converter imports sentencepiece for llama's layout (pip install -e '.[test]')")
+    files = converted(family)
+    config = read_config(files["f32"])
+    architecture, layer_types, window = EXPECTED[family]
+    assert config["architectures"] == [architecture] and config.get("layer_types") == layer_types
+    assert config.get("sliding_window") == window
+    if family == "olmo3":  # the sliding layers' own base, unscaled; the global layers' YaRN
+        assert config["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+        assert config["rope_parameters"]["full_attention"]["rope_type"] == "yarn"
+    outputs, _ = run(files["f32"], "float32", alone=False)
+    assert_gives_hfs_logprobs(outputs, load_hf(family_model(family)))
+    assert_blocks_give_fp32s_bits(files["q8_0"], {"layers.0.qkv_proj", "layers.1.gate_up_proj", "layers.1.o_proj"})
+
+
+@needs_converter
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("attention.sliding_window_pattern", np.array([True, False, True]), "a bool for each of the 2 layers"),
+        ("attention.sliding_window_pattern", 0, "must be a positive integer"),
+        ("rope.freq_base_swa", -1.0, "must be a positive number"),
+    ],
+)
+def test_bad_window_keys_are_value_errors_naming_them(converted, key, value, words):
+    header = read_gguf_header(converted("olmo3")["f32"])
+    metadata = {**header.metadata, f"olmo2.{key}": value}
+    with pytest.raises(ValueError, match=f"olmo2.{key}.*{words}"):
+        hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))
