@@ -143,6 +143,13 @@ def test_exaone4_global_layers_take_no_rope_where_the_model_has_windows():
         (None, "default")}
 
 
+@pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+def test_gemma_without_a_sliding_window_key_takes_hfs_default(architecture):
+    """HF's Gemma 2 and 3 config classes default sliding_window to 4096 where the key is absent."""
+    args = DecoderArgs.from_hf_config(_small(architecture, head_dim=16, layer_types=None))
+    assert {s.attention.window for s in args.layers} - {None} == {4096}  # a local layer at least
+
+
 @pytest.mark.parametrize(
     "architecture, keys, message",
     [

@@ -95,6 +95,7 @@ _QWEN3_5 = dict(
 _GEMMA = dict(
     window="layers", layer_types=frozenset({FULL, SLIDING}), activation=GELU_TANH, norm_offset=1.0,
     has_sandwich_norms=True, scales_embedding=True, has_softcaps=True, rope_per_kind=True, ties_by_default=True,
+    defaults=(("sliding_window", 4096),),  # HF's Gemma 2 and 3 config classes', where the key is absent
 )
 _OLMO = dict(reads_attention_bias=True, qk_norm="whole", has_sandwich_norms=True, has_pre_norms=False)
 # HF architecture -> its family

@@ -30,7 +30,7 @@ from coreserve.worker.models.gguf_recurrent import (
     mamba2_keys,
     short_conv_keys,
 )
-from coreserve.worker.models.gguf_windows import window_keys
+from coreserve.worker.models.gguf_windows import layer_kinds, window_keys
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
         is_27b = layers == rules.big_query_scale_layers
         keys["query_pre_attn_scalar"] = hidden // heads if is_27b else config.get("head_dim", hidden // heads)
     if rules.has_local_layers:
-        keys["sliding_window_pattern"] = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6))
+        keys["layer_types"] = layer_kinds(header, arch, config["num_hidden_layers"], 6)  # an int or a bool a layer
         keys["rope_local_base_freq"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
     if rules.has_window_layers:
         keys.update(window_keys(header, arch, config, rules.has_local_rope))

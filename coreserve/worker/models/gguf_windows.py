@@ -20,7 +20,7 @@ def window_keys(header: GGUFHeader, arch: str, config: dict, has_local_rope: boo
     window = config.get("sliding_window")  # checked as config.json's (config_checks.py)
     if not window:
         return {"sliding_window": None}
-    kinds = _layer_kinds(header, arch, config["num_hidden_layers"])
+    kinds = layer_kinds(header, arch, config["num_hidden_layers"], _LLAMA_CPP_PATTERN)
     keys: dict = {"sliding_window": window, "layer_types": kinds}
     if has_local_rope:
         base = header.metadata.get(f"{arch}.rope.freq_base_swa", config["rope_parameters"]["rope_theta"])
@@ -31,10 +31,11 @@ def window_keys(header: GGUFHeader, arch: str, config: dict, has_local_rope: boo
     return keys
 
 
-def _layer_kinds(header: GGUFHeader, arch: str, num_layers: int) -> list[str]:
-    """Each layer's kind from the pattern: a bool a layer, or an integer n (every n-th layer global)."""
+def layer_kinds(header: GGUFHeader, arch: str, num_layers: int, default: int) -> list[str]:
+    """Each layer's kind from the pattern: a bool a layer, or an integer n (every n-th layer global; `default`
+    where the key is absent). Gemma 3's files are read by it too."""
     key = f"{arch}.attention.sliding_window_pattern"
-    pattern = header.metadata.get(key, _LLAMA_CPP_PATTERN)
+    pattern = header.metadata.get(key, default)
     if isinstance(pattern, bool) or isinstance(pattern, int):
         if isinstance(pattern, bool) or pattern < 1:
             raise ValueError(f"{header.path}: GGUF key {key}={pattern!r} must be a positive integer or a bool a layer")
