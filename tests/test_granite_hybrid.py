@@ -29,11 +29,14 @@ def test_granite_config_reading(family_model):
     older = {k: v for k, v in config.items() if k != "layer_types"} | {"layers_block_type": ["mamba", "attention"]}
     assert DecoderArgs.from_hf_config(older).layers == args.layers
     assert DecoderArgs.from_hf_config({**config, "position_embedding_type": "rope"}).rope.rope_type == "default"
+    hubs = {**config, "num_local_experts": 0, "num_experts_per_tok": 0}  # the hub's dense configs write both 0
+    assert DecoderArgs.from_hf_config(hubs).layers == args.layers
     defaults = {k: v for k, v in config.items() if not k.startswith("mamba_")} | {"mamba_n_heads": 4}
     assert DecoderArgs.from_hf_config(defaults).mamba.state_size == 256  # HF's d_state, head_dim 128 / 4
     for change, message in [
         ({"num_local_experts": 4}, r"GraniteMoeHybrid with experts \(num_local_experts > 0\) is not built yet"),
         ({"num_local_experts": None}, "GraniteMoeHybrid with experts"),  # HF's default: 8
+        ({"num_local_experts": 4, "num_experts_per_tok": 0}, "num_experts_per_tok=0"),
         ({"mamba_n_groups": 3}, "not a multiple of mamba_n_groups"),
         ({"mamba_d_head": 8}, "must equal mamba_expand"),
         ({"mamba_d_state": 0}, "mamba_d_state"),

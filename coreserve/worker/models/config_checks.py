@@ -34,7 +34,8 @@ _OPTIONAL_INT_BOUNDS = {
     "moe_intermediate_size": 1 << 20,
     "decoder_sparse_step": 1 << 10,
 }
-_ZERO_MEANS_NONE = ("num_experts", "num_local_experts")  # 0: no experts (Granite 4.0-H's dense variant)
+# 0: no experts (Granite 4.0-H's dense variant writes 0 for all three); a top-k of 0 with experts is refused below
+_ZERO_MEANS_NONE = ("num_experts", "num_local_experts", "num_experts_per_tok")
 _MAX_ROPE_ELEMENTS = 1 << 27  # max_position_embeddings x head_dim: each RoPE table's fp32 elements
 _POSITIVE_FLOATS = ("rope_theta", "attn_logit_softcapping", "final_logit_softcapping", "clip_qkv",
                     "query_pre_attn_scalar", "rope_local_base_freq", "embedding_multiplier", "residual_multiplier",
@@ -70,6 +71,8 @@ def check_config_numbers(
         raise ValueError(f"{name('hidden_size')}={config['hidden_size']} has fewer features than "
                          f"{name('num_attention_heads')}={heads} heads")
     experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts and config.get("num_experts_per_tok") == 0:
+        raise ValueError(f"{name('num_experts_per_tok')}=0: each token must take at least one of the {experts} experts")
     if experts and (config.get("num_experts_per_tok") or 0) > experts:
         raise ValueError(f"{name('num_experts_per_tok')}={config['num_experts_per_tok']} is more than the {experts} "
                          f"experts ({name('num_experts')})")
