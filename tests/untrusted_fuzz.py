@@ -1,6 +1,6 @@
 """A fuzzer of the engine's untrusted inputs (issue 62; scripts/fuzz_untrusted.py, tests/test_untrusted_fuzz.py):
 valid model files, adapters and chat templates mutated (tests/untrusted_fuzz_{gguf,hf,lora,templates}.py; the
-hybrid models' folders and GGUF files: tests/untrusted_fuzz_hybrid*.py),
+hybrid models' folders and GGUF files: tests/untrusted_fuzz_hybrid*.py, Granite 4.0-H's untrusted_fuzz_granite*.py),
 each loaded the way the engine loads it in a long-lived child process (tests/untrusted_fuzz_child.py),
 which is killed past 10 s or 512 MiB of growth and started again. Each case ends:
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import untrusted_fuzz_gguf
+import untrusted_fuzz_granite
 import untrusted_fuzz_hf
 import untrusted_fuzz_hybrid
 import untrusted_fuzz_lora
@@ -35,9 +36,9 @@ from untrusted_fuzz_supervisor import Child, Reply
 from untrusted_mutation import Bases, Mutation
 
 GROUPS = {"gguf": untrusted_fuzz_gguf, "hf": untrusted_fuzz_hf, "lora": untrusted_fuzz_lora,
-          "template": untrusted_fuzz_templates, "hybrid": untrusted_fuzz_hybrid}
+          "template": untrusted_fuzz_templates, "hybrid": untrusted_fuzz_hybrid, "granite": untrusted_fuzz_granite}
 # how often a random case is of each group
-RANDOM_WEIGHTS = {"gguf": 4, "hf": 3, "lora": 2, "template": 1, "hybrid": 3}
+RANDOM_WEIGHTS = {"gguf": 4, "hf": 3, "lora": 2, "template": 1, "hybrid": 3, "granite": 2}
 OUTCOMES = ("refused", "accepted", "crash", "hang", "memory")
 FAILING = ("crash", "hang", "memory")
 TIME_LIMIT_S = 10.0

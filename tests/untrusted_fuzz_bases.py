@@ -1,15 +1,17 @@
 """The valid inputs the untrusted-input fuzzer mutates (tests/untrusted_mutation.py's `Bases`), made once
 under a cache folder and reused: a small llama GGUF (tests/gguf_files.py's model with a 512-token vocabulary,
 F32 but one Q8_0 tensor, so that dtype "auto" keeps blocks), a PEFT adapter for the built-in tiny model, and
-the tiny model's own folder; and two hybrids (issue 64), each a random 2-layer HF folder with the tiny model's
+the tiny model's own folder; and three hybrids (issue 64), each a random 2-layer HF folder with the tiny model's
 GPT-2 tokenizer (one llama.cpp's converter knows) and the f32 GGUF file that converter writes of it (run in a
 subprocess, as tests/test_gguf_hybrid.py runs it): Qwen3-Next (a Gated DeltaNet layer, then full attention,
-each over 8 experts and a shared one) and LFM2 (a short conv layer, then attention). Runs in the fuzzer's child
-process (PEFT needs torch).
+each over 8 experts and a shared one), LFM2 (a short conv layer, then attention) and Granite 4.0-H (a Mamba2
+layer, then NoPE attention; tests/conftest.py's granitemoehybrid shape). Runs in the fuzzer's child process
+(PEFT needs torch).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -38,8 +40,15 @@ HYBRID_CONFIGS = {
         model_type="lfm2", layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
         norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
+    # the hub's layer names (the converter knows `mamba` / `attention`, not HF's newer ones)
+    "granite": dict(
+        model_type="granitemoehybrid", num_attention_heads=2, layer_types=["mamba", "attention"],
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1,
+        num_local_experts=0, shared_intermediate_size=96, position_embedding_type="nope",
+        embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.09, logits_scaling=1.6,
+    ),
 }
-_CONVERTER_FLAGS = {"next": ["--no-mtp"], "lfm2": []}  # LFM2's converter refuses --no-mtp
+_CONVERTER_FLAGS = {"next": ["--no-mtp"], "lfm2": [], "granite": []}  # LFM2's and Granite's refuse --no-mtp
 
 
 def make_bases(cache_dir: Path) -> Bases:
@@ -90,13 +99,17 @@ def _write_adapter(base: str, path: Path) -> None:
 
 
 def _write_hybrid(name: str, tiny: str, path: Path) -> None:
-    """A random checkpoint of HYBRID_CONFIGS[name] as transformers saves it, with the tiny model's tokenizer."""
+    """A random checkpoint of HYBRID_CONFIGS[name] as transformers saves it, with the tiny model's tokenizer;
+    its layer_types as given (transformers saves Granite's `mamba` / `attention` under its own names, which
+    llama.cpp's converter does not know; the hub's folders say `mamba` / `attention`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(**_SMALL, **HYBRID_CONFIGS[name])
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(path))
+    spec = {**_SMALL, **HYBRID_CONFIGS[name]}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=torch.float32).save_pretrained(str(path))
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, "layer_types": spec["layer_types"]}, indent=2))
     for item in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tiny) / item, path / item)
 

@@ -4,9 +4,9 @@ sizes, layer_types, full_attention_interval, shared_expert_intermediate_size, co
 keys) set extreme, zero, negative, NaN, mistyped or inconsistent with the weights, and their safetensors
 entries of the Gated DeltaNet, the short conv and the shared expert reshaped, shrunk, renamed or made
 non-finite; the GGUF files' mutations are tests/untrusted_fuzz_hybrid_gguf.py's. The folder and GGUF helpers
-of tests/untrusted_fuzz_{hf,gguf}.py are reused on a hybrid base (`on_base`). `catalog()` is the named list;
-`drawn` a random one from a seeded generator. Written by the fuzzer's parent process, each under its case's
-folder.
+of tests/untrusted_fuzz_{hf,gguf}.py are reused on a hybrid base (`on_base`); Granite 4.0-H's mutations, a
+group of their own, reuse these (tests/untrusted_fuzz_granite.py). `catalog()` is the named list; `drawn` a
+random one from a seeded generator. Written by the fuzzer's parent process, each under its case's folder.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import untrusted_fuzz_hf as hf
-from untrusted_fuzz_hybrid_gguf import GGUF_LABELS, gguf_catalog, gguf_drawn
+from untrusted_fuzz_hybrid_gguf import gguf_catalog, gguf_drawn
 from untrusted_mutation import ODD_JSON_VALUES, Bases, Mutation, on_base, safetensors_parts
 
-FOLDER_LABELS = {"next_hf": "Qwen3-Next folder", "lfm2_hf": "LFM2 folder"}
+FOLDER_LABELS = {"next_hf": "Qwen3-Next folder", "lfm2_hf": "LFM2 folder", "granite_hf": "Granite 4.0-H folder"}
+# the bases this group's random cases come from (Granite's: tests/untrusted_fuzz_granite.py, its own group)
+DRAWN_FOLDERS, DRAWN_GGUFS = ("lfm2_hf", "next_hf"), ("lfm2_gguf", "next_gguf")
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                "linear_conv_kernel_dim", "shared_expert_intermediate_size")
 NEXT_KEYS = (*LINEAR_KEYS, "layer_types", "full_attention_interval", "num_experts", "num_experts_per_tok",
@@ -155,16 +157,24 @@ def drawn(rng: random.Random, bases: Bases) -> Mutation:
     field of a recurrent layer's safetensors entry given one, or a GGUF file's mutation (`gguf_drawn`)."""
     choice = rng.random()
     if choice >= 0.55:
-        return gguf_drawn(rng, bases, rng.choice(sorted(GGUF_LABELS)))
-    base = rng.choice(sorted(FOLDER_LABELS))
+        return gguf_drawn(rng, bases, rng.choice(DRAWN_GGUFS))
+    base = rng.choice(DRAWN_FOLDERS)
+    keys = NEXT_KEYS if base == "next_hf" else LFM2_KEYS
+    return folder_drawn(rng, bases, base, choice, keys, (".linear_attn.", ".conv.", "shared_expert"))
+
+
+def folder_drawn(rng: random.Random, bases: Bases, base: str, choice: float, keys: tuple[str, ...],
+                 parts: tuple[str, ...]) -> Mutation:
+    """The folder `base`'s config key (one of `keys`, or any of its keys) given a random odd value where
+    `choice` < 0.35, else a random field of a safetensors entry whose name holds one of `parts`."""
     value = rng.choice(ODD_JSON_VALUES)
     folder = replace(bases, hf=getattr(bases, base))
     if choice < 0.35:
         config = json.loads((Path(folder.hf) / "config.json").read_text())
-        key = rng.choice([*(NEXT_KEYS if base == "next_hf" else LFM2_KEYS), *config])
+        key = rng.choice([*keys, *config])
         return config_keys(base, **{key.replace(".", "__"): value})
     header, _ = safetensors_parts(str(Path(folder.hf) / hf.WEIGHTS))
-    name = rng.choice(sorted(n for n in header if ".linear_attn." in n or ".conv." in n or "shared_expert" in n))
+    name = rng.choice(sorted(n for n in header if any(part in n for part in parts)))
     field = rng.choice(("dtype", "shape", "data_offsets"))
     if field != "dtype" and rng.random() < 0.5:  # one number of the list
         items = header[name][field]

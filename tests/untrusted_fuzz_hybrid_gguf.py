@@ -29,7 +29,7 @@ from untrusted_fuzz_gguf_layout import (
 )
 from untrusted_mutation import HUGE_INTS, Bases, Mutation, on_base
 
-GGUF_LABELS = {"next_gguf": "Qwen3-Next GGUF", "lfm2_gguf": "LFM2 GGUF"}
+GGUF_LABELS = {"next_gguf": "Qwen3-Next GGUF", "lfm2_gguf": "LFM2 GGUF", "granite_gguf": "Granite 4.0-H GGUF"}
 NEXT, LFM2 = "qwen3next", "lfm2"
 _ITEM_NAMES = {U8: "u8", I8: "i8", U32: "u32", I32: "i32", F32: "f32", BOOL: "bool", STRING: "string"}
 # header numbers and tensors whose random edits are this group's (the others are the llama file's groups')
@@ -151,16 +151,17 @@ def gguf_catalog() -> list[Mutation]:
     return _next_metadata() + _lfm2_metadata() + _next_tensors() + _lfm2_tensors()
 
 
-def gguf_drawn(rng: random.Random, bases: Bases, base: str) -> Mutation:
-    """A random number of the base file's header that belongs to a hybrid part (a key or a tensor info) set to
-    a random extreme, or a random hybrid metadata key given a random type and value."""
+def gguf_drawn(rng: random.Random, bases: Bases, base: str, parts: tuple[str, ...] = _HYBRID_PARTS) -> Mutation:
+    """A random number of the base file's header that belongs to a hybrid part (a key or a tensor info whose
+    name holds one of `parts`) set to a random extreme, or a random hybrid metadata key given a random type
+    and value."""
     layout = read_layout(getattr(bases, base))
     if rng.random() < 0.5:
-        field = rng.choice([f for f in layout.fields if any(part in f.name for part in _HYBRID_PARTS)])
+        field = rng.choice([f for f in layout.fields if any(part in f.name for part in parts)])
         number = rng.choice((0, 1, field.value - 1, field.value + 1, 2 * field.value, *HUGE_INTS))
         kind = "hybrid-tensors" if "'blk." in field.name else "hybrid-gguf"
         return on_base(gguf.set_field(field.name, number), base, kind, GGUF_LABELS[base])
-    key = rng.choice([e.key for e in layout.entries if any(part in e.key for part in _HYBRID_PARTS)])
+    key = rng.choice([e.key for e in layout.entries if any(part in e.key for part in parts)])
     kind, value = rng.choice(((U32, rng.choice(HUGE_INTS[:2])), (U32, 0), (U32, rng.randrange(1, 200)),
                               (I32, -rng.randrange(1, 2**31)), (F32, rng.choice((math.nan, -math.inf, 1e38))),
                               (STRING, "x" * rng.randrange(3)), (BOOL, False), (U64, rng.choice(HUGE_INTS)),

@@ -31,11 +31,14 @@ class Bases:
     lora: str  # a PEFT adapter folder for the tiny model (rank 2: q_proj, v_proj, down_proj)
     # hybrids (tests/untrusted_fuzz_hybrid.py), 2 layers each with the tiny model's GPT-2 tokenizer: a random
     # Qwen3-Next folder (a Gated DeltaNet layer, then full attention; experts and a shared expert), an LFM2
-    # folder (a short conv layer, then attention), and the GGUF file llama.cpp's converter writes of each
+    # folder (a short conv layer, then attention), a Granite 4.0-H folder (a Mamba2 layer, then NoPE attention),
+    # and the GGUF file llama.cpp's converter writes of each
     next_hf: str
     next_gguf: str
     lfm2_hf: str
     lfm2_gguf: str
+    granite_hf: str
+    granite_gguf: str
 
 
 @dataclass(frozen=True)

@@ -166,13 +166,15 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     has_windows = bool(config.get("sliding_window")) and rules.has_window_layers
     architecture, model_type = _hf_architecture(rules, meta, bool(config.get("num_experts")), has_windows)
     has_bias = any(name.endswith(".attn_q.bias") for name in names)  # a hybrid's layer 0 has no attention
+    theta = config.get("rope_theta", 10000.0)  # another type is left as it is, for the checks to refuse by name
+    theta = float(theta) if isinstance(theta, int | float) and not isinstance(theta, bool) else theta
     config.update(
         architectures=[architecture],
         model_type=model_type,
         hidden_act=rules.activation,
         tie_word_embeddings="output.weight" not in names,
         attention_bias=not rules.has_required_qkv_bias and has_bias,
-        rope_parameters=_rope_parameters(header, arch, float(config.get("rope_theta", 10000.0))),
+        rope_parameters=_rope_parameters(header, arch, theta),
         torch_dtype="float32",
     )
     if rules.has_required_qkv_bias and not has_bias:
@@ -277,7 +279,7 @@ def _rope_factors(header: GGUFHeader) -> tuple[list[float] | None, list[float] |
     return found.get("rope_factors_long.weight"), found.get("rope_factors_short.weight")
 
 
-def _rope_parameters(header: GGUFHeader, arch: str, theta: float) -> dict:
+def _rope_parameters(header: GGUFHeader, arch: str, theta: object) -> dict:
     meta = header.metadata
     scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
     if scaling not in _ROPE_SCALINGS:

@@ -22,7 +22,8 @@ mamba_* keys (`time_step_rank` the heads, `inner_size` their width, `group_count
 `conv_kernel`); `ssm_a` is -exp(A_log) [heads, 1], `ssm_d` D [heads, 1], `ssm_norm` the gated norm's weight
 [groups, inner / groups] (read back as vectors), `ssm_dt.bias` dt_bias; the multipliers are `attention.scale`,
 `embedding_scale`, `residual_scale` and `logit_scale`; the shared MLP's width `expert_shared_feed_forward_length`
-(`feed_forward_length` is the experts'); RoPE only where `rope.scaling.finetuned` (llama.cpp's NoPE switch).
+(`feed_forward_length` is the experts'); RoPE only where `rope.scaling.finetuned` (llama.cpp's NoPE switch),
+and then on whole heads (`rope.dimension_count` the head size).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def linear_attention_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
         linear_conv_kernel_dim=shapes.conv_kernel,
         layer_types=_layer_kinds(header, arch, config["num_hidden_layers"]),
     )
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_dim = _head_dim(config)
     if meta.get(f"{arch}.attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{header.path}: GGUF key {arch}.attention.value_length differs from the key length "
                          f"{head_dim}, which a Qwen3.5 attention layer shares")
@@ -238,7 +239,7 @@ def mamba2_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
     layer_types, the mamba_* keys (their sizes checked again by the config's reader), the biases (from the
     tensors), shared_intermediate_size, num_local_experts, the multipliers and position_embedding_type."""
     meta, names, hidden = header.metadata, {t.name for t in header.tensors}, config["hidden_size"]
-    counts = _kv_head_counts(header, arch)
+    counts, head_dim = _kv_head_counts(header, arch), _head_dim(config)
     if len(counts) != config["num_hidden_layers"]:
         raise ValueError(f"{header.path}: GGUF key {arch}.attention.head_count_kv holds {len(counts)} counts for "
                          f"{config['num_hidden_layers']} layers ({arch}.block_count)")
@@ -258,11 +259,30 @@ def mamba2_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
         mamba_proj_bias=any(name.endswith(".ssm_in.bias") for name in names),
         shared_intermediate_size=meta.get(f"{arch}.expert_shared_feed_forward_length", config["intermediate_size"]),
         num_local_experts=config.get("num_experts") or 0,
-        # llama.cpp's reading: RoPE unless the key says false (its converter writes false for every Granite 4.0-H)
-        position_embedding_type="rope" if meta.get(f"{arch}.rope.scaling.finetuned", True) else "nope",
+        position_embedding_type=_mamba2_position(header, arch, head_dim),
     )
     keys.update({key: meta[f"{arch}.{name}"] for name, key in _MULTIPLIERS.items() if f"{arch}.{name}" in meta})
-    if not keys.get("attention_multiplier"):  # llama.cpp: 1 / sqrt(head size) where the scale is absent or 0
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    scale = keys.get("attention_multiplier")  # llama.cpp: 1 / sqrt(head size) where it is absent or 0 (not false)
+    if scale is None or (isinstance(scale, int | float) and not isinstance(scale, bool) and scale == 0):
         keys["attention_multiplier"] = head_dim**-0.5
     return keys
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _mamba2_position(header: GGUFHeader, arch: str, head_dim: int) -> str:
+    """"rope" or "nope" as llama.cpp reads them: RoPE unless `rope.scaling.finetuned` is false (its converter
+    writes false for every Granite 4.0-H), on every feature of a head (`rope.dimension_count`, its rotary
+    width, is then the head size: HF's Granite has no partial RoPE)."""
+    meta, key = header.metadata, f"{arch}.rope.scaling.finetuned"
+    finetuned = meta.get(key, True)
+    if not isinstance(finetuned, bool | np.bool_):  # llama.cpp refuses another type; "false" would read as true
+        raise ValueError(f"{header.path}: GGUF key {key}={finetuned!r} must be true or false")
+    rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    is_int = isinstance(rotary, int | np.integer) and not isinstance(rotary, bool | np.bool_)
+    if finetuned and not (is_int and rotary == head_dim):
+        raise ValueError(f"{header.path}: GGUF key {arch}.rope.dimension_count={rotary!r} must be the head size "
+                         f"{head_dim}: RoPE on part of each head is not supported for {arch}")
+    return "rope" if finetuned else "nope"

@@ -86,7 +86,9 @@ _ARCH_LAYER = {
 _ARCH_PARAMS = {
     "qwen35": LINEAR_ATTENTION_PARAMS, "qwen3next": LINEAR_ATTENTION_PARAMS, "granitehybrid": MAMBA2_PARAMS,
 }
-_AS_VECTORS = ("ssm_a", "ssm_d", "ssm_norm")  # Mamba2's [heads, 1] and [groups, inner / groups]: HF's vectors
+# Mamba2's [heads, 1] and [groups, inner / groups] (the metadata's group count): HF's vectors; another shape of
+# as many values stays as the file says it, for the loader's shape check to refuse, as llama.cpp refuses it
+_AS_VECTORS = ("ssm_a", "ssm_d", "ssm_norm")
 _PLAIN_NORMS = ("ssm_norm",)  # a norms_plus_one architecture's norms stored as they are
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE: config
@@ -117,6 +119,7 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
         heads = {"attn_q": meta.get(f"{arch}.attention.head_count"), "attn_k": kv_heads}
         heads["attn_k"] = heads["attn_k"] or heads["attn_q"]
     shapes = linear_shapes(header, arch) if GGUF_ARCHS[arch].tiles_value_heads else None
+    groups = meta.get(f"{arch}.ssm.group_count")  # the rows of Mamba2's ssm_norm
     first_draft = _first_draft_block(header)
     for info in sorted(header.tensors, key=lambda t: t.offset):
         if _is_draft(info.name, first_draft):  # never read: its type does not matter
@@ -131,7 +134,7 @@ def list_tensors(path: str) -> Iterator[GGUFEntry]:
         if module in _EXPERTS:
             yield from _expert_entries(info, path, name)
             continue
-        yield _entry(info, path, arch, (name, module), heads, shapes)
+        yield _entry(info, path, arch, (name, module), heads, shapes, groups)
 
 
 def file_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -156,7 +159,7 @@ def _is_draft(gguf_name: str, first_draft: int | None) -> bool:
 
 
 def _entry(info: GGUFTensorInfo, path: str, arch: str, names: tuple[str, str | None], heads: dict,
-           shapes: LinearShapes | None) -> GGUFEntry:
+           shapes: LinearShapes | None, groups: object = None) -> GGUFEntry:
     """A tensor's entry under its HF name (and the GGUF module it came from), with what reading it takes."""
     (name, module), rules = names, GGUF_ARCHS[arch]
     interleaved = int(heads[module]) if rules.interleaved_qk and module in heads else None
@@ -164,7 +167,8 @@ def _entry(info: GGUFTensorInfo, path: str, arch: str, names: tuple[str, str | N
     shape = tuple(reversed(info.dims))
     if module in ("ssm_conv1d", "shortconv.conv") and len(shape) == 2:  # llama.cpp squeezed [channels, 1, kernel]
         shape = (shape[0], 1, shape[1])
-    if module in _AS_VECTORS and len(shape) == 2:
+    is_stacked = len(shape) == 2 and (shape[0] == groups if module == "ssm_norm" else shape[1] == 1)
+    if module in _AS_VECTORS and is_stacked:
         shape = (shape[0] * shape[1],)
     tiled = tiled_heads(module, shapes) if shapes is not None and module is not None else None
     return GGUFEntry(name, info, path, shape, info.num_bytes, interleaved, minus_one, tiled, module == "ssm_a")

@@ -66,13 +66,22 @@ def cos_sin_tables(spec: RopeSpec, num_positions: int) -> tuple[torch.Tensor, to
     two parts, the short factors' rows of the positions below the switch, then the long factors' rows
     of every position, from long_rows_start: a sequence takes one part for all its positions, as HF
     chooses one set of frequencies for a whole forward (docs/models.md)."""
+    freqs, scaling = _table_angles(spec, num_positions)
+    return _cos_sin(freqs, scaling)
+
+
+def _table_angles(spec: RopeSpec, num_positions: int) -> tuple[torch.Tensor, float]:
+    """The tables' angles [rows, head_dim / 2] (LongRoPE's two parts) and HF's scaling of cos and sin."""
     inv_freq, scaling = rope_frequencies(spec)
     if spec.rope_type == "longrope":
         long_inv_freq, _ = _longrope(spec, "long_factor")
         short = _angles(inv_freq, long_rows_start(spec, num_positions))
-        freqs = torch.cat((short, _angles(long_inv_freq, num_positions)))
-    else:
-        freqs = _angles(inv_freq, num_positions)
+        return torch.cat((short, _angles(long_inv_freq, num_positions))), scaling
+    return _angles(inv_freq, num_positions), scaling
+
+
+def _cos_sin(freqs: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's cos and sin of [freqs, freqs] (the full head width), scaled."""
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
 
@@ -156,11 +165,16 @@ def _yarn_correction_range(
     return max(low, 0), min(high, dim - 1)
 
 
+# Rows whose full-width cos and sin are computed at once: whole, they took 4.5 times the kept tables' memory
+# (580 MiB at load for a 2^20-position table of D 32, what a granitehybrid GGUF with RoPE states)
+_CHUNK_ROWS = 1 << 16
+
+
 class Rotary(nn.Module):
     """HF's cos and sin tables [max_positions, D] repeat their first half ([freqs, freqs]), so only that
-    half is kept: 1 MiB each, not 2, for 8192 positions of D 64 (issue 25's memory at load). LongRoPE's
-    have a row per position of its long factors after the short ones' (from `long_rows_start`). NoPE
-    (`NO_ROPE`): no tables, and q and k are not rotated."""
+    half is kept: 1 MiB each, not 2, for 8192 positions of D 64 (issue 25's memory at load), computed a
+    chunk of rows at a time. LongRoPE's have a row per position of its long factors after the short ones'
+    (from `long_rows_start`). NoPE (`NO_ROPE`): no tables, and q and k are not rotated."""
 
     def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
@@ -170,12 +184,10 @@ class Rotary(nn.Module):
         # torch._dynamo (seconds); the loader keeps these tables and moves them to the model's device.
         with torch.device("cpu"):
             rows = 0 if self.is_identity else spec.max_position_embeddings
-            cos, sin = cos_sin_tables(spec, rows) if rows else (torch.empty(0, 2), torch.empty(0, 2))
-            half = cos.shape[-1] // 2
-            # The full width is computed as HF computes it; its halves are the same values.
-            if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
-                raise RuntimeError("RoPE tables whose halves differ: half-width tables would change the bits")
-            cos, sin = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+            freqs, scaling = _table_angles(spec, rows) if rows else (torch.empty(0, 1), 1.0)
+            cos, sin = torch.empty(freqs.shape), torch.empty(freqs.shape)
+            for start in range(0, freqs.shape[0], _CHUNK_ROWS):
+                _keep_half(freqs[start : start + _CHUNK_ROWS], scaling, cos[start:], sin[start:])
         self.register_buffer("cos", cos, persistent=False)  # [rows, D / 2]
         self.register_buffer("sin", sin, persistent=False)
 
@@ -189,3 +201,14 @@ class Rotary(nn.Module):
         if cos.dtype == dtype:
             return cos, signed_sin
         return cos.to(dtype), signed_sin.to(dtype)
+
+
+def _keep_half(freqs: torch.Tensor, scaling: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The first half of each full-width row of `freqs`' cos and sin (computed as HF computes them) into
+    the first rows of `cos` and `sin`; its halves are the same values, checked."""
+    full_cos, full_sin = _cos_sin(freqs, scaling)
+    half, n = freqs.shape[-1], freqs.shape[0]
+    halves_equal = all(torch.equal(full[:, :half], full[:, half:]) for full in (full_cos, full_sin))
+    if not halves_equal:
+        raise RuntimeError("RoPE tables whose halves differ: half-width tables would change the bits")
+    cos[:n], sin[:n] = full_cos[:, :half], full_sin[:, :half]
