@@ -445,6 +445,18 @@ FAMILY_CONFIGS = {
             "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
         },
     ),
+    # Gemma 4 (text): a local layer (window 24, default RoPE) and a global one whose proportional RoPE turns a
+    # quarter of the frequencies of each head, norms scaling by weight, an unscaled norm on v, a final soft-cap;
+    # no per-layer embeddings (HF's default 256), global_head_dim = head_dim (HF's default 512 is refused)
+    "gemma4": dict(
+        model_type="gemma4_text", tokenizer="llama2", head_dim=32, global_head_dim=32, sliding_window=24,
+        pad_token_id=0, hidden_size_per_layer_input=0, final_logit_softcapping=8.0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            "full_attention": dict(rope_type="proportional", rope_theta=1000000.0, partial_rotary_factor=0.25),
+        },
+    ),
     # Mixtures of experts, 8 experts, 2 a token. Qwen3-MoE: its q/k head norms, renormalised top-k,
     # layer 1 a dense MLP (mlp_only_layers), experts narrower than the dense MLP
     "qwen3_moe": dict(
@@ -537,6 +549,9 @@ def write_family_model(
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(peaked_init(name, param))
+        for name, buffer in model.named_buffers():  # Gemma 4's, a tensor of its checkpoint: not 1, so it is read
+            if name.endswith("layer_scalar"):
+                buffer.fill_(0.75 + 0.5 * torch.rand(()).item())
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.to(getattr(torch, dtype)).save_pretrained(str(folder), **kwargs)
     tokenizer.save_pretrained(str(folder))

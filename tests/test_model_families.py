@@ -1,4 +1,4 @@
-"""Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE,
+"""Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, 3 and 4, Qwen3-MoE,
 Mixtral, OLMoE, OLMo 2, OLMo 3, SmolLM3, Exaone 4) against Hugging Face transformers on the same random
 weights: greedy tokens, sample and prompt logprobs, past the RoPE thresholds and the sliding window, with
 chunked prefill and preemption forced; HF's `generate` (its caches) for the newest; batch invariance for the
@@ -73,6 +73,7 @@ CASES = [
     ("olmo3", False, CHUNKED),  # and a sliding layer with its own RoPE beside a YaRN global one
     ("smollm3", False, CHUNKED),  # a NoPE layer
     ("exaone4", False, CHUNKED),  # a local layer (window, RoPE), a global one without RoPE, per-head q/k norms
+    ("gemma4", False, CHUNKED),  # a proportional RoPE beside a default one, a norm on v, layer scalars
 ]
 
 
@@ -109,7 +110,7 @@ def test_family_matches_hf(family, multiprocess, engine_args, family_model):
 
 # OLMo 2's layers are OLMo 3's without its windows and second RoPE
 @pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral", "olmoe", "olmo3", "smollm3",
-                                    "exaone4"])
+                                    "exaone4", "gemma4"])
 def test_alone_equals_batched_and_scoring_equals_generation(family, family_model):
     """Each of 5 prompts alone, then all in one batch with 16-token chunks; then the generated sequence
     scored with prompt_logprobs (prefill) against its sample logprobs (decode)."""

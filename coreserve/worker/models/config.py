@@ -1,7 +1,7 @@
 """A Hugging Face config.json read into the model's arguments, for the families of
-coreserve/worker/models/family.py's table (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, dense Phi-3/Phi-4,
-Gemma 2 and 3, OLMo 2 and 3, SmolLM3, Exaone 4, the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, and the
-hybrids Qwen3.5, Qwen3-Next, LFM2 and Granite 4.0-H): the model's shapes, and one frozen `LayerSpec` a layer
+coreserve/worker/models/family.py's table (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, dense Phi-3/Phi-4, Gemma
+2, 3 and 4, OLMo 2 and 3, SmolLM3, Exaone 4, the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, and the hybrids
+Qwen3.5, Qwen3-Next, LFM2 and Granite 4.0-H): the model's shapes, and one frozen `LayerSpec` a layer
 (coreserve/worker/models/layer_spec.py), built here once; refused with a ValueError where config.json asks for
 math the engine does not do (engine-core process; the frontend reads nothing of it).
 """
@@ -20,6 +20,7 @@ from coreserve.worker.models.family import (
     SILU,
     Family,
     family_of,
+    refuse_unserved,
     text_config,
 )
 from coreserve.worker.models.layer_spec import (
@@ -182,7 +183,7 @@ class DecoderArgs:
             layers=layers,
             norm_offset=family.norm_offset,
             embed_scale=config["hidden_size"] ** 0.5 if family.scales_embedding else None,
-            final_softcap=config.get("final_logit_softcapping") if family.has_softcaps else None,
+            final_softcap=config.get("final_logit_softcapping") if "final_logit_softcapping" in family.allowed_keys else None,
             moe=moe,
             linear=linear_attention_args(config) if family.recurrent == GATED_DELTANET else None,
             short_conv=short_conv_args(config) if family.recurrent == SHORT_CONV else None,
@@ -190,7 +191,7 @@ class DecoderArgs:
             embedding_multiplier=_multiplier(config, family, "embedding_multiplier"),
             logits_scaling=_multiplier(config, family, "logits_scaling"),
             text_prefix="model.language_model." if family.nests_text_config else "model.",
-            skipped_prefixes=("model.visual.", "mtp.") if family.recurrent == GATED_DELTANET else (),
+            skipped_prefixes=family.skipped_prefixes,
         )
 
 
@@ -265,11 +266,12 @@ def _shared_expert_width(config: dict) -> int:
 
 def _refuse_unsupported(config: dict, family: Family) -> None:
     name = family.model_type
+    refuse_unserved(config, family)
     if family.activation == GELU_TANH:
         act = config.get("hidden_activation") or config.get("hidden_act") or GELU_TANH
         if act != GELU_TANH:
             raise ValueError(f"hidden_activation={act!r} is not supported for {name} (only {GELU_TANH})")
-        if config.get("use_bidirectional_attention"):
+        if config.get("use_bidirectional_attention") and "use_bidirectional_attention" not in family.served_keys:
             raise ValueError("use_bidirectional_attention=true (an encoder's attention) is not supported")
     elif config.get("hidden_act", SILU) != SILU:
         raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (only silu)")

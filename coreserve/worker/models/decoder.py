@@ -2,7 +2,7 @@
 that reads its layer's frozen spec (coreserve/worker/models/layer_spec.py: norms and their offset, the sandwich
 or norms on the outputs only, q/k norms, attention's window, scale and soft-cap, its RoPE table or none, GeGLU or
 SwiGLU, experts from coreserve/worker/models/moe.py or a dense MLP, a recurrent mixer in place of attention,
-Granite's multipliers), tied or untied embeddings (engine-core process).
+Granite's multipliers, Gemma 4's norm on v and layer scalar), tied or untied embeddings (engine-core process).
 
 The one statement of the model's math. Every op goes through `self.ops` (coreserve/worker/models/ops.py),
 chosen once outside the model: torch's, or the CPU backend's (fp32 activations, norms and KV cache
@@ -110,6 +110,8 @@ class DecoderLayer(nn.Module):
             self.down_proj = nn.Linear(args.intermediate_size, hidden, bias=False)
         if spec.mixer == "attention":
             self._add_attention(args)
+        if spec.has_layer_scalar:  # Gemma 4: the layer's output times it, a tensor of the checkpoint
+            self.layer_scalar = nn.Parameter(torch.ones(1))
         self.heads = HeadShape(args.num_heads, args.num_kv_heads, args.head_dim)
 
     def _add_attention(self, args: DecoderArgs) -> None:
@@ -153,7 +155,7 @@ class DecoderLayer(nn.Module):
             mlp_out = ops.rms_norm(self.post_feedforward_layernorm, mlp_out)
         if spec.residual_multiplier is not None:
             mlp_out = mlp_out * spec.residual_multiplier
-        return x + mlp_out
+        return x + mlp_out if not spec.has_layer_scalar else (x + mlp_out) * self.layer_scalar
 
     def _recurrent(
         self, normed: torch.Tensor, cache: LayerState, meta: AttentionMetadata, ops: ModelOps
@@ -210,15 +212,18 @@ class DecoderLayer(nn.Module):
 
     def _norm_qk(self, qkv: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         """Qwen3: RMSNorm over each head of q and k (OLMoE, OLMo 2/3: over all of q and all of k, torch's), before
-        RoPE; qkv [T, (Hq + 2 Hkv) D] stays whole. The per-head norms are the ops', a row [T H, D] a head:
-        the fused decode forward norms each head with the same C, so a token's bits do not depend on
-        which path its step took (batch invariance)."""
+        RoPE; Gemma 4: each head of v too, without a weight, in fp32 as HF (its pow(mean + eps, -0.5)). qkv
+        [T, (Hq + 2 Hkv) D] stays whole. The per-head norms are the ops', a row [T H, D] a head: the fused decode
+        forward norms each head with the same C, so a token's bits do not depend on which path its step took."""
         num_tokens, a = qkv.shape[0], self.args
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.spec.qk_norm == "whole":
             return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         q = ops.rms_norm(self.q_norm, q.reshape(num_tokens * a.num_heads, a.head_dim).contiguous())
         k = ops.rms_norm(self.k_norm, k.reshape(num_tokens * a.num_kv_heads, a.head_dim).contiguous())
+        if self.spec.has_v_norm:
+            heads = v.reshape(num_tokens, a.num_kv_heads, a.head_dim).float()
+            v = (heads * torch.pow(heads.pow(2).mean(-1, keepdim=True) + a.rms_norm_eps, -0.5)).to(v.dtype).flatten(1)
         return torch.cat((q.view(num_tokens, -1), k.view(num_tokens, -1), v), dim=-1)
 
 

@@ -1,6 +1,7 @@
 """The families this engine runs, one table entry each: what a family's config.json means beyond Llama's
 (biases, q/k norms, windows, Gemma's norms and soft-caps, OLMo's norms on the outputs only, NoPE layers,
-experts, recurrent mixers, Granite's multipliers), as rules that coreserve/worker/models/layer_spec.py and
+experts, recurrent mixers, Granite's multipliers), and the keys whose other values are refused by name
+(Gemma 4's per-layer embeddings, KV sharing, experts), as rules that coreserve/worker/models/layer_spec.py and
 config.py read (engine-core process).
 The only place a family is named: a new family is an entry here, its weight names in the loaders, and its
 tests.
@@ -73,6 +74,24 @@ class Family:
     has_multipliers: bool = False
     mlp_width_key: str = "intermediate_size"  # the dense MLP's width (Granite: shared_intermediate_size)
     dense_only_key: str | None = None  # experts under this key (HF's default 8 where absent) not built yet
+    skipped_prefixes: tuple[str, ...] = ()  # a vision-language folder's tensors that are not the decoder's
+    # Gemma 4: a fixed attention scale (1: q and k are normed), RMSNorm without a weight on each head of v,
+    # each layer's output times its layer_scalar tensor, the last layer global whatever layer_types says (HF)
+    attention_scale: float | None = None
+    has_v_norm: bool = False
+    has_layer_scalar: bool = False
+    forces_last_global: bool = False
+    has_final_softcap: bool = False  # final_logit_softcapping alone (Gemma 4: no attention soft-cap)
+    # Gemma 4: the global layers' head size is global_head_dim (HF's default 512) or per_layer_config's, served
+    # only where it is head_dim (one head size a model: its KV cache's)
+    has_global_head_dim: bool = False
+    # (key, HF's default where absent, the values served, what the others are): any other value refused by name
+    served_only: tuple[tuple[str, object, tuple, str], ...] = ()
+
+    @property
+    def served_keys(self) -> frozenset[str]:
+        """The keys of served_only: refused there, by value, not elsewhere."""
+        return frozenset(key for key, *_ in self.served_only)
 
     @property
     def allowed_keys(self) -> frozenset[str]:
@@ -82,6 +101,8 @@ class Family:
             keys.add("shared_expert_intermediate_size")
         if self.has_softcaps:
             keys |= {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"}
+        if self.has_final_softcap:
+            keys.add("final_logit_softcapping")
         if self.has_multipliers:
             keys |= {"embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"}
         return frozenset(keys)
@@ -90,12 +111,31 @@ class Family:
 _QWEN3_5_DEFAULTS = (("head_dim", 256), ("partial_rotary_factor", 0.25))  # HF's Qwen3.5 / Qwen3-Next configs
 _QWEN3_5 = dict(
     reads_attention_bias=True, qk_norm="head", layer_types=frozenset({FULL, LINEAR}), partial_rotary=True,
-    norm_offset=1.0, recurrent=GATED_DELTANET, has_output_gate=True,
+    norm_offset=1.0, recurrent=GATED_DELTANET, has_output_gate=True, skipped_prefixes=("model.visual.", "mtp."),
 )
 _GEMMA = dict(
     window="layers", layer_types=frozenset({FULL, SLIDING}), activation=GELU_TANH, norm_offset=1.0,
     has_sandwich_norms=True, scales_embedding=True, has_softcaps=True, rope_per_kind=True, ties_by_default=True,
     defaults=(("sliding_window", 4096),),  # HF's Gemma 2 and 3 config classes', where the key is absent
+)
+# Gemma 4's text decoder: Gemma 3's layers with norms scaling by weight (not 1 + weight), an unscaled norm on v,
+# an attention scale of 1, a layer_scalar a layer, the global layers' proportional RoPE (HF's defaults where
+# config.json has no rope_parameters); what it has beyond them refused by name
+_GEMMA4_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
+_GEMMA4 = dict(
+    window="layers", layer_types=frozenset({FULL, SLIDING}), layer_pattern=6, activation=GELU_TANH, qk_norm="head",
+    has_sandwich_norms=True, scales_embedding=True, rope_per_kind=True, ties_by_default=True, attention_scale=1.0,
+    has_v_norm=True, has_layer_scalar=True, forces_last_global=True, has_final_softcap=True, has_global_head_dim=True,
+    defaults=(("sliding_window", 512), ("head_dim", 256), ("num_key_value_heads", 4), ("rope_parameters", _GEMMA4_ROPE)),
+    skipped_prefixes=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio."),
+    served_only=(
+        ("hidden_size_per_layer_input", 256, (0, None), "Gemma 4's per-layer embeddings"),
+        ("num_kv_shared_layers", 0, (0, None), "Gemma 4's KV sharing across layers"),
+        ("enable_moe_block", False, (False, None), "Gemma 4's mixture-of-experts blocks"),
+        ("attention_k_eq_v", False, (False, None), "Gemma 4's keys as values (attention_k_eq_v)"),
+        ("use_bidirectional_attention", None, (None, False, "vision"), "Gemma 4's bidirectional attention"),
+    ),
 )
 _OLMO = dict(reads_attention_bias=True, qk_norm="whole", has_sandwich_norms=True, has_pre_norms=False)
 # HF architecture -> its family
@@ -117,6 +157,8 @@ FAMILIES = {
         "gemma3", qk_norm="head", layer_pattern=6, layer_pattern_key="sliding_window_pattern",
         local_rope_base=("rope_local_base_freq", 10000.0), **_GEMMA,
     ),
+    "Gemma4ForCausalLM": Family("gemma4", **_GEMMA4),
+    "Gemma4ForConditionalGeneration": Family("gemma4", nests_text_config=True, **_GEMMA4),
     # OLMo 2: norms on attention's and the MLP's outputs only, q/k norms over the whole projections
     "Olmo2ForCausalLM": Family("olmo2", **_OLMO),
     # OLMo 3: OLMo 2's layers, three sliding-window layers in four; the global layers' RoPE scaling (YaRN) theirs
@@ -183,6 +225,26 @@ def text_config(config: dict) -> dict:
     if "tie_word_embeddings" not in inner and "tie_word_embeddings" in config:
         merged["tie_word_embeddings"] = config["tie_word_embeddings"]
     return merged
+
+
+def refuse_unserved(config: dict, family: Family) -> None:
+    """What the family's HF class holds beyond the layers this engine builds, refused by name (HF's default
+    where absent); Gemma 4's global layers' own head size (global_head_dim, per_layer_config) too."""
+    for key, default, served, what in family.served_only:
+        value = config.get(key, default)
+        if value not in served:  # HF reads these by truth: 0 and False are alike
+            raise ValueError(f"{what}: not supported ({key}={value!r})")
+    if not family.has_global_head_dim:
+        return
+    head_dim, kv_heads = config.get("head_dim"), config.get("num_key_value_heads")
+    overrides = config.get("per_layer_config")
+    if overrides is None:  # HF: the global layers' head_dim is global_head_dim, 512 where absent
+        overrides = {"global": {"head_dim": config.get("global_head_dim", 512)}}
+    base = {"head_dim": head_dim, "num_key_value_heads": kv_heads}
+    for layer, changed in (overrides.items() if isinstance(overrides, dict) else [("?", overrides)]):
+        if not isinstance(changed, dict) or any(base.get(key, object()) != value for key, value in changed.items()):
+            raise ValueError(f"Gemma 4's per-layer attention shapes (layer {layer}: {str(changed)[:80]}, "
+                             f"head_dim={head_dim}) are not supported: global_head_dim must be head_dim")
 
 
 def family_of(config: dict) -> Family:

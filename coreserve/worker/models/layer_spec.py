@@ -28,6 +28,8 @@ class LayerSpec:
     has_output_gate: bool = False  # attention's output times sigmoid(gate) before o_proj (Qwen3.5)
     residual_multiplier: float | None = None  # Granite: residual + out * multiplier, the mixer's and the MLP's
     has_pre_norms: bool = True  # norms on attention's and the MLP's inputs (OLMo 2/3, Exaone 4: the outputs' only)
+    has_v_norm: bool = False  # RMSNorm without a weight over each head of v (Gemma 4; with qk_norm "head")
+    has_layer_scalar: bool = False  # the layer's output times its layer_scalar tensor [1] (Gemma 4)
 
     @property
     def is_llama_shaped(self) -> bool:
@@ -37,6 +39,7 @@ class LayerSpec:
             and not self.has_sandwich_norms and self.qk_norm in (None, "head") and self.clip_qkv is None
             and self.activation == SILU and not self.is_moe and self.mixer == "attention"
             and not self.has_output_gate and self.residual_multiplier is None and self.has_pre_norms
+            and not self.has_v_norm and not self.has_layer_scalar
         )
 
 
@@ -53,6 +56,8 @@ def layer_specs(
     if family.has_softcaps:
         scale = float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5
         softcap = config.get("attn_logit_softcapping")
+    if family.attention_scale is not None:
+        scale = family.attention_scale
     residual = None
     if family.has_multipliers:  # HF's default 1: a scale of 1, not head_dim ** -0.5
         scale, residual = multiplier(config, "attention_multiplier"), multiplier(config, "residual_multiplier")
@@ -72,6 +77,8 @@ def layer_specs(
             has_output_gate=family.has_output_gate,
             residual_multiplier=None if residual == 1 else residual,
             has_pre_norms=family.has_pre_norms,
+            has_v_norm=family.has_v_norm,
+            has_layer_scalar=family.has_layer_scalar,
         )
         for i, window in enumerate(windows)
     )
@@ -150,6 +157,8 @@ def _windows(config: dict, family: Family) -> list[int | None]:
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ValueError(f"{key}={pattern!r} must be a positive integer where layer_types is not given")
         kinds = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    if family.forces_last_global:  # HF's Gemma 4 makes the last layer global whatever layer_types says
+        kinds = [*kinds[:-1], FULL]
     window = config.get("sliding_window")
     if window is None and SLIDING in kinds:
         raise ValueError("sliding_attention layers need a sliding_window (config.json's is null)")
@@ -185,7 +194,10 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if isinstance(partial, bool) or not isinstance(partial, int | float) or not 0 < partial <= 1:
         raise ValueError(f"partial_rotary_factor={partial!r} must be a number in (0, 1] (the rotated part of a head)")
-    head_dim = int(head_dim * partial)  # Phi-4-mini: the first 3/4 of each head rotate, HF's int()
+    if rope_type == "proportional":  # Gemma 4: every feature's pair, the first partial of frequencies nonzero
+        params["partial_rotary_factor"] = partial
+    else:
+        head_dim = int(head_dim * partial)  # Phi-4-mini: the first 3/4 of each head rotate, HF's int()
     if head_dim % 2 or not head_dim:
         raise ValueError(f"partial_rotary_factor={partial} leaves a rotary width of {head_dim}, not positive and even")
     if rope_type in ("llama3", "yarn", "longrope"):  # HF: a top-level original_max_position_embeddings wins
@@ -197,7 +209,7 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
         for key in ("short_factor", "long_factor"):
             if len(params.get(key) or ()) != head_dim // 2:
                 raise ValueError(f"RoPE type 'longrope' needs {key}: {head_dim // 2} values (rotary width / 2)")
-    if rope_type not in ("default", "yarn", "longrope") and "factor" not in params:
+    if rope_type not in ("default", "yarn", "longrope", "proportional") and "factor" not in params:
         raise ValueError(f"RoPE type {rope_type!r} needs a `factor`")
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     for key in ("rope_type", "type"):

@@ -227,6 +227,8 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
     if hf_name == "lm_head.weight":  # a tied checkpoint may still carry it: HF ignores it, so do we
         return None if args.tie_word_embeddings else ("lm_head.weight", None)
     parts = hf_name.split(".")
+    if parts[:2] == ["model", "layers"] and parts[3:] == ["layer_scalar"] and args.layers[0].has_layer_scalar:
+        return f"layers.{parts[2]}.layer_scalar", None  # Gemma 4's, a tensor [1] of each layer
     if len(parts) < 5 or parts[:2] != ["model", "layers"]:
         return None
     prefix, rest = f"layers.{parts[2]}.", ".".join(parts[3:])

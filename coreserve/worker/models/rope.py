@@ -1,6 +1,7 @@
 """RoPE variants as Hugging Face transformers computes them: inverse frequencies and the attention
-scaling of cos/sin, for `default`, `linear`, `dynamic`, `llama3`, `yarn` and `longrope` (engine-core
-process).
+scaling of cos/sin, for `default`, `linear`, `dynamic`, `llama3`, `yarn`, `longrope` and `proportional`
+(Gemma 4's global layers: the first partial_rotary_factor of a whole head's frequencies, the rest zero, so
+their features pass unrotated) (engine-core process).
 
 Each function repeats HF's float32 arithmetic step for step (transformers' `modeling_rope_utils`), so
 the cos/sin tables are the same bits as HF's. `dynamic` (NTK) is HF's static case: HF recomputes the
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 NO_ROPE = "none"  # no rotation at all (Granite 4.0-H's NoPE): no tables, q and k attend as they are
 
 
@@ -45,6 +46,10 @@ def rope_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
         return _yarn(spec)
     if spec.rope_type == "longrope":
         return _longrope(spec, "short_factor")
+    if spec.rope_type == "proportional":  # HF's int(partial * head_dim // 2) frequencies kept, over head_dim
+        num_rotated = int(spec.params["partial_rotary_factor"] * spec.head_dim // 2)
+        inv_freq[num_rotated:] = 0.0
+        return inv_freq / spec.params.get("factor", 1.0), 1.0
     return inv_freq, 1.0  # default, and dynamic up to max_position_embeddings
 
 
