@@ -526,6 +526,17 @@ FAMILY_CONFIGS = {
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
+    # gpt-oss: a sliding layer (window 8) then a full one, each softmax with a learned sink a head, YaRN, q/k/v/o
+    # biases; 4 experts (top 2) with biases, gate and up interleaved, the clamped SwiGLU (limit 1.5, not 7: crossed)
+    "gpt_oss": dict(
+        model_type="gpt_oss", tokenizer="llama2", head_dim=16, intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=1.5, attention_bias=True,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=32,
+        ),
+    ),
 }
 
 

@@ -160,11 +160,12 @@ def test_model_forward_with_kernels_matches_torch_paths(kernels, tiny_path):
     torch.testing.assert_close(hidden["kernels"], hidden["torch"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("window", [11, 8])
-def test_sliding_window_in_the_kernel_the_torch_decode_and_prefill_chunks(kernels, window):
+@pytest.mark.parametrize("window, has_sinks", [(11, False), (8, False), (8, True), (None, True)])
+def test_sliding_window_in_the_kernel_the_torch_decode_and_prefill_chunks(kernels, window, has_sinks):
     """Mistral's window: each row attends to itself and the window - 1 positions before it, whether
     its window starts mid-block or on a block edge, in decode rows (kernel and torch), chunks with
-    context (one whose window leaves its first blocks behind), and a first chunk longer than the window."""
+    context (one whose window leaves its first blocks behind), and a first chunk longer than the window;
+    gpt-oss's sinks (a logit a head in each softmax's denominator) on the same paths, windowed or not."""
     generator = np.random.default_rng(window)
     free_blocks = generator.permutation(200).tolist()
     states, num_tokens = [], []
@@ -174,25 +175,32 @@ def test_sliding_window_in_the_kernel_the_torch_decode_and_prefill_chunks(kernel
         num_tokens.append(scheduled)
     cache = torch.randn(2, 2, 200 * BLOCK_SIZE, 32)
     q = torch.randn(sum(num_tokens), 6, 32)
-    expected = _windowed_reference(q, cache, states, num_tokens, window)
+    sinks = 2.0 * torch.randn(6) if has_sinks else None  # beside scores of a few units: a share of each softmax
+    expected = _windowed_reference(q, cache, states, num_tokens, window, sinks)
     for kernel in (kernels, None):
         inputs = build_step_inputs(states, num_tokens, BLOCK_SIZE, torch.device("cpu"))
         slots = inputs.attn.slot_mapping
         k, v = cache[0][:, slots].transpose(0, 1), cache[1][:, slots].transpose(0, 1)
-        actual = ops_of(kernel).attention(q, k, v, cache, planned(inputs.attn, kernel), AttentionSpec(window))
+        attn = planned(inputs.attn, kernel)
+        actual = ops_of(kernel).attention(q, k, v, cache, attn, AttentionSpec(window), sinks)
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-def _windowed_reference(q, cache, states, num_tokens, window: int) -> torch.Tensor:
+def _windowed_reference(q, cache, states, num_tokens, window: int | None, sinks=None) -> torch.Tensor:
+    """In float64; sinks [Hq]: a last column of each row's scores, dropped after the softmax (HF's gpt-oss)."""
     group, rows = q.shape[1] // cache.shape[1], []
     for state, num in zip(states, num_tokens):
         for position in range(state.num_computed_tokens, state.num_computed_tokens + num):
-            positions = range(max(0, position - window + 1), position + 1)
+            positions = range(0 if window is None else max(0, position - window + 1), position + 1)
             slots = [state.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
             keys = cache[0][:, slots].double().repeat_interleave(group, dim=0)
             values = cache[1][:, slots].double().repeat_interleave(group, dim=0)
             query = q[len(rows)].double()[:, None, :] * q.shape[2] ** -0.5
-            rows.append(((query @ keys.transpose(1, 2)).softmax(dim=-1) @ values)[:, 0])
+            scores = query @ keys.transpose(1, 2)  # [Hq, 1, L]
+            if sinks is not None:
+                scores = torch.cat((scores, sinks.double()[:, None, None]), dim=-1)
+            weights = scores.softmax(dim=-1)[..., : len(slots)]
+            rows.append((weights @ values)[:, 0])
     return torch.stack(rows).float()
 
 

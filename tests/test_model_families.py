@@ -1,5 +1,5 @@
 """Each supported family (Llama 2, 3.1, 3.2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, 3 and 4, Qwen3-MoE,
-Mixtral, OLMoE, OLMo 2, OLMo 3, SmolLM3, Exaone 4) against Hugging Face transformers on the same random
+Mixtral, OLMoE, OLMo 2, OLMo 3, SmolLM3, Exaone 4, gpt-oss) against Hugging Face transformers on the same random
 weights: greedy tokens, sample and prompt logprobs, past the RoPE thresholds and the sliding window, with
 chunked prefill and preemption forced; HF's `generate` (its caches) for the newest; batch invariance for the
 families added since the first (alone = batched, scoring = generation); config keys the engine cannot honour
@@ -19,7 +19,7 @@ from test_batch_invariance import sampled_rows, scoring_mismatches
 from coreserve import LLM, SamplingParams
 from coreserve.worker.models.config import DecoderArgs
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 INVARIANCE_PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5),
     SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=5),
@@ -74,6 +74,7 @@ CASES = [
     ("smollm3", False, CHUNKED),  # a NoPE layer
     ("exaone4", False, CHUNKED),  # a local layer (window, RoPE), a global one without RoPE, per-head q/k norms
     ("gemma4", False, CHUNKED),  # a proportional RoPE beside a default one, a norm on v, layer scalars
+    ("gpt_oss", False, CHUNKED),  # sinks in the C kernel, window 8, YaRN, experts with biases and the clamp
 ]
 
 
@@ -110,7 +111,7 @@ def test_family_matches_hf(family, multiprocess, engine_args, family_model):
 
 # OLMo 2's layers are OLMo 3's without its windows and second RoPE
 @pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral", "olmoe", "olmo3", "smollm3",
-                                    "exaone4", "gemma4"])
+                                    "exaone4", "gemma4", "gpt_oss"])
 def test_alone_equals_batched_and_scoring_equals_generation(family, family_model):
     """Each of 5 prompts alone, then all in one batch with 16-token chunks; then the generated sequence
     scored with prompt_logprobs (prefill) against its sample logprobs (decode)."""
@@ -188,6 +189,21 @@ def test_phi3_under_tensor_parallelism_is_refused_by_name(family_model):
         LLM(family_model("phi3"), tensor_parallel_size=2)
 
 
+def test_gpt_oss_mxfp4_and_tensor_parallelism_are_refused_by_name(family_model):
+    """Its MXFP4 experts (quantization_config) and its sinks and experts' biases across ranks: not built yet."""
+    import torch
+
+    from coreserve.worker.models.loader import load_model
+    from coreserve.worker.models.sharding import Shard
+
+    path = family_model("gpt_oss")
+    config = json.loads((Path(path) / "config.json").read_text())
+    with pytest.raises(ValueError, match="gpt_oss with quantization_config"):
+        DecoderArgs.from_hf_config({**config, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ValueError, match="gpt-oss"):
+        load_model(path, "float32", torch.device("cpu"), Shard(rank=0, size=2))
+
+
 def test_olmo_under_tensor_parallelism_is_refused_by_name(family_model):
     """Its q/k norms span the heads of every rank: a rank's load refuses it (no ranks spawned here)."""
     import torch
@@ -230,7 +246,7 @@ def _assert_sample_logprobs(completion, reference, tolerance: float) -> None:
             assert abs(logprob.logprob - row[entry_id].item()) < tolerance, (step, entry_id)
 
 
-@pytest.mark.parametrize("family", ["olmo3", "smollm3", "exaone4"])  # OLMo 2's layers are OLMo 3's, unwindowed
+@pytest.mark.parametrize("family", ["olmo3", "smollm3", "exaone4", "gpt_oss"])  # OLMo 2's layers are OLMo 3's, unwindowed
 def test_new_family_matches_hf_generate(family, family_model):
     """A greedy completion past the window (24) against HF's own decoding with its cache (its sliding-window
     and NoPE layers' caches as HF keeps them), the sampled logprobs within the tolerance."""

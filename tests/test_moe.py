@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE, Qwen3-Next) on random weights: the routed experts a request
+"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE, Qwen3-Next, gpt-oss) on random weights: the routed experts a request
 gets back equal Hugging Face's router top-k on the same tokens; a request's tokens, logprobs and
 experts are the same bits alone, in a batch, chunked, preempted, in multi-step windows and under
 tensor parallelism; scoring a generated sequence gives its sample logprobs. Numbers against HF's are
@@ -17,7 +17,8 @@ from test_model_families import FAMILY_PROMPTS
 from coreserve import LLM, SamplingParams
 from coreserve.frontend.errors import RequestFailedError
 
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next"]  # Qwen3-Next: a hybrid, with a shared expert
+# Qwen3-Next: a hybrid, with a shared expert; gpt-oss: its router's top-k logits (then their softmax), a bias
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "gpt_oss"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5, return_routed_experts=True)
 SAMPLED = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=5, return_routed_experts=True)
 

@@ -96,7 +96,8 @@ SIGNATURES: dict[str, Signature] = {
         _INT, ("q", _P), ("out", _P), ("key_cache", _P), ("value_cache", _P), ("num_slots", _I64),
         ("rows", _P), ("block_tables", _P), ("max_blocks", _I32), ("context_lens", _P),
         ("num_rows", _I32), ("num_q_heads", _I32), ("num_kv_heads", _I32), ("head_dim", _I32),
-        ("block_size", _I32), ("scale", _F32), ("window", _I32), ("softcap", _F32), ("num_threads", _I32),
+        ("block_size", _I32), ("scale", _F32), ("window", _I32), ("softcap", _F32), ("sinks", _P),
+        ("num_threads", _I32),
     ),
     "logprob_rows": _sig(
         None, ("scores", _P), ("num_rows", _I64), ("vocab", _I64), ("row_stride", _I64), ("k", _I32),

@@ -119,12 +119,15 @@ def decode_attention(
     window: int = 0,
     pointers: tuple[int, int, int] | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """q, out: [T, Hq, D] float32 contiguous; cache: [2, Hkv, slots, D]; rows [R] int64, block_tables
     [R, max_blocks] int32, context_lens [R] int32 numpy arrays (C-contiguous); window: a sliding
     window (each row attends to its last `window` positions), 0 for none; pointers: the three
-    arrays' addresses where the caller has them already; softcap: Gemma 2's cap on the scores, 0 none."""
+    arrays' addresses where the caller has them already; softcap: Gemma 2's cap on the scores, 0 none;
+    sinks: [Hq] float32, a logit a head joining each softmax (gpt-oss), None for none."""
     assert q.is_contiguous() and out.is_contiguous() and cache.is_contiguous() and q.dtype == torch.float32
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == q.shape[1])
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     if pointers is None:
         pointers = (rows.ctypes.data, block_tables.ctypes.data, context_lens.ctypes.data)
@@ -147,6 +150,7 @@ def decode_attention(
         scale,
         window,
         softcap,
+        None if sinks is None else sinks.data_ptr(),
         torch.get_num_threads(),
     )
     if status != 0:

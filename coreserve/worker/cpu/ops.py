@@ -26,7 +26,7 @@ from coreserve.worker.cpu.kernels import (
 )
 from coreserve.worker.cpu.linear import linear
 from coreserve.worker.models.gated_deltanet import LayerState
-from coreserve.worker.models.ops import HeadShape, Rope, TorchOps, gelu_tanh_mul
+from coreserve.worker.models.ops import HeadShape, Rope, TorchOps, clamped_swiglu, gelu_tanh_mul
 from coreserve.worker.models.short_conv import short_conv
 from coreserve.worker.step.attention import AttentionMetadata, AttentionSpec, StateSpan, paged_attention
 
@@ -80,6 +80,9 @@ class CpuOps:
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
         return sigmoid(self.kernels, x)
 
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return clamped_swiglu(gate_up, alpha, limit, self.sigmoid)  # the sigmoid in C: a row's bits in any batch
+
     def gated_deltanet(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
     ) -> torch.Tensor:
@@ -100,29 +103,32 @@ class CpuOps:
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, spec: AttentionSpec,
+        meta: AttentionMetadata, spec: AttentionSpec, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self.is_batch_invariant:
-            return paged_attention(q, k, v, cache, meta, spec, self._attend_decode)
+            return paged_attention(q, k, v, cache, meta, spec, self._attend_decode, sinks)
         out = torch.empty_like(q)  # this step's k and v are in the cache already (rope_write_kv)
-        self._attend_rows(q, out, cache, _plan(meta).every_token, spec)
+        self._attend_rows(q, out, cache, _plan(meta).every_token, spec, sinks)
         return out
 
     def _attend_decode(
-        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        self._attend_rows(q, out, cache, _plan(meta).decode, spec)
+        self._attend_rows(q, out, cache, _plan(meta).decode, spec, sinks)
 
     def _attend_rows(
-        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: KernelRows | None, spec: AttentionSpec
+        self, q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, rows: KernelRows | None, spec: AttentionSpec,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        """The C kernel reads the spec's fields as its arguments: scale, window (0: none), softcap (0: none)."""
+        """The C kernel reads the spec's fields as its arguments: scale, window (0: none), softcap (0: none);
+        and the layer's sinks (gpt-oss; fp32, as apply_cpu_backend widened them)."""
         assert rows is not None
         r = rows.rows
         decode_attention(
             self.kernels, q, out, cache, r.rows, r.block_tables, r.context_lens, r.block_size,
             q.shape[2] ** -0.5 if spec.scale is None else spec.scale, spec.window or 0, rows.pointers,
-            spec.softcap or 0.0,
+            spec.softcap or 0.0, sinks,
         )
 
 

@@ -69,6 +69,9 @@ class MoeArgs:
     norm_topk_prob: bool
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE's mlp_only_layers, sparse step)
     shared_intermediate_size: int = 0  # Qwen3-Next's shared expert's width, its output gated by a sigmoid; 0: none
+    # gpt-oss's clamped SwiGLU (swiglu_alpha, swiglu_limit), its router and experts with biases, the softmax
+    # over the top-k logits; None: SwiGLU experts without biases, the top-k of the softmax
+    clamped_swiglu: tuple[float, float] | None = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -246,6 +249,8 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
         norm_topk_prob=rule.always_renormalises or bool(config.get("norm_topk_prob", False)),
         dense_layers=dense,
         shared_intermediate_size=_shared_expert_width(config) if rule.has_shared_expert else 0,
+        clamped_swiglu=(float(config.get("swiglu_alpha") or 1.702), float(config.get("swiglu_limit") or 7.0))
+        if rule.is_clamped_swiglu else None,  # HF's defaults
     )
 
 
@@ -296,6 +301,8 @@ def _refuse_unsupported(config: dict, family: Family) -> None:
         raise ValueError(f"layer_types {sorted(layer_types)} (mixed attention layers) are not supported")
     if family.moe is not None and config.get("num_experts_per_tok", 0) < 1:
         raise ValueError(f"{name}: num_experts_per_tok must be at least 1")
+    if family.has_sinks and config.get("quantization_config"):
+        raise ValueError(f"{name} with quantization_config (MXFP4 experts in _blocks and _scales) is not built yet")
     for key in _REFUSED_KEYS:
         if key not in family.allowed_keys and config.get(key) not in (None, 0, False, 1, 1.0):
             raise ValueError(f"config key {key}={config[key]!r} is not supported by this engine")

@@ -39,7 +39,7 @@ _ZERO_MEANS_NONE = ("num_experts", "num_local_experts", "num_experts_per_tok")
 _MAX_ROPE_ELEMENTS = 1 << 27  # max_position_embeddings x head_dim: each RoPE table's fp32 elements
 _POSITIVE_FLOATS = ("rope_theta", "attn_logit_softcapping", "final_logit_softcapping", "clip_qkv",
                     "query_pre_attn_scalar", "rope_local_base_freq", "embedding_multiplier", "residual_multiplier",
-                    "attention_multiplier", "logits_scaling")
+                    "attention_multiplier", "logits_scaling", "swiglu_alpha", "swiglu_limit")
 _FLOAT32_MAX = 3.4028234663852886e38  # past it a positive float is infinite where the model applies it in float32
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")  # what the engine reads (a pad id of -1 is common and unread)
 _LAYER_PATTERNS = (re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\."), re.compile(r"^blk\.(\d+)\."))

@@ -121,6 +121,8 @@ class DecoderLayer(nn.Module):
         q_rows = 2 * self.q_size if spec.has_output_gate else self.q_size
         self.qkv_proj = nn.Linear(hidden, q_rows + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=args.o_bias)
+        if spec.has_sinks:  # gpt-oss: a logit a head that joins its softmax
+            self.sinks = nn.Parameter(torch.empty(args.num_heads))
         if spec.qk_norm == "head":
             self.q_norm = RMSNorm(args.head_dim, eps, spec.norm_offset)
             self.k_norm = RMSNorm(args.head_dim, eps, spec.norm_offset)
@@ -184,7 +186,8 @@ class DecoderLayer(nn.Module):
         if spec.clip_qkv is not None:
             qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
         q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
-        attn = ops.attention(q, k, v, cache, meta, spec.attention).reshape(num_tokens, self.q_size)
+        sinks = self.sinks if spec.has_sinks else None
+        attn = ops.attention(q, k, v, cache, meta, spec.attention, sinks).reshape(num_tokens, self.q_size)
         if gate is not None:
             attn = attn * torch.sigmoid(gate)
         return ops.linear(self.o_proj, attn)

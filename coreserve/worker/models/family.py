@@ -28,6 +28,9 @@ class MoeRule:
     has_sparse_step: bool = False  # Qwen3-MoE: decoder_sparse_step and mlp_only_layers make dense layers
     has_shared_expert: bool = False  # Qwen3-Next: a shared expert of shared_expert_intermediate_size beside the
     # routed ones, scaled by sigmoid(shared_expert_gate(x))
+    # gpt-oss: router and experts with biases, the softmax over the top-k logits, the clamped SwiGLU
+    # (swiglu_alpha, swiglu_limit), the experts fused in 3-D checkpoint tensors, gate and up interleaved
+    is_clamped_swiglu: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class Family:
     has_multipliers: bool = False
     mlp_width_key: str = "intermediate_size"  # the dense MLP's width (Granite: shared_intermediate_size)
     dense_only_key: str | None = None  # experts under this key (HF's default 8 where absent) not built yet
+    has_sinks: bool = False  # a learned logit a head joins each attention softmax (gpt-oss)
     skipped_prefixes: tuple[str, ...] = ()  # a vision-language folder's tensors that are not the decoder's
     # Gemma 4: a fixed attention scale (1: q and k are normed), RMSNorm without a weight on each head of v,
     # each layer's output times its layer_scalar tensor, the last layer global whatever layer_types says (HF)
@@ -103,6 +107,8 @@ class Family:
             keys |= {"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"}
         if self.has_final_softcap:
             keys.add("final_logit_softcapping")
+        if self.moe is not None and self.moe.is_clamped_swiglu:
+            keys |= {"swiglu_alpha", "swiglu_limit"}
         if self.has_multipliers:
             keys |= {"embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"}
         return frozenset(keys)
@@ -178,6 +184,13 @@ FAMILIES = {
         "exaone4", qk_norm="head", has_sandwich_norms=True, has_pre_norms=False, window="layers", layer_pattern=4,
         layer_pattern_key="sliding_window_pattern", layer_types=frozenset({FULL, SLIDING}), nope="global",
         defaults=(("sliding_window", 4096),),
+    ),
+    # gpt-oss: sliding-window and full layers alternating, attention sinks, biases, YaRN; experts with biases
+    # and a clamped SwiGLU (MXFP4 experts, its quantization_config, not read yet)
+    "GptOssForCausalLM": Family(
+        "gpt_oss", reads_attention_bias=True, window="layers", layer_pattern=2, layer_types=frozenset({FULL, SLIDING}),
+        has_sinks=True, moe=MoeRule(is_clamped_swiglu=True),
+        defaults=(("attention_bias", True), ("sliding_window", 128), ("head_dim", 64), ("rope_theta", 150000.0)),
     ),
     # Qwen3.5 (dense): three Gated DeltaNet layers in four, output-gated attention on a quarter of each head
     # rotated; its hub folders are vision-language ones, the decoder in text_config (the vision tower and

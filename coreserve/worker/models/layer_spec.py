@@ -30,6 +30,7 @@ class LayerSpec:
     has_pre_norms: bool = True  # norms on attention's and the MLP's inputs (OLMo 2/3, Exaone 4: the outputs' only)
     has_v_norm: bool = False  # RMSNorm without a weight over each head of v (Gemma 4; with qk_norm "head")
     has_layer_scalar: bool = False  # the layer's output times its layer_scalar tensor [1] (Gemma 4)
+    has_sinks: bool = False  # a learned logit a head joins the attention's softmax (gpt-oss)
 
     @property
     def is_llama_shaped(self) -> bool:
@@ -39,7 +40,7 @@ class LayerSpec:
             and not self.has_sandwich_norms and self.qk_norm in (None, "head") and self.clip_qkv is None
             and self.activation == SILU and not self.is_moe and self.mixer == "attention"
             and not self.has_output_gate and self.residual_multiplier is None and self.has_pre_norms
-            and not self.has_v_norm and not self.has_layer_scalar
+            and not self.has_v_norm and not self.has_layer_scalar and not self.has_sinks
         )
 
 
@@ -79,6 +80,7 @@ def layer_specs(
             has_pre_norms=family.has_pre_norms,
             has_v_norm=family.has_v_norm,
             has_layer_scalar=family.has_layer_scalar,
+            has_sinks=family.has_sinks,
         )
         for i, window in enumerate(windows)
     )

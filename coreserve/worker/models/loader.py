@@ -26,6 +26,7 @@ from coreserve.worker.models.config_checks import check_layer_indices, check_mod
 from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.family import family_of
 from coreserve.worker.models.finite_weights import check_finite_model
+from coreserve.worker.models.fused_experts import fused_expert_part, split_fused_experts
 from coreserve.worker.models.gguf_config import hf_config_from_gguf
 from coreserve.worker.models.gguf_quantized import quantization_plan
 from coreserve.worker.models.grouped_rows import grouped_rows
@@ -104,6 +105,9 @@ def load_model(
         )
     if shard is not None and args.is_hybrid:
         raise ValueError("tensor_parallel_size > 1 with a hybrid model (recurrent layers, Qwen3.5) is not built")
+    if shard is not None and any(spec.has_sinks for spec in args.layers):
+        raise ValueError("tensor_parallel_size > 1 with gpt-oss (its attention sinks and experts' biases) is not "
+                         "built")
     if shard is not None and any(spec.qk_norm == "whole" for spec in args.layers):
         raise ValueError(
             "tensor_parallel_size > 1 with OLMoE, OLMo 2 or OLMo 3 (their q/k norms span every head, across the "
@@ -166,6 +170,10 @@ def load_weights(model: DecoderModel, model_dir: str, shard: Shard | None, check
     source = gguf_weights if is_gguf(model_dir) else safetensors_files
     for entry in source.list_tensors(model_dir):
         if entry.name.endswith(_IGNORED_SUFFIXES) or entry.name.startswith(model.args.skipped_prefixes):
+            continue
+        fused = fused_expert_part(model.args, entry.name) if source is safetensors_files else None
+        if fused is not None:  # gpt-oss: a layer's experts in one tensor, split into each expert's
+            filled.update(split_fused_experts(params, model.args, *fused, source.read_tensor(entry), model_dir))
             continue
         target = weight_destination(model.args, entry.name)
         if target is None:
@@ -263,6 +271,8 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
     if module in fused:
         name, rows = fused[module]
         return prefix + f"{name}.{kind}", rows
+    if rest == "self_attn.sinks":  # gpt-oss's, a logit a head
+        return prefix + "sinks", None
     plain = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj", "self_attn.q_norm": "q_norm",
              "self_attn.k_norm": "k_norm", "input_layernorm": "input_layernorm",
              # LFM2's names of the same
@@ -306,6 +316,8 @@ def _expert_destination(args: DecoderArgs, module: str) -> tuple[str, slice | No
     parts = module.split(".")
     if parts[1:] in (["gate"], ["shared_expert_gate"]):
         return f"moe.{parts[1]}", None
+    if parts[1:] == ["router"]:  # gpt-oss's router, a bias beside its weight
+        return "moe.gate", None
     if len(parts) == 3 and parts[1] == "shared_expert" and parts[2] in _EXPERT_PARTS:  # Qwen3-Next's
         assert args.moe is not None
         width, role = args.moe.shared_intermediate_size, _EXPERT_PARTS[parts[2]]

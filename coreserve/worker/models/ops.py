@@ -54,10 +54,13 @@ class ModelOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # [T, 2 I] -> [T, I]
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...  # Gemma's GeGLU, [T, 2 I] -> [T, I]
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor: ...  # element-wise, x's shape
+    def clamped_swiglu(
+        self, gate_up: torch.Tensor, alpha: float, limit: float
+    ) -> torch.Tensor: ...  # gpt-oss's experts, [T, 2 I] -> [T, I]
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, spec: AttentionSpec,
-    ) -> torch.Tensor: ...  # q [T, Hq, D], k and v [T, Hkv, D] (in the cache already) -> [T, Hq, D]
+        meta: AttentionMetadata, spec: AttentionSpec, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # q [T, Hq, D], k and v [T, Hkv, D] (in the cache already), sinks [Hq] -> [T, Hq, D]
     def gated_deltanet(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
     ) -> torch.Tensor: ...  # in_proj's rows [T, width] -> [T, value_dim], each span from its state slot
@@ -130,11 +133,14 @@ class TorchOps:
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(x)
 
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return clamped_swiglu(gate_up, alpha, limit)
+
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, spec: AttentionSpec,
+        meta: AttentionMetadata, spec: AttentionSpec, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, cache, meta, spec, decode_attention_torch)
+        return paged_attention(q, k, v, cache, meta, spec, decode_attention_torch, sinks)
 
     def gated_deltanet(
         self, mixer: nn.Module, proj: torch.Tensor, state: LayerState, spans: list[StateSpan]
@@ -156,3 +162,16 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GeGLU with HF's gelu_pytorch_tanh: element-wise, so a row's numbers never depend on the batch."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(
+    gate_up: torch.Tensor, alpha: float, limit: float,
+    sigmoid: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid,
+) -> torch.Tensor:
+    """gpt-oss's expert activation as HF computes it, on [gate | up] halves (the checkpoint's interleaved
+    columns are put in halves at load): the gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) gate sigmoid(alpha gate). Clamps, products and sums are exactly rounded element by element;
+    `sigmoid` is the backend's (the CPU's in C: torch's vector loop and its scalar tail differ in bits)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * sigmoid(gate * alpha))

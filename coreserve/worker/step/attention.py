@@ -7,7 +7,7 @@ forward: the C kernel on the CPU, reading the blocks in place (coreserve/worker/
 torch's here, one gather of every row's context (`DecodeGather`) and two batched products (no
 per-request loop, no per-request kernel launches).
 Prefill chunks go one request at a time through SDPA (masked to the sliding window where the model
-has one); the KV manager places a request's blocks in
+has one; written out where SDPA lacks the math: soft-caps, gpt-oss's sinks); the KV manager places a request's blocks in
 contiguous runs where it can, so a chunk's context is usually a view of the cache, not a copy.
 """
 
@@ -159,8 +159,10 @@ def every_token_rows(meta: AttentionMetadata, block_size: int) -> DecodeRows:
 
 
 # q [T, Hq, D], out [T, Hq, D] (its decode rows written), cache, the step's metadata (its decode rows
-# and the backend's plan of them), the layer's attention spec
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, AttentionSpec], None]
+# and the backend's plan of them), the layer's attention spec, its sinks [Hq] or None
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, AttentionSpec, torch.Tensor | None], None
+]
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -177,34 +179,37 @@ def paged_attention(
     meta: AttentionMetadata,
     spec: AttentionSpec,
     attend_decode: DecodeAttention,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`). Returns [T, Hq, D]: the
-    decode rows by `attend_decode`, the prefill chunks one by one here."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`); sinks: [Hq], a logit a head
+    that joins each softmax (gpt-oss), or None. Returns [T, Hq, D]: the decode rows by `attend_decode`,
+    the prefill chunks one by one here."""
     out = torch.empty_like(q)
     if meta.decode is not None:
-        attend_decode(q, out, cache, meta, spec)
+        attend_decode(q, out, cache, meta, spec, sinks)
     for seq in meta.seqs:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-        out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, spec)
+        out[rows] = _attend_chunk(q[rows], k[rows], v[rows], cache, seq, spec, sinks)
     return out
 
 
 def _attend_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seq: SeqSpan, spec: AttentionSpec
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seq: SeqSpan, spec: AttentionSpec,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """One prefill chunk: q [Tq, Hq, D], k and v [Tq, Hkv, D] of its own tokens; earlier positions
     come from the cache, only those some query's window still reaches."""
     window, scale, softcap = spec.window, spec.scale, spec.softcap
     if seq.context_len == seq.num_tokens:  # the whole context is this chunk
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
-        if (window is None or seq.num_tokens <= window) and softcap is None:  # plain causal attention
+        if (window is None or seq.num_tokens <= window) and softcap is None and sinks is None:  # plain causal
             return _sdpa(q, keys, values, None, True, scale)
         mask = _causal_mask(seq.num_tokens, seq.context_len, 0, window, q.device)
-        return _sdpa(q, keys, values, mask, False, scale, softcap)
+        return _sdpa(q, keys, values, mask, False, scale, softcap, sinks)
     first_key = 0 if window is None else max(0, seq.context_len - seq.num_tokens - window + 1)
     keys, values = _context(cache, _skip_slots(seq.runs, first_key))
     mask = _causal_mask(seq.num_tokens, seq.context_len, first_key, window, q.device)
-    return _sdpa(q, keys, values, mask, False, scale, softcap)
+    return _sdpa(q, keys, values, mask, False, scale, softcap, sinks)
 
 
 def _causal_mask(
@@ -232,7 +237,8 @@ def _skip_slots(runs: list[tuple[int, int]], num_skipped: int) -> list[tuple[int
 
 
 def decode_attention_torch(
-    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec
+    q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Writes the decode rows of `out`: one gather of every row's keys and values, two batched products
     over (KV head, row), the padding masked. Scores in the model's dtype, softmax in fp32 as SDPA does."""
@@ -252,7 +258,11 @@ def decode_attention_torch(
         positions = torch.arange(gather.slots.shape[1], device=q.device)
         is_masked = is_masked | (positions[None, :] <= gather.lens[:, None] - 1 - window)[None, :, None, :]
     scores.masked_fill_(is_masked, float("-inf"))
-    weights = scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
+    if sinks is not None:  # [Hq] -> a column [Hkv, R, G, 1] beside the scores
+        column = sinks.to(scores.dtype).view(num_kv_heads, 1, group, 1).expand(-1, num_rows, -1, -1)
+        weights = softmax_with_sinks(scores, column)
+    else:
+        weights = scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
     attended = torch.matmul(weights, values)  # [Hkv, R, G, D]
     out[gather.rows] = attended.transpose(0, 1).reshape(num_rows, -1, head_dim)
 
@@ -267,19 +277,33 @@ def _context(cache: torch.Tensor, runs: list[tuple[int, int]]) -> tuple[torch.Te
     return keys, values
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """scores [..., L] and a sink logit a row [..., 1] -> the weights [..., L] in scores' dtype: HF's
+    gpt-oss softmax, the sink a last column (the maximum over both subtracted) dropped after it."""
+    combined = torch.cat((scores, sinks), dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return combined.softmax(dim=-1, dtype=torch.float32)[..., :-1].to(scores.dtype)
+
+
 def _sdpa(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, is_causal: bool,
-    scale: float | None = None, softcap: float | None = None,
+    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [Tq, Hq, D]; keys, values: [Hkv, L, D]. Returns [Tq, Hq, D]. With a soft-cap (which SDPA
-    has not): the scores, capped, masked, their softmax in fp32, written out."""
-    if softcap is not None:
+    """q: [Tq, Hq, D]; keys, values: [Hkv, L, D]. Returns [Tq, Hq, D]. With a soft-cap or sinks (which
+    SDPA has not): the scores, capped, masked, their softmax in fp32 (beside the sinks), written out."""
+    if softcap is not None or sinks is not None:
         group = q.shape[1] // keys.shape[0]
         keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         scores = torch.matmul(q.transpose(0, 1) * scale, keys.transpose(1, 2))  # [Hq, Tq, L]
-        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
-        weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is None:
+            weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+        else:
+            column = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+            weights = softmax_with_sinks(scores, column).to(values.dtype)
         return torch.matmul(weights, values).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True, scale=scale

@@ -126,7 +126,8 @@ static inline __attribute__((always_inline)) void weighted_values(float *acc, co
 static inline __attribute__((always_inline)) void attend(const float *q, float *out, const float *keys,
                                                         const float *values, const int32_t *table, int start,
                                                         int context_len, int group, int head_dim, int block_size,
-                                                        float scale, float softcap, float *scores, float *acc) {
+                                                        float scale, float softcap, const float *sinks, float *scores,
+                                                        float *acc) {
     const int span = context_len - start;
     float scaled_q[group * head_dim];
     for (int i = 0; i < group * head_dim; i++) scaled_q[i] = q[i] * scale;
@@ -168,6 +169,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, float *
             for (int lane = 0; lane < 8; lane++) top = best[lane] > top ? best[lane] : top;
         }
         for (; i < span; i++) top = row[i] > top ? row[i] : top;
+        if (sinks) top = sinks[g] > top ? sinks[g] : top; /* the sink is one more logit of the row */
         tops[g] = top;
         totals[g] = 0.0f;
     }
@@ -189,6 +191,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, float *
             row[j] = expf(row[j] - tops[g]);
             totals[g] += row[j];
         }
+        if (sinks) totals[g] += expf(sinks[g] - tops[g]); /* in the denominator only: it has no value */
     }
     if (head_dim % 8 == 0) {
         for (int g = 0; g < group; g++)
@@ -216,25 +219,29 @@ static inline __attribute__((always_inline)) void attend(const float *q, float *
  * compiler unrolls dot() and the value columns; the same operations in the same order as any other size. */
 void attend_one(const float *q, float *out, const float *keys, const float *values, const int32_t *table,
                 int start, int context_len, int group, int head_dim, int block_size, float scale, float softcap,
-                float *scores, float *acc) {
+                const float *sinks, float *scores, float *acc) {
     if (head_dim == 64)
-        attend(q, out, keys, values, table, start, context_len, group, 64, block_size, scale, softcap, scores, acc);
-    else if (head_dim == 128)
-        attend(q, out, keys, values, table, start, context_len, group, 128, block_size, scale, softcap, scores, acc);
-    else
-        attend(q, out, keys, values, table, start, context_len, group, head_dim, block_size, scale, softcap, scores,
+        attend(q, out, keys, values, table, start, context_len, group, 64, block_size, scale, softcap, sinks, scores,
                acc);
+    else if (head_dim == 128)
+        attend(q, out, keys, values, table, start, context_len, group, 128, block_size, scale, softcap, sinks, scores,
+               acc);
+    else
+        attend(q, out, keys, values, table, start, context_len, group, head_dim, block_size, scale, softcap, sinks,
+               scores, acc);
 }
 
 /* q, out: [num_tokens, num_q_heads, head_dim]; key_cache, value_cache: [num_kv_heads, num_slots,
  * head_dim]; rows: [num_rows] the token rows to attend; block_tables: [num_rows, max_blocks];
  * context_lens: [num_rows]; window: a sliding window (each row attends to its last `window` positions),
- * 0 for none; softcap: scores soft-capped to (-softcap, softcap) (Gemma 2), 0 for none. Returns 0, or -1 when scratch memory could not be allocated. */
+ * 0 for none; softcap: scores soft-capped to (-softcap, softcap) (Gemma 2), 0 for none; sinks: [num_q_heads] a
+ * logit a head that joins each softmax's maximum and denominator (gpt-oss), NULL for none. Returns 0, or -1 when
+ * scratch memory could not be allocated. */
 int decode_attention(const float *q, float *out, const float *key_cache, const float *value_cache,
                      int64_t num_slots, const int64_t *rows, const int32_t *block_tables,
                      int32_t max_blocks, const int32_t *context_lens, int32_t num_rows,
                      int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                     float scale, int32_t window, float softcap, int32_t num_threads) {
+                     float scale, int32_t window, float softcap, const float *sinks, int32_t num_threads) {
     const int group = num_q_heads / num_kv_heads;
     int max_len = 1, failed = 0;
     for (int i = 0; i < num_rows; i++) max_len = context_lens[i] > max_len ? context_lens[i] : max_len;
@@ -251,8 +258,8 @@ int decode_attention(const float *q, float *out, const float *key_cache, const f
                 const int start = window > 0 && context_lens[i] > window ? context_lens[i] - window : 0;
                 attend_one(q + q_offset, out + q_offset, key_cache + head_offset,
                            value_cache + head_offset, block_tables + (int64_t)i * max_blocks, start,
-                           context_lens[i], group, head_dim, block_size, scale, softcap, scores,
-                           scores + group * max_len);
+                           context_lens[i], group, head_dim, block_size, scale, softcap,
+                           sinks ? sinks + (int64_t)h * group : NULL, scores, scores + group * max_len);
             }
         free(scores);
     }

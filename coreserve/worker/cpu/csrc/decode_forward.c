@@ -136,7 +136,7 @@ static void attention_half(const struct model_desc *model, const struct layer_de
             attend_one(b->q + q_offset, b->attn + q_offset, layer->key_cache + head_offset,
                        layer->value_cache + head_offset,
                        step->block_tables + i * step->max_blocks, start, context_lens[i],
-                       s->group, s->head_dim, s->block_size, scale, 0.0f, own->scores,
+                       s->group, s->head_dim, s->block_size, scale, 0.0f, NULL, own->scores,
                        own->scores + (int64_t)s->group * s->max_len);
         }
     product(s, b, b->attn, s->q_size, layer->o, layer->o_type, s->H, layer->o_bias, b->o_out, own, &cursors[1]);

@@ -29,11 +29,12 @@ void rope_write_kv_token(const float *qkv, const float *c, const float *s, const
                          int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, float *q_out, float *k_out,
                          float *key_cache, float *value_cache, int64_t num_slots);
 
-/* decode_attention.c: one (row, KV head) task over context positions [start, context_len). scores:
- * [group, context_len - start] scratch; acc: [group, head_dim] scratch. */
+/* decode_attention.c: one (row, KV head) task over context positions [start, context_len). sinks: the
+ * group's [group] sink logits (gpt-oss), NULL for none; scores: [group, context_len - start] scratch; acc:
+ * [group, head_dim] scratch. */
 void attend_one(const float *q, float *out, const float *keys, const float *values, const int32_t *table,
                 int start, int context_len, int group, int head_dim, int block_size, float scale, float softcap,
-                float *scores, float *acc);
+                const float *sinks, float *scores, float *acc);
 
 /* The next run [*start, *end) of a shared product's N output features for the calling thread, taken
  * from the shared *cursor: large runs first and smaller ones as the features run out (as OpenMP's guided
