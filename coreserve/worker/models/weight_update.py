@@ -18,6 +18,7 @@ import torch
 
 from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.finite_weights import check_finite_tensor
+from coreserve.worker.models.fused_experts import fused_expert_part
 from coreserve.worker.models.grouped_rows import GroupedRows, grouped_rows
 from coreserve.worker.models.loader import weight_destination  # the loader's one map of HF names
 from coreserve.worker.models.sharding import Shard, is_split, rank_part
@@ -106,6 +107,9 @@ def plan_update(
     plan, errors, quantized = [], [], []
     for name, shape in shapes:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.args.tie_word_embeddings):
+            continue
+        if fused_expert_part(model.args, name) is not None:
+            errors.append(f"{name}: new weights for fused experts (gpt-oss's 3-D tensors) are not built")
             continue
         target = weight_destination(model.args, name)
         if target is None or target[0] not in params:

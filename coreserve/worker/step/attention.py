@@ -258,11 +258,8 @@ def decode_attention_torch(
         positions = torch.arange(gather.slots.shape[1], device=q.device)
         is_masked = is_masked | (positions[None, :] <= gather.lens[:, None] - 1 - window)[None, :, None, :]
     scores.masked_fill_(is_masked, float("-inf"))
-    if sinks is not None:  # [Hq] -> a column [Hkv, R, G, 1] beside the scores
-        column = sinks.to(scores.dtype).view(num_kv_heads, 1, group, 1).expand(-1, num_rows, -1, -1)
-        weights = softmax_with_sinks(scores, column)
-    else:
-        weights = scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
+    column = None if sinks is None else sinks.view(num_kv_heads, 1, group, 1).expand(-1, num_rows, -1, -1)
+    weights = softmax_with_sinks(scores, column)  # a sink a head: a column [Hkv, R, G, 1] beside the scores
     attended = torch.matmul(weights, values)  # [Hkv, R, G, D]
     out[gather.rows] = attended.transpose(0, 1).reshape(num_rows, -1, head_dim)
 
@@ -277,10 +274,13 @@ def _context(cache: torch.Tensor, runs: list[tuple[int, int]]) -> tuple[torch.Te
     return keys, values
 
 
-def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """scores [..., L] and a sink logit a row [..., 1] -> the weights [..., L] in scores' dtype: HF's
-    gpt-oss softmax, the sink a last column (the maximum over both subtracted) dropped after it."""
-    combined = torch.cat((scores, sinks), dim=-1)
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """scores [..., L] and a sink logit a row [..., 1] or None -> the weights [..., L] in scores' dtype, the
+    softmax in fp32; with sinks HF's gpt-oss one: the sink a last column (the maximum over both
+    subtracted), dropped after it."""
+    if sinks is None:
+        return scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
+    combined = torch.cat((scores, sinks.to(scores.dtype)), dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     return combined.softmax(dim=-1, dtype=torch.float32)[..., :-1].to(scores.dtype)
 
@@ -299,11 +299,8 @@ def _sdpa(
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask, float("-inf"))
-        if sinks is None:
-            weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
-        else:
-            column = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
-            weights = softmax_with_sinks(scores, column).to(values.dtype)
+        column = None if sinks is None else sinks[:, None, None].expand(-1, scores.shape[1], 1)
+        weights = softmax_with_sinks(scores, column).to(values.dtype)
         return torch.matmul(weights, values).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True, scale=scale
