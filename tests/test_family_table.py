@@ -143,6 +143,19 @@ def test_exaone4_global_layers_take_no_rope_where_the_model_has_windows():
         (None, "default")}
 
 
+def test_gpt_oss_takes_hfs_defaults_where_its_keys_are_absent():
+    """HF's GptOssConfig: sliding and full layers alternating, window 128, YaRN (factor 32 over 4096 positions,
+    base 150000), q/k/v/o biases, sinks, 128 experts top 4, the clamped SwiGLU's alpha 1.702 and limit 7."""
+    args = DecoderArgs.from_hf_config(_small("GptOssForCausalLM"))
+    assert [s.attention.window for s in args.layers] == [128, None, 128, None]
+    assert (args.moe.num_experts, args.moe.top_k, args.rms_norm_eps, args.max_position_embeddings) == (
+        128, 4, 1e-5, 131072)
+    assert (args.rope.rope_type, args.rope.theta, args.rope.params["factor"]) == ("yarn", 150000.0, 32.0)
+    assert args.rope.params["original_max_position_embeddings"] == 4096 and not args.rope.params["truncate"]
+    assert args.qkv_bias and args.o_bias and args.head_dim == 64 and all(s.has_sinks for s in args.layers)
+    assert args.moe.clamped_swiglu == (1.702, 7.0) and not args.is_llama_shaped
+
+
 @pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
 def test_gemma_without_a_sliding_window_key_takes_hfs_default(architecture):
     """HF's Gemma 2 and 3 config classes default sliding_window to 4096 where the key is absent."""

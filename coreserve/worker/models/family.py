@@ -144,6 +144,9 @@ _GEMMA4 = dict(
     ),
 )
 _OLMO = dict(reads_attention_bias=True, qk_norm="whole", has_sandwich_norms=True, has_pre_norms=False)
+# HF's gpt-oss RoPE where config.json names none
+_GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                     original_max_position_embeddings=4096)
 # HF architecture -> its family
 FAMILIES = {
     "LlamaForCausalLM": Family("llama", reads_attention_bias=True),
@@ -190,7 +193,9 @@ FAMILIES = {
     "GptOssForCausalLM": Family(
         "gpt_oss", reads_attention_bias=True, window="layers", layer_pattern=2, layer_types=frozenset({FULL, SLIDING}),
         has_sinks=True, moe=MoeRule(is_clamped_swiglu=True),
-        defaults=(("attention_bias", True), ("sliding_window", 128), ("head_dim", 64), ("rope_theta", 150000.0)),
+        defaults=(("attention_bias", True), ("sliding_window", 128), ("head_dim", 64), ("rope_theta", 150000.0),
+                  ("rope_scaling", _GPT_OSS_YARN), ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072),
+                  ("num_local_experts", 128), ("num_experts_per_tok", 4)),
     ),
     # Qwen3.5 (dense): three Gated DeltaNet layers in four, output-gated attention on a quarter of each head
     # rotated; its hub folders are vision-language ones, the decoder in text_config (the vision tower and
