@@ -173,6 +173,9 @@ def test_gemma_without_a_sliding_window_key_takes_hfs_default(architecture):
         ("Exaone4ForCausalLM", {"sliding_window_pattern": "LLLG"}, "sliding_window_pattern"),
         ("Olmo3ForCausalLM", {"sliding_window": None}, "sliding_window"),
         ("Olmo2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("GptOssForCausalLM", {"swiglu_limit": None}, "swiglu_limit=null"),
+        ("GptOssForCausalLM", {"swiglu_alpha": -1.0}, "swiglu_alpha"),
+        ("GptOssForCausalLM", {"num_experts_per_tok": 129}, "num_experts_per_tok"),
     ],
 )
 def test_new_families_refuse_what_they_cannot_read_by_name(architecture, keys, message):

@@ -28,11 +28,14 @@ def test_gate_and_up_are_deinterleaved_into_each_experts_halves(model):
     assert torch.equal(weight[:width], fused[2, :, 0::2].t()) and torch.equal(weight[width:], fused[2, :, 1::2].t())
 
 
-def test_a_fused_tensor_of_another_shape_is_refused_by_name(model):
+def test_a_fused_tensor_of_another_shape_or_of_integers_is_refused_by_name(model):
     args = model.args
     wrong = torch.zeros(args.moe.num_experts, args.moe.intermediate_size, args.hidden_size + 1)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj has shape"):
         split_fused_experts(dict(model.named_parameters()), args, 0, "down_proj", wrong, "folder")
+    integers = torch.zeros(args.moe.num_experts, args.hidden_size, dtype=torch.int32)
+    with pytest.raises(ValueError, match="down_proj_bias has dtype torch.int32"):
+        split_fused_experts(dict(model.named_parameters()), args, 0, "down_proj_bias", integers, "folder")
 
 
 def test_new_weights_for_fused_experts_are_refused_by_name(model):

@@ -249,9 +249,17 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
         norm_topk_prob=rule.always_renormalises or bool(config.get("norm_topk_prob", False)),
         dense_layers=dense,
         shared_intermediate_size=_shared_expert_width(config) if rule.has_shared_expert else 0,
-        clamped_swiglu=(float(config.get("swiglu_alpha") or 1.702), float(config.get("swiglu_limit") or 7.0))
-        if rule.is_clamped_swiglu else None,  # HF's defaults
+        clamped_swiglu=_clamped_swiglu(config) if rule.is_clamped_swiglu else None,
     )
+
+
+def _clamped_swiglu(config: dict) -> tuple[float, float]:
+    """gpt-oss's (swiglu_alpha, swiglu_limit), HF's defaults where absent (ranges: check_config_numbers)."""
+    values = {key: config.get(key, default) for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0))}
+    for key, value in values.items():
+        if value is None:  # HF's clamp would have no bound
+            raise ValueError(f"{key}=null: gpt-oss's clamped SwiGLU needs a positive number")
+    return float(values["swiglu_alpha"]), float(values["swiglu_limit"])
 
 
 def _moe_number(config: dict, *keys: str) -> int:

@@ -41,15 +41,25 @@ def fused_shape(args: DecoderArgs, part: str) -> tuple[int, ...]:
     }[part]
 
 
+def check_fused_part(
+    args: DecoderArgs, layer: int, part: str, shape: tuple[int, ...], dtype: torch.dtype, where: str
+) -> None:
+    """A fused part's shape (as its file's header states it, before a byte is read) and dtype: the config's
+    shape, floating point."""
+    name, expected = f"model.layers.{layer}.mlp.experts.{part}", fused_shape(args, part)
+    if tuple(shape) != expected:
+        raise ValueError(f"{where}: tensor {name} has shape {list(shape)}; this model's config makes it {list(expected)}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"{where}: tensor {name} has dtype {dtype}, not a floating-point type as a weight's must be")
+
+
 def split_fused_experts(
     params: dict[str, torch.Tensor], args: DecoderArgs, layer: int, part: str, tensor: torch.Tensor, where: str
 ) -> dict[str, int]:
-    """Copies a fused part (checked against the config's shape first) into each expert's parameter.
-    Returns each parameter written and its elements."""
+    """Copies a fused part (checked first) into each expert's parameter. Returns each parameter written and
+    its elements."""
+    check_fused_part(args, layer, part, tuple(tensor.shape), tensor.dtype, where)
     expected = fused_shape(args, part)
-    if tuple(tensor.shape) != expected:
-        raise ValueError(f"{where}: tensor model.layers.{layer}.mlp.experts.{part} has shape {list(tensor.shape)}; "
-                         f"this model's config makes it {list(expected)}")
     module = "gate_up_proj" if part.startswith("gate_up") else "down_proj"
     kind = "bias" if part.endswith("_bias") else "weight"
     filled = {}

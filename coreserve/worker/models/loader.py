@@ -26,7 +26,7 @@ from coreserve.worker.models.config_checks import check_layer_indices, check_mod
 from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.family import family_of
 from coreserve.worker.models.finite_weights import check_finite_model
-from coreserve.worker.models.fused_experts import fused_expert_part, split_fused_experts
+from coreserve.worker.models.fused_experts import check_fused_part, fused_expert_part, split_fused_experts
 from coreserve.worker.models.gguf_config import hf_config_from_gguf
 from coreserve.worker.models.gguf_quantized import quantization_plan
 from coreserve.worker.models.grouped_rows import grouped_rows
@@ -173,7 +173,10 @@ def load_weights(model: DecoderModel, model_dir: str, shard: Shard | None, check
             continue
         fused = fused_expert_part(model.args, entry.name) if source is safetensors_files else None
         if fused is not None:  # gpt-oss: a layer's experts in one tensor, split into each expert's
-            filled.update(split_fused_experts(params, model.args, *fused, source.read_tensor(entry), model_dir))
+            check_fused_part(model.args, *fused, entry.shape, entry.dtype, model_dir)  # before it is read
+            written = split_fused_experts(params, model.args, *fused, source.read_tensor(entry), model_dir)
+            for name, count in written.items():  # added: a tensor given twice fills its parameters twice over
+                filled[name] = filled.get(name, 0) + count
             continue
         target = weight_destination(model.args, entry.name)
         if target is None:
@@ -324,6 +327,8 @@ def _expert_destination(args: DecoderArgs, module: str) -> tuple[str, slice | No
         rows = {"gate": slice(0, width), "up": slice(width, 2 * width), "down": None}[role]
         return "moe.shared_expert." + ("down_proj" if role == "down" else "gate_up_proj"), rows
     if len(parts) != 4 or parts[1] != "experts" or parts[3] not in _EXPERT_PARTS:
+        return None
+    if args.moe is not None and args.moe.clamped_swiglu is not None:  # gpt-oss's are fused: fused_experts.py
         return None
     assert args.moe is not None
     inter, role = args.moe.intermediate_size, _EXPERT_PARTS[parts[3]]
