@@ -115,7 +115,7 @@ def _engine(model: str, engine: dict, is_daemon: bool):
 
 def _hf_named(model):
     """The engine model's weights under HF names (fused row blocks split back)."""
-    from coreserve.worker.models.loader import weight_destination
+    from coreserve.worker.models.weight_names import weight_destination
 
     a = model.args
     names = ["model.embed_tokens.weight", "model.norm.weight"]

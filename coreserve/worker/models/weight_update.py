@@ -20,8 +20,8 @@ from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.finite_weights import check_finite_tensor
 from coreserve.worker.models.fused_experts import fused_expert_part
 from coreserve.worker.models.grouped_rows import GroupedRows, grouped_rows
-from coreserve.worker.models.loader import weight_destination  # the loader's one map of HF names
 from coreserve.worker.models.sharding import Shard, is_split, rank_part
+from coreserve.worker.models.weight_names import weight_destination  # the loader's one map of HF names
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
