@@ -3,6 +3,7 @@
     python scripts/conformance.py FILE.gguf [FILE.gguf ...]
     python scripts/conformance.py gemma3-270m qwen2.5-coder-0.5b smollm2-135m   # scripts/real_models.py's
     python scripts/conformance.py FILE.gguf --json out.json --no-hf
+    python scripts/conformance.py qwen35-f32.gguf --hf-folder FOLDER   # (b) on the folder the file came from
 
 For each file, greedy generation with `logprobs=K` and `prompt_logprobs=K` over a few prompts (one past
 a prefill chunk), each prompt alone and all of them batched with chunked prefill:
@@ -14,6 +15,10 @@ a prefill chunk), each prompt alone and all of them batched with chunked prefill
               teacher-forced over the engine's sequences (tests/hf_reference.py, cached on disk): the
               largest |difference| of every listed logprob, relative to max(1, |logprob|); bound 1e-4.
               Greedy tokens that are not HF's argmax are counted (a near tie may legitimately differ).
+              Where transformers' loader cannot read the file's architecture (5.25: qwen35, qwen3next,
+              granitehybrid), transformers on the HF folder an F32/F16/BF16 file came from (--hf-folder)
+              instead; with no folder, or a quantized file, (b) is reported as not run, with the reason
+              (neither a failure nor a pass).
   (c) llama   where scripts/build_llama_server.sh has built llama-server: its greedy tokens from the
               same prompt ids, how many of the first N equal coreserve's, and how many of its top-5
               candidates coreserve's top-5 share (reported, not required: llama.cpp computes otherwise).
@@ -46,6 +51,7 @@ PROMPTS = [
 ]
 HF_BOUND = 1e-4
 CHUNK_TOKENS = 32  # the batched run's token budget: the long prompt is prefilled in chunks
+_FLOAT_TYPES = (0, 1, 30)  # ggml's F32, F16, BF16: a file of these holds the values of the folder it came from
 
 
 def run_engine(path: str, dtype: str, max_tokens: int, k: int) -> dict:
@@ -88,11 +94,31 @@ def bits_equal(a: list[dict], b: list[dict]) -> tuple[bool, float]:
     return same, worst
 
 
-def hf_distance(path: str, answers: list[dict]) -> dict:
+def hf_reference(path: str, hf_folder: str | None) -> tuple[object | None, str]:
+    """(b)'s reference and what it is: transformers' GGUF loader on the file where it reads the file's
+    architecture, else transformers on `hf_folder` (the folder the file came from); (None, why) where neither."""
+    from hf_reference import HFReference, file_digest, gguf_reference
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from coreserve.protocol.gguf_header import read_gguf_header
+
+    header = read_gguf_header(path)
+    arch = str(header.metadata.get("general.architecture"))
+    # transformers' names of the MoE architectures (qwen2moe, qwen3moe) are qwen2_moe, qwen3_moe
+    if arch.replace("moe", "_moe") in GGUF_SUPPORTED_ARCHITECTURES or arch in GGUF_SUPPORTED_ARCHITECTURES:
+        return gguf_reference(path), "transformers' GGUF loader"
+    if hf_folder is None:
+        return None, f"not run: transformers' GGUF loader cannot read {arch} files (give --hf-folder)"
+    if any(t.ggml_type not in _FLOAT_TYPES for t in header.tensors):
+        return None, "not run: a quantized file does not hold its folder's values (--hf-folder needs F32/F16/BF16)"
+    files = sorted(p for p in Path(hf_folder).iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    key = "folder:" + ":".join(f"{p.name}={file_digest(str(p))}" for p in files)
+    return HFReference(key, lambda: hf_folder), f"transformers on {Path(hf_folder).name}"
+
+
+def hf_distance(reference, answers: list[dict]) -> dict:
     """fp32 answers against HF teacher-forced on the same sequences: the largest relative |difference|
     over every listed prompt and sample logprob, and the greedy tokens that are not HF's argmax."""
-    from hf_reference import gguf_reference
-
     sequences, wanted = [], []
     for a in answers:
         full = a["prompt_ids"] + a["token_ids"]
@@ -101,7 +127,7 @@ def hf_distance(path: str, answers: list[dict]) -> dict:
         rows.update({start + i: [t for t, _ in row] for i, row in enumerate(a["rows"])})
         sequences.append(full[: start + len(a["rows"])])
         wanted.append(rows)
-    theirs = gguf_reference(path).teacher_forced(sequences, wanted)
+    theirs = reference.teacher_forced(sequences, wanted)
     worst, not_argmax = 0.0, 0
     for a, scores in zip(answers, theirs):
         start = len(a["prompt_ids"]) - 1
@@ -138,7 +164,7 @@ def llama_agreement(path: str, answers: list[dict], max_tokens: int) -> dict | N
     return {"llama_same_tokens": f"{same}/{total}", "llama_top5_shared": f"{shared}/{listed}"}
 
 
-def check(path: str, max_tokens: int, k: int, hf: bool, llama: bool) -> dict:
+def check(path: str, max_tokens: int, k: int, hf: bool, llama: bool, hf_folder: str | None = None) -> dict:
     quantized = run_engine(path, "auto", max_tokens, k)
     fp32 = run_engine(path, "float32", max_tokens, k)
     result = {"file": Path(path).name, "tokens": sum(len(a["prompt_ids"]) + len(a["token_ids"]) for a in fp32["alone"])}
@@ -150,19 +176,21 @@ def check(path: str, max_tokens: int, k: int, hf: bool, llama: bool) -> dict:
         result[name] = same
         result[name + " max diff"] = worst
     result["seconds quantized / fp32"] = f"{quantized['alone_seconds']:.1f} / {fp32['alone_seconds']:.1f}"
-    if hf:
-        result.update(hf_distance(path, fp32["alone"]))
+    reference, result["hf_reference"] = hf_reference(path, hf_folder) if hf else (None, "not run: --no-hf")
+    if reference is not None:
+        result.update(hf_distance(reference, fp32["alone"]))
     if llama and (agreement := llama_agreement(path, quantized["alone"], max_tokens)) is not None:
         result.update(agreement)
     result["ok"] = all(result[n] for n in result if "==" in n and "max diff" not in n) and (
-        not hf or result["hf_max_rel"] <= HF_BOUND)
+        reference is None or result["hf_max_rel"] <= HF_BOUND)
     result["greedy"] = [a["text"] for a in quantized["alone"]]
     return result
 
 
 def print_table(results: list[dict]) -> None:
     columns = ["file", "tokens", "quantized==fp32 alone", "quantized==fp32 batched", "alone==batched quantized",
-               "alone==batched fp32", "hf_max_rel", "hf_not_argmax", "llama_same_tokens", "llama_top5_shared", "ok"]
+               "alone==batched fp32", "hf_reference", "hf_max_rel", "hf_not_argmax", "llama_same_tokens",
+               "llama_top5_shared", "ok"]
     shown = [c for c in columns if any(c in r for r in results)]
     print("| " + " | ".join(shown) + " |")
     print("|" + "---|" * len(shown))
@@ -177,14 +205,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--logprobs", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true", help="skip (b)")
+    parser.add_argument("--hf-folder", default=None, help="(b)'s reference where transformers cannot read the "
+                        "file: the Hugging Face folder it came from (one file only)")
     parser.add_argument("--no-llama", action="store_true", help="skip (c)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.hf_folder is not None and (len(args.files) != 1 or not (Path(args.hf_folder) / "config.json").is_file()):
+        parser.error("--hf-folder needs one file and a folder with a config.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = []
     for name in args.files:
         path = str(fetch(name)) if name in MODELS or name == SMOLLM2.name else name
-        results.append(check(path, args.max_tokens, args.logprobs, not args.no_hf, not args.no_llama))
+        results.append(check(path, args.max_tokens, args.logprobs, not args.no_hf, not args.no_llama, args.hf_folder))
         print(json.dumps({k: v for k, v in results[-1].items()}, default=str), file=sys.stderr)
     print_table(results)
     if args.json:

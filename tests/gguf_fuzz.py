@@ -3,7 +3,9 @@ model of one family with a config drawn from a seed (widths that are not multipl
 that are, odd head counts and GQA ratios, tied or untied outputs, windows, soft-caps, q/k clamps and RoPE
 scalings where the family has them), the ggml type of each of its GGUF tensors (one loader type, or a
 llama-quantize-like mix), the prompts and the requests. What a case asks of the engine is in
-gguf_fuzz_check.py; how its files are written, gguf_fuzz_files.py.
+gguf_fuzz_check.py; how its files are written, gguf_fuzz_files.py. FAMILIES' files are written by our own
+writer; HYBRID_FAMILIES' (gguf_fuzz_hybrid.py: Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H) by llama.cpp's
+converter, then re-typed (gguf_fuzz_convert.py).
 
 A case is a pure function of (seed, family, weight type): the same three give the same files and requests.
 """
@@ -14,9 +16,11 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from gguf_fuzz_hybrid import HYBRID_FAMILIES, draw_hybrid_config
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi4-mini", "gemma2", "gemma3", "qwen3_moe",
             "mixtral", "olmoe")
+ALL_FAMILIES = FAMILIES + HYBRID_FAMILIES
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 K_MIXES = ("Q3_K_M", "Q4_K_M", "Q5_K_M")  # llama-quantize's recipes, as k_mix_type has them
 MIXES = (*K_MIXES, "mixed")  # "mixed": a random type a tensor
@@ -30,6 +34,12 @@ K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # llama.cpp's src/llama-quant.cpp, the version scripts/build_llama_server.sh builds); F16 where that fails too
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _HIDDEN = (96, 160, 224, 256, 320, 512)
+# the hybrid families' keys a failure's report shows
+_HYBRID_KEYS = ("num_hidden_layers", "layer_types", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                "shared_expert_intermediate_size", "conv_L_cache", "conv_bias", "block_auto_adjust_ff_dim",
+                "block_multiple_of", "block_ffn_dim_multiplier", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
+                "mamba_d_state", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias", "shared_intermediate_size")
 _SHARED_HEAD_DIM = ("llama", "mistral", "qwen2", "phi3", "phi4-mini", "mixtral", "olmoe")  # hidden / heads
 _MODEL_TYPES = {"phi4-mini": "phi3", "gemma3": "gemma3_text"}
 
@@ -56,10 +66,11 @@ class FuzzCase:
         keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "tie_word_embeddings", "sliding_window", "attn_logit_softcapping",
                 "final_logit_softcapping", "clip_qkv", "num_experts", "num_local_experts", "num_experts_per_tok",
-                "moe_intermediate_size", "mlp_only_layers", "attention_bias")
+                "moe_intermediate_size", "mlp_only_layers", "attention_bias", *_HYBRID_KEYS)
         shape = " ".join(f"{k}={c[k]}" for k in keys if c.get(k) not in (None, False, []))
         rope = c.get("rope_parameters") or {}
         rope_type = rope.get("rope_type") or rope.get("full_attention", {}).get("rope_type", "default")
+        rope_type += f"/{rope['partial_rotary_factor']}" if "partial_rotary_factor" in rope else ""
         return f"{shape} rope={rope_type} embed={self.embed_type} output={self.output_type} engine={self.engine}"
 
     def requested_type(self, gguf_name: str, num_layers: int) -> str:
@@ -160,6 +171,8 @@ def _draw_request(rng: np.random.Generator, index: int) -> dict:
 def draw_config(rng: np.random.Generator, family: str, needs_k_rows: bool = False) -> dict:
     """A Hugging Face config of `family`, 2 layers; `needs_k_rows`: the MLP's width a multiple of 256, so
     that K-quant types fit the down projections whatever the hidden width."""
+    if family in HYBRID_FAMILIES:
+        return draw_hybrid_config(rng, family, needs_k_rows)
     hidden = int(rng.choice(_HIDDEN))
     if family in _SHARED_HEAD_DIM:
         head_dim = int(rng.choice([d for d in (16, 32, 64) if hidden % d == 0 and hidden // d <= 16]))

@@ -7,11 +7,13 @@ The `gguf` package quantizes values to F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_
 quantizer, so a K-quant tensor is random blocks whose fp16 scales are set for the tensor's spread (mean
 about 0, the HF init's standard deviation). A LLAMA_QUANTIZE case's file is the real llama-quantize's
 output of its F32 file, read back with gguf's reader. Either way the values a correct reader gives are
-gguf's numpy dequantization of the stored bytes.
+gguf's numpy dequantization of the stored bytes. A hybrid family's file is llama.cpp's converter's, re-typed
+(gguf_fuzz_convert.py); its folder has the GPT-2 tokenizer, which the converter needs.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,8 @@ from pathlib import Path
 import numpy as np
 from gguf_families import ARCHS, _gguf_name, _metadata
 from gguf_files import K_SCALE_FIELDS, interleave_heads
-from gguf_fuzz import K_TYPES, LLAMA_QUANTIZE, FuzzCase, fitted_type
+from gguf_fuzz import HYBRID_FAMILIES, K_TYPES, LLAMA_QUANTIZE, FuzzCase, fitted_type
+from gguf_fuzz_hybrid import hub_config, scales_by_one_plus
 
 # family -> (GGUF architecture, general.name): llama.cpp writes Mistral as `llama` named so
 _ARCHS = {**ARCHS, "llama": ("llama", "t"), "mistral": ("llama", "mistral t"), "qwen2": ("qwen2", "t"),
@@ -44,7 +47,11 @@ def write_case(case: FuzzCase, folder: Path, llama_quantize: str | None = None) 
     _write_source(case, source)
     path = folder / f"{case.name.replace(':', '-')}.gguf"
     tensors = load_file(str(source / "model.safetensors"))
-    if case.weight_type in LLAMA_QUANTIZE:
+    if case.family in HYBRID_FAMILIES:
+        from gguf_fuzz_convert import write_converted  # it imports encode from here
+
+        expected, types = write_converted(case, source, tensors, path, llama_quantize)
+    elif case.weight_type in LLAMA_QUANTIZE:
         assert llama_quantize is not None, f"{case.name}: no llama-quantize binary given"
         expected, types = write_llama_quantized(case, tensors, path, llama_quantize)
     else:
@@ -57,7 +64,8 @@ def write_case(case: FuzzCase, folder: Path, llama_quantize: str | None = None) 
 
 
 def _write_source(case: FuzzCase, folder: Path) -> None:
-    """transformers' model of the config, peaked random weights (logit spreads of several units)."""
+    """transformers' model of the config, peaked random weights (logit spreads of several units); a hybrid
+    family's with the GPT-2 tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -67,8 +75,14 @@ def _write_source(case: FuzzCase, folder: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(peaked_init(name, param))
+            param.copy_(peaked_init(name, param) - float(scales_by_one_plus(case.config, name)))
     model.save_pretrained(str(folder))
+    if case.family in HYBRID_FAMILIES:
+        from coreserve.protocol.builtin_model import make_tokenizer
+
+        make_tokenizer().save_pretrained(str(folder))
+        saved = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(hub_config(saved), indent=2))
 
 
 def peaked_init(name: str, param):

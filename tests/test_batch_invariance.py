@@ -1,6 +1,7 @@
 """Batch invariance (issue 23): a request's logprobs are the same bits whatever else runs (the batch, the
 prefill chunk size, a warm or cold prefix cache, multi-step, the thread count, the process it runs in),
-and the prompt logprobs of prompt + completion equal the sampled logprobs the completion was made with.
+and the prompt logprobs of prompt + completion equal the sampled logprobs the completion was made with;
+Qwen3.5's attention output gate at a width that is not whole vectors of torch's loops.
 Every comparison is exact (==, no tolerance), in fp32 and in bf16 mode (CORESERVE_TEST_DTYPE); the
 broad sweeps run on the built-in tiny model, the headline checks on the real SmolLM2. A negative control
 turns invariance off and must find differences, so the comparisons can fail."""
@@ -209,3 +210,33 @@ def test_smollm2_prompts_alone_equal_32_batched_and_scoring_equals_generation(sm
             batched[i]
         )
     assert scoring_mismatches(smollm2, batched[5]) == 0
+
+
+def test_an_output_gate_not_whole_vectors_wide_gives_the_same_bits_alone_and_batched(tmp_path):
+    """Qwen3.5's attention output gate, 3 heads of 24 (72 wide: torch's sigmoid rounds the elements past its
+    vector loop otherwise, so a decode row's bits depended on the rows beside it: the fuzzer's
+    qwen3_5-mixed-seed1048), through the ops' sigmoid: a request's bits alone and batched."""
+    from gguf_fuzz_files import peaked_init
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from coreserve.protocol.builtin_model import make_tokenizer
+
+    config = AutoConfig.for_model(
+        "qwen3_5_text", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=24, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
+        vocab_size=50304, bos_token_id=50256, eos_token_id=50256, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(peaked_init(name, param))
+    model.save_pretrained(str(tmp_path))
+    make_tokenizer().save_pretrained(str(tmp_path))
+    prompts = [{"prompt_token_ids": [464, 3139, 286, 4881, 318]}, {"prompt_token_ids": list(range(300, 340))}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    with LLM(str(tmp_path), multiprocess=False, dtype="float32") as llm:
+        alone = llm.generate(prompts[:1], greedy, use_tqdm=False)[0]
+        batched = llm.generate(prompts, greedy, use_tqdm=False)[0]
+    assert sampled_rows(alone) == sampled_rows(batched)

@@ -4,7 +4,9 @@ llama-quantize-like mix, kept in their blocks give the bits of their fp32 dequan
 batched, and the fp32 run is HF's on the same weights to 1e-4. Families and types are paired as in a
 Latin square (case i: family i mod 11, type i mod 17), three rounds of the 17 types, so that each type
 meets three families and each family four or five types; about 40 s on this 2-core machine
-(docs/testing.md). Where scripts/build_llama_server.sh has built llama-quantize, its own recipes too.
+(docs/testing.md). Where scripts/build_llama_server.sh has built llama-quantize, its own recipes too. The
+hybrid families (HYBRID_FAMILIES: llama.cpp's converter runs twice a case, 5-30 s) are left to
+scripts/fuzz_models.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ run in a subprocess from the folder scripts/setup.sh extracts) from the random g
 Mamba2 layer, then NoPE attention; the converter knows the hub's `mamba` / `attention` layer names, so the
 folder's config says those): the f32 file gives HF transformers' logprobs on the folder; the Q8_0 file kept in
 its blocks gives the bits of the same file dequantized, alone and batched; a file whose Granite keys are wrong
-is a ValueError naming the key.
+is a ValueError naming the key; a `granitehybrid` file's tokenizer is converted where none is cached yet.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from test_gguf_hybrid import (
     run,
 )
 
+from coreserve.frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 from coreserve.protocol.gguf_header import read_gguf_header
 from coreserve.worker.models import gguf_weights
 from coreserve.worker.models.config import DecoderArgs
@@ -91,3 +92,26 @@ def test_bad_granite_keys_are_value_errors_naming_them(converted, key, value, wo
         metadata[f"granitehybrid.{key}"] = value
     with pytest.raises(ValueError, match=f"granitehybrid.{key}.*{words}|{words}"):
         DecoderArgs.from_hf_config(hf_config_from_gguf(dataclasses.replace(header, metadata=metadata)))
+
+
+def test_a_granitehybrid_files_tokenizer_converts_with_none_cached(tmp_path):
+    """transformers' GGUF reader refuses a granitehybrid file's config, so its tokenizer is built from the
+    `tokenizer.*` keys alone (as a qwen35 file's), not only found cached from another file of the same keys."""
+    import gguf
+    from transformers import AutoTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "granitehybrid")
+    byte_tokens = bytes_to_unicode()  # byte b is token b, then one merge: a byte-level BPE of 258 tokens
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([byte_tokens[b] for b in range(256)] + ["Th", "<|endoftext|>"])
+    writer.add_token_types([1] * 257 + [3])
+    writer.add_token_merges(["T h"])
+    writer.add_eos_token_id(257)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = gguf_tokenizer_folder(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("The cat", add_special_tokens=False).input_ids == [256, *b"e cat"]

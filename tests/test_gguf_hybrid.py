@@ -4,11 +4,13 @@ serve 4 value heads (so the converter tiles the value heads): the f32 file, with
 head beside the model, gives HF transformers' logprobs on the folder; the Q8_0 file kept in its blocks gives
 the bits of the same file dequantized, alone and batched; value heads put back on a quantized tensor's bytes
 give the values put back on its dequantization. Qwen3-Next files (`qwen3next`: the same layers over experts
-and a shared expert, its b/a projection grouped by key head as HF's) likewise, from the random qwen3_next model.
+and a shared expert, its b/a projection grouped by key head as HF's) likewise, from the random qwen3_next model;
+its shared expert's gate reads the same as the converter's [hidden, 1] or llama-quantize's [hidden].
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,6 +27,7 @@ from test_gguf_families import numbers
 
 from coreserve import LLM, SamplingParams
 from coreserve.protocol.gguf_header import read_gguf_header
+from coreserve.worker.models import gguf_weights
 from coreserve.worker.models.gguf_recurrent import TiledHeads
 from coreserve.worker.models.loader import read_config
 from coreserve.worker.models.quantized import QuantLinear
@@ -187,6 +190,23 @@ def test_qwen3_next_gguf_gives_hfs_logprobs_and_its_blocks_their_dequantizations
     assert_gives_hfs_logprobs(outputs, load_hf(family_model("qwen3_next")), NEXT_TOLERANCE)
     assert_blocks_give_fp32s_bits(converted_next["q8_0"], {"layers.0.linear_attn.in_proj",
                                                            "layers.0.moe.shared_expert.gate_up_proj"})
+
+
+@needs_converter
+def test_a_shared_expert_gate_stored_as_a_vector_reads_as_the_converters(converted_next, tmp_path):
+    """llama-quantize rewrites ffn_gate_inp_shexp's dims [hidden, 1] as [hidden] (ggml counts no trailing 1):
+    both read as HF's [1, hidden], the same values."""
+    from untrusted_fuzz_gguf_layout import assemble, encode_entries, encode_tensor, read_layout
+
+    layout = read_layout.__wrapped__(converted_next["q8_0"])  # not kept in read_layout's cache
+    is_gate = lambda name: name.endswith("ffn_gate_inp_shexp.weight")  # noqa: E731
+    infos = [dataclasses.replace(t, dims=t.dims[:1]) if is_gate(t.name) else t for t in layout.tensors]
+    path = tmp_path / "vector-gate.gguf"
+    path.write_bytes(assemble(encode_entries(list(layout.entries)), [encode_tensor(i) for i in infos], layout.data))
+    as_written, as_vector = ({e.name: e for e in gguf_weights.list_tensors(p)} for p in (converted_next["q8_0"], str(path)))
+    gate = "model.layers.0.mlp.shared_expert_gate.weight"
+    assert as_written[gate].shape == as_vector[gate].shape == (1, 64)
+    assert torch.equal(gguf_weights.read_tensor(as_written[gate]), gguf_weights.read_tensor(as_vector[gate]))
 
 
 def test_value_heads_moved_as_bytes_are_the_values_moved():

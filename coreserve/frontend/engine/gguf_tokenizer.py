@@ -21,7 +21,7 @@ CONVERTER_VERSION = 1
 # GGUF architectures whose config transformers' GGUF reader does not know (5.25): AutoTokenizer reads the config
 # first and refuses them, so their tokenizer is built from the `tokenizer.*` keys alone, as AutoTokenizer then
 # builds any other file's
-_CONFIGLESS_ARCHS = ("qwen35", "qwen3next", "olmo2", "smollm3", "exaone4")
+_CONFIGLESS_ARCHS = ("qwen35", "qwen3next", "granitehybrid", "olmo2", "smollm3", "exaone4")
 
 
 def gguf_tokenizer_folder(path: str, cache_dir: Path | None = None) -> str:

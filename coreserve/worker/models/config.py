@@ -239,7 +239,7 @@ def _refuse_unsupported(config: dict, family: Family) -> None:
     layer_types = set(layer_kinds(config, family))
     if family.layer_types is not None and layer_types - family.layer_types:
         raise ValueError(f"layer_types {sorted(layer_types)} (mixed attention layers) are not supported")
-    if family.moe is not None and config.get("num_experts_per_tok", 0) < 1:
+    if family.moe is not None and config.get("num_experts_per_tok") == 0:  # 0 is "none" only without experts
         raise ValueError(f"{name}: num_experts_per_tok must be at least 1")
     if family.has_sinks and config.get("quantization_config"):
         raise ValueError(f"{name} with quantization_config (MXFP4 experts in _blocks and _scales) is not built yet")

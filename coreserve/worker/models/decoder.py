@@ -188,8 +188,8 @@ class DecoderLayer(nn.Module):
         q, k, v = ops.rope_write_kv(qkv, rope, meta.slot_mapping, self.heads, cache)
         sinks = self.sinks if spec.has_sinks else None
         attn = ops.attention(q, k, v, cache, meta, spec.attention, sinks).reshape(num_tokens, self.q_size)
-        if gate is not None:
-            attn = attn * torch.sigmoid(gate)
+        if gate is not None:  # the ops' sigmoid: torch's rounds an element by where it falls in its vector loop
+            attn = attn * ops.sigmoid(gate)
         return ops.linear(self.o_proj, attn)
 
     def _mlp(self, normed: torch.Tensor, ops: ModelOps) -> torch.Tensor:

@@ -13,6 +13,8 @@ coreserve/worker/models/gguf_recurrent.py says; a multi-token-prediction head's 
 file's tensors get LFM2's own HF names (`conv.in_proj`, `feed_forward.w1`, `model.embedding_norm`, ...), its
 conv kernel back to nn.Conv1d's [hidden, 1, kernel]. A `granitehybrid` file's Mamba2 tensors get Granite's HF
 names (`mamba.in_proj`, `mamba.A_log`, ...), the vectors llama.cpp stored as matrices read back as vectors.
+Qwen3-Next's shared expert gate is [1, hidden] as the converter writes it, or [hidden] as llama-quantize
+rewrites it (ggml counts no trailing dimension of 1; llama.cpp reads both).
 """
 
 from __future__ import annotations
@@ -170,6 +172,8 @@ def _entry(info: GGUFTensorInfo, path: str, arch: str, names: tuple[str, str | N
     is_stacked = len(shape) == 2 and (shape[0] == groups if module == "ssm_norm" else shape[1] == 1)
     if module in _AS_VECTORS and is_stacked:
         shape = (shape[0] * shape[1],)
+    if module == "ffn_gate_inp_shexp" and len(shape) == 1:  # llama-quantize's [hidden] (ggml drops the 1)
+        shape = (1, shape[0])
     tiled = tiled_heads(module, shapes) if shapes is not None and module is not None else None
     return GGUFEntry(name, info, path, shape, info.num_bytes, interleaved, minus_one, tiled, module == "ssm_a")
 
