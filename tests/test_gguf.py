@@ -213,3 +213,24 @@ def test_unsupported_architectures_tensor_types_and_rope_tensors_are_refused_by_
     (tmp_path / "bad.gguf").write_bytes(b"NOPE" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         tokenizer_fingerprint(str(tmp_path / "bad.gguf"))
+
+
+@pytest.mark.parametrize("key, value", [
+    ("llama.rope.scaling.factor", [2.0, 4.0]),
+    ("llama.rope.scaling.factor", None),  # a scaling type without its factor
+    ("llama.rope.scaling.original_context_length", "4096"),
+    ("llama.rope.scaling.factor", float("inf")),
+])
+def test_a_rope_key_that_is_not_a_number_is_refused_by_name(mixed, key, value):
+    """float() or int() of an array, a string or a missing key was a TypeError or a KeyError: each is a
+    ValueError naming the key (gguf_rope.meta_number)."""
+    import dataclasses
+
+    from coreserve.protocol.gguf_header import read_gguf_header
+    from coreserve.worker.models.gguf_config import hf_config_from_gguf
+
+    header = read_gguf_header(mixed[0])
+    metadata = {**header.metadata, "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0}
+    metadata = {k: v for k, v in {**metadata, key: value}.items() if v is not None}
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))

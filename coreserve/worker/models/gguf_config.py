@@ -30,6 +30,7 @@ from coreserve.worker.models.gguf_recurrent import (
     mamba2_keys,
     short_conv_keys,
 )
+from coreserve.worker.models.gguf_rope import longrope_keys, meta_number, rope_parameters
 from coreserve.worker.models.gguf_windows import layer_kinds, window_keys
 
 
@@ -120,7 +121,6 @@ _KEYS = {
     "attention.clamp_kqv": "clip_qkv",
 }
 _REFUSED_KEYS = ("expert_shared_count", "attention.logit_softcapping")
-_ROPE_SCALINGS = ("none", "linear", "yarn")
 GGUF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -174,13 +174,13 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
         hidden_act=rules.activation,
         tie_word_embeddings="output.weight" not in names,
         attention_bias=not rules.has_required_qkv_bias and has_bias,
-        rope_parameters=_rope_parameters(header, arch, theta),
+        rope_parameters=rope_parameters(header, arch, theta),
         torch_dtype="float32",
     )
     if rules.has_required_qkv_bias and not has_bias:
         raise ValueError(f"{header.path}: a {arch} GGUF without q/k/v biases is not a {architecture} model")
     if rules.head_dim_from_rope:  # its RoPE covers whole heads: the rotary dimension is the head's
-        config.setdefault("head_dim", int(meta.get(f"{arch}.rope.dimension_count", 0)) or None)
+        config.setdefault("head_dim", int(meta_number(header, f"{arch}.rope.dimension_count", 0)) or None)
     check_config_numbers(config, {v: f"{arch}.{k}" for k, v in _KEYS.items()}, GGUF_REQUIRED_KEYS)
     config.update(_family_keys(header, arch, config))
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
@@ -203,31 +203,14 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
         if not rules.has_dense_layers or "intermediate_size" not in config:  # the experts' width where no other
             keys["intermediate_size"] = config.get("moe_intermediate_size") or config["intermediate_size"]
     if rules.has_longrope_tensors:
-        heads = config["num_attention_heads"]
-        head_dim = config["hidden_size"] // heads
-        rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-        keys["partial_rotary_factor"] = rotary / head_dim
-        long, short = _rope_factors(header)
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if long is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
-            raise ValueError(f"{header.path}: LongRoPE factors need {arch}.rope.scaling.original_context_length, "
-                             f"a positive integer (got {original!r})")
-        if long is not None:
-            keys["rope_parameters"] = {
-                "rope_type": "longrope", "rope_theta": float(config.get("rope_theta", 10000.0)),
-                "long_factor": long, "short_factor": short, "partial_rotary_factor": rotary / head_dim,
-                "original_max_position_embeddings": original,
-            }
-            attention = meta.get(f"{arch}.rope.scaling.attn_factor")
-            if attention is not None and not _is_default_attention(float(attention), config, keys["rope_parameters"]):
-                keys["rope_parameters"]["attention_factor"] = float(attention)
+        keys.update(longrope_keys(header, arch, config))
     if rules.big_query_scale_layers is not None:
         layers, heads, hidden = config["num_hidden_layers"], config["num_attention_heads"], config["hidden_size"]
         is_27b = layers == rules.big_query_scale_layers
         keys["query_pre_attn_scalar"] = hidden // heads if is_27b else config.get("head_dim", hidden // heads)
     if rules.has_local_layers:
         keys["layer_types"] = layer_kinds(header, arch, config["num_hidden_layers"], 6)  # an int or a bool a layer
-        keys["rope_local_base_freq"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        keys["rope_local_base_freq"] = float(meta_number(header, f"{arch}.rope.freq_base_swa", 10000.0))
     if rules.has_window_layers:
         keys.update(window_keys(header, arch, config, rules.has_local_rope))
     if rules.has_shared_expert:  # checked as config.json's key is (coreserve/worker/models/config.py)
@@ -254,41 +237,3 @@ def num_draft_layers(header: GGUFHeader, arch: str) -> int:
         raise ValueError(f"{header.path}: GGUF key {arch}.nextn_predict_layers={count} leaves no layers of the "
                          f"{num_blocks} blocks to the model")
     return count
-
-
-def _is_default_attention(attention: float, config: dict, rope: dict) -> bool:
-    """Whether the file's LongRoPE attention factor is HF's own default (written as a float32), which
-    is then computed as HF computes it."""
-    import math
-
-    original = rope["original_max_position_embeddings"]
-    factor = config["max_position_embeddings"] / original
-    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return abs(attention - default) <= 1e-6 * default
-
-
-def _rope_factors(header: GGUFHeader) -> tuple[list[float] | None, list[float] | None]:
-    """Phi-3's LongRoPE factors: llama.cpp keeps them as two F32 tensors."""
-    import numpy as np
-
-    found = {}
-    for info in header.tensors:
-        if info.name in ("rope_factors_long.weight", "rope_factors_short.weight") and info.ggml_type == 0:
-            values = np.memmap(header.path, dtype="<f4", mode="r", offset=info.offset, shape=(info.dims[0],))
-            found[info.name] = [float(v) for v in values]
-    return found.get("rope_factors_long.weight"), found.get("rope_factors_short.weight")
-
-
-def _rope_parameters(header: GGUFHeader, arch: str, theta: object) -> dict:
-    meta = header.metadata
-    scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
-    if scaling not in _ROPE_SCALINGS:
-        raise ValueError(f"{header.path}: GGUF RoPE scaling {scaling!r} is not supported; supported: "
-                         f"{list(_ROPE_SCALINGS)}")
-    if scaling == "none":
-        return {"rope_type": "default", "rope_theta": theta}
-    params = {"rope_type": scaling, "rope_theta": theta, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    original = meta.get(f"{arch}.rope.scaling.original_context_length")
-    if original:
-        params["original_max_position_embeddings"] = int(original)
-    return params
