@@ -21,6 +21,7 @@ from test_model_families import (
     FAMILY_PROMPTS,
     _assert_prompt_logprobs,
     _assert_sample_logprobs,
+    assert_served_as_llm_answers,
     hf_generate_logprobs,
 )
 
@@ -230,22 +231,7 @@ def test_hybrid_config_checks(family_model):
 def test_hybrid_through_the_server(family, family_model):
     """The openai client on `python -m coreserve serve` of each random hybrid: a streamed and a whole
     completion, their logprobs LLM's."""
-    import openai
-    from server_harness import API_KEY, running_server
-
-    path, prompt = family_model(family), FAMILY_PROMPTS[4]
-    with LLM(path, multiprocess=False) as llm:
-        expected = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
-    with running_server("--api-key", API_KEY, model=path) as (base, _):
-        with openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
-            whole = client.completions.create(model=path, prompt=prompt, max_tokens=16, temperature=0, logprobs=3,
-                                              extra_body={"ignore_eos": True})
-            chunks = list(client.completions.create(model=path, prompt=prompt, max_tokens=16, temperature=0,
-                                                    logprobs=3, stream=True, extra_body={"ignore_eos": True}))
-    logprobs = [entry[token].logprob for token, entry in zip(expected.token_ids, expected.logprobs)]
-    assert whole.choices[0].text == expected.text and whole.choices[0].logprobs.token_logprobs == logprobs
-    streamed = [value for chunk in chunks if chunk.choices for value in chunk.choices[0].logprobs.token_logprobs]
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text and streamed == logprobs
+    assert_served_as_llm_answers(family_model(family))
 
 
 def test_lfm2_config_reading(family_model):

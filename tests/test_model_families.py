@@ -259,6 +259,31 @@ def test_new_family_matches_hf_generate(family, family_model):
     _assert_sample_logprobs(completion, reference, HF_TOLERANCE)
 
 
+def assert_served_as_llm_answers(path: str) -> None:
+    """The openai client on `python -m coreserve serve` of `path`: a whole and a streamed completion, their text
+    and logprobs the in-process LLM's bit for bit."""
+    import openai
+    from server_harness import API_KEY, running_server
+
+    prompt, params = FAMILY_PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    with LLM(path, multiprocess=False) as llm:
+        expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    asked = dict(model=path, prompt=prompt, max_tokens=16, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    with running_server("--api-key", API_KEY, model=path) as (base, _):
+        with openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+            whole = client.completions.create(**asked)
+            chunks = list(client.completions.create(**asked, stream=True))
+    logprobs = [entry[token].logprob for token, entry in zip(expected.token_ids, expected.logprobs)]
+    assert whole.choices[0].text == expected.text and whole.choices[0].logprobs.token_logprobs == logprobs
+    streamed = [value for chunk in chunks if chunk.choices for value in chunk.choices[0].logprobs.token_logprobs]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text and streamed == logprobs
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3", "smollm3", "exaone4", "gemma4", "gpt_oss"])
+def test_new_family_through_the_server(family, family_model):
+    assert_served_as_llm_answers(family_model(family))
+
+
 LONGROPE_PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=3)
 
 
