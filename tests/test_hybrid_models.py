@@ -9,12 +9,21 @@ mixers against torch's; what is refused.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import HF_TOLERANCE, HF_TOLERANCE_TORCH_PATH, IS_BF16_MODE, TEST_DTYPE, hf_logprobs, load_hf
+from conftest import (
+    HF_TOLERANCE,
+    HF_TOLERANCE_TORCH_PATH,
+    IS_BF16_MODE,
+    TEST_DTYPE,
+    hf_logprobs,
+    load_hf,
+    stream_then_abort,
+)
 from safetensors.torch import load_file, save_file
 from test_batch_invariance import sampled_rows, scoring_mismatches
 from test_model_families import (
@@ -25,7 +34,7 @@ from test_model_families import (
     hf_generate_logprobs,
 )
 
-from coreserve import LLM, SamplingParams
+from coreserve import LLM, AsyncLLM, SamplingParams
 from coreserve.worker.models.config import DecoderArgs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3, prompt_logprobs=3)
@@ -117,6 +126,31 @@ def test_request_through_preemption_n4_prefix_hits_and_windows(family, family_mo
         windowed = llm.generate([prompt, FAMILY_PROMPTS[1]], GREEDY, use_tqdm=False)[0]
     for other in (first, warm, crowded, windowed):
         assert sampled_rows(other) == sampled_rows(plain) and other.prompt_logprobs == plain.prompt_logprobs
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])
+def test_an_aborted_hybrid_request_gives_its_state_back_and_the_next_gets_the_plain_bits(family, family_model):
+    """A long request aborted mid-stream, then the plain request on the same engine: its state slot and blocks
+    are back (nothing left running, every KV block free) and the next request's bits are a fresh engine's."""
+    path, prompt = family_model(family), FAMILY_PROMPTS[0]
+    with LLM(path, multiprocess=False) as llm:
+        plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+
+    async def abort_then_plain(engine) -> tuple[list, list]:
+        long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+        aborted = await stream_then_abort(engine, long, "to-abort")
+        return aborted, [delta async for delta in engine.generate(prompt, GREEDY, "after")]
+
+    with AsyncLLM(path, multiprocess=False, num_kv_blocks=64) as engine:
+        aborted, deltas = asyncio.run(abort_then_plain(engine))
+        core = engine.engine.client.core
+        assert not core.has_unfinished_requests() and core.kv_cache.num_free_blocks == core.num_kv_blocks
+    assert aborted[-1].finished and aborted[-1].outputs[0].finish_reason == "abort"
+    tokens = [t for d in deltas for t in d.outputs[0].token_ids]
+    entries = [e for d in deltas for e in d.outputs[0].logprobs]
+    assert [(t, [(i, e.logprob, e.rank) for i, e in entry.items()]) for t, entry in zip(tokens, entries)] == (
+        sampled_rows(plain))
+    assert deltas[0].prompt_logprobs == plain.prompt_logprobs
 
 
 def _fields(params: SamplingParams) -> dict:
@@ -251,7 +285,7 @@ def test_lfm2_config_reading(family_model):
             DecoderArgs.from_hf_config({**config, **change})
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])  # Qwen3-Next: its grouped in_proj rows as at load
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)  # Qwen3-Next: its grouped in_proj rows as at load
 def test_hybrid_after_sleep_wake_and_new_weights_gives_a_fresh_engines_bits(family, family_model, tmp_path):
     """An engine that served (its prefix cache and state snapshots filled), slept, woke and took new
     weights answers with the bits of an engine started on those weights: no state, snapshot or cached
