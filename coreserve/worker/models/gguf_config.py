@@ -9,7 +9,8 @@ DeltaNet's keys read in coreserve/worker/models/gguf_recurrent.py; the layers of
 head, `nextn_predict_layers` blocks past the model's, are not the model's), `lfm2` (LFM2: its conv layers
 marked by a KV head count of 0, read there too), `granitehybrid` (Granite 4.0-H: its Mamba2 layers marked so
 too, its multipliers and NoPE, read there), `olmo2` (OLMo 2; OLMo 3 where it has windows), `smollm3` and
-`exaone4` (their window layers read in coreserve/worker/models/gguf_windows.py). What llama.cpp leaves out of
+`exaone4` (their window layers read in coreserve/worker/models/gguf_windows.py), `gpt-oss` (its experts with
+biases, split gate and up, and attention sinks: coreserve/worker/models/gguf_weights.py). What llama.cpp leaves out of
 the metadata, it fixes in its code, and so here: Qwen3-MoE and Mixtral renormalise the top-k, OLMoE does not;
 Gemma's query scale is the head size's except for the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3: hidden
 / heads); Gemma 2 alternates local and global layers, Gemma 3 has 5 local to 1 global with a local RoPE base
@@ -60,6 +61,9 @@ class GgufArch:
     with_windows: tuple[str, str] | None = None  # (architecture, model_type) where the file has windows (OLMo 3)
     has_window_layers: bool = False  # sliding-window layers by attention.sliding_window_pattern (gguf_windows.py)
     has_local_rope: bool = False  # the sliding layers rotate at rope.freq_base_swa, unscaled (OLMo 3)
+    window_pattern: int = 4  # load_swa_pattern's default: every n-th layer global where the file has no pattern
+    # (swiglu_alpha, swiglu_limit) of the experts' clamped SwiGLU, constants in llama.cpp's code (gpt-oss)
+    clamped_swiglu: tuple[float, float] | None = None
 
 
 _GEMMA = dict(activation="gelu_pytorch_tanh", norms_plus_one=True)
@@ -99,6 +103,11 @@ GGUF_ARCHS = {
     "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", interleaved_qk=True, head_dim_from_rope=True),
     # its windows read at any depth (llama.cpp applies them at 64 layers, the 32B's, alone: docs/models.md)
     "exaone4": GgufArch("Exaone4ForCausalLM", "exaone4", has_window_layers=True),
+    # sliding and full layers alternating (pattern 2); the clamp's alpha and limit fixed in code; YaRN floored and
+    # ceiled as llama.cpp always does (HF's truncate, true where absent: the hub's gpt-oss says false)
+    "gpt-oss": GgufArch(
+        "GptOssForCausalLM", "gpt_oss", has_window_layers=True, window_pattern=2, clamped_swiglu=(1.702, 7.0),
+    ),
 }
 # `<arch>.KEY` -> config.json key
 _KEYS = {
@@ -212,7 +221,9 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
         keys["layer_types"] = layer_kinds(header, arch, config["num_hidden_layers"], 6)  # an int or a bool a layer
         keys["rope_local_base_freq"] = float(meta_number(header, f"{arch}.rope.freq_base_swa", 10000.0))
     if rules.has_window_layers:
-        keys.update(window_keys(header, arch, config, rules.has_local_rope))
+        keys.update(window_keys(header, arch, config, rules.has_local_rope, rules.window_pattern))
+    if rules.clamped_swiglu is not None:
+        keys.update(_clamped_swiglu_keys(header, arch, config, rules.clamped_swiglu))
     if rules.has_shared_expert:  # checked as config.json's key is (coreserve/worker/models/config.py)
         keys["shared_expert_intermediate_size"] = meta.get(f"{arch}.expert_shared_feed_forward_length")
     if rules.has_linear_attention:
@@ -222,6 +233,17 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
     if rules.has_mamba2:
         keys.update(mamba2_keys(header, arch, config))
     return keys
+
+
+def _clamped_swiglu_keys(header: GGUFHeader, arch: str, config: dict, clamp: tuple[float, float]) -> dict:
+    """gpt-oss's clamp as llama.cpp fixes it, its experts' count under HF's key; a base of its own for the sliding
+    layers (rope.freq_base_swa, which llama.cpp would read) refused by name: HF's gpt-oss has one RoPE."""
+    base = header.metadata.get(f"{arch}.rope.freq_base_swa")
+    if base is not None and base != config["rope_parameters"]["rope_theta"]:
+        raise ValueError(f"{header.path}: GGUF key {arch}.rope.freq_base_swa={str(base)[:60]} (the sliding layers' "
+                         "own RoPE base) is not supported: gpt-oss rotates every layer alike")
+    keys = {"swiglu_alpha": clamp[0], "swiglu_limit": clamp[1]}
+    return keys | ({"num_local_experts": config["num_experts"]} if config.get("num_experts") else {})
 
 
 def num_draft_layers(header: GGUFHeader, arch: str) -> int:

@@ -14,7 +14,9 @@ file's tensors get LFM2's own HF names (`conv.in_proj`, `feed_forward.w1`, `mode
 conv kernel back to nn.Conv1d's [hidden, 1, kernel]. A `granitehybrid` file's Mamba2 tensors get Granite's HF
 names (`mamba.in_proj`, `mamba.A_log`, ...), the vectors llama.cpp stored as matrices read back as vectors.
 Qwen3-Next's shared expert gate is [1, hidden] as the converter writes it, or [hidden] as llama-quantize
-rewrites it (ggml counts no trailing dimension of 1; llama.cpp reads both).
+rewrites it (ggml counts no trailing dimension of 1; llama.cpp reads both). A `gpt-oss` file's experts are
+stacked with their biases, gate and up apart: read per expert under HF's per-expert names (filling each expert's
+[gate | up] halves, as a Mixtral's), its attention sinks as `self_attn.sinks`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ _ARCH_LAYER = {
 # names after `blk.N.` that are whole HF parameters
 _ARCH_PARAMS = {
     "qwen35": LINEAR_ATTENTION_PARAMS, "qwen3next": LINEAR_ATTENTION_PARAMS, "granitehybrid": MAMBA2_PARAMS,
+    "gpt-oss": {"attn_sinks.weight": "self_attn.sinks"},  # a logit a head, HF's parameter without `.weight`
 }
 # Mamba2's [heads, 1] and [groups, inner / groups] (the metadata's group count): HF's vectors; another shape of
 # as many values stays as the file says it, for the loader's shape check to refuse, as llama.cpp refuses it
@@ -199,16 +202,20 @@ def hf_name(gguf_name: str, arch: str = "llama") -> tuple[str, str | None]:
 
 
 def _expert_entries(info: GGUFTensorInfo, path: str, prefix: str) -> Iterator[GGUFEntry]:
-    """One entry per expert of a [experts, rows, columns] tensor: each expert's rows are a contiguous
-    run of the file, read (or kept in blocks) as any 2-D tensor is, under HF's per-expert name."""
-    if len(info.dims) != 3:
-        raise ValueError(f"tensor {info.name}: an experts tensor has 3 dimensions, not {len(info.dims)}")
-    columns, rows, num_experts = info.dims
+    """One entry per expert of a [experts, rows, columns] weight or an [experts, rows] bias (gpt-oss's): each
+    expert's part is a contiguous run of the file, read (or kept in blocks) as any 2-D or 1-D tensor is, under
+    HF's per-expert name."""
+    kind = info.name.rsplit(".", 1)[1]
+    wanted = 2 if kind == "bias" else 3
+    if len(info.dims) != wanted:
+        raise ValueError(f"tensor {info.name}: an experts {kind} has {wanted} dimensions, not {len(info.dims)}")
+    *one_dims, num_experts = info.dims
     role = _EXPERTS[info.name.split(".")[2]]
     num_bytes = info.num_bytes // num_experts
     for expert in range(num_experts):
-        one = GGUFTensorInfo(info.name, info.ggml_type, (columns, rows), info.offset + expert * num_bytes)
-        yield GGUFEntry(f"{prefix}.{expert}.{role}.weight", one, path, (rows, columns), num_bytes, None)
+        one = GGUFTensorInfo(info.name, info.ggml_type, tuple(one_dims), info.offset + expert * num_bytes)
+        shape = tuple(reversed(one_dims))
+        yield GGUFEntry(f"{prefix}.{expert}.{role}.{kind}", one, path, shape, num_bytes, None)
 
 
 def read_into(entry: GGUFEntry, destination: torch.Tensor) -> None:

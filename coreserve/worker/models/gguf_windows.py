@@ -1,9 +1,9 @@
 """A GGUF file's sliding-window layers read back into config.json's keys (engine-core process): for `olmo2`
-(OLMo 3 is written so, with its windows) and `exaone4`, `attention.sliding_window` and the layers it applies to,
-`attention.sliding_window_pattern`: a bool a layer (true: sliding), or every n-th layer global; absent, every
-fourth, as llama.cpp's load_swa_pattern reads these architectures. OLMo 3's sliding layers rotate with the
-default RoPE at `rope.freq_base_swa` (the global base where absent), unscaled, as llama.cpp rotates them.
-A file without a window has none: `sliding_window` null, not the HF configs' default of 4096.
+(OLMo 3 is written so, with its windows), `exaone4` and `gpt-oss`, `attention.sliding_window` and the layers it
+applies to, `attention.sliding_window_pattern`: a bool a layer (true: sliding), or every n-th layer global; absent,
+every fourth (`gpt-oss`: every second), as llama.cpp's load_swa_pattern reads these architectures. OLMo 3's sliding
+layers rotate with the default RoPE at `rope.freq_base_swa` (the global base where absent), unscaled, as llama.cpp
+rotates them. A file without a window has none: `sliding_window` null, not the HF configs' default of 4096.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ _FULL, _SLIDING = "full_attention", "sliding_attention"
 _LLAMA_CPP_PATTERN = 4  # load_swa_pattern's default for olmo2 and exaone4: every fourth layer global
 
 
-def window_keys(header: GGUFHeader, arch: str, config: dict, has_local_rope: bool) -> dict:
+def window_keys(
+    header: GGUFHeader, arch: str, config: dict, has_local_rope: bool, pattern: int = _LLAMA_CPP_PATTERN
+) -> dict:
     """{"sliding_window": None} without a window; else the window, layer_types, and where `has_local_rope`
     the RoPE of each kind of layer (rope_parameters by layer kind, as transformers 5 writes OLMo 3's)."""
     window = config.get("sliding_window")  # checked as config.json's (config_checks.py)
     if not window:
         return {"sliding_window": None}
-    kinds = layer_kinds(header, arch, config["num_hidden_layers"], _LLAMA_CPP_PATTERN)
+    kinds = layer_kinds(header, arch, config["num_hidden_layers"], pattern)
     keys: dict = {"sliding_window": window, "layer_types": kinds}
     if has_local_rope:
         base = header.metadata.get(f"{arch}.rope.freq_base_swa", config["rope_parameters"]["rope_theta"])

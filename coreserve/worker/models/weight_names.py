@@ -101,7 +101,8 @@ _EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1"
 
 def _expert_destination(args: DecoderArgs, module: str) -> tuple[str, slice | None] | None:
     """A mixture's router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) and its experts' tensors
-    (`mlp.experts.E.gate_proj`, ...): gate and up fill each expert's fused gate_up_proj."""
+    (`mlp.experts.E.gate_proj`, ...): gate and up fill each expert's fused gate_up_proj, their biases (gpt-oss's
+    GGUF experts, split per expert by coreserve/worker/models/gguf_weights.py) its bias's halves."""
     parts = module.split(".")
     if parts[1:] in (["gate"], ["shared_expert_gate"]):
         return f"moe.{parts[1]}", None
@@ -113,8 +114,6 @@ def _expert_destination(args: DecoderArgs, module: str) -> tuple[str, slice | No
         rows = {"gate": slice(0, width), "up": slice(width, 2 * width), "down": None}[role]
         return "moe.shared_expert." + ("down_proj" if role == "down" else "gate_up_proj"), rows
     if len(parts) != 4 or parts[1] != "experts" or parts[3] not in _EXPERT_PARTS:
-        return None
-    if args.moe is not None and args.moe.clamped_swiglu is not None:  # gpt-oss's are fused: fused_experts.py
         return None
     assert args.moe is not None
     inter, role = args.moe.intermediate_size, _EXPERT_PARTS[parts[3]]
