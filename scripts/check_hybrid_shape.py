@@ -5,12 +5,14 @@ what a prompt and a decode step cost there:
 
 - prompt logprobs within 1e-4 of transformers' forward (fp32), generation within 1e-4 of its `generate`;
 - alone = batched (4 prompts of other lengths, 64-token chunks) and scoring = generation, bit for bit;
+- one request's bits from a prefix-cache hit (its state restored from a snapshot), in multi-step windows and
+  as each of n = 4 greedy children, against its plain run;
 - the prompt rate (one 512-token prompt), c1 and c16 decode rates, and the recurrent mixers' share of a
   prompt (the CPU backend's mixer timed alone on the prompt's shapes, against the whole prompt);
 - a sequence's recurrent state (what a state slot, and a prefix-cache snapshot, costs) beside the KV
   cache's bytes a token.
 
-    python scripts/check_hybrid_shape.py [--family qwen3_5] [--layers N] [--experts 16] [--skip-hf]
+    python scripts/check_hybrid_shape.py [--family qwen3_5] [--layers N] [--experts 16] [--skip-hf] [--skip-rates]
 
 Writes each checkpoint once under ~/.cache/coreserve/shapes/ (fp32: 1.3 to 3.7 GB).
 """
@@ -109,6 +111,36 @@ def check_invariants(path: str, vocab_size: int) -> tuple[int, int]:
     return differ, scoring
 
 
+def check_cache_and_windows(path: str, vocab_size: int) -> dict[str, int]:
+    """One 96-token request's bits, plain, against: a prefix-cache hit (snapshots every 2 blocks, so that the
+    hit lands at 64 tokens), multi-step windows of 4, and n = 4 greedy children; the count of differing requests."""
+    from test_batch_invariance import sampled_rows
+
+    from coreserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    prompt = prompts_of(1, 96, 6, vocab_size)[0]
+    with LLM(path, multiprocess=False, enable_prefix_caching=False) as llm:
+        plain = llm.generate([prompt], params, use_tqdm=False)[0]
+    with LLM(path, multiprocess=False, state_snapshot_blocks=2, max_num_batched_tokens=64) as llm:
+        llm.generate([prompt], params, use_tqdm=False)
+        warm = llm.generate([prompt], params, use_tqdm=False)[0]
+        children = llm.generate([prompt], SamplingParams(**{**_fields(params), "n": 4}), use_tqdm=False)[0]
+    with LLM(path, multiprocess=False, num_scheduler_steps=4) as llm:
+        windowed = llm.generate([prompt], params, use_tqdm=False)[0]
+    same = {"prefix hit": warm, "multi-step windows": windowed}
+    found = {name: int(sampled_rows(o) != sampled_rows(plain) or o.prompt_logprobs != plain.prompt_logprobs)
+             for name, o in same.items()}
+    found["prefix hit tokens"] = warm.num_cached_tokens or 0
+    rows = [[(t, e) for t, e in zip(c.token_ids, c.logprobs)] for c in children.outputs]
+    found["n = 4 children"] = sum(r != list(zip(plain.outputs[0].token_ids, plain.outputs[0].logprobs)) for r in rows)
+    return found
+
+
+def _fields(params) -> dict:
+    return {name: getattr(params, name) for name in params.__struct_fields__}
+
+
 def rates(path: str, vocab_size: int) -> dict[str, float]:
     from coreserve import LLM, SamplingParams
 
@@ -196,6 +228,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="default: the shape's (scripts/hybrid_shapes.py)")
     parser.add_argument("--experts", type=int, help="Qwen3-Next's experts (default 16)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-rates", action="store_true", help="the checks alone: no rates, no mixer timing")
     args = parser.parse_args()
     num_layers = args.layers or SHAPES[args.family].num_layers
     config = config_of(args.family, num_layers, args.experts)
@@ -208,7 +241,10 @@ def main() -> None:
             print(f"worst |logprob difference| (top 5 a row), {name}: {value:.2e}")
     differ, scoring = check_invariants(path, vocab_size)
     print(f"alone != batched: {differ} of 4 requests; scoring != generation: {scoring} tokens")
-    report_costs(path, vocab_size)
+    for name, value in check_cache_and_windows(path, vocab_size).items():
+        print(f"{name}: {value}" + ("" if "tokens" in name else " differing from the plain run"))
+    if not args.skip_rates:
+        report_costs(path, vocab_size)
 
 
 if __name__ == "__main__":
