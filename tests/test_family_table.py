@@ -181,3 +181,16 @@ def test_gemma_without_a_sliding_window_key_takes_hfs_default(architecture):
 def test_new_families_refuse_what_they_cannot_read_by_name(architecture, keys, message):
     with pytest.raises(ValueError, match=message):
         DecoderArgs.from_hf_config(_small(architecture, **keys))
+
+
+@pytest.mark.parametrize("kind_rope, key", [
+    ({"rope_type": "default", "rope_theta": -5.0}, "rope_theta"),
+    ({"rope_type": "linear", "factor": 0}, "factor"),
+    ({"rope_type": "yarn", "factor": float("nan")}, "factor"),
+])
+def test_a_layer_kinds_own_rope_numbers_are_checked(kind_rope, key):
+    """A kind's own rope_parameters (Gemma 3's sliding layers here) are read past the top-level checks: a
+    negative base or a zero or NaN factor would have made NaN tables; each is refused by name."""
+    rope = {"sliding_attention": kind_rope, "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match=f"RoPE {key}="):
+        DecoderArgs.from_hf_config(_small("Gemma3ForCausalLM", head_dim=16, rope_parameters=rope))

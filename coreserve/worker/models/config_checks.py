@@ -40,7 +40,7 @@ _MAX_ROPE_ELEMENTS = 1 << 27  # max_position_embeddings x head_dim: each RoPE ta
 _POSITIVE_FLOATS = ("rope_theta", "attn_logit_softcapping", "final_logit_softcapping", "clip_qkv",
                     "query_pre_attn_scalar", "rope_local_base_freq", "embedding_multiplier", "residual_multiplier",
                     "attention_multiplier", "logits_scaling", "swiglu_alpha", "swiglu_limit")
-_FLOAT32_MAX = 3.4028234663852886e38  # past it a positive float is infinite where the model applies it in float32
+FLOAT32_MAX = 3.4028234663852886e38  # past it a positive float is infinite where the model applies it in float32
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")  # what the engine reads (a pad id of -1 is common and unread)
 _LAYER_PATTERNS = (re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\."), re.compile(r"^blk\.(\d+)\."))
 _SLACK_ELEMENTS = 1 << 20  # buffers a model holds beyond its checkpoint's tensors
@@ -121,7 +121,7 @@ def _check_floats(config: dict, name) -> None:
     values = {**{k: config.get(k) for k in _POSITIVE_FLOATS}, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
     values.update({f"rope_scaling.{k}": rope.get(k) for k in ("factor", "attention_factor")})
     for key, value in values.items():
-        if value is not None and (not _is_real(value) or not 0 < value <= _FLOAT32_MAX):
+        if value is not None and (not _is_real(value) or not 0 < value <= FLOAT32_MAX):
             raise ValueError(f"{name(key)}={value!r} must be a positive number, finite in float32")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coreserve.worker.models.config_checks import FLOAT32_MAX
 from coreserve.worker.models.family import FULL, LINEAR, SHORT_CONV, SILU, SLIDING, Family
 from coreserve.worker.models.rope import NO_ROPE, SUPPORTED_ROPE_TYPES, RopeSpec
 from coreserve.worker.step.attention import AttentionSpec
@@ -214,6 +215,19 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
     if rope_type not in ("default", "yarn", "longrope", "proportional") and "factor" not in params:
         raise ValueError(f"RoPE type {rope_type!r} needs a `factor`")
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    _check_rope_numbers({"rope_theta": theta, **{k: params.get(k) for k in _ROPE_POSITIVE}})
     for key in ("rope_type", "type"):
         params.pop(key, None)
     return RopeSpec(rope_type, float(theta), head_dim, max_positions, params)
+
+
+_ROPE_POSITIVE = ("factor", "attention_factor", "beta_fast", "beta_slow")
+
+
+def _check_rope_numbers(values: dict) -> None:
+    """Each RoPE number a positive float32-finite one, where given: a layer kind's own rope_parameters (Gemma's,
+    OLMo 3's) are read here alone, past config_checks.py's look at the top level."""
+    for key, value in values.items():
+        is_number = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (is_number and 0 < value <= FLOAT32_MAX):
+            raise ValueError(f"RoPE {key}={value!r} must be a positive number, finite in float32")
