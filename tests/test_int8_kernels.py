@@ -14,10 +14,11 @@ from test_quant_kernels import random_blocks
 from coreserve.worker.cpu.build import NARROWER_BUILDS
 from coreserve.worker.cpu.kernels import load_cpu_kernels
 from coreserve.worker.cpu.quant_linear import quant_gemv
-from coreserve.worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear
+from coreserve.worker.models.quantized import MXFP4, QUANT_PARTS, QUANT_TYPES, QuantLinear
 
-TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
-WIDTHS = {2: 352, 3: 352, 8: 352, 12: 768, 13: 768, 14: 768}  # Q*_0: 11 blocks, so a tail after 8
+TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4
+WIDTHS = {2: 352, 3: 352, 8: 352, 12: 768, 13: 768, 14: 768, 39: 352}  # blocks of 32: 11, so a tail after 8
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])  # doubled e2m1, by nibble
 ROWS = [1, 2, 3, 4, 5, 7, 9, 16, 17, 40, 300]
 
 
@@ -27,6 +28,9 @@ def plain_blocks(ggml_type: int, num_out: int, num_in: int, seed: int) -> torch.
     rng = np.random.default_rng(seed + 1)
     _, block_bytes, _ = QUANT_TYPES[ggml_type]
     blocks = raw.reshape(num_out, -1, block_bytes)
+    if ggml_type == MXFP4:  # scale bytes: 2^-10 .. 2^-1 (the doubled values' 2^(e - 128))
+        blocks[:, :, 0] = rng.integers(118, 128, blocks.shape[:2], dtype=np.uint8)
+        return torch.from_numpy(raw)
     offsets = {14: (208,), 12: (0, 2), 13: (0, 2), 3: (0, 2)}.get(ggml_type, (0,))
     for offset in offsets:
         scales = (rng.standard_normal(blocks.shape[:2]) * 0.02).astype(np.float16)
@@ -66,6 +70,10 @@ def weight_integers(raw: np.ndarray, ggml_type: int, num_in: int):
     num_out = raw.shape[0]
     _, block_bytes, _ = QUANT_TYPES[ggml_type]
     b = raw.reshape(num_out, -1, block_bytes)
+    if ggml_type == MXFP4:  # 2^(e - 128) times the doubled values, exact
+        q = np.concatenate([b[:, :, 1:] & 15, b[:, :, 1:] >> 4], axis=2)
+        scale = np.ldexp(np.float32(1), b[:, :, 0].astype(np.int32) - 128).astype(np.float32)
+        return MXFP4_VALUES[q], scale, None, None
     if ggml_type in (2, 3, 8):
         scale = half(b[:, :, 0:2])
         if ggml_type == 8:

@@ -17,14 +17,22 @@ from coreserve.worker.cpu.build import NARROWER_BUILDS
 from coreserve.worker.cpu.kernels import load_cpu_kernels
 from coreserve.worker.cpu.linear import gemv
 from coreserve.worker.cpu.quant_linear import dequantize_rows, quant_gemv
-from coreserve.worker.models.quantized import QUANT_PARTS, QUANT_TYPES, QuantLinear, block_values, dequantize
+from coreserve.worker.models.finite_weights import is_finite
+from coreserve.worker.models.quantized import (
+    MXFP4,
+    QUANT_PARTS,
+    QUANT_TYPES,
+    QuantLinear,
+    block_values,
+    dequantize,
+)
 
-TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
+TYPES = sorted(QUANT_TYPES)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4
 SHAPES = [(37, 96), (100, 576), (67, 1536)]  # (out, in): odd feature counts, SmolLM2's widths
 K_SHAPES = [(37, 256), (100, 768), (67, 1536)]  # whole 256-weight super-blocks
-WIDTH = {2: 576, 3: 576, 8: 576, 12: 768, 13: 768, 14: 768}  # a width of whole blocks for each type
+WIDTH = {2: 576, 3: 576, 8: 576, 12: 768, 13: 768, 14: 768, 39: 576}  # a width of whole blocks for each type
 # byte offsets of each block's fp16 scale fields: d (and Q4_1's m, the K-quants' dmin, as gguf_files has them)
-SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), **{t: K_SCALE_FIELDS[QUANT_TYPES[t][0]] for t in (12, 13, 14)}}
+SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 39: (), **{t: K_SCALE_FIELDS[QUANT_TYPES[t][0]] for t in (12, 13, 14)}}
 ROWS = [*range(1, 41), 83, 300]  # decode sizes, then panels of many rows past a 256-row chunk
 # Each path of gemv_quant.c that the native build of an AVX-512 host does not take; on a narrower host
 # a build may equal the native one, and is checked all the same.
@@ -33,11 +41,16 @@ ROWS = [*range(1, 41), 83, 300]  # decode sizes, then panels of many rows past a
 def random_blocks(ggml_type: int, num_out: int, num_in: int, seed: int) -> torch.Tensor:
     """[num_out, row bytes] uint8: random quants (and K-quant sub-block scales and mins), fp16 scales of
     every sign and size (subnormals too, and extremes: the largest fp16 and the smallest normal),
-    offsets of either sign; the bytes a file may hold, not only what a quantizer writes."""
+    offsets of either sign; MXFP4's scale bytes near 2^0 with extremes (fp32 subnormal scales, 2^72);
+    the bytes a file may hold, not only what a quantizer writes."""
     rng = np.random.default_rng(seed)
     _, block_bytes, block_weights = QUANT_TYPES[ggml_type]
     num_blocks = num_in // block_weights
     blocks = rng.integers(0, 256, (num_out, num_blocks, block_bytes), dtype=np.uint8)
+    if ggml_type == MXFP4:  # no fp16 fields: its scale byte e, 2^(e - 128)
+        scales = rng.integers(110, 140, (num_out, num_blocks), dtype=np.uint8)
+        scales.flat[::7], scales.flat[3::11], scales.flat[5::13], scales.flat[6::17] = 0, 200, 1, 2
+        blocks[:, :, 0] = scales
     for offset in SCALE_FIELDS[ggml_type]:
         scales = (rng.standard_normal((num_out, num_blocks)) * 0.05).astype(np.float16)
         scales.flat[::7] = np.float16(3e-7)  # subnormal fp16
@@ -115,6 +128,32 @@ def test_runs_of_rows_of_different_types_equal_the_fp32_kernel_on_their_values(k
     assert layer.ggml_type == QUANT_PARTS and torch.equal(weight, torch.cat([dequantize(r, t) for r, (_, t) in
                                                                              zip(runs, parts)]))
     assert_every_row_count_is_gemv_f32s(kernels, layer.weight, QUANT_PARTS, weight, seed=11)
+
+
+def test_mxfp4_blocks_whose_values_overflow_are_refused_as_their_dequantization_is_not_finite(kernels):
+    """MXFP4's scale is a power of two, 2^(e - 128) times the doubled value: from e = 253 a large enough
+    nibble overflows fp32 (e = 255, e8m0's NaN, read as ggml, gguf and transformers read it). A weight is
+    refused exactly where gguf's dequantization holds an infinity; what is kept, the C reads the same."""
+    cases = [(252, 0x77), (253, 0x55), (253, 0x66), (254, 0x33), (254, 0x44), (255, 0x11), (255, 0x22),
+             (255, 0x99), (255, 0x00), (0, 0xFF)]  # (scale byte, every nibble byte): 7 is 12, 5 is 6, 9 is -1
+    for scale, nibbles in cases:
+        raw = random_blocks(MXFP4, 3, 64, seed=scale)
+        raw[1, 17] = scale  # the second row's second block
+        raw[1, 18:34] = nibbles
+        with np.errstate(over="ignore"):
+            values, layer = dequantize(raw, MXFP4), QuantLinear(64, 3, MXFP4)
+        layer.weight.data.copy_(raw)
+        assert is_finite(layer.weight) == bool(torch.isfinite(values).all()), (scale, nibbles)
+        if torch.isfinite(values).all():
+            assert torch.equal(dequantize_rows(kernels, raw, MXFP4, 64), values)
+    with np.errstate(over="ignore"):
+        finite = [bool(torch.isfinite(dequantize(_one_block(s, n), MXFP4)).all()) for s, n in cases]
+    assert finite == [
+        True, True, False, True, False, True, False, True, True, True]
+
+
+def _one_block(scale: int, nibbles: int) -> torch.Tensor:
+    return torch.tensor([[scale] + [nibbles] * 16], dtype=torch.uint8)
 
 
 def test_unsupported_types_and_widths_are_refused(kernels):

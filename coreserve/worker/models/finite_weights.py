@@ -4,7 +4,10 @@ is in docs/serving.md, "Untrusted files").
 
 A float tensor is scanned in chunks (no copy of the whole tensor); a weight kept in GGUF blocks has its
 values as block scales times small integers, so its scales (the fp16 `d` and `dmin` of each block) are
-what can be non-finite, and only they are read.
+what can be non-finite, and only they are read. An MXFP4 block's scale is a power of two 2^(e - 128)
+(always finite: e = 255, e8m0's NaN, is 2^127 to ggml, gguf and transformers alike, and so here), but
+its values overflow fp32 from e = 253 on where a nibble is large enough: those blocks are refused, exactly
+the ones whose dequantized values hold an infinity.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from coreserve.worker.models.quantized import QUANT_TYPES, row_runs
+from coreserve.worker.models.quantized import MXFP4, QUANT_TYPES, row_runs
 
 # ggml type -> byte offsets of the fp16 scales in one block (llama.cpp's block_q8_0, block_q4_K, ...)
 _SCALE_OFFSETS = {8: (0,), 2: (0,), 3: (0, 2), 12: (0, 2), 13: (0, 2), 14: (208,)}
 _CHUNK = 1 << 22  # elements scanned at once
 _FP16_EXPONENT, _BF16_EXPONENT = 0x7C00, 0x7F80
 _FP16_PAIR_LOW, _FP16_PAIR_HIGH = np.uint32(0x7C00), np.uint32(0x7C00 << 16)  # two fp16s in a little-endian word
+_MXFP4_MAGNITUDES = (0, 1, 2, 3, 4, 6, 8, 12)  # |value| * 2 by a nibble's low 3 bits
+_MXFP4_SAFE_SCALE = 252  # the largest e whose every value is finite: 12 * 2^(252 - 128) < 2^128
 
 
 def check_finite_model(model: nn.Module, where: str) -> None:
@@ -45,7 +50,8 @@ def is_finite(tensor: torch.Tensor) -> bool:
             return all(_floats_are_finite(flat[i : i + _CHUNK]) for i in range(0, flat.numel(), _CHUNK))
         return all(bool(torch.isfinite(flat[i : i + _CHUNK]).all()) for i in range(0, flat.numel(), _CHUNK))
     if getattr(tensor, "ggml_type", 0):
-        return all(_scales_are_finite(run, ggml_type) for ggml_type, run in row_runs(tensor))
+        return all(_mxfp4_is_finite(run) if ggml_type == MXFP4 else _scales_are_finite(run, ggml_type)
+                   for ggml_type, run in row_runs(tensor))
     return True  # integers: every value is a number
 
 
@@ -70,3 +76,16 @@ def _scales_are_finite(run: torch.Tensor, ggml_type: int) -> bool:
         return not (((pairs & _FP16_PAIR_LOW) == _FP16_PAIR_LOW) | ((pairs & _FP16_PAIR_HIGH) == _FP16_PAIR_HIGH)).any()
     words = raw.view(np.uint16).reshape(-1, block_bytes // 2)
     return not any(((words[:, offset // 2] & _FP16_EXPONENT) == _FP16_EXPONENT).any() for offset in offsets)
+
+
+def _mxfp4_is_finite(run: torch.Tensor) -> bool:
+    """run: [rows, row bytes] uint8 of MXFP4 blocks. A value |v| / 2 * 2^(e - 127) overflows fp32 where it
+    reaches 2^128, i.e. where |v| >= 2^(256 - e) (|v| the doubled magnitude, at most 12): only blocks of
+    e > 252 can, and only they (few, where any) have their nibbles read."""
+    blocks = run.detach().reshape(-1, QUANT_TYPES[MXFP4][1])
+    suspects = blocks[blocks[:, 0] > _MXFP4_SAFE_SCALE].cpu()
+    if suspects.shape[0] == 0:
+        return True
+    nibbles = torch.cat([suspects[:, 1:] & 7, suspects[:, 1:] >> 4 & 7], dim=1).int()
+    largest = torch.tensor(_MXFP4_MAGNITUDES, dtype=torch.int32)[nibbles].amax(dim=1)
+    return not bool((largest >= 2 ** (256 - suspects[:, 0].int())).any())

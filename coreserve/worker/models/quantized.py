@@ -1,5 +1,5 @@
 """Linear layers and an embedding table whose weights stay in a GGUF file's block format (Q8_0, Q4_0,
-Q4_1: 32 weights a block; Q4_K, Q5_K, Q6_K: 256 weights a super-block), and their values (engine-core
+Q4_1, MXFP4: 32 weights a block; Q4_K, Q5_K, Q6_K: 256 weights a super-block), and their values (engine-core
 process).
 
 The weight is a uint8 tensor [N, K / 32 * block bytes], the file's bytes row by row, with the ggml
@@ -29,7 +29,9 @@ QUANT_TYPES = {
     12: ("Q4_K", 144, 256),
     13: ("Q5_K", 176, 256),
     14: ("Q6_K", 210, 256),
+    39: ("MXFP4", 17, 32),  # gpt-oss's experts: a scale byte (a power of two), 32 e2m1 nibbles
 }
+MXFP4 = 39
 
 
 QUANT_PARTS = -1  # a weight of runs of rows of different types (csrc/kernel_parts.h's QUANT_PARTS)

@@ -1,5 +1,5 @@
 /* Integer mode's products (engine-core process, opt-in: quantized_activations="int8"): out = x @ W^T
- * (+ bias) with W kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and x quantized to
+ * (+ bias) with W kept in a GGUF block format (Q8_0, Q4_0, Q4_1, MXFP4, Q4_K, Q5_K, Q6_K) and x quantized to
  * int8, as llama.cpp multiplies, but with one order of summation for every row count, thread count and
  * kernel, so every bitwise guarantee of exact mode holds here too (docs/quantized.md "Integer mode").
  *
@@ -8,7 +8,8 @@
  *   q = x * (127 / amax) rounded to nearest even, clamped to [-127, 127] (q = 0 and d = 0 where amax is
  *   0). Each block keeps d (fp32), d * (its sum of q) (fp32), and its two sums of 16 q (int16).
  * - Weight block j (32 weights; a K-quant's sub-block) is scale_j * q + offset_j with integer q: Q8_0
- *   and Q4_0 d * q and d * (q - 8), Q4_1 d * q + m, Q4_K and Q5_K (d * sc_j) * q - dmin * m_j, Q6_K
+ *   and Q4_0 d * q and d * (q - 8), Q4_1 d * q + m, MXFP4 2^(e - 128) * v (v its e2m1 value doubled, an
+ *   integer in -12..12: the block's exact values), Q4_K and Q5_K (d * sc_j) * q - dmin * m_j, Q6_K
  *   d * sc_g * (q - 32) with sc_g an int8 per 16 weights (folded into the integer sum below).
  * - It meets activation block j in integers: I_j = sum of w_q * a_q, exact in int32 (Q6_K: the sum of
  *   sc_g * (sum over group g of (q - 32) * a_q), at most 2^24 in size, so exact in fp32 too).
@@ -22,7 +23,7 @@
  *
  * AVX512-VNNI (vpdpbusd: unsigned weight bytes times signed activation bytes, four products a lane
  * summed into int32) computes I for 8 blocks at once (int8_blocks.h's make_group); the weights are made
- * unsigned (Q8_0 + 128, Q4_0's q, Q6_K's q) and the offsets taken out again with the activations'
+ * unsigned (Q8_0 + 128, Q4_0's q, MXFP4's v + 12, Q6_K's q) and the offsets taken out again with the activations'
  * integer sums. AVX2 (vpmaddubsw: byte pairs into int16, then vpmaddwd into int32, exact for every
  * type's range) computes the same sums a block a register (make_group2); elsewhere the generic code
  * runs: the same numbers, slower.
@@ -305,6 +306,7 @@ static void range(const struct int8_rows *a, int64_t rows, const uint8_t *w, int
     case TYPE_Q4_K: range_of(a, rows, w, TYPE_Q4_K, N, bias, out, n_start, n_end); break;
     case TYPE_Q5_K: range_of(a, rows, w, TYPE_Q5_K, N, bias, out, n_start, n_end); break;
     case TYPE_Q6_K: range_of(a, rows, w, TYPE_Q6_K, N, bias, out, n_start, n_end); break;
+    case TYPE_MXFP4: range_of(a, rows, w, TYPE_MXFP4, N, bias, out, n_start, n_end); break;
     default: range_of(a, rows, w, TYPE_Q4_0, N, bias, out, n_start, n_end); break;
     }
 }

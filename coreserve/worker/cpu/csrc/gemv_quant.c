@@ -1,15 +1,15 @@
 /* Matrix products out = x @ W^T (+ bias) with W kept in a GGUF file's block format, for the CPU
- * (engine-core process): Q8_0, Q4_0 and Q4_1, blocks of 32 weights, and the K-quants Q4_K, Q5_K and
- * Q6_K, super-blocks of 256; each row of W a run of blocks.
+ * (engine-core process): Q8_0, Q4_0, Q4_1 and MXFP4, blocks of 32 weights, and the K-quants Q4_K, Q5_K
+ * and Q6_K, super-blocks of 256; each row of W a run of blocks.
  * K-quants are made register by register from each super-block's unpacked scales (k_register) in the
  * few-row passes, and dequantized whole (dequant_super_block) into the many-row tiles: gemv_f32's sums.
  * A fused projection of several types is runs of rows, each its own type (QUANT_PARTS, parts_range).
  *
  * Each block is dequantized in registers to exactly the fp32 values of the `gguf` package's numpy
  * routines (the values the loader writes for a dequantized model): Q8_0 d * q, Q4_0 d * (q - 8),
- * Q4_1 d * q + m, with d and m widened from fp16 exactly. d * q has at most 11 + 8 significant bits,
- * so it is exact in fp32 and a fused multiply-add d * q + m rounds where numpy's two operations
- * round: contraction cannot change the value.
+ * Q4_1 d * q + m, with d and m widened from fp16 exactly, MXFP4 2^(e - 128) * v with v its doubled e2m1
+ * value (quant_blocks.h). d * q has at most 11 + 8 significant bits, so it is exact in fp32 and a fused
+ * multiply-add d * q + m rounds where numpy's two operations round: contraction cannot change the value.
  * Those values then meet the fp32 activations as gemv.c's fp32 path meets its weights: the same
  * lanes (one register), one accumulator per output over K in steps of LANES, fused multiply-adds,
  * hsum's tree, the bias added last. K is a whole number of blocks, so gemv.c's scalar tail is empty.
@@ -22,8 +22,8 @@
  * once per row).
  * AVX-512 and AVX2 widen each block's scales where the block is read (block_head), other CPUs 16
  * blocks at a time (block_scales); each block's quants then become floats by a lookup in its 16
- * values (AVX-512) or by widening, conversion and d * q (+ m) (AVX2; generic vector code elsewhere):
- * the same values either way. docs/benchmarks.md has the figures behind each choice.
+ * values (AVX-512; AVX2's MXFP4 in two tables of 8) or by widening, conversion and d * q (+ m) (AVX2;
+ * generic vector code elsewhere): the same values either way. docs/benchmarks.md has the figures behind each choice.
  * x: [rows, K] fp32 row-major, w: [N, K / 32 (K-quants: K / 256) blocks] raw bytes, out: [rows, N] fp32.
  */
 #include <omp.h>
@@ -97,6 +97,10 @@ static inline float hsum(floatv v) { /* gemv.c's */
 static inline __attribute__((always_inline)) void block_scales(const uint8_t *b, int type, int n, float d[CHUNK],
                                                                float m[CHUNK]) {
     const int bb = block_bytes(type);
+    if (type == TYPE_MXFP4) {
+        for (int i = 0; i < n; i++) d[i] = mxfp4_half(b[i * bb]), m[i] = 0.0f;
+        return;
+    }
 #if defined(__F16C__)
     /* AVX with F16C: each block's first 4 bytes (d, then Q4_1's m) widened by one vcvtph2ps; stores of
      * whole floats, so the broadcasts that read them back are forwarded. */
@@ -120,8 +124,13 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *b,
 /* A block's d and (Q4_1) m, widened by one vcvtph2ps of its first 4 bytes and broadcast from the
  * register. Widened 16 blocks at a time through memory they cost a store and a reload each, and on
  * AVX-512 a gather, as slow for a row's last 2 blocks as for 16 (docs/benchmarks.md has the figures).
- * Q8_0's and Q4_0's m is their first quants' bits, unused. */
-static inline __attribute__((always_inline)) void block_head(const uint8_t *b, floatv *d, floatv *m) {
+ * Q8_0's and Q4_0's m is their first quants' bits, unused; MXFP4's d is its scale byte's power of two. */
+static inline __attribute__((always_inline)) void block_head(const uint8_t *b, int type, floatv *d, floatv *m) {
+    if (type == TYPE_MXFP4) {
+        const float scale = mxfp4_half(b[0]);
+        for (int i = 0; i < LANES; i++) (*d)[i] = scale, (*m)[i] = 0.0f;
+        return;
+    }
     uint32_t head;
     memcpy(&head, b, sizeof head);
     const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128((int)head));
@@ -156,8 +165,10 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
     const __m512 table = type == TYPE_Q4_1
         ? _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), (__m512)d,
                           (__m512)m) /* d * q exact, so one rounding as numpy's two */
+        : type == TYPE_MXFP4
+        ? _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), (__m512)d)
         : _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), (__m512)d);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2))));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + nibbles_at(type))));
     out[0] = (floatv)_mm512_permutexvar_ps(bytes, table);
     out[1] = (floatv)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
@@ -175,9 +186,15 @@ static inline __attribute__((always_inline)) floatv dequant_step(const uint8_t *
         const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + v * LANES)));
         return (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
     }
-    const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2) + (v & 1) * LANES;
+    const uint8_t *qs = b + nibbles_at(type) + (v & 1) * LANES;
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
     const __m256i q = v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(bytes, 4);
+    if (type == TYPE_MXFP4) { /* nibbles 0-7 and 8-15 looked up in a table of 8 each, bit 3 choosing */
+        const __m256 positive = _mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 6, 8, 12), d);
+        const __m256 negative = _mm256_mul_ps(_mm256_setr_ps(0, -1, -2, -3, -4, -6, -8, -12), d);
+        return (floatv)_mm256_blendv_ps(_mm256_permutevar8x32_ps(positive, q), _mm256_permutevar8x32_ps(negative, q),
+                                        _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)));
+    }
     if (type == TYPE_Q4_1) return (floatv)_mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
     return (floatv)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))), d);
 }
@@ -212,13 +229,17 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
         }
         return;
     }
-    const uint8_t *qs = b + (type == TYPE_Q4_1 ? 4 : 2);
+    const uint8_t *qs = b + nibbles_at(type);
     for (int v = 0; v < STEPS; v++) {
         const int e = v * LANES;
         bytev raw;
         memcpy(&raw, qs + e % 16, sizeof raw);
         const bytev nibble = e < 16 ? raw & 0x0f : raw >> 4;
-        if (type == TYPE_Q4_1) {
+        if (type == TYPE_MXFP4) {
+            sbytev value;
+            for (int i = 0; i < LANES; i++) value[i] = MXFP4_VALUES[nibble[i]];
+            out[v] = __builtin_convertvector(value, floatv) * d; /* exact: see quant_blocks.h */
+        } else if (type == TYPE_Q4_1) {
             out[v] = __builtin_convertvector(nibble, floatv) * d + m; /* exact product: see the top */
         } else {
             const sbytev centred = (sbytev)nibble - 8;
@@ -414,7 +435,7 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row
 #ifdef REGISTER_SCALES
     for (int64_t i = 0; i < blocks; i++) {
         floatv d, m, wv[STEPS];
-        block_head(row + i * bb, &d, &m);
+        block_head(row + i * bb, type, &d, &m);
         for (int v = 0; v < STEPS; v++) {
             const floatv weights = block_register(row + i * bb, type, v, d, m, wv);
             memcpy(out + i * QK + v * LANES, &weights, sizeof weights);
@@ -472,7 +493,7 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t K,
             const uint8_t *b = w[s] + i * bb;
             floatv d, m, wv[STEPS];
             if (i % 2 == 0) prefetch_ahead(b, 64);
-            block_head(b, &d, &m);
+            block_head(b, type, &d, &m);
             for (int v = 0; v < STEPS; v++) {
                 const floatv weights = block_register(b, type, v, d, m, wv);
                 for (int r = 0; r < rb; r++) {
@@ -659,6 +680,7 @@ static int range(const float *x, int64_t rows, int64_t K, const uint8_t *w, int 
     case TYPE_Q4_K: return range_of(x, rows, K, w, TYPE_Q4_K, N, bias, out, n_start, n_end);
     case TYPE_Q5_K: return range_of(x, rows, K, w, TYPE_Q5_K, N, bias, out, n_start, n_end);
     case TYPE_Q6_K: return range_of(x, rows, K, w, TYPE_Q6_K, N, bias, out, n_start, n_end);
+    case TYPE_MXFP4: return range_of(x, rows, K, w, TYPE_MXFP4, N, bias, out, n_start, n_end);
     default: return range_of(x, rows, K, w, TYPE_Q4_0, N, bias, out, n_start, n_end);
     }
 }

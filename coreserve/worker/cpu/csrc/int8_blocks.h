@@ -26,16 +26,28 @@
 static inline int has_offset(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K; }
 
 /* What the unsigned weight bytes of the VNNI code (make_group's) exceed the definition's w by: Q8_0's
- * q + 128, Q4_0's q = w + 8 (Q6_K's 32 is taken out per 16, under its scales). */
-static inline int block_minus(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
+ * q + 128, Q4_0's q = w + 8, MXFP4's v + 12 (Q6_K's 32 is taken out per 16, under its scales). */
+static inline int block_minus(int type) {
+    return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : type == TYPE_MXFP4 ? 12 : 0;
+}
+
+/* MXFP4's nibble -> v + 12 (block_minus), unsigned: the vector code's lookup (vpshufb) of each nibble. */
+#define MXFP4_UNSIGNED 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
 
 /* Weight block j of a row of type `type`: its 32 integers w of the definition (Q4_0 q - 8, Q6_K q - 32,
- * Q8_0 q, the others q), its scale and offset (0 for a type without one), and (sc, where given) Q6_K's
- * two int8 scales of its 16s (1 and 1 for the other types). */
+ * Q8_0 q, MXFP4 its doubled e2m1 values v in -12..12, the others q), its scale (MXFP4 2^(e - 128)) and
+ * offset (0 for a type without one), and (sc, where given) Q6_K's two int8 scales of its 16s (1 and 1
+ * for the other types). */
 static inline void decode_block(const uint8_t *row, int type, int64_t j, int8_t w[QK], float *scale, float *offset,
                                 int sc[2]) {
     *offset = 0.0f;
     if (sc) sc[0] = sc[1] = 1;
+    if (type == TYPE_MXFP4) {
+        const uint8_t *b = row + j * block_bytes(type);
+        *scale = mxfp4_half(b[0]);
+        for (int i = 0; i < 16; i++) w[i] = MXFP4_VALUES[b[1 + i] & 0x0f], w[i + 16] = MXFP4_VALUES[b[1 + i] >> 4];
+        return;
+    }
     if (!is_k_type(type)) {
         const uint8_t *b = row + j * block_bytes(type);
         *scale = half_at(b);
@@ -85,6 +97,13 @@ static inline int32_t block_sum(const uint8_t *row, int type, int64_t j, const i
 
 
 #if defined(INT8_VNNI) || defined(INT8_AVX2)
+/* The scales 2^(e - 128) of 8 MXFP4 blocks from b, in block order. */
+static inline __m256 mxfp4_scales(const uint8_t *b) {
+    float scales[GROUP];
+    for (int j = 0; j < GROUP; j++) scales[j] = mxfp4_half(b[j * block_bytes(TYPE_MXFP4)]);
+    return _mm256_loadu_ps(scales);
+}
+
 /* A Q4_K or Q5_K super-block's 8 sub-block scales d * sc_j and offsets -dmin * m_j, in block order. */
 static inline void k_group_scales(const uint8_t *b, __m256 *scale, __m256 *offset) {
     uint64_t scales, mins;
@@ -151,12 +170,19 @@ static inline __attribute__((always_inline)) void make_group2(const uint8_t *b, 
         return;
     }
     const int bb = block_bytes(type);
+    if (type == TYPE_MXFP4) {
+        const __m256i table = _mm256_setr_epi8(MXFP4_UNSIGNED, MXFP4_UNSIGNED);
+        g->scale = mxfp4_scales(b);
+        for (int j = 0; j < GROUP; j++) g->w[j] = _mm256_shuffle_epi8(table, nibbles_of(b + j * bb + 1));
+        g->minus = block_minus(type);
+        return;
+    }
     uint16_t heads[GROUP], mins[GROUP];
     for (int j = 0; j < GROUP; j++) memcpy(&heads[j], b + j * bb, 2), memcpy(&mins[j], b + j * bb + 2, 2);
     g->scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)heads));
     for (int j = 0; j < GROUP; j++)
         g->w[j] = type == TYPE_Q8_0 ? _mm256_loadu_si256((const __m256i *)(b + j * bb + 2))
-                                    : nibbles_of(b + j * bb + (type == TYPE_Q4_1 ? 4 : 2));
+                                    : nibbles_of(b + j * bb + nibbles_at(type));
     if (type == TYPE_Q4_1) g->offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins)), g->has_offset = 1;
     if (type == TYPE_Q4_0) g->minus = 8;
 }
@@ -223,13 +249,13 @@ static inline __attribute__((always_inline)) void group_q6(const uint8_t *b, str
     g->scale = _mm256_set1_ps(half_at(b + 208));
 }
 
-/* Q8_0, Q4_0, Q4_1: 8 blocks of 32, registers i = 0..3 holding blocks (2i, 2i + 1). */
+/* Q8_0, Q4_0, Q4_1, MXFP4: 8 blocks of 32, registers i = 0..3 holding blocks (2i, 2i + 1). */
 static inline __attribute__((always_inline)) void group_small(const uint8_t *b, int type, struct group *g) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const int bb = block_bytes(type), start = type == TYPE_Q4_1 ? 4 : 2;
+    const int bb = block_bytes(type), start = nibbles_at(type);
     uint16_t heads[GROUP], mins[GROUP];
     for (int i = 0; i < GROUP; i++) memcpy(&heads[i], b + i * bb, 2), memcpy(&mins[i], b + i * bb + 2, 2);
-    g->scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)heads));
+    g->scale = type == TYPE_MXFP4 ? mxfp4_scales(b) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)heads));
     if (type == TYPE_Q8_0) {
         for (int i = 0; i < 4; i++)
             g->w[i] = _mm512_xor_si512(two_halves(b + 2 * i * bb + 2, b + (2 * i + 1) * bb + 2), _mm512_set1_epi8((char)0x80));
@@ -242,6 +268,8 @@ static inline __attribute__((always_inline)) void group_small(const uint8_t *b, 
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(q0, q0)), _mm256_set_m128i(q1, q1), 1);
         /* 128-bit lanes 1 and 3 shifted: the high nibbles, weights 16-31 of each block */
         g->w[i] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xff00ff00u, both, 4), nibble);
+        if (type == TYPE_MXFP4) /* each nibble's v + 12 (vpshufb: within each 128-bit lane) */
+            g->w[i] = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_setr_epi8(MXFP4_UNSIGNED)), g->w[i]);
     }
     if (type == TYPE_Q4_1) {
         g->offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins));

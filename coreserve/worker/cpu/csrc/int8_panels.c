@@ -25,7 +25,7 @@ struct panel_block {
 
 /* Row `lane` of the panel, staged: its unsigned bytes in block order into stage ([K] bytes), its scales,
  * offsets (and Q6_K's scales of 16) into the panel; groups of 8 blocks made by make_group, a tail of
- * fewer than 8 blocks (Q8_0, Q4_0, Q4_1) by the generic code. */
+ * fewer than 8 blocks (Q8_0, Q4_0, Q4_1, MXFP4) by the generic code. */
 static void panel_stage(const uint8_t *row, int type, int64_t blocks, int lane, uint8_t *stage, struct panel_block *pb) {
     const int64_t group_bytes = is_k_type(type) ? block_bytes(type) : GROUP * block_bytes(type);
     const int64_t groups = blocks / GROUP;
@@ -160,6 +160,7 @@ int64_t int8_panels(const struct int8_rows *a, int64_t rows, const uint8_t *w, i
     case TYPE_Q4_K: return panels_of(a, rows, w, TYPE_Q4_K, N, bias, out, n_start, n_end);
     case TYPE_Q5_K: return panels_of(a, rows, w, TYPE_Q5_K, N, bias, out, n_start, n_end);
     case TYPE_Q6_K: return panels_of(a, rows, w, TYPE_Q6_K, N, bias, out, n_start, n_end);
+    case TYPE_MXFP4: return panels_of(a, rows, w, TYPE_MXFP4, N, bias, out, n_start, n_end);
     default: return panels_of(a, rows, w, TYPE_Q4_0, N, bias, out, n_start, n_end);
     }
 }

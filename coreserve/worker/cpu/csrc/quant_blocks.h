@@ -1,6 +1,6 @@
 /* What every C product of GGUF blocks reads about the block formats (gemv_quant.c, exact; gemv_int8.c,
- * integer mode): ggml's type numbers, each block's bytes and weights, fp16 widened exactly, and the
- * K-quants' packed 6-bit scales (engine-core process).
+ * integer mode): ggml's type numbers, each block's bytes and weights, fp16 widened exactly, MXFP4's
+ * scale byte and values, and the K-quants' packed 6-bit scales (engine-core process).
  */
 #ifndef CORESERVE_QUANT_BLOCKS_H
 #define CORESERVE_QUANT_BLOCKS_H
@@ -12,7 +12,8 @@
 #endif
 
 #define QK 32 /* weights per block (a K-quant's sub-block) */
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14 }; /* ggml's */
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14,
+       TYPE_MXFP4 = 39 }; /* ggml's */
 #define QK_K 256 /* weights per K-quant super-block */
 
 static inline int is_k_type(int type) { return type >= TYPE_Q4_K && type <= TYPE_Q6_K; }
@@ -25,11 +26,30 @@ static inline int block_bytes(int type) { /* bytes of one block (32 weights; K-q
     case TYPE_Q4_K: return 144;
     case TYPE_Q5_K: return 176;
     case TYPE_Q6_K: return 210;
+    case TYPE_MXFP4: return 17;
     default: return 0;
     }
 }
 
 static inline int block_weights(int type) { return is_k_type(type) ? QK_K : QK; }
+
+/* Where a block of 32 keeps its 16 bytes of nibbles (elements 0-15 the low nibbles, 16-31 the high ones):
+ * after Q4_0's fp16 d, Q4_1's d and m, MXFP4's scale byte. */
+static inline int nibbles_at(int type) { return type == TYPE_Q4_1 ? 4 : type == TYPE_MXFP4 ? 1 : 2; }
+
+/* MXFP4 (ggml's block_mxfp4: a scale byte e, then 16 bytes of nibbles): weight = MXFP4_VALUES[nibble] *
+ * mxfp4_half(e), the e2m1 value doubled (an integer) times 2^(e - 128), as ggml and the `gguf` package
+ * compute it. Their product has at most 2 significant bits, so it is exact in fp32 (subnormal scales
+ * included: e = 0 and 1) until it overflows, which a kept weight never does (finite_weights.py refuses
+ * such blocks). e = 255 is e8m0's NaN in the OCP format, but ggml, gguf and transformers all read it as
+ * 2^127 here: so does this. */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float mxfp4_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
 
 /* fp16 bits (little-endian at p) -> fp32, exactly (subnormals included): F16C's conversion where the
  * CPU has it, else the bits placed by hand (the same value). */
