@@ -569,6 +569,38 @@ def write_family_model(
     return str(folder)
 
 
+# transformers' Mxfp4Config as the hub's gpt-oss folders carry it in config.json
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def write_mxfp4_experts(folder: Path, seed: int = 0, scales: tuple[int, int] = (118, 126)) -> str:
+    """A gpt_oss folder's float experts (one model.safetensors) replaced by random MXFP4 ones as the hub's
+    checkpoints hold them: `mlp.experts.{gate_up,down}_proj_blocks` [E, out, in / 32, 16] uint8 (two elements
+    a byte, the even one in the low nibble) and `_scales` [E, out, in / 32] uint8 (e8m0, 2^(e - 127), e drawn
+    from `scales`), rows in the float tensors' output order (gate_up's gate and up interleaved); config.json's
+    quantization_config as transformers writes it."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    rng = np.random.default_rng(seed)
+    weights = folder / "model.safetensors"
+    tensors = {}
+    for name, tensor in load_file(str(weights)).items():
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = tensor
+            continue
+        experts, num_in, num_out = tensor.shape  # HF's [E, in, out]
+        shape = (experts, num_out, num_in // 32)
+        tensors[name + "_blocks"] = torch.from_numpy(rng.integers(0, 256, (*shape, 16), dtype=np.uint8))
+        tensors[name + "_scales"] = torch.from_numpy(rng.integers(*scales, shape, dtype=np.uint8))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}, indent=2))
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def family_model(tmp_path_factory):
     """family_model(name) -> folder of that family's test model in TEST_DTYPE, made once per session."""

@@ -5,18 +5,24 @@ as `attn_sinks.weight`. The folder is the gpt_oss family model as llama.cpp runs
 converter knows (llama3's), the clamp at llama.cpp's fixed limit 7 (its experts' gate_up scaled so that some values
 cross it) and YaRN's range floored and ceiled (HF's truncate, where the hub's gpt-oss says false). The f32 file
 gives HF transformers' logprobs on that folder; the Q8_0 file kept in its blocks (experts too) gives the bits of
-the same file dequantized, alone and batched; a sliding layers' RoPE base of their own is a ValueError naming it,
-MXFP4 experts one naming their type.
+the same file dequantized, alone and batched; a sliding layers' RoPE base of their own is a ValueError naming it.
+The same folder with MXFP4 experts (the hub's `_blocks` and `_scales`, which the converter keeps in MXFP4, type
+39): kept in their blocks, the bits of the file dequantized, alone and batched, and HF's logprobs on the folder
+(transformers dequantizes MXFP4 on a CPU); in integer mode a request alone is its bits batched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FAMILY_CONFIGS, load_hf, write_family_model
+from conftest import FAMILY_CONFIGS, load_hf, write_family_model, write_mxfp4_experts
+from test_gguf_families import numbers
 from test_gguf_hybrid import (
+    PARAMS,
+    PROMPTS,
     assert_blocks_give_fp32s_bits,
     assert_gives_hfs_logprobs,
     convert,
@@ -24,9 +30,11 @@ from test_gguf_hybrid import (
     run,
 )
 
+from coreserve import LLM
 from coreserve.protocol.gguf_header import read_gguf_header
 from coreserve.worker.models.gguf_config import hf_config_from_gguf
 from coreserve.worker.models.loader import read_config
+from coreserve.worker.models.quantized import MXFP4, QuantLinear
 
 GATE_UP_SCALE = 3.0  # the random experts' largest gate/up value is 4.3: scaled past the limit of 7
 
@@ -80,13 +88,40 @@ def test_a_sliding_layers_rope_base_of_their_own_is_refused_by_name(gpt_oss):
         hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))
 
 
-@needs_converter
-def test_mxfp4_experts_are_refused_by_their_type(gpt_oss, monkeypatch):
-    """The hub's checkpoints' experts, which the converter keeps in MXFP4 (type 39): not built yet."""
-    from coreserve.worker.models import gguf_weights
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory) -> tuple[Path, str]:
+    """(the folder with MXFP4 experts, its file as the converter writes it: --outtype f32, experts kept MXFP4)."""
+    out = tmp_path_factory.mktemp("gpt-oss-mxfp4-gguf")
+    folder = out / "folder"
+    shutil.copytree(gpt_oss[0], folder)
+    write_mxfp4_experts(folder)
+    return folder, convert({"f32": (folder, [])}, out)["f32"]
 
-    header = read_gguf_header(gpt_oss[1]["f32"])
-    mxfp4 = [dataclasses.replace(t, ggml_type=39) if "_exps.weight" in t.name else t for t in header.tensors]
-    monkeypatch.setattr(gguf_weights, "read_gguf_header", lambda path: dataclasses.replace(header, tensors=mxfp4))
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_\w+_exps\.weight has GGUF type MXFP4, which is not supported"):
-        list(gguf_weights.list_tensors(header.path))
+
+@needs_converter
+def test_mxfp4_experts_kept_in_blocks_give_their_dequantizations_bits_and_hfs_logprobs(gpt_oss_mxfp4):
+    folder, path = gpt_oss_mxfp4
+    types = {t.name: t.ggml_type for t in read_gguf_header(path).tensors}
+    assert {types[f"blk.{i}.ffn_{m}_exps.weight"] for i in (0, 1) for m in ("gate", "up", "down")} == {MXFP4}
+    kept: list[str] = []
+    batched, alone = run(path, "auto", kept)
+    assert {"layers.0.moe.experts.3.gate_up_proj", "layers.1.moe.experts.0.down_proj"} <= set(kept)
+    assert "layers.0.qkv_proj" not in kept  # f32 in the file
+    fp32_batched, fp32_alone = run(path, "float32")
+    assert numbers(batched) == numbers(fp32_batched) and numbers(alone) == numbers(fp32_alone)
+    assert_gives_hfs_logprobs(fp32_batched, load_hf(str(folder)))
+
+
+@needs_converter
+def test_mxfp4_experts_in_integer_mode_give_a_request_alone_its_bits_batched(gpt_oss_mxfp4):
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    params = [PARAMS[i % 2] for i in range(len(PROMPTS))]
+    with LLM(gpt_oss_mxfp4[1], multiprocess=False, quantized_activations="int8", max_num_batched_tokens=16) as llm:
+        model = llm.client.core.executor.model
+        assert llm.client.core.executor.backend.is_int8 and model.ops.is_int8
+        assert isinstance(model.layers[0].moe.experts[1].down_proj, QuantLinear)
+        batched = llm.generate(prompts, params, use_tqdm=False)
+        alone = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    assert numbers(batched) == numbers(alone)
+    exact, _ = run(gpt_oss_mxfp4[1], "auto", alone=False)
+    assert numbers(batched) != numbers(exact)  # the mode is on: its numbers are its own

@@ -2,7 +2,7 @@
 copied into them (engine-core process).
 
 A linear layer (or the embedding table) stays in its blocks when every GGUF tensor it is filled from
-has a type with a product here (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; coreserve/worker/models/quantized.py) and
+has a type with a product here (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4; coreserve/worker/models/quantized.py) and
 its rows are whole blocks (a fused projection of several such types keeps each tensor's rows in its
 own); any other (F16, Q2_K, Q3_K, Q5_0, Q5_1) is dequantized to fp32 at load, as with
 `dtype="float32"`: the same values either way. Rows move as bytes: llama.cpp's q/k row interleave is
