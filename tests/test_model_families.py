@@ -189,8 +189,9 @@ def test_phi3_under_tensor_parallelism_is_refused_by_name(family_model):
         LLM(family_model("phi3"), tensor_parallel_size=2)
 
 
-def test_gpt_oss_mxfp4_and_tensor_parallelism_are_refused_by_name(family_model):
-    """Its MXFP4 experts (quantization_config) and its sinks and experts' biases across ranks: not built yet."""
+def test_gpt_oss_quantizations_but_mxfp4_and_tensor_parallelism_are_refused_by_name(family_model):
+    """A quantization_config other than the hub's MXFP4 experts' (tests/test_mxfp4_experts.py), and its sinks and
+    experts' biases across ranks: not built yet."""
     import torch
 
     from coreserve.worker.models.loader import load_model
@@ -198,8 +199,8 @@ def test_gpt_oss_mxfp4_and_tensor_parallelism_are_refused_by_name(family_model):
 
     path = family_model("gpt_oss")
     config = json.loads((Path(path) / "config.json").read_text())
-    with pytest.raises(ValueError, match="gpt_oss with quantization_config"):
-        DecoderArgs.from_hf_config({**config, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ValueError, match="quantization_config.quant_method='bitsandbytes' is not supported for gpt_oss"):
+        DecoderArgs.from_hf_config({**config, "quantization_config": {"quant_method": "bitsandbytes"}})
     with pytest.raises(ValueError, match="gpt-oss"):
         load_model(path, "float32", torch.device("cpu"), Shard(rank=0, size=2))
 

@@ -241,8 +241,6 @@ def _refuse_unsupported(config: dict, family: Family) -> None:
         raise ValueError(f"layer_types {sorted(layer_types)} (mixed attention layers) are not supported")
     if family.moe is not None and config.get("num_experts_per_tok") == 0:  # 0 is "none" only without experts
         raise ValueError(f"{name}: num_experts_per_tok must be at least 1")
-    if family.has_sinks and config.get("quantization_config"):
-        raise ValueError(f"{name} with quantization_config (MXFP4 experts in _blocks and _scales) is not built yet")
     for key in _REFUSED_KEYS:
         if key not in family.allowed_keys and config.get(key) not in (None, 0, False, 1, 1.0):
             raise ValueError(f"config key {key}={config[key]!r} is not supported by this engine")

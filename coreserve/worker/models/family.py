@@ -108,7 +108,7 @@ class Family:
         if self.has_final_softcap:
             keys.add("final_logit_softcapping")
         if self.moe is not None and self.moe.is_clamped_swiglu:
-            keys |= {"swiglu_alpha", "swiglu_limit"}
+            keys |= {"swiglu_alpha", "swiglu_limit", "quantization_config"}  # gpt-oss's MXFP4 experts
         if self.has_multipliers:
             keys |= {"embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"}
         return frozenset(keys)
@@ -189,7 +189,7 @@ FAMILIES = {
         defaults=(("sliding_window", 4096),),
     ),
     # gpt-oss: sliding-window and full layers alternating, attention sinks, biases, YaRN; experts with biases
-    # and a clamped SwiGLU (MXFP4 experts, its quantization_config, not read yet)
+    # and a clamped SwiGLU, float or MXFP4 (its quantization_config: moe_args.py)
     "GptOssForCausalLM": Family(
         "gpt_oss", reads_attention_bias=True, window="layers", layer_pattern=2, layer_types=frozenset({FULL, SLIDING}),
         has_sinks=True, moe=MoeRule(is_clamped_swiglu=True),

@@ -6,7 +6,8 @@ and up interleaved in the last axis (gate the even columns, up the odd ones), `g
 `down_proj` [E, I, hidden] and `down_proj_bias` [E, hidden], each product x @ W (HF's layout, the transpose
 of nn.Linear's). Each expert of coreserve/worker/models/moe.py is two nn.Linear layers, gate_up_proj's rows
 [gate | up] in halves (the ops' layout): read whole, every size checked, each expert's part transposed into
-its place.
+its place. A checkpoint with MXFP4 experts holds `gate_up_proj_blocks`, `_scales` and `down_proj`'s in place of
+the two float weights (coreserve/worker/models/mxfp4_experts.py reads them).
 """
 
 from __future__ import annotations
@@ -14,19 +15,22 @@ from __future__ import annotations
 import torch
 
 from coreserve.worker.models.config import DecoderArgs
+from coreserve.worker.models.mxfp4_experts import MXFP4_PARTS
 
 _PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 def fused_expert_part(args: DecoderArgs, hf_name: str) -> tuple[int, str] | None:
     """(layer, part) of `model.layers.L.mlp.experts.<part>` in a model whose experts are fused in its
-    checkpoint (gpt-oss's); None: not such a tensor."""
+    checkpoint (gpt-oss's: float weights, or MXFP4 ones where its config says so); None: not such a tensor."""
     if args.moe is None or args.moe.clamped_swiglu is None:
         return None
     parts = hf_name.split(".")
     if len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"]:
         return None
-    if parts[5] not in _PARTS or not parts[2].isdigit() or int(parts[2]) >= args.num_layers:
+    served = (*_BIASES, *MXFP4_PARTS) if args.moe.is_mxfp4 else _PARTS
+    if parts[5] not in served or not parts[2].isdigit() or int(parts[2]) >= args.num_layers:
         return None
     return int(parts[2]), parts[5]
 

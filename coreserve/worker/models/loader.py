@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from coreserve.worker.models.fused_experts import check_fused_part, fused_expert
 from coreserve.worker.models.gguf_config import hf_config_from_gguf
 from coreserve.worker.models.gguf_quantized import quantization_plan
 from coreserve.worker.models.grouped_rows import grouped_rows
+from coreserve.worker.models.mxfp4_experts import MXFP4_PARTS, checkpoint_values, load_mxfp4_part, mxfp4_plan
 from coreserve.worker.models.quantized import block_rows, quantize_modules
 from coreserve.worker.models.sharding import Shard, is_split, rank_part, shard_args
 from coreserve.worker.models.weight_names import weight_destination
@@ -91,7 +91,8 @@ def load_model(
     check_tensors: bool = True,
 ) -> DecoderModel:
     """`dtype`: a torch dtype, or a name ("auto", "float32", "bfloat16", "float16"); "auto" keeps a GGUF
-    file's Q8_0/Q4_0/Q4_1 weights in their blocks (gguf_quantized.py), the rest in fp32. `shard`: this
+    file's Q8_0/Q4_0/Q4_1/... weights in their blocks (gguf_quantized.py), the rest in fp32, and a gpt-oss
+    folder's MXFP4 experts in theirs (mxfp4_experts.py), the rest in the folder's dtype. `shard`: this
     rank's part of a tensor-parallel model (its heads and MLP columns; coreserve/worker/models/sharding.py).
     `place`: called with the allocated model before its weights are read (where a backend wants its
     weights to live, so they are written once, there)."""
@@ -115,6 +116,7 @@ def load_model(
             "ranks) is not built"
         )
     keeps_blocks = dtype == "auto" and is_gguf(model_dir)  # GGUF's default: its quantization kept
+    keeps_mxfp4 = dtype == "auto" and args.moe is not None and args.moe.is_mxfp4  # so for MXFP4 experts
     dtype = _weights_dtype(args, model_dir, dtype, device)
     if shard is not None:
         args = shard_args(args, shard.size)
@@ -125,7 +127,8 @@ def load_model(
     for name in rotaries:
         delattr(model, name)
     if shard is None:  # a rank holds a part of each tensor
-        check_model_fits_file(sum(p.numel() for p in model.parameters()), sum(map(math.prod, file_shapes.values())), model_dir)
+        file_values = sum(checkpoint_values(name, shape) for name, shape in file_shapes.items())
+        check_model_fits_file(sum(p.numel() for p in model.parameters()), file_values, model_dir)
     _allocate(model, dtype, device)  # uninitialized: every byte is read below
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -133,6 +136,8 @@ def load_model(
         setattr(model, name, rotary.to(device))
     if keeps_blocks:
         quantize_modules(model, quantization_plan(model_dir, model, functools.partial(weight_destination, args)))
+    if keeps_mxfp4:
+        quantize_modules(model, mxfp4_plan(args))
     if place is not None:
         place(model)
     load_weights(model, model_dir, shard, check_tensors)
@@ -169,15 +174,15 @@ def load_weights(model: DecoderModel, model_dir: str, shard: Shard | None, check
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[str, int] = {}  # parameter name -> elements written
     source = gguf_weights if is_gguf(model_dir) else safetensors_files
-    for entry in source.list_tensors(model_dir):
+    entries = list(source.list_tensors(model_dir))
+    by_name = {entry.name: entry for entry in entries}  # MXFP4's blocks find their scales here
+    for entry in entries:
         if entry.name.endswith(_IGNORED_SUFFIXES) or entry.name.startswith(model.args.skipped_prefixes):
             continue
         fused = fused_expert_part(model.args, entry.name) if source is safetensors_files else None
-        if fused is not None:  # gpt-oss: a layer's experts in one tensor, split into each expert's
-            check_fused_part(model.args, *fused, entry.shape, entry.dtype, model_dir)  # before it is read
-            written = split_fused_experts(params, model.args, *fused, source.read_tensor(entry), model_dir)
-            for name, count in written.items():  # added: a tensor given twice fills its parameters twice over
-                filled[name] = filled.get(name, 0) + count
+        if fused is not None:  # gpt-oss: a layer's experts in one tensor (or MXFP4's two), split into each expert's
+            for name, count in _fused_experts(params, model.args, fused, entry, by_name, model_dir).items():
+                filled[name] = filled.get(name, 0) + count  # added: a tensor given twice fills twice over
             continue
         target = weight_destination(model.args, entry.name)
         if target is None:
@@ -209,6 +214,17 @@ def load_weights(model: DecoderModel, model_dir: str, shard: Shard | None, check
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
     if check_tensors:
         check_finite_model(model, model_dir)
+
+
+def _fused_experts(params: dict[str, torch.Tensor], args: DecoderArgs, fused: tuple[int, str], entry,
+                   by_name: dict, model_dir: str) -> dict[str, int]:
+    """A fused experts tensor (float, or MXFP4's blocks with their scales), checked before it is read, into each
+    expert's parameters; returns each parameter written and its elements."""
+    layer, part = fused
+    if part in MXFP4_PARTS:
+        return load_mxfp4_part(params, args, layer, part, entry, by_name, model_dir)
+    check_fused_part(args, layer, part, entry.shape, entry.dtype, model_dir)
+    return split_fused_experts(params, args, layer, part, safetensors_files.read_tensor(entry), model_dir)
 
 
 def _check_shape(entry, param: torch.Tensor, rows: slice | None, shard: Shard | None, model_dir: str) -> None:

@@ -1,6 +1,7 @@
 """A mixture of experts' arguments read from config.json (engine-core process): the experts, the top-k and its
 renormalisation, the layers whose MLP stays dense (Qwen3-MoE's mlp_only_layers and sparse step), Qwen3-Next's
-shared expert, gpt-oss's clamped SwiGLU; each number checked before the model is built. The mixture's math is
+shared expert, gpt-oss's clamped SwiGLU and its MXFP4 experts (quantization_config); each number checked before
+the model is built. The mixture's math is
 coreserve/worker/models/moe.py's; config.py's `DecoderArgs` holds one `MoeArgs`.
 """
 
@@ -25,6 +26,7 @@ class MoeArgs:
     # gpt-oss's clamped SwiGLU (swiglu_alpha, swiglu_limit), its router and experts with biases, the softmax
     # over the top-k logits; None: SwiGLU experts without biases, the top-k of the softmax
     clamped_swiglu: tuple[float, float] | None = None
+    is_mxfp4: bool = False  # gpt-oss's experts in MXFP4 `_blocks` and `_scales` (coreserve/worker/models/mxfp4_experts.py)
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -54,7 +56,33 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
         dense_layers=dense,
         shared_intermediate_size=_shared_expert_width(config) if rule.has_shared_expert else 0,
         clamped_swiglu=_clamped_swiglu(config) if rule.is_clamped_swiglu else None,
+        is_mxfp4=rule.is_clamped_swiglu and _is_mxfp4(config.get("quantization_config")),
     )
+
+
+# transformers' Mxfp4Config for gpt-oss: the modules it may leave unquantized (the hub's list); none is an expert
+_MXFP4_UNCONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
+
+
+def _is_mxfp4(quantization: object) -> bool:
+    """Whether gpt-oss's quantization_config puts its experts in MXFP4 (what transformers' Mxfp4Config writes:
+    quant_method "mxfp4", modules_to_not_convert among the non-expert modules); anything else refused by name."""
+    if quantization is None:
+        return False
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "mxfp4":
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"quantization_config.quant_method={str(method)[:100]!r} is not supported for gpt_oss "
+                         "(only mxfp4: the hub's MXFP4 experts)")
+    unknown = sorted(set(quantization) - {"quant_method", "modules_to_not_convert"})
+    if unknown:
+        raise ValueError(f"quantization_config.{unknown[0][:100]} is not supported (mxfp4 reads quant_method and "
+                         "modules_to_not_convert)")
+    kept = quantization.get("modules_to_not_convert") or []
+    others = [m for m in kept if m not in _MXFP4_UNCONVERTED] if isinstance(kept, list) else [kept]
+    if others:
+        raise ValueError(f"quantization_config.modules_to_not_convert entry {str(others[0])[:100]!r} is not "
+                         f"supported: every layer's experts are MXFP4, nothing else is ({list(_MXFP4_UNCONVERTED)})")
+    return True
 
 
 def _clamped_swiglu(config: dict) -> tuple[float, float]:

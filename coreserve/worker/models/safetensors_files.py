@@ -24,6 +24,7 @@ _DTYPES = {
     "F64": torch.float64,
     "I64": torch.int64,
     "I32": torch.int32,
+    "U8": torch.uint8,  # gpt-oss's MXFP4 experts (mxfp4_experts.py); a float weight refuses it (read_into)
 }
 INDEX_NAME = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE); an index is held to it too
