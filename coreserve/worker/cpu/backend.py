@@ -71,7 +71,8 @@ class CpuBackend:
             self.huge_page_memory = None
         if self.is_int8 and not any(isinstance(m, QuantLinear) for m in model.modules()):
             raise ValueError("quantized_activations='int8' applies to weights kept in GGUF blocks; this model "
-                             "has none (a GGUF file of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K tensors, dtype auto)")
+                             "has none (a GGUF file of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K or MXFP4 tensors, or "
+                             "gpt-oss's MXFP4 experts, dtype auto)")
         apply_cpu_backend(model, self.kernels, self.is_batch_invariant, self.is_int8)
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
