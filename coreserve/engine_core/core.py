@@ -53,6 +53,7 @@ class EngineCore:
         args = self.executor.model_args
         self.vocab_size = args.vocab_size
         self.num_moe_layers = len(args.moe_layers)
+        self.num_hidden_layers, self.hidden_size = args.num_layers, args.hidden_size
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
@@ -166,6 +167,8 @@ class EngineCore:
             block_size=self.config.block_size,
             has_rl_control=True,
             num_moe_layers=self.num_moe_layers,
+            num_hidden_layers=self.num_hidden_layers,
+            **_hidden_states_facts(self.config, self.hidden_size),
         )
 
     def add_request(self, client_id: bytes, request: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -244,6 +247,14 @@ class EngineCore:
 
 def _adapter_names(reqs) -> list[str]:
     return sorted({r.params.lora.name for r in reqs if r.params.lora is not None})
+
+
+def _hidden_states_facts(config: EngineConfig, hidden_size: int) -> dict:
+    """The handshake's word on return_hidden_states: the width, or why this core refuses them (tensor
+    parallel ranks' outputs carry none: docs/logprobs.md, "Hidden states")."""
+    if config.tensor_parallel_size > 1:
+        return {"hidden_states_refusal": "not built under tensor parallelism (tensor_parallel_size > 1)"}
+    return {"hidden_size": hidden_size}
 
 
 def _speculative_stats(scheduler) -> dict:

@@ -35,6 +35,14 @@ def make_output(
     return output
 
 
+def add_hidden_states(output: EngineCoreOutput, req: Request, step: ModelRunnerOutput) -> None:
+    """The step's hidden-state rows `req` is owed (return_hidden_states), as soon as they are computed."""
+    parts = step.hidden_states.get(req.req_id)
+    rows = req.take_hidden_states(parts) if parts else None
+    if rows is not None:
+        _extras(output).hidden_states = rows
+
+
 def add_token_extras(output: EngineCoreOutput, req_id: str, step: ModelRunnerOutput, num_new: int) -> None:
     """What the step computed per sampled row beside the tokens (grammar masses, sampling supports),
     one per kept token: rows past a stop or a rejected proposal are dropped."""

@@ -7,7 +7,7 @@ import enum
 import numpy as np
 
 from coreserve.engine_core.prompt_rows import flavour_of
-from coreserve.protocol.arrays import LogprobsArrays, RoutedExperts
+from coreserve.protocol.arrays import HiddenStates, LogprobsArrays, RoutedExperts
 from coreserve.protocol.messages import FinishReason
 from coreserve.protocol.sampling_params import SamplingParams
 from coreserve.protocol.step import NewRequestData
@@ -64,6 +64,9 @@ class Request:
         # position replace an earlier one's: rejected proposals, recomputation), and how many were sent
         self.routed_experts: np.ndarray | None = None  # [positions, MoE layers, top_k] int16
         self.num_routed_sent = 0
+        # return_hidden_states: the next position whose row is owed (the rows go out as they come: a
+        # recompute's rows of positions already sent are dropped)
+        self.next_hidden_position = self.num_prompt_tokens - 1 if params.hidden_states_positions == "output" else 0
         self.lora_slot = -1  # its adapter's load (coreserve/engine_core/lora_table.py), held to its end; -1: none
 
     @property
@@ -81,9 +84,18 @@ class Request:
         params = self.params
         if params.return_routed_experts:
             return False
+        if params.hidden_indices is not None and self.next_hidden_position < self._hidden_cache_end:
+            return False  # hidden states still owed at positions the cache would skip: computed, not read
         return self.has_sent_prompt_logprobs or (
             flavour_of(params) is not None and params.prompt_logprob_token_ids is None
         )
+
+    @property
+    def _hidden_cache_end(self) -> int:
+        """The end of the positions a cached prefix could cover (never the last token) that the request
+        may want hidden states of."""
+        wanted_end = self.num_prompt_tokens if self.params.hidden_states_positions == "prompt" else self.num_tokens
+        return min(wanted_end, self.num_tokens - 1)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -157,6 +169,21 @@ class Request:
             return None
         first, self.num_routed_sent = self.num_routed_sent, end
         return RoutedExperts.from_numpy(first, self.routed_experts[first:end])
+
+    def take_hidden_states(self, parts: list[tuple[int, np.ndarray]]) -> HiddenStates | None:
+        """The rows of `parts` (a step's, each (first position, [indices, rows, hidden])) at positions
+        owed: not sent yet, and computed for a token kept (every token's but the last one's)."""
+        end, kept = self.num_tokens - 1, []
+        for first, rows in parts:
+            low, high = max(first, self.next_hidden_position), min(first + rows.shape[1], end)
+            if low < high:
+                assert low == self.next_hidden_position, "hidden state rows skip a position"
+                kept.append(rows[:, low - first : high - first])
+                self.next_hidden_position = high
+        if not kept:
+            return None
+        first = self.next_hidden_position - sum(part.shape[1] for part in kept)
+        return HiddenStates.from_numpy(first, kept[0] if len(kept) == 1 else np.concatenate(kept, axis=1))
 
     def reset_for_recompute(self) -> None:
         """Preempted: its KV is gone; prompt logprob chunks not yet sent are computed again."""

@@ -14,7 +14,7 @@ from coreserve.engine_core.kv_cache_manager import KVCacheManager
 from coreserve.engine_core.long_rope import LongRopeRule
 from coreserve.engine_core.lora_table import LoraTable
 from coreserve.engine_core.multi_step import extend_to_window
-from coreserve.engine_core.outputs import add_token_extras, make_output
+from coreserve.engine_core.outputs import add_hidden_states, add_token_extras, make_output
 from coreserve.engine_core.prefix_admission import is_prefix_being_computed, read_cached_prefix
 from coreserve.engine_core.prompt_rows import flavour_of
 from coreserve.engine_core.request import Request, RequestStatus
@@ -277,8 +277,12 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
             self._record_written(req, runner_output)
-            if req_id not in sampled:
-                continue  # a prefill chunk that did not reach the last token
+            if req_id not in sampled:  # a prefill chunk that did not reach the last token
+                chunk = EngineCoreOutput(req.client_req_id, [])
+                add_hidden_states(chunk, req, runner_output)  # streamed, not held (a long prompt's)
+                if chunk.extras is not None:
+                    by_client[req.client_id].append(chunk)
+                continue
             token_ids = sampled[req_id]
             if -1 in token_ids:  # a step that verified proposals: each row ends at its first -1
                 token_ids = token_ids[: token_ids.index(-1)]
@@ -294,6 +298,7 @@ class Scheduler:
             if num_drafts:
                 spec_counts[req.client_id][req.client_req_id] = [num_drafts, len(token_ids) - 1]
             add_token_extras(output, req_id, runner_output, num_new)
+            add_hidden_states(output, req, runner_output)
             by_client[req.client_id].append(output)
             if req.is_finished:
                 self._free(req)

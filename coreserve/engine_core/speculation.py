@@ -64,8 +64,8 @@ class SpeculationPolicy:
     def num_tokens(self, req: Request, budget: int, max_len: int) -> int:
         """Proposals `req` may have after its one scheduled decode token this step (0: none)."""
         config = self.config
-        if req.params.disable_spec_decode:
-            return 0
+        if req.params.disable_spec_decode or req.params.hidden_indices is not None:
+            return 0  # hidden states: a position's row comes from the plain step (docs/logprobs.md)
         if req.grammar is not None and config.method != "ngram":  # a draft cannot see the grammar
             return 0
         if req.spec_pause > 0:

@@ -66,6 +66,10 @@ class CompletionOutput:
     routed_experts: np.ndarray | None = None
     # With return_sampling_mask: each token's support (streaming: the new tokens')
     sampling_mask: SamplingMask | None = None
+    # With return_hidden_states, once finished: [indices asked, positions, hidden] float32, HF's
+    # output_hidden_states at each position of hidden_states_positions ("all": 0 .. prompt + tokens - 2;
+    # "prompt": the prompt's; "output": row j the state whose logits gave token j); docs/logprobs.md
+    hidden_states: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

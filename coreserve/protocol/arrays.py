@@ -82,6 +82,27 @@ class RoutedExperts(msgspec.Struct, array_like=True, gc=False):
         return np.frombuffer(self.expert_ids, dtype="<i2").reshape(self.num_rows, self.num_layers, self.top_k)
 
 
+class HiddenStates(msgspec.Struct, array_like=True, gc=False):
+    """A request's hidden states at positions first_position .. first_position + num_rows - 1, for each
+    of the HF indices it asked (return_hidden_states), in its order."""
+
+    first_position: int
+    num_layers: int
+    num_rows: int
+    hidden_size: int
+    values: memoryview  # [num_layers, num_rows, hidden_size] float32 little-endian
+
+    @classmethod
+    def from_numpy(cls, first_position: int, states: np.ndarray) -> HiddenStates:
+        num_layers, num_rows, hidden_size = states.shape
+        data = np.ascontiguousarray(states, dtype="<f4").tobytes()
+        return cls(first_position, num_layers, num_rows, hidden_size, data)
+
+    def to_numpy(self) -> np.ndarray:  # [num_layers, num_rows, hidden_size] float32
+        shape = (self.num_layers, self.num_rows, self.hidden_size)
+        return np.frombuffer(self.values, dtype="<f4").reshape(shape)
+
+
 class SamplingMaskArrays(msgspec.Struct, array_like=True, gc=False):
     """Generated tokens' supports in CSR form: token i's ids are token_ids[offsets[i]:offsets[i + 1]],
     ascending."""

@@ -17,3 +17,7 @@ OUTPUT_MAX_INBOUND_BYTES = 1024
 # to it); at most MAX_TOKEN_BYTES each, well under MAX_INPUT_FRAME_BYTES.
 MAX_TOKENS_PER_FRAME = 1_000_000
 MAX_TOKEN_BYTES = 9  # msgpack's largest int64 encoding
+# The hidden states one request may ask for (return_hidden_states): indices x positions x hidden x 4 bytes
+# at its longest (prompt and max_tokens). The core streams them chunk by chunk and holds none; the
+# frontend holds a request's until it finishes, so this bounds what one request makes it hold.
+MAX_HIDDEN_STATES_BYTES = 2**30

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from coreserve.protocol.arrays import LogprobsArrays, RoutedExperts, SamplingMaskArrays
+from coreserve.protocol.arrays import HiddenStates, LogprobsArrays, RoutedExperts, SamplingMaskArrays
 from coreserve.protocol.sampling_params import SamplingParams
 
 
@@ -130,11 +130,13 @@ class TokenExtras(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     """Per new token of a request with a grammar that asked for logprobs: the probability the model's own
     distribution gave the tokens the grammar allowed (docs/structured_outputs.md); return_routed_experts:
     the positions computed since the last output (prompt ones in the first); return_sampling_mask: one
-    support per new token."""
+    support per new token; return_hidden_states: the asked positions' rows computed since the last output
+    (a prompt chunk's come as soon as it is computed, in an output without tokens)."""
 
     constraint_masses: list[float] | None = None
     routed_experts: RoutedExperts | None = None
     sampling_mask: SamplingMaskArrays | None = None
+    hidden_states: HiddenStates | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):
@@ -158,6 +160,9 @@ class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
     block_size: int
     has_rl_control: bool = False  # the core takes the control commands (an older core omits it)
     num_moe_layers: int = 0  # a mixture of experts' routed layers (return_routed_experts); 0: dense
+    num_hidden_layers: int = 0  # the model's decoder layers, L: HF's output_hidden_states has L + 1
+    hidden_size: int = 0  # the hidden states' width; 0: this core returns none (the refusal says why)
+    hidden_states_refusal: str = ""  # why return_hidden_states is refused here ("": it is not)
 
 
 class EngineStats(msgspec.Struct, tag="stats", array_like=True):

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from coreserve.protocol.limits import MAX_HIDDEN_STATES_BYTES
 from coreserve.protocol.messages import HandshakeReply
 from coreserve.protocol.sampling_params import SamplingParams
 
@@ -28,6 +29,9 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int  # tokens per KV block
     eos_token_ids: tuple[int, ...] = ()  # banned with the stop token ids until min_tokens are generated
     num_moe_layers: int = 0  # 0: a dense model, no routed experts to return
+    num_hidden_layers: int = 0  # L: HF's output_hidden_states has L + 1 entries
+    hidden_size: int = 0  # 0: this engine returns no hidden states (hidden_states_refusal says why)
+    hidden_states_refusal: str = ""
 
     @classmethod
     def of(cls, facts: HandshakeReply) -> RequestLimits:
@@ -39,6 +43,9 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
             block_size=facts.block_size,
             eos_token_ids=tuple(facts.eos_token_ids),
             num_moe_layers=facts.num_moe_layers,
+            num_hidden_layers=facts.num_hidden_layers,
+            hidden_size=facts.hidden_size,
+            hidden_states_refusal=facts.hidden_states_refusal,
         )
 
 
@@ -76,6 +83,7 @@ def check_request(
             "return_routed_experts needs a mixture-of-experts model; this model routes no experts",
             "return_routed_experts",
         )
+    check_hidden_states(params, len(prompt_token_ids), limits)
     check_kv_room(len(prompt_token_ids), params.max_tokens, limits)
 
 
@@ -157,6 +165,48 @@ def check_min_tokens_leave_a_token(params: SamplingParams, limits: RequestLimits
 def check_token_ids(name: str, token_ids: Iterable[int], vocab_size: int) -> None:
     """Every id of a token-id field (stop_token_ids, logit_bias keys, allowed_token_ids) in the vocabulary."""
     _check_ids(name, f"{name}: token id", token_ids, vocab_size)
+
+
+def resolved_hidden_indices(indices: Sequence[int], num_layers: int) -> list[int]:
+    """HF's indices 0..L as asked (a negative one counts from the end: -1 is L, the final norm's)."""
+    return [i % (num_layers + 1) for i in indices]
+
+
+def check_hidden_states(params: SamplingParams, num_prompt_tokens: int, limits: RequestLimits) -> None:
+    """return_hidden_states: an engine that returns them, indices within HF's tuple (0..L, or -(L + 1)..-1)
+    and distinct once resolved, and no more than MAX_HIDDEN_STATES_BYTES at the request's longest."""
+    indices, name = params.hidden_indices, "return_hidden_states"
+    if indices is None:
+        return
+    if not limits.hidden_size:
+        why = limits.hidden_states_refusal or "this engine core does not return them"
+        raise RequestRuleError(f"return_hidden_states is not available: {why}", name)
+    num_layers = limits.num_hidden_layers
+    bad = next((i for i in indices if not -(num_layers + 1) <= i <= num_layers), None)
+    if bad is not None:
+        raise RequestRuleError(
+            f"return_hidden_states index {bad} is outside HF's output_hidden_states of this model: 0 (the "
+            f"embedding output) to {num_layers} (the final norm's output), or -{num_layers + 1} to -1", name,
+        )
+    if len(set(resolved_hidden_indices(indices, num_layers))) != len(indices):
+        raise RequestRuleError(f"return_hidden_states {indices} names one layer twice", name)
+    num_bytes = len(indices) * _hidden_positions(params, num_prompt_tokens, limits) * limits.hidden_size * 4
+    if num_bytes > MAX_HIDDEN_STATES_BYTES:
+        raise RequestRuleError(
+            f"return_hidden_states asks for up to {num_bytes} bytes ({len(indices)} layers x positions x "
+            f"{limits.hidden_size} float32 values), more than the {MAX_HIDDEN_STATES_BYTES} a request may "
+            "have: ask for fewer layers, fewer positions (hidden_states_positions) or a lower max_tokens", name,
+        )
+
+
+def _hidden_positions(params: SamplingParams, num_prompt_tokens: int, limits: RequestLimits) -> int:
+    """The most positions whose hidden states the request may get back (hidden_states_positions)."""
+    max_tokens = min(params.max_tokens or limits.max_model_len, limits.max_model_len - num_prompt_tokens)
+    return {
+        "prompt": num_prompt_tokens,
+        "output": max_tokens,
+        "all": num_prompt_tokens + max_tokens - 1,
+    }[params.hidden_states_positions]
 
 
 def check_kv_room(num_prompt_tokens: int, max_tokens: int | None, limits: RequestLimits) -> None:

@@ -36,6 +36,12 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 # Below the vocabulary size too: checked against the handshake's facts (frontend) and by the core.
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]  # OpenAI's range for logit_bias values
+# HF's output_hidden_states index: 0 the embedding output, i layer i's output, L (the last) the final norm's;
+# negative ones count from the end, as Python's. Checked against the model's L by the request rules.
+HiddenIndex = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+MAX_HIDDEN_INDICES = 1024  # more indices than any model has layers (each is a [positions, hidden] array)
+HiddenIndices = Annotated[list[HiddenIndex], msgspec.Meta(min_length=1, max_length=MAX_HIDDEN_INDICES)]
+HiddenPositions = Literal["all", "prompt", "output"]
 # Candidate ids scored at one prompt position: bounded so a reply stays prompt length x this many values.
 MAX_PROMPT_CANDIDATES = 256
 CandidateRow = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CANDIDATES)]
@@ -98,6 +104,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # A mixture-of-experts model returns each token's routed experts (vLLM's name; docs/models.md): per
     # position computed, per MoE layer, the top_k expert ids, for a trainer to replay the routing.
     return_routed_experts: bool = False
+    # Hidden states (SGLang's name; docs/logprobs.md, "Hidden states"): True, the final norm's output (HF's
+    # output_hidden_states[-1]); a list, those indices of HF's tuple (HiddenIndex), in that order. Returned
+    # as CompletionOutput.hidden_states [indices, positions, hidden] float32; `hidden_states_positions`:
+    # "prompt" (each prompt position), "output" (the position that sampled each output token) or "all"
+    # (every position computed: the prompt's, then each output token's but the last's).
+    return_hidden_states: bool | HiddenIndices = False
+    hidden_states_positions: HiddenPositions = "all"
     # vLLM's: False leaves the text "" and every logprob's decoded_token None (the ids and numbers are the
     # same); lm-eval's in-process vLLM backend scores with it. Stop strings need the text: refused with it.
     detokenize: bool = True
@@ -172,6 +185,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             ),
             (self.truncate_prompt_tokens != 0, "truncate_prompt_tokens must be at least 1, or -1"),
             (
+                not isinstance(self.return_hidden_states, list)
+                or len(set(self.return_hidden_states)) == len(self.return_hidden_states),
+                "return_hidden_states: the layer indices must be distinct",
+            ),
+            (
                 self.prompt_logprobs is not None or self.prompt_logprobs_temperature is None,
                 "prompt_logprobs_temperature needs prompt_logprobs (the prompt logprobs it scales)",
             ),
@@ -198,6 +216,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def has_logit_rules(self) -> bool:
         """Whether logit_bias or allowed_token_ids change this request's logits before sampling."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
+    def hidden_indices(self) -> list[int] | None:
+        """The HF indices of return_hidden_states as asked (-1: the final norm's output); None: not asked."""
+        asked = self.return_hidden_states
+        if asked is True:
+            return [-1]
+        return list(asked) if isinstance(asked, list) else None
 
     @property
     def is_greedy(self) -> bool:

@@ -92,3 +92,6 @@ class ModelRunnerOutput:
     # return_sampling_mask: req_id -> each sampled row's support (int32 ids), in row order (a window's
     # steps, a verified request's rows: the scheduler keeps one per kept token)
     sampling_masks: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    # return_hidden_states: req_id -> (first position, [its HF indices, rows, hidden] float32) per forward
+    # pass, the positions it asked for (a recompute's again: the scheduler sends each position once)
+    hidden_states: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)

@@ -5,7 +5,7 @@ each tensor-parallel rank). The runner asks it, and nothing else decides it agai
 - the activations' and KV cache's dtype, and the KV cache's memory;
 - the attention plan of each step, made before the forward (`prepare`), never filled during it;
 - the forward itself: a fast path where one applies (the CPU's fused decode step), else the model op
-  by op; what must be rebuilt when the weights or the KV cache move (`bind`, `release`,
+  by op (also where a request asks for a layer's hidden states, which only that path keeps); what must be rebuilt when the weights or the KV cache move (`bind`, `release`,
   `renew_weight_memory`);
 - the sampling ops (top-k logprob rows, argmax) the sampler and prompt logprobs run on;
 - the LoRA adapters' grouped products (`lora_products`: one call a product for every adapter of the
@@ -33,6 +33,7 @@ from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.loader import weights_dtype
 from coreserve.worker.sampling.logprobs import SamplingOps, TorchSamplingOps
 from coreserve.worker.step.attention import AttentionMetadata, decode_gather
+from coreserve.worker.step.hidden_keep import HiddenKeep
 from coreserve.worker.step.input_batch import StepInputs
 from coreserve.worker.step.runner_spec import RunnerSpec
 
@@ -59,7 +60,8 @@ class Backend(Protocol):
     def renew_weight_memory(self, model: DecoderModel) -> None: ...  # the weights got fresh memory
     def lora_products(self) -> GroupedProducts | None: ...  # LoRA on: the adapters' deltas, None: torch's
     def forward(
-        self, model: DecoderModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
+        self, model: DecoderModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook,
+        keep: HiddenKeep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # hidden [T, hidden], logits [T, vocab] or None
 
 
@@ -109,9 +111,10 @@ class TorchBackend:
         return None
 
     def forward(
-        self, model: DecoderModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook
+        self, model: DecoderModel, inputs: StepInputs, caches: list[torch.Tensor], on_progress: ProgressHook,
+        keep: HiddenKeep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress), None
+        return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress, keep), None
 
 
 def choose_backend(spec: RunnerSpec, device: torch.device, is_sharded: bool) -> Backend:

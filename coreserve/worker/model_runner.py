@@ -34,6 +34,7 @@ from coreserve.worker.sampling.prompt_logprobs import prompt_logprob_rows
 from coreserve.worker.sampling.sampler import Sampler, SamplerOutput, advance_penalties
 from coreserve.worker.speculative.speculator import Speculator
 from coreserve.worker.speculative.verification import Verification
+from coreserve.worker.step.hidden_keep import HiddenKeep, hidden_keep, hidden_parts
 from coreserve.worker.step.input_batch import RequestState, StepInputs, build_step_inputs, next_window_step
 from coreserve.worker.step.runner_spec import RunnerSpec
 from coreserve.worker.step.step_tensors import HostStep, StepExtras, StepTensors, logprob_req_ids
@@ -192,11 +193,14 @@ class ModelRunner:
         speculator copies); the step's extras where a request asks. Returns (the host tensors, the
         sampler's output or None, the extras or None); the states' computed tokens advance."""
         meta = self._sampling_metadata(scheduler_output, inputs, sampling_states) if sampling_states else None
-        hidden, out = self.forward_and_sample(inputs, meta)
+        keep = self._hidden_keep(states, num_tokens)
+        hidden, out = self.forward_and_sample(inputs, meta, keep=keep)
         extras = None
         if self.asking_extras:  # before the computed tokens advance: the routed rows' positions
             grammars = scheduler_output.grammar_req_ids
             extras = step_extras(self.model, states, num_tokens, sampling_states, out, grammars, self.states)
+            if keep is not None:
+                extras.hidden_states = hidden_parts(keep, self.model.kept_states, hidden)
         for state, num in zip(states, num_tokens):
             state.num_computed_tokens += num
         tensors = StepTensors()
@@ -226,15 +230,17 @@ class ModelRunner:
         return inputs
 
     def forward_and_sample(
-        self, inputs: StepInputs, meta: SamplingMetadata | None, rows: torch.Tensor | None = None
+        self, inputs: StepInputs, meta: SamplingMetadata | None, rows: torch.Tensor | None = None,
+        keep: HiddenKeep | None = None,
     ) -> tuple[torch.Tensor, SamplerOutput | None]:
         """The forward of `inputs` (`prepare`'s), then its sampled rows' tokens and logprob rows under
         `meta` (`rows`: only these of the sampled rows; meta None: none samples), every rank taking rank
-        0's tokens. Returns the hidden states too, for prompt logprobs. A step's, a multi-step window's
-        and a draft model's (coreserve/worker/speculative/draft_model.py) one way to run the model."""
+        0's tokens. Returns the hidden states too, for prompt logprobs; `keep`: the layers' states the
+        model keeps (return_hidden_states). A step's, a multi-step window's and a draft model's
+        (coreserve/worker/speculative/draft_model.py) one way to run the model."""
         if self.lora is not None:
             self.lora.use_rows(inputs.lora_rows)
-        hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv.caches, self.on_progress)
+        hidden, fused_logits = self.backend.forward(self.model, inputs, self.kv.caches, self.on_progress, keep)
         if meta is None:
             return hidden, None
         if self.lora is not None:  # a row a sampled request
@@ -278,9 +284,13 @@ class ModelRunner:
         inputs = self.prepare(states, [1] * len(states))
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
         for step in range(num_steps):
-            _, out = self.forward_and_sample(inputs, meta)
+            keep = self._hidden_keep(states, [1] * len(states))
+            hidden, out = self.forward_and_sample(inputs, meta, keep=keep)
             if extras is not None:
-                extras.merge(step_extras(self.model, states, [1] * len(states), states, out, [], self.states))
+                later = step_extras(self.model, states, [1] * len(states), states, out, [], self.states)
+                if keep is not None:
+                    later.hidden_states = hidden_parts(keep, self.model.kept_states, hidden)
+                extras.merge(later)
             for state in states:
                 state.num_computed_tokens += 1
                 state.token_ids.append(_PLACEHOLDER)
@@ -295,6 +305,12 @@ class ModelRunner:
         for state, tokens in zip(states, host.sampled_token_ids.tolist()):
             state.token_ids[-num_steps:] = tokens
         return host.runner_output([s.req_id for s in states], logprob_req_ids(states), extras)
+
+    def _hidden_keep(self, states: list[RequestState], num_tokens: list[int]) -> HiddenKeep | None:
+        """The hidden states the step's forward keeps, where a request asks (return_hidden_states)."""
+        if not self.asking_extras:
+            return None
+        return hidden_keep(states, num_tokens, self.model.args.num_layers, self.device)
 
     def _agreed(self, out: SamplerOutput) -> SamplerOutput:
         """Tensor parallelism: every rank samples the same logits alike, and takes rank 0's tokens all

@@ -1,6 +1,7 @@
 """The step's extras, the outputs a request asks for beside its tokens and logprob rows (engine-core
 process): each token's routed experts (return_routed_experts), each sampled row's support
-(return_sampling_mask), each grammar row's allowed mass (structured outputs with logprobs).
+(return_sampling_mask), each grammar row's allowed mass (structured outputs with logprobs); the hidden
+states (return_hidden_states) are kept by the forward itself (coreserve/worker/step/hidden_keep.py).
 
 All are off by default. The runner keeps the ids of the live requests that ask for any (`asks_extras`,
 as requests come and go), and builds a step's extras in one call, `step_extras`, only while that set
@@ -20,7 +21,8 @@ from coreserve.worker.step.step_tensors import StepExtras
 def asks_extras(state: RequestState) -> bool:
     params = state.params
     has_masses = params.structured_outputs is not None and state.logprobs_k is not None
-    return params.return_routed_experts or params.return_sampling_mask or has_masses
+    has_hidden = params.hidden_indices is not None
+    return params.return_routed_experts or params.return_sampling_mask or has_masses or has_hidden
 
 
 def step_extras(

@@ -12,7 +12,7 @@ import numpy as np
 
 from coreserve.frontend.engine.completion_text import append_tokens
 from coreserve.frontend.engine.logprob_rows import add_chosen, to_position_dicts
-from coreserve.frontend.engine.token_extras import apply_extras, routed_experts
+from coreserve.frontend.engine.token_extras import apply_extras, hidden_states, routed_experts
 from coreserve.frontend.engine.token_text import IncrementalDetokenizer, TokenIdsOnly, TokenTable
 from coreserve.frontend.errors import EngineDeadError, RequestFailedError
 from coreserve.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput, SamplingMask
@@ -40,9 +40,14 @@ class CompletionState:
     constraint_masses: list[float] | None = None  # grammar requests with logprobs: one per token
     routed_parts: list[np.ndarray] | None = None  # return_routed_experts: the core's rows, in order
     mask_rows: list[np.ndarray] | None = None  # return_sampling_mask: one support per kept token
+    hidden_parts: list[np.ndarray] | None = None  # return_hidden_states: the core's rows, in order
 
     def routed_experts(self, num_prompt_tokens: int) -> np.ndarray | None:
         return routed_experts(self.routed_parts, num_prompt_tokens + len(self.token_ids) - 1)
+
+    def hidden_states(self, num_prompt_tokens: int) -> np.ndarray | None:
+        which = self.params.hidden_states_positions
+        return hidden_states(self.hidden_parts, which, num_prompt_tokens, len(self.token_ids))
 
     @property
     def text(self) -> str:
@@ -113,6 +118,7 @@ class OutputProcessor:
                 constraint_masses=[] if p.logprobs is not None and p.structured_outputs is not None else None,
                 routed_parts=[] if p.return_routed_experts else None,
                 mask_rows=[] if p.return_sampling_mask else None,
+                hidden_parts=[] if p.hidden_indices is not None else None,
             )
             for i, (core_id, p) in enumerate(children)
         ]
@@ -173,6 +179,8 @@ class OutputProcessor:
                 result.errors[state.request_id] = state.error
             elif completion.finish_reason is not None:
                 del self.completion_of[output.req_id], self.owner_of[output.req_id]
+            elif not output.new_token_ids and output.finish_reason is None:
+                continue  # a prompt chunk's hidden states: kept until the completion has news
             touched[state.request_id] = state
         for state in touched.values():
             if state.finished:
@@ -264,7 +272,7 @@ def _completion_output(
     c: CompletionState, is_delta: bool, can_skip: bool, num_prompt: int
 ) -> CompletionOutput | None:
     """The whole completion, or (streaming) what is new since the last delta: None when nothing is.
-    Routed experts: whole, in the finished completion (streaming: its finishing delta)."""
+    Routed experts and hidden states: whole, in the finished completion (streaming: its finishing delta)."""
     if not is_delta:
         return CompletionOutput(
             index=c.index,
@@ -277,6 +285,7 @@ def _completion_output(
             constraint_masses=None if c.constraint_masses is None else list(c.constraint_masses),
             routed_experts=c.routed_experts(num_prompt) if c.finish_reason is not None else None,
             sampling_mask=None if c.mask_rows is None else SamplingMask.of(c.mask_rows),
+            hidden_states=c.hidden_states(num_prompt) if c.finish_reason is not None else None,
         )
     text = c.text
     if c.finish_reason is None and c.params.stop:  # hold back what could still become a stop string
@@ -297,6 +306,7 @@ def _completion_output(
         constraint_masses=None if c.constraint_masses is None else c.constraint_masses[c.num_sent_tokens :],
         routed_experts=c.routed_experts(num_prompt) if is_new_finish else None,
         sampling_mask=None if c.mask_rows is None else SamplingMask.of(c.mask_rows[c.num_sent_tokens :]),
+        hidden_states=c.hidden_states(num_prompt) if is_new_finish else None,
     )
     c.num_sent_tokens, c.num_sent_chars = len(c.token_ids), len(text)
     c.has_sent_finish = c.finish_reason is not None

@@ -32,6 +32,7 @@ from coreserve.worker.cpu.thread_governor import ThreadGovernor
 from coreserve.worker.models.decoder import DecoderModel
 from coreserve.worker.models.quantized import QuantLinear
 from coreserve.worker.step.attention import AttentionMetadata
+from coreserve.worker.step.hidden_keep import HiddenKeep
 from coreserve.worker.step.input_batch import StepInputs
 
 
@@ -117,18 +118,21 @@ class CpuBackend:
         inputs: StepInputs,
         caches: list[torch.Tensor],
         on_progress: Callable[[], None] | None,
+        keep: HiddenKeep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused decode forward where it applies (with lm_head's logits when every row samples, and
         the LoRA adapters' deltas of the step's rows where grouped_lora.py can give them), else
-        the model op by op. The two paths give the same bits, so no row depends on which was taken."""
+        the model op by op. The two paths give the same bits, so no row depends on which was taken.
+        `keep` naming a layer below the final norm: op by op (the fused step keeps no layer's output)."""
         wants_logits = inputs.sample_rows is None  # every row samples (a decode-only step)
         lora = None
         if inputs.lora_rows is not None and self.fused is not None and self.lora is not None:
             lora = self.lora.fused(model)
         can_fuse = self.fused is not None and (inputs.lora_rows is None or lora is not None)
+        can_fuse = can_fuse and (keep is None or not keep.layers)
         step = self.fused.step(inputs, wants_logits, lora) if can_fuse else None
         if step is None:
-            return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress), None
+            return model(inputs.input_ids, inputs.rope_rows, caches, inputs.attn, on_progress, keep), None
         hidden = self.fused.run(step)
         if on_progress is not None:
             on_progress()

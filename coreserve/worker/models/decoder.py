@@ -29,6 +29,7 @@ from coreserve.worker.models.ops import HeadShape, ModelOps, Rope, TorchOps
 from coreserve.worker.models.rope import Rotary
 from coreserve.worker.models.short_conv import ShortConv
 from coreserve.worker.step.attention import AttentionMetadata
+from coreserve.worker.step.hidden_keep import HiddenKeep
 
 __all__ = ["DecoderArgs", "DecoderModel"]
 
@@ -249,6 +250,8 @@ class DecoderModel(nn.Module):
         if args.tie_word_embeddings:  # one tensor, not two copies
             self.lm_head.weight = self.embed_tokens.weight
         self.ops: ModelOps = TorchOps()  # a backend's ops replace these (coreserve/worker/cpu/ops.py)
+        # The last forward's kept hidden states (its `keep`): HF index -> [kept rows, hidden]
+        self.kept_states: dict[int, torch.Tensor] = {}
 
     def forward(
         self,
@@ -257,11 +260,14 @@ class DecoderModel(nn.Module):
         caches: list[torch.Tensor],
         meta: AttentionMetadata,
         on_layer: Callable[[], None] | None = None,
+        keep: HiddenKeep | None = None,
     ) -> torch.Tensor:
         """input_ids, rope_rows (each token's row of the RoPE tables: StepInputs'): [T]. Returns the
         final-normed hidden states [T, hidden]. `on_layer`: called after each layer (the engine counts
-        it as progress)."""
+        it as progress); `keep`: the HF indices below L and the rows whose states `kept_states` holds
+        after it (the embedding output is index 0, layer i's output index i + 1)."""
         ops, embed_scale = self.ops, self.args.embed_scale
+        self.kept_states = {}
         x = ops.embed(self.embed_tokens, input_ids)
         if self.args.embedding_multiplier is not None:  # Granite: a Python float, as HF multiplies
             x = x * self.args.embedding_multiplier
@@ -271,11 +277,19 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(embed_scale, dtype=dtype).to(x.dtype)
         rope = self.rotary.tables(rope_rows, x.dtype)
         rope_local = rope if self.rotary_local is None else self.rotary_local.tables(rope_rows, x.dtype)
-        for layer, cache, is_local in zip(self.layers, caches, self.uses_local_rope):
+        self._keep(keep, 0, x)
+        for index, (layer, cache, is_local) in enumerate(zip(self.layers, caches, self.uses_local_rope)):
             x = layer(x, rope_local if is_local else rope, cache, meta, ops)
+            self._keep(keep, index + 1, x)
             if on_layer is not None:
                 on_layer()
         return ops.rms_norm(self.norm, x)
+
+    def _keep(self, keep: HiddenKeep | None, index: int, x: torch.Tensor) -> None:
+        """HF's hidden state `index` at the kept rows (a copy: no layer writes into a tensor it was given,
+        and the step's [T, hidden] tensors are not held past their layer)."""
+        if keep is not None and index in keep.layers:
+            self.kept_states[index] = x.index_select(0, keep.rows)
 
     def routed_experts(self) -> torch.Tensor | None:
         """The last forward's routed experts [T, MoE layers, top_k] int16 (most probable first); None:

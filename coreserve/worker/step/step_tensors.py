@@ -39,10 +39,16 @@ class StepExtras:
     sampling_masks: dict[str, list[np.ndarray]] = field(default_factory=dict)  # req_id -> a support a row
     constraint_masses: dict[str, list[float]] = field(default_factory=dict)  # req_id -> a mass a row
     num_draft_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> proposals verified
+    # return_hidden_states: req_id -> [(first position, [its indices, rows, hidden] float32)]
+    hidden_states: dict[str, list] = field(default_factory=dict)
 
     def merge(self, later: StepExtras) -> None:
         """A multi-step window's steps, one after the other (a later step's rows come later)."""
-        pairs = ((self.routed_experts, later.routed_experts), (self.sampling_masks, later.sampling_masks))
+        pairs = (
+            (self.routed_experts, later.routed_experts),
+            (self.sampling_masks, later.sampling_masks),
+            (self.hidden_states, later.hidden_states),
+        )
         for into, parts in pairs:
             for req_id, rows in parts.items():
                 into.setdefault(req_id, []).extend(rows)
