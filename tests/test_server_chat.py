@@ -1,9 +1,13 @@
 """POST /v1/chat/completions through the official openai client: the chat template, logprobs with
-exact bytes equal to LLM's, streaming, and bad fields as 400s."""
+exact bytes equal to LLM's, streaming, and bad fields as 400s; hidden states on both routes (base64 of
+LLM's bits, whole in a stream's finishing chunk)."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
+import numpy as np
 import pytest
 from server_harness import CHATML, chat_template_file, running_server
 
@@ -122,3 +126,42 @@ def test_a_bad_field_is_a_400_naming_it(server, change, param):
     response = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def _hidden(choice) -> np.ndarray:
+    """A choice's hidden_states as docs/serving.md describes them: base64 of little-endian float32."""
+    shown = choice.model_extra["hidden_states"]
+    assert shown["dtype"] == "<f4"
+    return np.frombuffer(base64.b64decode(shown["data"]), dtype="<f4").reshape(shown["shape"]), shown
+
+
+def test_hidden_states_on_completions_and_chat_are_llms_bits(client, llm_inproc):
+    extra = {"return_hidden_states": [0, -1], "hidden_states_positions": "output", "ignore_eos": True,
+             "return_token_ids": True}
+    prompt = [1000 + 7 * i for i in range(23)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, return_hidden_states=[0, -1],
+                            hidden_states_positions="output")
+    expected = llm_inproc.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    done = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
+    got, shown = _hidden(done.choices[0])
+    assert shown["first_position"] == len(prompt) - 1 and got.shape == (2, 6, 256)
+    assert np.array_equal(got, expected.hidden_states)
+    chunks = list(client.completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=6, temperature=0, stream=True, extra_body=extra
+    ))
+    carrying = [c.choices[0] for c in chunks if c.choices and c.choices[0].model_extra.get("hidden_states")]
+    assert len(carrying) == 1 and carrying[0].finish_reason is not None
+    assert np.array_equal(_hidden(carrying[0])[0], expected.hidden_states)
+    chat = client.chat.completions.create(model="tiny-chat", messages=messages(), max_tokens=4, temperature=0,
+                                          extra_body={**extra, "hidden_states_positions": "all"})
+    ids = chat.prompt_token_ids + chat.choices[0].token_ids[:-1]
+    alone = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, return_hidden_states=[0, -1])
+    by_llm = llm_inproc.generate([{"prompt_token_ids": chat.prompt_token_ids}], alone, use_tqdm=False)[0]
+    assert by_llm.outputs[0].token_ids == chat.choices[0].token_ids
+    assert np.array_equal(_hidden(chat.choices[0])[0], by_llm.outputs[0].hidden_states)
+    assert _hidden(chat.choices[0])[0].shape == (2, len(ids), 256)
+    plain = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2)
+    assert "hidden_states" not in plain.choices[0].model_extra
+    with pytest.raises(Exception, match="return_hidden_states index 9"):
+        client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2,
+                                  extra_body={"return_hidden_states": [9]})

@@ -4,13 +4,13 @@ pieces merged here, so a stream's chunks always concatenate to the whole answer.
 
 The merge: text concatenates; lists (token ids, sampling masks) and the lists inside a dict (the
 logprobs' columns) extend; `finish_reason` and `stop_reason` are set by the piece that finishes;
-`routed_experts` (the finished completion's, every position's) replaces; any other key keeps its
+`routed_experts` and `hidden_states` (the finished completion's, every position's) replace; any other key keeps its
 first value (`index`, the prompt's parts, which only a first piece carries).
 """
 
 from __future__ import annotations
 
-_REPLACED = frozenset(("routed_experts",))
+_REPLACED = frozenset(("routed_experts", "hidden_states"))
 
 
 def merge_piece(into: dict, piece: dict) -> None:

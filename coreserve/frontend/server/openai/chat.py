@@ -19,6 +19,7 @@ from coreserve.frontend.outputs import CompletionOutput
 from coreserve.frontend.server.common.accumulate import WholeChoices
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.generation import Generation, PromptInput
+from coreserve.frontend.server.common.hidden_json import add_hidden_states
 from coreserve.frontend.server.common.inputs import check_logprobs, check_prompts, start_checked
 from coreserve.frontend.server.common.logprob_json import (
     JSONBytesResponse,
@@ -171,7 +172,7 @@ class ChatResponse:
             choice["token_ids"] = merged.get("token_ids", [])
         if merged.get("finish_reason") is not None:
             choice["stop_reason"] = merged["stop_reason"]
-        for key in ("routed_experts", "sampling_mask"):
+        for key in ("routed_experts", "sampling_mask", "hidden_states"):
             if key in merged:
                 choice[key] = merged[key]
         return with_defaults(choice, CHAT_CHOICE)
@@ -194,7 +195,7 @@ class ChatResponse:
                 choice["raw_text"] = piece["text"]
             if self.body.return_token_ids:
                 choice["token_ids"] = piece["token_ids"]
-            for key in ("routed_experts", "sampling_mask"):
+            for key in ("routed_experts", "sampling_mask", "hidden_states"):
                 if key in piece:
                     choice[key] = piece[key]
             yield self._chunk([with_defaults(choice, CHAT_CHUNK_CHOICE)])
@@ -232,7 +233,10 @@ class ChatResponse:
                 if completion.token_ids or completion.text or completion.finish_reason is not None:
                     self.num_tokens[completion.index] += len(completion.token_ids)
                     self.is_finished[completion.index] = completion.finish_reason is not None
-                    yield _piece(completion, k, self.body.return_tokens_as_token_ids)
+                    piece = _piece(completion, k, self.body.return_tokens_as_token_ids)
+                    num_prompt = len(self.generation.prompts[0].token_ids)
+                    add_hidden_states(piece, completion, self.body.hidden_states_positions, num_prompt)
+                    yield piece
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {

@@ -18,6 +18,7 @@ from coreserve.frontend.outputs import CompletionOutput, PositionLogprobs
 from coreserve.frontend.server.common.accumulate import WholeChoices
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.generation import Generation, PromptInput
+from coreserve.frontend.server.common.hidden_json import add_hidden_states
 from coreserve.frontend.server.common.inputs import check_logprobs, check_prompts, start_checked
 from coreserve.frontend.server.common.logprob_json import (
     JSONBytesResponse,
@@ -199,6 +200,7 @@ class CompletionChoice:
         if completion.finish_reason is not None:
             piece["finish_reason"] = "length" if self.is_scoring else completion.finish_reason
             piece["stop_reason"] = None if self.is_scoring else completion.stop_reason
+        add_hidden_states(piece, completion, self.body.hidden_states_positions, len(self.prompt.token_ids))
         if self.is_scoring:
             return
         piece["text"] += completion.text

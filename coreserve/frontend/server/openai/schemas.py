@@ -53,6 +53,10 @@ class SamplingFields(SharedSamplingFields):
     disable_spec_decode: bool = False  # speculative decoding off for this request (docs/speculative.md)
     # A mixture of experts' routed experts, per computed position, layer and top_k (docs/models.md)
     return_routed_experts: bool = False
+    # Hidden states (SGLang's name): true, the final norm's output; a list, those indices of HF's
+    # output_hidden_states; each choice's `hidden_states`, base64 (docs/serving.md, "Hidden states")
+    return_hidden_states: bool | list[Int64] = False
+    hidden_states_positions: Literal["all", "prompt", "output"] = "all"
     trace_decode_token_ids: list[Int64] | None = None  # trace replay: these tokens, their true logprobs
     return_sampling_mask: bool = False  # each choice's `sampling_mask`: a token's support, a list of ids
     cache_salt: str | None = None  # vLLM's: read only prefix-cache blocks computed under the same salt

@@ -38,7 +38,6 @@ COMMON: dict[str, tuple[list, str]] = {
     "store": ([False], "completions are not stored"),
     # SGLang's names, which vllm-router and sglang-router write into every request they forward
     "no_stop_trim": ([False], "stop strings are trimmed from the text (include_stop_str_in_output keeps them)"),
-    "return_hidden_states": ([False], "hidden states are not returned"),
 }
 COMPLETION_ONLY: dict[str, tuple[list, str]] = {
     "prompt_embeds": ([], "prompts are text or token ids; embeddings are not taken"),
