@@ -278,10 +278,11 @@ class Scheduler:
                 continue  # aborted while the step ran
             self._record_written(req, runner_output)
             if req_id not in sampled:  # a prefill chunk that did not reach the last token
-                chunk = EngineCoreOutput(req.client_req_id, [])
-                add_hidden_states(chunk, req, runner_output)  # streamed, not held (a long prompt's)
-                if chunk.extras is not None:
-                    by_client[req.client_id].append(chunk)
+                if req_id in runner_output.hidden_states:  # its rows go now: a long prompt's are not held
+                    chunk = EngineCoreOutput(req.client_req_id, [])
+                    add_hidden_states(chunk, req, runner_output)
+                    if chunk.extras is not None:
+                        by_client[req.client_id].append(chunk)
                 continue
             token_ids = sampled[req_id]
             if -1 in token_ids:  # a step that verified proposals: each row ends at its first -1
