@@ -157,7 +157,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reasoning-parser", choices=REASONING_PARSERS, default=None,
-        help="separate the model's <think> reasoning into reasoning_content (docs/serving.md)",
+        help="separate the model's reasoning (<think>, or gpt-oss's analysis channel) into reasoning_content (docs/serving.md)",
     )
     parser.add_argument(
         "--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",

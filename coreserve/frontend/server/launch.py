@@ -39,6 +39,10 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--lora-modules needs --enable-lora")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    harmony = (args.reasoning_parser == "openai_gptoss", args.tool_call_parser == "openai")
+    if any(harmony) and not all(harmony) and None not in (args.reasoning_parser, args.tool_call_parser):
+        message = "harmony (gpt-oss) is read whole: --reasoning-parser openai_gptoss goes with --tool-call-parser openai"
+        raise SystemExit(message)
     # Outside uvicorn's handlers (while the engine starts; a signal uvicorn re-raises) a SIGTERM unwinds,
     # as a SIGINT does, so that the core being spawned is stopped instead of loading on alone.
     signal.signal(signal.SIGTERM, _exit_now)

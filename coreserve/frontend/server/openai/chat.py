@@ -9,6 +9,7 @@ and logprobs concatenate to the whole response's. Both carry the keys vLLM's car
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from starlette.requests import Request
@@ -34,6 +35,7 @@ from coreserve.frontend.server.common.transport import (
     until_disconnected,
 )
 from coreserve.frontend.server.openai.chat_prompt import chat_prompt, echo_text
+from coreserve.frontend.server.openai.harmony_fields import call_grammar, check_reasoning_effort
 from coreserve.frontend.server.openai.inputs import check_body_fields, prompt_scoring_k, sampling_params
 from coreserve.frontend.server.openai.message_parts import ChoiceParser
 from coreserve.frontend.server.openai.response_shapes import (
@@ -50,7 +52,7 @@ from coreserve.frontend.server.openai.structured_fields import (
     structured_outputs_of,
 )
 from coreserve.frontend.server.openai.tool_choice import NO_TOOLS, ToolPlan, tool_plan
-from coreserve.frontend.server.parsers.reasoning import ThinkSplitter, is_thinking
+from coreserve.frontend.server.parsers.reasoning import reasoning_splitter
 from coreserve.frontend.server.state import ServerState
 
 
@@ -70,17 +72,14 @@ async def start_chat(server: ServerState, body: ChatCompletionRequest, prefix: s
     lora = server.check_model(body.model)
     check_body_fields(body)
     plan = tool_plan(server, body)
-    if plan.grammar is not None and structured_outputs_of(body) is not None:
+    if plan.mode in ("required", "named") and structured_outputs_of(body) is not None:
         message = "tool_choice required or a named function cannot be combined with structured outputs"
         raise APIError(400, message, "tool_choice")
     if not body.include_reasoning and server.reasoning_parser is None:
         raise APIError(400, "include_reasoning: false needs a server started with --reasoning-parser", "include_reasoning")
+    check_reasoning_effort(server, body.reasoning_effort, "reasoning_effort")
     await parse_grammar_off_the_loop(body)
-    if plan.grammar is not None:  # the tools' grammar too, off the event loop, a bad schema named `tools`
-        try:
-            await asyncio.to_thread(check_structured_outputs, plan.grammar)
-        except ValueError as exc:
-            raise APIError(400, f"tools: the tools' schemas make no grammar: {exc}", "tools") from exc
+    plan = await _tools_grammar_off_the_loop(plan)
     prompt = await chat_prompt(server, body)
     generation = Generation(
         server.engine,
@@ -92,6 +91,18 @@ async def start_chat(server: ServerState, body: ChatCompletionRequest, prefix: s
         lora,
     )
     return ChatResponse(server, body, generation, plan)
+
+
+async def _tools_grammar_off_the_loop(plan: ToolPlan) -> ToolPlan:
+    """The tools' grammar built (harmony's) and checked on a worker thread; a bad schema named `tools`."""
+    if plan.harmony_calls:
+        plan = dataclasses.replace(plan, grammar=await asyncio.to_thread(call_grammar, list(plan.harmony_calls)))
+    if plan.grammar is not None:
+        try:
+            await asyncio.to_thread(check_structured_outputs, plan.grammar)
+        except ValueError as exc:
+            raise APIError(400, f"tools: the tools' schemas make no grammar: {exc}", "tools") from exc
+    return plan
 
 
 def _params(server: ServerState, body: ChatCompletionRequest, prompt: PromptInput, plan: ToolPlan):
@@ -126,10 +137,8 @@ class ChatResponse:
 
     def _parser(self) -> ChoiceParser:
         name = self.server.reasoning_parser
-        thinking = is_thinking(name, self.body.chat_template_kwargs) if name else False
-        if self.plan.grammar is not None:
-            thinking = False  # required's and named's grammar holds the output to the calls from its start
-        think = ThinkSplitter(thinking) if name else None
+        is_held = self.plan.grammar is not None  # required's and named's grammar: the calls from its start
+        think = reasoning_splitter(name, self.body.chat_template_kwargs, is_held) if name else None
         return ChoiceParser(self.plan, think, self.body.include_reasoning)
 
     async def whole(self) -> Response:

@@ -14,6 +14,11 @@ from coreserve.frontend.engine.template_sandbox import TemplateTooLong
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.generation import PromptInput
 from coreserve.frontend.server.common.inputs import tokenize
+from coreserve.frontend.server.openai.harmony_fields import (
+    check_effort_rendered,
+    template_kwargs,
+    with_thinking,
+)
 from coreserve.frontend.server.openai.schemas import ChatCompletionRequest
 from coreserve.frontend.server.openai.tool_choice import template_tools
 
@@ -24,8 +29,9 @@ async def chat_prompt(server, body: ChatCompletionRequest) -> PromptInput:
     if body.continue_final_message and body.add_generation_prompt:
         message = "continue_final_message and add_generation_prompt cannot both be true"
         raise APIError(400, message, "continue_final_message")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    messages = with_thinking(server, [m.model_dump(exclude_none=True) for m in body.messages])
     text = await _render(server, messages, body)
+    check_effort_rendered(body, text)
     token_ids = await tokenize(
         server, text, body.add_special_tokens, body.truncate_prompt_tokens, param="messages"
     )
@@ -35,10 +41,9 @@ async def chat_prompt(server, body: ChatCompletionRequest) -> PromptInput:
 async def render_messages(server, messages: list[dict], body) -> str:
     """The body's messages through the template (a chat's, a Responses' or /tokenize's body); a 400 naming
     `messages` for a malformed one, the template's own refusal (raise_exception) or a limit passed."""
+    kwargs = template_kwargs(server, body)  # with a chat's reasoning_effort
     try:  # the server's one renderer, LLM.chat's too (coreserve/frontend/engine/chat_template.py)
-        return await server.renderer.render_async(
-            messages, body.add_generation_prompt, template_tools(body), body.chat_template_kwargs
-        )
+        return await server.renderer.render_async(messages, body.add_generation_prompt, template_tools(body), kwargs)
     except TemplateTooLong as exc:  # the context's refusal where the length alone says it cannot fit
         server.prompt_bound.check_length(exc.num_chars, server.facts.max_model_len, "messages")
         raise APIError(400, str(exc), "messages") from exc

@@ -4,7 +4,9 @@
 `ChoiceParser.feed` takes the text as it grows and gives each step's delta; the whole message is the
 same parser fed the whole text at once, so a streamed answer's deltas add up to the whole one's. The
 token ids and logprobs are the choice's own, untouched: every generated token's, inside calls and
-reasoning too, and the text as generated goes alongside the parts (`raw_text`).
+reasoning too, and the text as generated goes alongside the parts (`raw_text`). A format that is the
+whole reply's structure (harmony's) reads it under every tool choice; its calls count unless the choice
+is `none`.
 """
 
 from __future__ import annotations
@@ -12,22 +14,26 @@ from __future__ import annotations
 import json
 
 from coreserve.frontend.server.openai.tool_choice import ToolPlan
+from coreserve.frontend.server.parsers.harmony import HarmonyReasoning
 from coreserve.frontend.server.parsers.reasoning import ThinkSplitter
 from coreserve.frontend.server.parsers.splitter import CallSplitter
 from coreserve.frontend.server.parsers.tool_calls import ToolCall, arguments_text, call_id
 
 
 class ChoiceParser:
-    def __init__(self, plan: ToolPlan, think: ThinkSplitter | None, include_reasoning: bool = True) -> None:
+    def __init__(
+        self, plan: ToolPlan, think: ThinkSplitter | HarmonyReasoning | None, include_reasoning: bool = True
+    ) -> None:
         self.plan, self.think, self.include_reasoning = plan, think, include_reasoning
-        self.splitter = CallSplitter(plan.fmt) if plan.mode == "auto" else None
+        reads = plan.fmt is not None and (plan.mode == "auto" or plan.fmt.is_whole_reply)
+        self.splitter = CallSplitter(plan.fmt) if reads else None
         self.make_id = plan.fmt.make_id if plan.fmt is not None and plan.fmt.make_id else call_id
         self.forced = ""  # required's and named's output: JSON
         self.num_calls = 0
 
     @property
     def is_parsing(self) -> bool:
-        return self.think is not None or self.plan.mode != "none"
+        return self.think is not None or self.plan.mode != "none" or self.splitter is not None
 
     def feed(self, text: str, final: bool) -> dict:
         """The delta this text adds: any of reasoning_content, content, tool_calls."""
@@ -36,9 +42,9 @@ class ChoiceParser:
         if reasoning and self.include_reasoning:
             delta["reasoning_content"] = reasoning
         calls: list[dict] = []
-        if self.plan.mode == "auto":
+        if self.splitter is not None:
             content, found = self.splitter.feed(content, final)
-            calls = [self._new_call(call) for call in found]
+            calls = [self._new_call(call) for call in found] if self.plan.mode != "none" else []
         elif self.plan.mode == "named":
             calls, content = self._named(content), ""
         elif self.plan.mode == "required":

@@ -4,9 +4,10 @@ The body becomes a chat request (instructions and input items to messages, flat 
 chat's, `text.format` to `response_format`, `max_output_tokens` to `max_tokens`) and runs as one;
 its answer becomes the Response's output items, in OpenAI's order: reasoning (`--reasoning-parser`), the
 message, the function calls. Streamed, the chat chunks become Responses events, ending in
-`response.completed` (with status "incomplete" where the tokens ran out, as vLLM). Nothing is stored
-(`store: true` is answered `store: false`, as vLLM's without storage): `previous_response_id` and
-`background` are refused by name. docs/serving.md.
+`response.completed` (with status "incomplete" where the tokens ran out, as vLLM). `reasoning.effort` is
+harmony's (gpt-oss; a 400 naming `reasoning` elsewhere). Nothing is stored (`store: true` is answered
+`store: false`, as vLLM's without storage): `previous_response_id` and `background` are refused by name.
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from coreserve.frontend.server.common.transport import (
     until_disconnected,
 )
 from coreserve.frontend.server.openai.chat import start_chat
+from coreserve.frontend.server.openai.harmony_fields import check_reasoning_effort
 from coreserve.frontend.server.openai.responses_input import ResponsesRequest, chat_request
 
 
 async def create_response(request: Request, body: ResponsesRequest) -> Response:
+    check_reasoning_effort(request.app.state.server, (body.reasoning or {}).get("effort"), "reasoning")
     try:
         chat_body = chat_request(body)
     except (AttributeError, TypeError, KeyError) as exc:  # an item or part of the wrong shape

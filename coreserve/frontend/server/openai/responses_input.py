@@ -31,7 +31,7 @@ class ResponsesRequest(StrictBody):
     top_logprobs: Int64 | None = None
     include: list[str] | None = None
     text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # the reasoning is the model's own (--reasoning-parser)
+    reasoning: dict[str, Any] | None = None  # its effort: harmony's (--reasoning-parser openai_gptoss)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, as on chat
     stream: bool = False
     store: bool | None = None
@@ -51,9 +51,6 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, "responses are not stored: send the whole conversation in input", "previous_response_id")
     if body.background:
         raise APIError(400, "background responses are not implemented", "background")
-    if (body.reasoning or {}).get("effort") is not None:
-        raise APIError(400, "reasoning.effort is not implemented: the model reasons as its template makes it",
-                       "reasoning")
     unknown = sorted(set(body.include or []) - {LOGPROBS, "reasoning.encrypted_content"})
     if unknown:
         raise APIError(400, f"include: {unknown[0]} is not supported", "include")
@@ -70,6 +67,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
              "temperature": "temperature", "top_p": "top_p", "user": "user",
              "chat_template_kwargs": "chat_template_kwargs"}
     fields.update({chat: getattr(body, name) for name, chat in names.items() if getattr(body, name) is not None})
+    if (body.reasoning or {}).get("effort") is not None:  # checked by create_response, named `reasoning`
+        fields["reasoning_effort"] = body.reasoning["effort"]
     if LOGPROBS in (body.include or []):
         fields["logprobs"], fields["top_logprobs"] = True, body.top_logprobs or 0
     if (body.text or {}).get("verbosity") is not None:

@@ -126,6 +126,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields, ChatUnsupportedFie
     tool_choice: ToolChoice | None = None  # default: auto with tools, none without (tool_choice.py)
     parallel_tool_calls: bool | None = None  # false: the first call only
     include_reasoning: bool = True  # false: reasoning_content left out (needs --reasoning-parser)
+    reasoning_effort: str | None = None  # harmony's low, medium, high (openai/harmony_fields.py)
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking)
 
 

@@ -7,6 +7,9 @@ them, the tools handed to the chat template, and what each choice asks of the ou
 - `required`: the output is held by the grammar to a JSON list of `{"name", "parameters"}` objects, one
   of the tools each, as vLLM builds it; `parallel_tool_calls: false` keeps the first call.
 - a named function: the output is held to that function's parameters schema and is its arguments.
+
+A server that reads harmony (gpt-oss) reads every reply through its `openai` format, and holds `required`
+and a named function to one harmony call message instead (openai/harmony_fields.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pydantic import Field
 
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.fields import StrictBody
+from coreserve.frontend.server.openai.harmony_fields import speaks_harmony
 from coreserve.frontend.server.parsers.splitter import TOOL_FORMATS
 from coreserve.frontend.server.parsers.tool_calls import CallFormat
 from coreserve.protocol.structured_outputs import StructuredOutputsParams
@@ -53,9 +57,12 @@ class ToolPlan:
 
     mode: Literal["none", "auto", "required", "named"]
     name: str | None = None  # the named function
-    fmt: CallFormat | None = None  # auto's parser
+    fmt: CallFormat | None = None  # auto's parser; under harmony, every choice's
     parallel: bool = True
     grammar: StructuredOutputsParams | None = None  # required's and named's
+    # harmony's required and named: the (name, parameters) a call may be, whose grammar is built off the
+    # event loop (harmony_fields.call_grammar, by start_chat)
+    harmony_calls: tuple[tuple[str, dict], ...] = ()
 
 
 NO_TOOLS = ToolPlan("none")
@@ -76,21 +83,28 @@ def tool_plan(server, body) -> ToolPlan:
     if choice != "none" and not tools:
         raise APIError(400, "When using `tool_choice`, `tools` must be set.", "tool_choice")
     parallel = body.parallel_tool_calls is not False
+    harmony = TOOL_FORMATS["openai"] if speaks_harmony(server) else None
     if choice == "none":
-        return NO_TOOLS
+        return NO_TOOLS if harmony is None else ToolPlan("none", fmt=harmony)
     if choice == "auto":
         if not server.enable_auto_tool_choice or server.tool_call_parser is None:
             message = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
             raise APIError(400, message, "tool_choice")
         return ToolPlan("auto", fmt=TOOL_FORMATS[server.tool_call_parser], parallel=parallel)
     if choice == "required":
+        if harmony is not None:
+            calls = tuple((tool.function.name, tool.function.parameters or _EMPTY_OBJECT) for tool in tools)
+            return ToolPlan("required", fmt=harmony, parallel=parallel, harmony_calls=calls)
         return ToolPlan("required", parallel=parallel, grammar=_grammar(_required_schema(tools)))
     functions = {tool.function.name: tool.function for tool in tools}
     if choice.function.name not in functions:
         message = "The tool specified in `tool_choice` does not match any of the specified `tools`"
         raise APIError(400, message, "tool_choice")
-    parameters = functions[choice.function.name].parameters or _EMPTY_OBJECT
-    return ToolPlan("named", name=choice.function.name, parallel=parallel, grammar=_grammar(parameters))
+    name = choice.function.name
+    parameters = functions[name].parameters or _EMPTY_OBJECT
+    if harmony is not None:
+        return ToolPlan("named", name=name, fmt=harmony, parallel=parallel, harmony_calls=((name, parameters),))
+    return ToolPlan("named", name=name, parallel=parallel, grammar=_grammar(parameters))
 
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}

@@ -49,7 +49,6 @@ CHAT_ONLY: dict[str, tuple[list, str]] = {
     "modalities": ([["text"]], _MEDIA),
     "media_io_kwargs": ([], _MEDIA),
     "prediction": ([], "predicted outputs are not implemented"),
-    "reasoning_effort": ([], "there is no reasoning mode"),
     # SGLang's: the reasoning parser (--reasoning-parser) always separates and streams it apart
     "separate_reasoning": ([True], "the reasoning parser always separates the reasoning"),
     "stream_reasoning": ([True], "the reasoning parser always streams the reasoning apart"),

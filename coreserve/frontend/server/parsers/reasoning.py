@@ -5,20 +5,31 @@ server; `--reasoning-parser`).
 dropped (DeepSeek-R1's and Qwen3-Thinking's templates write it into the prompt, so it may not be there),
 everything before `</think>` is reasoning, the text after it the content, and a reply that never closes
 it is all reasoning (cut short). Under `qwen3`, a request whose `chat_template_kwargs` turn thinking off
-(`enable_thinking: false`) is all content.
+(`enable_thinking: false`) is all content. `openai_gptoss` is gpt-oss's analysis channel (harmony.py).
 """
 
 from __future__ import annotations
 
+from coreserve.frontend.server.parsers.harmony import HarmonyReasoning
 from coreserve.frontend.server.parsers.tool_calls import held_back
 
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
 
 def is_thinking(parser: str, template_kwargs: dict | None) -> bool:
     """Whether a reply under `parser` begins in reasoning."""
     return parser != "qwen3" or (template_kwargs or {}).get("enable_thinking", True) is not False
+
+
+def reasoning_splitter(
+    parser: str, template_kwargs: dict | None, is_held: bool
+) -> ThinkSplitter | HarmonyReasoning:
+    """`parser`'s splitter for one choice; `is_held`: a tool choice's grammar holds the output to the
+    calls from its first token (no <think> there; harmony's channels are read all the same)."""
+    if parser == "openai_gptoss":
+        return HarmonyReasoning()
+    return ThinkSplitter(is_thinking(parser, template_kwargs) and not is_held)
 
 
 class ThinkSplitter:

@@ -10,11 +10,11 @@ sent once: the streamed deltas and the whole message are the same splitter fed i
 
 from __future__ import annotations
 
-from coreserve.frontend.server.parsers import hermes, llama3_json, mistral, pythonic
+from coreserve.frontend.server.parsers import harmony, hermes, llama3_json, mistral, pythonic
 from coreserve.frontend.server.parsers.tool_calls import CallFormat, ToolCall
 
 TOOL_FORMATS: dict[str, CallFormat] = {
-    fmt.name: fmt for fmt in (hermes.FORMAT, llama3_json.FORMAT, mistral.FORMAT, pythonic.FORMAT)
+    fmt.name: fmt for fmt in (hermes.FORMAT, llama3_json.FORMAT, mistral.FORMAT, pythonic.FORMAT, harmony.FORMAT)
 }
 TOOL_PARSERS = tuple(TOOL_FORMATS)
 

@@ -32,6 +32,9 @@ class CallFormat:
     scan: Callable[[str, bool], list[Part]]
     keep_special_tokens: bool = True  # its markers may be special tokens, kept in the text (as vLLM)
     make_id: Callable[[], str] | None = None  # the format's own call ids (Mistral's 9 characters)
+    # Its markers structure the whole reply (harmony's channels): read under every tool choice, and
+    # required's and named's grammar writes them too (openai/harmony_fields.py)
+    is_whole_reply: bool = False
 
 
 def call_id() -> str:
