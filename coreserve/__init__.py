@@ -15,26 +15,36 @@ __version__ = "0.1.0"
 # name -> the module that defines it (all in the frontend's face, coreserve/frontend/__init__.py)
 _FACE = {
     "AsyncLLM": "coreserve.frontend.async_llm",
+    "ClassificationRequestOutput": "coreserve.frontend.pooling_outputs",
     "CompletionOutput": "coreserve.frontend.outputs",
+    "EmbeddingRequestOutput": "coreserve.frontend.pooling_outputs",
     "EngineDeadError": "coreserve.frontend.errors",
     "LLM": "coreserve.frontend.llm",
     "Logprob": "coreserve.frontend.outputs",
     "LoRARequest": "coreserve.frontend.lora",
+    "PoolingParams": "coreserve.protocol.pooling_params",
+    "PoolingRequestOutput": "coreserve.frontend.pooling_outputs",
     "RequestFailedError": "coreserve.frontend.errors",
     "RequestOutput": "coreserve.frontend.outputs",
     "SamplingParams": "coreserve.protocol.sampling_params",
+    "ScoringRequestOutput": "coreserve.frontend.pooling_outputs",
     "StructuredOutputsParams": "coreserve.protocol.structured_outputs",
 }
 __all__ = [
     "AsyncLLM",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineDeadError",
     "LLM",
     "Logprob",
     "LoRARequest",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
 ]
 
@@ -42,13 +52,18 @@ if TYPE_CHECKING:
     from coreserve.frontend import (
         LLM,
         AsyncLLM,
+        ClassificationRequestOutput,
         CompletionOutput,
+        EmbeddingRequestOutput,
         EngineDeadError,
         Logprob,
         LoRARequest,
+        PoolingParams,
+        PoolingRequestOutput,
         RequestFailedError,
         RequestOutput,
         SamplingParams,
+        ScoringRequestOutput,
         StructuredOutputsParams,
     )
 

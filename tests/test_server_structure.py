@@ -13,7 +13,8 @@ BUILDER = "coreserve/frontend/server/common/sampling.py"
 # Outside the server, SamplingParams is built only where no request body is read: the LLM face's
 # default for prompts given none (user objects are passed as they are) and the engine's defaults
 # from the model's generation config.
-OTHER_BUILDERS = {"coreserve/frontend/llm.py", "coreserve/frontend/engine/engine.py"}
+# pooling_verbs.py: a pooling request's SamplingParams (nothing sampled), for LLM, AsyncLLM and the pooling routes
+OTHER_BUILDERS = {"coreserve/frontend/llm.py", "coreserve/frontend/engine/engine.py", "coreserve/frontend/pooling_verbs.py"}
 
 
 def python_files(folder: Path) -> list[Path]:

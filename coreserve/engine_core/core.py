@@ -57,12 +57,18 @@ class EngineCore:
         self.max_model_len = min(
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
+        # runner="pooling": prompts only, each whole in one step (a budget of max_model_len at least, as vLLM
+        # gives a pooling model without chunked prefill), no KV kept after it (no prefix cache)
+        self.pooling = self.executor.pooling
+        self.prefix_caching = config.enable_prefix_caching and self.pooling is None
+        budget = config.max_num_batched_tokens
+        self.max_num_batched_tokens = budget if self.pooling is None else max(budget, self.max_model_len)
         self.hybrid = hybrid_memory(config, args.state_bytes_per_seq, self.executor.bytes_per_block())
         self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
         self.executor.allocate_kv_cache(self.num_kv_blocks, self.hybrid.num_state_slots,
                                         self.hybrid.num_snapshot_slots(self.num_kv_blocks))
         events = config.kv_events_config
-        is_publishing = events is not None and events.is_publishing and config.enable_prefix_caching
+        is_publishing = events is not None and events.is_publishing and self.prefix_caching
         if events is not None and events.is_publishing and not is_publishing:
             logger.warning("kv_events_config: prefix caching is off, so no KV-cache events are sent")
         if is_publishing and args.is_hybrid:  # a block is a hit only at a snapshot: announced blocks would lie
@@ -77,7 +83,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=self.hybrid.num_state_slots or config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             num_scheduler_steps=config.num_scheduler_steps,
             grammars=Grammars(config.model, self.vocab_size, self.eos_token_ids),
@@ -103,7 +109,7 @@ class EngineCore:
     def _kv_pool(self, first_content_id: int = 1) -> KVCacheManager:
         """Every block free, nothing indexed (content ids go on from `first_content_id`)."""
         config = self.config
-        return KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching, self.kv_events,
+        return KVCacheManager(self.num_kv_blocks, config.block_size, self.prefix_caching, self.kv_events,
                               first_content_id, self.hybrid.snapshots(self.num_kv_blocks, config.block_size))
 
     def _backed_num_blocks(self, num_blocks: int) -> int:
@@ -169,6 +175,8 @@ class EngineCore:
             num_moe_layers=self.num_moe_layers,
             num_hidden_layers=self.num_hidden_layers,
             **_hidden_states_facts(self.config, self.hidden_size),
+            runner="generate" if self.pooling is None else "pooling",
+            pooling=self.pooling,
         )
 
     def add_request(self, client_id: bytes, request: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -289,6 +297,7 @@ def runner_spec(config: EngineConfig, owns_process: bool = False) -> RunnerSpec:
         speculative=config.speculative_config,
         fill_empty_with_nan=config.fill_empty_with_nan,
         check_tensors=config.check_tensors,
+        runner=config.runner,
     )
 
 

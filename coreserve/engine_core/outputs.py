@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from coreserve.engine_core.request import Request
-from coreserve.protocol.arrays import LogprobsArrays, SamplingMaskArrays
+from coreserve.protocol.arrays import LogprobsArrays, PooledArray, SamplingMaskArrays
 from coreserve.protocol.messages import EngineCoreOutput, TokenExtras
 from coreserve.protocol.step import HostLogprobs, ModelRunnerOutput
 
@@ -32,6 +32,13 @@ def make_output(
     if req.is_finished:
         output.finish_reason = req.finish_reason
         output.stop_reason = req.stop_reason
+    return output
+
+
+def pooled_output(req: Request, values: np.ndarray) -> EngineCoreOutput:
+    """A finished pooling request's one output: no tokens, its vector (runner="pooling")."""
+    output = EngineCoreOutput(req.client_req_id, [], finish_reason=req.finish_reason)
+    _extras(output).pooled = PooledArray.from_numpy(values)
     return output
 
 

@@ -14,7 +14,7 @@ from coreserve.engine_core.kv_cache_manager import KVCacheManager
 from coreserve.engine_core.long_rope import LongRopeRule
 from coreserve.engine_core.lora_table import LoraTable
 from coreserve.engine_core.multi_step import extend_to_window
-from coreserve.engine_core.outputs import add_hidden_states, add_token_extras, make_output
+from coreserve.engine_core.outputs import add_hidden_states, add_token_extras, make_output, pooled_output
 from coreserve.engine_core.prefix_admission import is_prefix_being_computed, read_cached_prefix
 from coreserve.engine_core.prompt_rows import flavour_of
 from coreserve.engine_core.request import Request, RequestStatus
@@ -216,6 +216,8 @@ class Scheduler:
         if can_read_cache:
             read_cached_prefix(self.kv_cache, req)
         num_new = self._chunk(req, budget)
+        if not num_new:  # a pooling prompt waits for a step with room for all of it
+            return None
         if self.kv_cache.allocate(req.req_id, req.num_computed_tokens + num_new) is None:
             self.kv_cache.free(req.req_id)
             req.reset_for_recompute()
@@ -232,8 +234,13 @@ class Scheduler:
         return req.new_request_data(self.kv_cache.blocks_of(req.req_id), self.kv_cache.restore_slot(req.req_id))
 
     def _chunk(self, req: Request, budget: int) -> int:
-        """The request's tokens this step within `budget` (a hybrid's cut at its next snapshot boundary)."""
-        return self.kv_cache.cut_chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+        """The request's tokens this step within `budget` (a hybrid's cut at its next snapshot boundary); a
+        pooling request's whole prompt or none (bidirectional attention and its pooled rows need them all in
+        one step: its engine's budget is at least max_model_len, coreserve/engine_core/core.py)."""
+        num_left = req.num_tokens - req.num_computed_tokens
+        if req.params.pooling is not None:
+            return num_left if num_left <= budget else 0
+        return self.kv_cache.cut_chunk(req.num_computed_tokens, min(num_left, budget))
 
     def _commit(self, req: Request, num_new: int, output: SchedulerOutput) -> None:
         output.num_scheduled_tokens[req.req_id] = num_new
@@ -277,6 +284,11 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
             self._record_written(req, runner_output)
+            if req_id in runner_output.pooled:  # a pooling request: its vector, and it is done
+                req.finish(FinishReason.STOP)
+                by_client[req.client_id].append(pooled_output(req, runner_output.pooled[req_id]))
+                self._free(req)
+                continue
             if req_id not in sampled:  # a prefill chunk that did not reach the last token
                 if req_id in runner_output.hidden_states:  # its rows go now: a long prompt's are not held
                     chunk = EngineCoreOutput(req.client_req_id, [])

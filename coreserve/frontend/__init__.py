@@ -5,6 +5,13 @@ from coreserve.frontend.errors import EngineDeadError, RequestFailedError
 from coreserve.frontend.llm import LLM
 from coreserve.frontend.lora import LoRARequest
 from coreserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from coreserve.frontend.pooling_outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
+from coreserve.protocol.pooling_params import PoolingParams
 from coreserve.protocol.sampling_params import SamplingParams
 from coreserve.protocol.structured_outputs import StructuredOutputsParams
 
@@ -19,4 +26,9 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
 ]

@@ -31,8 +31,10 @@ from coreserve.frontend.engine.token_text import TokenTable
 from coreserve.frontend.errors import EngineDeadError, RequestFailedError
 from coreserve.frontend.lora import LoRARequest, with_lora
 from coreserve.frontend.outputs import RequestOutput
+from coreserve.frontend.pooling_verbs import pooling_sampling_params
 from coreserve.frontend.request_stream import RequestStream
 from coreserve.protocol.messages import EngineStats, HandshakeReply
+from coreserve.protocol.pooling_params import PoolingParams
 from coreserve.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,6 +135,18 @@ class AsyncLLM(AsyncLLMControlVerbs):
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         return RequestStream(lambda: self._start(prompt, params, request_id, lora_request), self._release)
+
+    def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams | None = None, request_id: str | None = None,
+        lora_request: LoRARequest | None = None, pooling_task: str | None = None,
+    ) -> RequestStream:
+        """A pooling engine's (runner="pooling"): a stream of one PoolingRequestOutput, the prompt's vector
+        under `pooling_task` ("embed" or "classify"; the model's own where None)."""
+        facts = self.facts.pooling
+        if facts is None:
+            raise ValueError("encode needs an engine with runner='pooling'; this one generates")
+        params = pooling_sampling_params(pooling_params, pooling_task or facts.tasks[0])
+        return self.generate(prompt, params, request_id, lora_request)
 
     async def _start(
         self, prompt: PromptType, params: SamplingParams, request_id: str, lora_request: LoRARequest | None

@@ -1,5 +1,6 @@
 """LLM: the offline, synchronous API with vLLM's names (frontend process). Its control verbs (RL:
-update_weights, sleep, ...) are `LLMControlVerbs`' (coreserve/frontend/control_verbs.py)."""
+update_weights, sleep, ...) are `LLMControlVerbs`' (coreserve/frontend/control_verbs.py), its pooling verbs
+(embed, classify, score, ...) `LLMPoolingVerbs`' (coreserve/frontend/pooling_verbs.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from coreserve.frontend.engine.output_processor import OutputProcessor
 from coreserve.frontend.errors import EngineDeadError, RequestFailedError
 from coreserve.frontend.lora import LoRARequest, lora_per_prompt, with_lora
 from coreserve.frontend.outputs import RequestOutput
+from coreserve.frontend.pooling_verbs import LLMPoolingVerbs
 from coreserve.frontend.request_ids import request_id_of
 from coreserve.protocol.messages import EngineStats
 from coreserve.protocol.sampling_params import SamplingParams
@@ -22,10 +24,12 @@ from coreserve.protocol.sampling_params import SamplingParams
 OUTPUT_POLL_S = 0.05
 
 
-class LLM(LLMControlVerbs):
+class LLM(LLMControlVerbs, LLMPoolingVerbs):
     """`LLM(model=None, **engine_args)`: None is the built-in tiny model; `core_address` attaches to a
     running `python -m coreserve.engine_core` daemon instead of spawning a core (a list: several daemons of the
-    same model, requests spread over them); `multiprocess=False` runs the core in this process."""
+    same model, requests spread over them); `multiprocess=False` runs the core in this process.
+    `runner="pooling"`: embed, classify, reward, encode and score (coreserve/frontend/pooling_verbs.py)
+    instead of generate."""
 
     def __init__(
         self,

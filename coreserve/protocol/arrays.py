@@ -103,6 +103,20 @@ class HiddenStates(msgspec.Struct, array_like=True, gc=False):
         return np.frombuffer(self.values, dtype="<f4").reshape(shape)
 
 
+class PooledArray(msgspec.Struct, array_like=True, gc=False):
+    """A pooling request's result (runner="pooling"): its embedding, or its classifier's label values."""
+
+    size: int
+    values: memoryview  # [size] float32 little-endian
+
+    @classmethod
+    def from_numpy(cls, values: np.ndarray) -> PooledArray:
+        return cls(values.shape[0], np.ascontiguousarray(values, dtype="<f4").tobytes())
+
+    def to_numpy(self) -> np.ndarray:  # [size] float32
+        return np.frombuffer(self.values, dtype="<f4", count=self.size)
+
+
 class SamplingMaskArrays(msgspec.Struct, array_like=True, gc=False):
     """Generated tokens' supports in CSR form: token i's ids are token_ids[offsets[i]:offsets[i + 1]],
     ascending."""

@@ -224,6 +224,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Weights holding a NaN or an infinity refused at load, update_weights and wake_up (llama.cpp's
     # --check-tensors, on here); False skips the pass (its cost: docs/untrusted_files.md).
     check_tensors: bool = True
+    # vLLM's runner: "generate" (tokens), "pooling" (embed, classify, score: one vector a prompt; docs/serving.md,
+    # "Pooling"), or "auto": pooling for a model without a language-model head (*ForSequenceClassification,
+    # a bare *Model, a GGUF file naming a pooling_type), else generate. One engine serves one of the two.
+    runner: Literal["auto", "generate", "pooling"] = "auto"
 
     def __post_init__(self) -> None:
         positive = {
@@ -263,6 +267,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"lora_allowed_roots must name at least one folder (None: any path), got "
                              f"{list(self.lora_allowed_roots)}")
         spec = self.speculative_config
+        if self.runner == "pooling" and (spec is not None or self.tensor_parallel_size > 1):
+            raise ValueError("runner='pooling' with speculative_config or tensor_parallel_size > 1 is not built")
         if self.enable_lora and spec is not None and spec.method == "draft_model":
             raise ValueError("enable_lora with speculative_config method 'draft_model' is not built")
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
@@ -318,6 +324,9 @@ ENGINE_ARG_HELP = {
     "kv_events_config": "KV-cache events as JSON, vLLM's names: {\"enable_kv_cache_events\": true, "
     "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": ..., \"topic\": "
     "\"kv@pod@model\", \"buffer_steps\": 10000}: every block the prefix cache stores, evicts or clears",
+    "runner": "generate (tokens), pooling (embeddings, classification and scores: /v1/embeddings, /pooling, "
+    "/classify, /score, /rerank), or auto (the default: pooling for a *ForSequenceClassification, a bare *Model "
+    "or a GGUF file with a pooling_type, else generate)",
     "quantized_activations": "float32 (the default, exact): GGUF weights kept quantized meet fp32 "
     "activations; int8 (integer mode): activations quantized to int8 blocks of 32, integer dot products, "
     "every bitwise guarantee kept, numbers near float32's (docs/quantized.md)",

@@ -10,7 +10,14 @@ from typing import Any, Literal
 
 import msgspec
 
-from coreserve.protocol.arrays import HiddenStates, LogprobsArrays, RoutedExperts, SamplingMaskArrays
+from coreserve.protocol.arrays import (
+    HiddenStates,
+    LogprobsArrays,
+    PooledArray,
+    RoutedExperts,
+    SamplingMaskArrays,
+)
+from coreserve.protocol.pooling_params import PoolingFacts
 from coreserve.protocol.sampling_params import SamplingParams
 
 
@@ -131,12 +138,14 @@ class TokenExtras(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     distribution gave the tokens the grammar allowed (docs/structured_outputs.md); return_routed_experts:
     the positions computed since the last output (prompt ones in the first); return_sampling_mask: one
     support per new token; return_hidden_states: the asked positions' rows computed since the last output
-    (a prompt chunk's come as soon as it is computed, in an output without tokens)."""
+    (a prompt chunk's come as soon as it is computed, in an output without tokens); a pooling request:
+    its pooled vector, in its one output (finished, without tokens)."""
 
     constraint_masses: list[float] | None = None
     routed_experts: RoutedExperts | None = None
     sampling_mask: SamplingMaskArrays | None = None
     hidden_states: HiddenStates | None = None
+    pooled: PooledArray | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True, gc=False):
@@ -163,6 +172,8 @@ class HandshakeReply(msgspec.Struct, tag="ready", array_like=True):
     num_hidden_layers: int = 0  # the model's decoder layers, L: HF's output_hidden_states has L + 1
     hidden_size: int = 0  # the hidden states' width; 0: this core returns none (the refusal says why)
     hidden_states_refusal: str = ""  # why return_hidden_states is refused here ("": it is not)
+    runner: str = "generate"  # "generate" or "pooling" (vLLM's runner): which requests the core serves
+    pooling: PoolingFacts | None = None  # a pooling core's model: its tasks and output size
 
 
 class EngineStats(msgspec.Struct, tag="stats", array_like=True):

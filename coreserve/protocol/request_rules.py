@@ -16,6 +16,7 @@ import msgspec
 
 from coreserve.protocol.limits import MAX_HIDDEN_STATES_BYTES
 from coreserve.protocol.messages import HandshakeReply
+from coreserve.protocol.pooling_params import PoolingFacts
 from coreserve.protocol.sampling_params import SamplingParams
 
 
@@ -32,6 +33,8 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     num_hidden_layers: int = 0  # L: HF's output_hidden_states has L + 1 entries
     hidden_size: int = 0  # 0: this engine returns no hidden states (hidden_states_refusal says why)
     hidden_states_refusal: str = ""
+    runner: str = "generate"  # "pooling": pooling requests alone (check_runner)
+    pooling: PoolingFacts | None = None
 
     @classmethod
     def of(cls, facts: HandshakeReply) -> RequestLimits:
@@ -46,6 +49,8 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
             num_hidden_layers=facts.num_hidden_layers,
             hidden_size=facts.hidden_size,
             hidden_states_refusal=facts.hidden_states_refusal,
+            runner=facts.runner,
+            pooling=facts.pooling,
         )
 
 
@@ -65,9 +70,10 @@ def check_request(
     prompt_param: str = "prompt",
     is_max_tokens_strict: bool = False,
 ) -> None:
-    """Every rule, in this order: the prompt, (vLLM's length rule), logprobs, token id fields, a token
-    left to sample under min_tokens, KV room."""
-    check_prompt(prompt_token_ids, limits, prompt_param)
+    """Every rule, in this order: the runner, the prompt, (vLLM's length rule), logprobs, token id fields,
+    a token left to sample under min_tokens, KV room."""
+    check_runner(params, limits)
+    check_prompt(prompt_token_ids, limits, prompt_param, is_pooling=params.pooling is not None)
     if is_max_tokens_strict:
         check_max_tokens_fit(len(prompt_token_ids), params.max_tokens, limits, prompt_param)
     check_logprobs("logprobs", params.logprobs, limits)
@@ -87,18 +93,74 @@ def check_request(
     check_kv_room(len(prompt_token_ids), params.max_tokens, limits)
 
 
-def check_prompt(prompt_token_ids: Sequence[int], limits: RequestLimits, param: str = "prompt") -> None:
-    """Not empty, shorter than the context (room for one generated token), ids in the vocabulary."""
+def check_prompt(
+    prompt_token_ids: Sequence[int], limits: RequestLimits, param: str = "prompt", is_pooling: bool = False
+) -> None:
+    """Not empty, shorter than the context (room for one generated token; a pooling prompt may fill it),
+    ids in the vocabulary."""
     num = len(prompt_token_ids)
     if num == 0:
         raise RequestRuleError(f"the {param} is empty: there is nothing to complete", param)
-    if num >= limits.max_model_len:
+    if is_pooling and num > limits.max_model_len:
+        raise RequestRuleError(
+            f"the {param} has {num} tokens, but max_model_len is {limits.max_model_len} (this model's maximum "
+            "context length): truncate it (truncate_prompt_tokens) or shorten it", param,
+        )
+    if num >= limits.max_model_len and not is_pooling:
         raise RequestRuleError(
             f"the {param} has {num} tokens, but max_model_len is {limits.max_model_len} (this model's "
             "maximum context length): it must be shorter, to leave room for at least one generated token",
             param,
         )
     _check_ids(param, "token id", prompt_token_ids, limits.vocab_size)
+
+
+# What a pooling request leaves as SamplingParams' defaults: it samples nothing, so any of these set is refused
+_UNSAMPLED = ("n", "logprobs", "prompt_logprobs", "prompt_logprob_token_ids", "min_tokens", "stop", "stop_token_ids",
+              "logit_bias", "allowed_token_ids", "structured_outputs", "return_routed_experts", "return_hidden_states",
+              "trace_decode_token_ids", "return_sampling_mask")
+
+
+def check_runner(params: SamplingParams, limits: RequestLimits) -> None:
+    """A pooling engine serves pooling requests alone, a generating one none; a pooling request's task is
+    the model's, its `dimensions` a width the model names, and it sets no sampling field."""
+    pooling = params.pooling
+    if limits.runner == "pooling" and pooling is None:
+        raise RequestRuleError(
+            "this engine runs a pooling model (runner='pooling'): it embeds, classifies and scores prompts "
+            "(LLM.embed, classify, score, reward; /v1/embeddings, /pooling, /classify, /score, /rerank) and "
+            "generates nothing", "prompt",
+        )
+    if pooling is None:
+        return
+    facts = limits.pooling
+    if limits.runner != "pooling" or facts is None:
+        raise RequestRuleError("pooling (embed, classify, score) needs an engine started with runner='pooling' "
+                               "(--runner pooling); this one generates", "pooling")
+    task = pooling.task or facts.tasks[0]
+    if task not in facts.tasks:
+        raise RequestRuleError(f"task {task!r} is not this model's: it serves {facts.tasks}", "task")
+    check_dimensions(pooling.dimensions, facts)
+    if params.lora is not None:
+        raise RequestRuleError("a LoRA adapter on a pooling request is not built", "lora")
+    defaults = SamplingParams()
+    for name in _UNSAMPLED:
+        if getattr(params, name) != getattr(defaults, name):
+            raise RequestRuleError(f"{name} does not apply to a pooling request (it samples nothing)", name)
+
+
+def check_dimensions(dimensions: int | None, facts: PoolingFacts) -> None:
+    """`dimensions`: a width a Matryoshka model names (config.json's matryoshka_dimensions or
+    is_matryoshka), or the embedding's own."""
+    if dimensions is None or dimensions == facts.output_size:
+        return
+    if dimensions in facts.dimensions or (facts.is_any_dimension and dimensions <= facts.output_size):
+        return
+    named = f"it names {facts.dimensions}" if facts.dimensions else "its config.json names no Matryoshka widths"
+    raise RequestRuleError(
+        f"dimensions={dimensions}: this model's embeddings have {facts.output_size} values, and {named} "
+        "(matryoshka_dimensions or is_matryoshka)", "dimensions",
+    )
 
 
 def check_max_tokens_fit(

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from coreserve.protocol.pooling_params import PoolingParams
 from coreserve.protocol.structured_outputs import StructuredOutputsParams
 
 # vLLM's names: logprobs or logits, of the model's output (raw) or after every logit rule, penalty,
@@ -134,6 +135,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The LoRA adapter the request runs with (vLLM's `lora_request`, given to generate beside the params
     # and carried here to the core, as cache_salt is; docs/lora.md). None: the base model.
     lora: LoraRef | None = None
+    # A pooling request's PoolingParams (LLM.embed, classify, score; the pooling routes), carried here to
+    # the core as lora is; the frontend builds its SamplingParams (docs/serving.md, "Pooling"). None: a
+    # generation request.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -160,6 +165,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for is_kept, message in self._rules_between_fields():
             if not is_kept:
                 raise ValueError(message)
+        if self.pooling is not None:
+            self.pooling.validate()
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
             if self.min_tokens:  # the grammar alone decides where its output may end

@@ -95,3 +95,6 @@ class ModelRunnerOutput:
     # return_hidden_states: req_id -> (first position, [its HF indices, rows, hidden] float32) per forward
     # pass, the positions it asked for (a recompute's again: the scheduler sends each position once)
     hidden_states: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
+    # runner="pooling": req_id -> its pooled vector [size] float32, for each request whose whole prompt
+    # this step computed (it samples nothing and is finished)
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)

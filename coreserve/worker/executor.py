@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from coreserve.protocol.pooling_params import PoolingFacts
 from coreserve.protocol.step import ModelRunnerOutput, SchedulerOutput
 from coreserve.worker.models.config import DecoderArgs
 from coreserve.worker.step.runner_spec import RunnerSpec
@@ -18,6 +19,7 @@ __all__ = ["Executor", "RunnerSpec", "make_executor"]
 
 class Executor(Protocol):
     model_args: DecoderArgs  # the whole model's (a rank holds its share of the heads)
+    pooling: PoolingFacts | None  # runner="pooling": what the model pools to; None: the engine generates
 
     def bytes_per_block(self) -> int: ...  # KV cache bytes a block takes (on each rank)
     def host_kv_bytes(self, num_blocks: int) -> int: ...  # host memory that many blocks take (0 on a GPU)

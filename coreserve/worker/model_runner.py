@@ -27,6 +27,7 @@ from coreserve.worker.models.loader import load_model
 from coreserve.worker.models.sharding import Shard, apply_tp
 from coreserve.worker.models.weight_store import WeightStore
 from coreserve.worker.parallel.group import TensorParallelGroup
+from coreserve.worker.pooling.pooler import Pooler, build_pooler
 from coreserve.worker.runner_control import RunnerControl, call_verb
 from coreserve.worker.sampling.grammar_mask import build_grammar_mask
 from coreserve.worker.sampling.metadata import SamplingMetadata, build_sampling_metadata, next_sampling_step
@@ -84,6 +85,11 @@ class ModelRunner:
             apply_tp(self.model, group)
         logger.info("startup: model load %.3f s (%s backend)", time.perf_counter() - begun, self.backend.name)
         self.dtype = self.backend.activation_dtype(self.model.embed_tokens.weight.dtype)  # activations, KV
+        # runner="pooling": each prompt's hidden states pooled instead of sampled (coreserve/worker/pooling/)
+        self.pooler: Pooler | None = build_pooler(spec.runner, spec.model, self.model.args, self.device)
+        if self.pooler is not None and group is not None:
+            raise ValueError("runner='pooling' with tensor_parallel_size > 1 is not built")
+        self.pooling = None if self.pooler is None else self.pooler.spec.facts  # the handshake's
         self.vocab_size = self.model.args.vocab_size
         self.states: dict[str, RequestState] = {}
         self.asking_extras: set[str] = set()  # live requests that ask for a step extra (coreserve/worker/step_extras.py)
@@ -195,6 +201,7 @@ class ModelRunner:
         meta = self._sampling_metadata(scheduler_output, inputs, sampling_states) if sampling_states else None
         keep = self._hidden_keep(states, num_tokens)
         hidden, out = self.forward_and_sample(inputs, meta, keep=keep)
+        pooled = self.pooler.pool(self.model, hidden, inputs.pool_jobs) if inputs.pool_jobs else {}
         extras = None
         if self.asking_extras:  # before the computed tokens advance: the routed rows' positions
             grammars = scheduler_output.grammar_req_ids
@@ -215,7 +222,9 @@ class ModelRunner:
                 for job in inputs.prompt_jobs:
                     self.lora.use_slot(self.states[job.req_id].lora_slot)
                     tensors.prompt_logprobs.update(prompt_logprob_rows([job], self.states, hidden, logits_of, ops))
-        return tensors.to_host(), out, extras
+        host = tensors.to_host()
+        host.pooled = pooled
+        return host, out, extras
 
     def prepare(
         self, states: list[RequestState], num_tokens: list[int], verified: frozenset[str] = frozenset()

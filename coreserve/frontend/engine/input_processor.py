@@ -40,7 +40,8 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
             keep = params.truncate_prompt_tokens
-            keep = self.facts.max_model_len - 1 if keep == -1 else keep  # -1: the most that leaves room
+            room = 0 if params.pooling is not None else 1  # a pooling prompt may fill the context
+            keep = self.facts.max_model_len - room if keep == -1 else keep  # -1: the most that leaves room
             token_ids = token_ids[-keep:]
         self.validate(token_ids, params)
         return text, token_ids

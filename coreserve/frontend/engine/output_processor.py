@@ -16,6 +16,7 @@ from coreserve.frontend.engine.token_extras import apply_extras, hidden_states, 
 from coreserve.frontend.engine.token_text import IncrementalDetokenizer, TokenIdsOnly, TokenTable
 from coreserve.frontend.errors import EngineDeadError, RequestFailedError
 from coreserve.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput, SamplingMask
+from coreserve.frontend.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from coreserve.frontend.request_ids import child_params
 from coreserve.protocol.messages import EngineCoreOutput, FinishReason
 from coreserve.protocol.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class CompletionState:
     routed_parts: list[np.ndarray] | None = None  # return_routed_experts: the core's rows, in order
     mask_rows: list[np.ndarray] | None = None  # return_sampling_mask: one support per kept token
     hidden_parts: list[np.ndarray] | None = None  # return_hidden_states: the core's rows, in order
+    pooled: np.ndarray | None = None  # a pooling request's vector (runner="pooling"), in its one output
 
     def routed_experts(self, num_prompt_tokens: int) -> np.ndarray | None:
         return routed_experts(self.routed_parts, num_prompt_tokens + len(self.token_ids) - 1)
@@ -244,9 +246,12 @@ class OutputProcessor:
                 state.error = RequestFailedError(output.error or "the engine core failed it without a reason")
         return is_stopped and not is_core_done
 
-def make_request_output(state: RequestState) -> RequestOutput:
-    """Streaming with n > 1: a delta carries only the completions this step changed (new tokens or
+def make_request_output(state: RequestState) -> RequestOutput | PoolingRequestOutput:
+    """A pooling request's PoolingRequestOutput (its one output, finished); else: streaming with n > 1: a delta carries only the completions this step changed (new tokens or
     text, or the finish), so that a finished completion is never sent again; n = 1 always has its one."""
+    pooled = state.completions[0].pooled
+    if pooled is not None or state.completions[0].params.pooling is not None:
+        return PoolingRequestOutput(state.request_id, PoolingOutput(pooled), state.prompt_token_ids, state.finished)
     is_parent = len(state.completions) > 1
     num_prompt = len(state.prompt_token_ids)
     completions = [_completion_output(c, state.is_delta, is_parent, num_prompt) for c in state.completions]

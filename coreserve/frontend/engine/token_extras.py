@@ -1,5 +1,6 @@
 """What a completion gets beside its tokens, from the core's `TokenExtras` (frontend process): grammar
-masses and sampling supports of the kept tokens, routed experts and hidden states by computed position."""
+masses and sampling supports of the kept tokens, routed experts and hidden states by computed position; a
+pooling request's vector."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def apply_extras(completion, extras: TokenExtras, num_kept: int) -> None:
         completion.routed_parts.append(extras.routed_experts.to_numpy().copy())
     if extras.hidden_states is not None and completion.hidden_parts is not None:
         completion.hidden_parts.append(extras.hidden_states.to_numpy().copy())
+    if extras.pooled is not None and completion.params.pooling is not None:
+        completion.pooled = extras.pooled.to_numpy().copy()
 
 
 def routed_experts(parts: list[np.ndarray] | None, num_positions: int) -> np.ndarray | None:

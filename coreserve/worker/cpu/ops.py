@@ -105,7 +105,7 @@ class CpuOps:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         meta: AttentionMetadata, spec: AttentionSpec, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if not self.is_batch_invariant:
+        if not self.is_batch_invariant or not spec.is_causal:  # bidirectional: a whole prompt, one request a call
             return paged_attention(q, k, v, cache, meta, spec, self._attend_decode, sinks)
         out = torch.empty_like(q)  # this step's k and v are in the cache already (rope_write_kv)
         self._attend_rows(q, out, cache, _plan(meta).every_token, spec, sinks)

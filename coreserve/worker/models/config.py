@@ -20,6 +20,7 @@ from coreserve.worker.models.family import (
     SILU,
     Family,
     family_of,
+    head_of,
     refuse_unserved,
     text_config,
 )
@@ -89,6 +90,15 @@ class DecoderArgs:
     # tensors under skipped_prefixes (its vision tower, a multi-token-prediction head) are not this model's
     text_prefix: str = "model."
     skipped_prefixes: tuple[str, ...] = ()
+    # "lm_head" (a language model), "score" (a *ForSequenceClassification: `score` [num_labels, hidden]) or
+    # "none" (a bare decoder): family.py's POOLING_ARCHITECTURES
+    head: str = "lm_head"
+    num_labels: int = 0  # the score head's outputs (config.json's id2label); 0: no score head
+
+    @property
+    def is_bidirectional(self) -> bool:
+        """Some layer attends both ways (EmbeddingGemma): only the pooling runner serves it."""
+        return any(not spec.attention.is_causal for spec in self.layers)
 
     @property
     def attention_layers(self) -> list[int]:
@@ -147,6 +157,7 @@ class DecoderArgs:
         layers = layer_specs(config, family, rope, moe.dense_layers if moe else (), head_dim, max_positions)
         if all(spec.mixer != "attention" for spec in layers):
             raise ValueError("a model with no attention layer (every layer recurrent) is not supported")
+        head = head_of(config)
         local = [s.rope for s in layers if s.rope is not rope]
         if local and "longrope" in (rope.rope_type, local[0].rope_type):  # both tables read at one row
             raise ValueError("RoPE 'longrope' in a model with a RoPE per kind of layer is not supported")
@@ -163,7 +174,8 @@ class DecoderArgs:
             rope=rope,
             qkv_bias=family.always_qkv_bias or attention_bias,
             o_bias=attention_bias,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", family.ties_by_default)),
+            # a pooling model has no lm_head: tied, it takes no memory and no tensor of the file (never read)
+            tie_word_embeddings=head != "lm_head" or bool(config.get("tie_word_embeddings", family.ties_by_default)),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             layers=layers,
             norm_offset=family.norm_offset,
@@ -175,9 +187,36 @@ class DecoderArgs:
             mamba=mamba2_args(config) if family.recurrent == MAMBA2 else None,
             embedding_multiplier=_multiplier(config, family, "embedding_multiplier"),
             logits_scaling=_multiplier(config, family, "logits_scaling"),
-            text_prefix="model.language_model." if family.nests_text_config else "model.",
+            text_prefix=_text_prefix(family, head),
             skipped_prefixes=family.skipped_prefixes,
+            head=head,
+            num_labels=num_labels(config) if head == "score" else 0,
         )
+
+
+def _text_prefix(family: Family, head: str) -> str:
+    """Where the decoder's tensors are in the checkpoint: a bare *Model's names have no prefix."""
+    if head == "none":
+        return ""
+    return "model.language_model." if family.nests_text_config else "model."
+
+
+MAX_LABELS = 1 << 16  # a classifier's labels: far more than any has
+
+
+def num_labels(config: dict) -> int:
+    """A classifier's label count as HF reads it: id2label's size (keys 0..n-1), else num_labels, else 2."""
+    id2label = config.get("id2label")
+    if id2label is None:
+        count = config.get("num_labels", 2)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_LABELS:
+            raise ValueError(f"num_labels={str(count)[:40]} must be an integer in 1..{MAX_LABELS}")
+        return count
+    if not isinstance(id2label, dict) or not 1 <= len(id2label) <= MAX_LABELS:
+        raise ValueError(f"id2label must be an object of 1..{MAX_LABELS} labels, got {str(id2label)[:80]}")
+    if sorted(id2label) != sorted(str(i) for i in range(len(id2label))):
+        raise ValueError(f"id2label's keys must be 0..{len(id2label) - 1}, got {sorted(id2label)[:8]}")
+    return len(id2label)
 
 
 def _multiplier(config: dict, family: Family, key: str) -> float | None:
@@ -216,7 +255,8 @@ def _refuse_unsupported(config: dict, family: Family) -> None:
         act = config.get("hidden_activation") or config.get("hidden_act") or GELU_TANH
         if act != GELU_TANH:
             raise ValueError(f"hidden_activation={act!r} is not supported for {name} (only {GELU_TANH})")
-        if config.get("use_bidirectional_attention") and "use_bidirectional_attention" not in family.served_keys:
+        is_served = family.can_be_bidirectional or "use_bidirectional_attention" in family.served_keys
+        if config.get("use_bidirectional_attention") and not is_served:
             raise ValueError("use_bidirectional_attention=true (an encoder's attention) is not supported")
     elif config.get("hidden_act", SILU) != SILU:
         raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (only silu)")

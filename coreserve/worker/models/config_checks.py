@@ -42,7 +42,9 @@ _POSITIVE_FLOATS = ("rope_theta", "attn_logit_softcapping", "final_logit_softcap
                     "attention_multiplier", "logits_scaling", "swiglu_alpha", "swiglu_limit")
 FLOAT32_MAX = 3.4028234663852886e38  # past it a positive float is infinite where the model applies it in float32
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")  # what the engine reads (a pad id of -1 is common and unread)
-_LAYER_PATTERNS = (re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\."), re.compile(r"^blk\.(\d+)\."))
+# a layer's tensors: under model. (a vision-language folder's model.language_model.), a bare *Model's without
+# a prefix, a GGUF file's blk.N.
+_LAYER_PATTERNS = (re.compile(r"^(?:model\.(?:language_model\.)?)?layers\.(\d+)\."), re.compile(r"^blk\.(\d+)\."))
 _SLACK_ELEMENTS = 1 << 20  # buffers a model holds beyond its checkpoint's tensors
 
 

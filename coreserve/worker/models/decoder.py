@@ -249,6 +249,8 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:  # one tensor, not two copies
             self.lm_head.weight = self.embed_tokens.weight
+        if args.num_labels:  # a *ForSequenceClassification's head (coreserve/worker/pooling/pooler.py reads it)
+            self.score = nn.Linear(args.hidden_size, args.num_labels, bias=False)
         self.ops: ModelOps = TorchOps()  # a backend's ops replace these (coreserve/worker/cpu/ops.py)
         # The last forward's kept hidden states (its `keep`): HF index -> [kept rows, hidden]
         self.kept_states: dict[int, torch.Tensor] = {}

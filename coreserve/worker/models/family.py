@@ -91,6 +91,9 @@ class Family:
     has_global_head_dim: bool = False
     # (key, HF's default where absent, the values served, what the others are): any other value refused by name
     served_only: tuple[tuple[str, object, tuple, str], ...] = ()
+    # use_bidirectional_attention (EmbeddingGemma): every token attends to the whole prompt, within the
+    # sliding layers' window either side; served by the pooling runner alone
+    can_be_bidirectional: bool = False
 
     @property
     def served_keys(self) -> frozenset[str]:
@@ -164,7 +167,7 @@ FAMILIES = {
     "Gemma2ForCausalLM": Family("gemma2", layer_pattern=2, **_GEMMA),
     "Gemma3ForCausalLM": Family(
         "gemma3", qk_norm="head", layer_pattern=6, layer_pattern_key="sliding_window_pattern",
-        local_rope_base=("rope_local_base_freq", 10000.0), **_GEMMA,
+        local_rope_base=("rope_local_base_freq", 10000.0), can_be_bidirectional=True, **_GEMMA,
     ),
     "Gemma4ForCausalLM": Family("gemma4", **_GEMMA4),
     "Gemma4ForConditionalGeneration": Family("gemma4", nests_text_config=True, **_GEMMA4),
@@ -227,6 +230,35 @@ FAMILIES = {
 }
 
 
+# The pooling models (runner="pooling", docs/serving.md "Pooling"): architecture -> (the causal family whose
+# decoder it is, its head). "score": *ForSequenceClassification's linear head over the last non-pad token's
+# hidden state (a classifier, or a reward model's one label); "none": the bare decoder (*Model), its final
+# hidden states pooled (a sentence-transformers folder's embedding model). Their checkpoints have no lm_head.
+POOLING_ARCHITECTURES = {
+    "LlamaModel": ("LlamaForCausalLM", "none"),
+    "LlamaForSequenceClassification": ("LlamaForCausalLM", "score"),
+    "MistralModel": ("MistralForCausalLM", "none"),
+    "MistralForSequenceClassification": ("MistralForCausalLM", "score"),
+    "Qwen2Model": ("Qwen2ForCausalLM", "none"),
+    "Qwen2ForSequenceClassification": ("Qwen2ForCausalLM", "score"),
+    "Qwen3Model": ("Qwen3ForCausalLM", "none"),
+    "Qwen3ForSequenceClassification": ("Qwen3ForCausalLM", "score"),
+    "Gemma3TextModel": ("Gemma3ForCausalLM", "none"),
+    "Gemma3TextForSequenceClassification": ("Gemma3ForCausalLM", "score"),
+}
+
+
+def head_of(config: dict) -> str:
+    """The model's head: "lm_head" (a language model), "score" or "none" (POOLING_ARCHITECTURES)."""
+    for architecture in config.get("architectures") or []:
+        if architecture in FAMILIES:
+            return "lm_head"
+        if architecture in POOLING_ARCHITECTURES:
+            return POOLING_ARCHITECTURES[architecture][1]
+    family_of(config)  # the refusal naming what is supported
+    raise AssertionError("unreachable")
+
+
 def text_config(config: dict) -> dict:
     """The decoder's config: a vision-language folder's text_config (under the folder's architectures,
     with its tie_word_embeddings where only the outer level states it), else config.json itself with its
@@ -273,4 +305,7 @@ def family_of(config: dict) -> Family:
     for architecture in architectures:
         if architecture in FAMILIES:
             return FAMILIES[architecture]
-    raise ValueError(f"unsupported architecture {sorted(architectures)}; supported: {sorted(FAMILIES)}")
+        if architecture in POOLING_ARCHITECTURES:
+            return FAMILIES[POOLING_ARCHITECTURES[architecture][0]]
+    supported = sorted([*FAMILIES, *POOLING_ARCHITECTURES])
+    raise ValueError(f"unsupported architecture {sorted(architectures)}; supported: {supported}")

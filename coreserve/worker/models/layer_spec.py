@@ -65,9 +65,10 @@ def layer_specs(
         scale, residual = multiplier(config, "attention_multiplier"), multiplier(config, "residual_multiplier")
     clip = (config.get("clip_qkv") or None) if family.has_clip_qkv else None
     kinds = layer_kinds(config, family)
+    is_causal = not (family.can_be_bidirectional and config.get("use_bidirectional_attention"))
     return tuple(
         LayerSpec(
-            attention=AttentionSpec(window, scale, softcap),
+            attention=_attention_spec(window, scale, softcap, is_causal),
             rope=_layer_rope(rope, local_rope if window is not None else None, i in nope),
             norm_offset=family.norm_offset,
             has_sandwich_norms=family.has_sandwich_norms,
@@ -85,6 +86,14 @@ def layer_specs(
         )
         for i, window in enumerate(windows)
     )
+
+
+def _attention_spec(window: int | None, scale: float | None, softcap: float | None, is_causal: bool) -> AttentionSpec:
+    """A bidirectional layer's window is HF's: config.json's sliding_window // 2 + 1, keys nearer than it
+    on either side (Gemma3TextConfig halves it so for use_bidirectional_attention)."""
+    if not is_causal and window is not None:
+        window = window // 2 + 1
+    return AttentionSpec(window, scale, softcap, is_causal)
 
 
 def _layer_rope(rope: RopeSpec, local: RopeSpec | None, is_nope: bool) -> RopeSpec:

@@ -19,6 +19,8 @@ def weight_destination(args: DecoderArgs, hf_name: str) -> tuple[str, slice | No
         return top[hf_name], None
     if hf_name == "lm_head.weight":  # a tied checkpoint may still carry it: HF ignores it, so do we
         return None if args.tie_word_embeddings else ("lm_head.weight", None)
+    if hf_name == "score.weight" and args.num_labels:  # a *ForSequenceClassification's head
+        return "score.weight", None
     parts = hf_name.split(".")
     if parts[:2] == ["model", "layers"] and parts[3:] == ["layer_scalar"] and args.layers[0].has_layer_scalar:
         return f"layers.{parts[2]}.layer_scalar", None  # Gemma 4's, a tensor [1] of each layer

@@ -57,6 +57,7 @@ class TensorParallelExecutor:
         size = spec.tensor_parallel_size
         self.model_args: DecoderArgs = DecoderArgs.from_hf_config(read_config(spec.model))  # the whole model's
         shard_args(self.model_args, size)  # a ValueError now, before any process starts
+        self.pooling = None  # the pooling runner is not built under tensor parallelism (each rank refuses it)
         self.size = size
         self.is_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
         self.on_progress = on_progress

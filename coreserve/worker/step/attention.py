@@ -30,6 +30,9 @@ class AttentionSpec:
     window: int | None = None  # a token attends to itself and the window - 1 before it; None: all
     scale: float | None = None  # the scores' (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
     softcap: float | None = None  # scores become softcap tanh(score / softcap) before the softmax (Gemma 2)
+    # False: bidirectional (EmbeddingGemma), every token of a prompt attends to every other, within the
+    # window - 1 positions either side where there is a window; a whole prompt in one step, never a decode row
+    is_causal: bool = True
 
 
 @dataclass
@@ -184,6 +187,7 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of this step (already in `cache`); sinks: [Hq], a logit a head
     that joins each softmax (gpt-oss), or None. Returns [T, Hq, D]: the decode rows by `attend_decode`,
     the prefill chunks one by one here."""
+    assert spec.is_causal or meta.decode is None, "a bidirectional layer has no decode rows"
     out = torch.empty_like(q)
     if meta.decode is not None:
         attend_decode(q, out, cache, meta, spec, sinks)
@@ -200,6 +204,8 @@ def _attend_chunk(
     """One prefill chunk: q [Tq, Hq, D], k and v [Tq, Hkv, D] of its own tokens; earlier positions
     come from the cache, only those some query's window still reaches."""
     window, scale, softcap = spec.window, spec.scale, spec.softcap
+    if not spec.is_causal:
+        return _attend_whole(q, k, v, seq, spec, sinks)
     if seq.context_len == seq.num_tokens:  # the whole context is this chunk
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
         if (window is None or seq.num_tokens <= window) and softcap is None and sinks is None:  # plain causal
@@ -210,6 +216,23 @@ def _attend_chunk(
     keys, values = _context(cache, _skip_slots(seq.runs, first_key))
     mask = _causal_mask(seq.num_tokens, seq.context_len, first_key, window, q.device)
     return _sdpa(q, keys, values, mask, False, scale, softcap, sinks)
+
+
+def _attend_whole(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SeqSpan, spec: AttentionSpec, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """A bidirectional layer over a whole prompt (the pooling runner schedules it in one step): every query
+    attends to every key within the window either side. One request's call, its shapes its own, so its
+    numbers do not depend on the batch."""
+    assert seq.context_len == seq.num_tokens, "a bidirectional layer attends to a whole prompt in one step"
+    keys, values, window = k.transpose(0, 1), v.transpose(0, 1), spec.window
+    mask = None
+    if window is not None and seq.num_tokens > window:
+        positions = torch.arange(seq.num_tokens, device=q.device)
+        mask = (positions[:, None] - positions[None, :]).abs() < window
+    if mask is None and (spec.softcap is not None or sinks is not None):
+        mask = torch.ones(seq.num_tokens, seq.num_tokens, dtype=torch.bool, device=q.device)
+    return _sdpa(q, keys, values, mask, False, spec.scale, spec.softcap, sinks)
 
 
 def _causal_mask(

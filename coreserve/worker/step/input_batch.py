@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from coreserve.protocol.pooling_params import PoolingParams
 from coreserve.protocol.sampling_params import SamplingParams
 from coreserve.protocol.step import NewRequestData
 from coreserve.worker.step.attention import AttentionMetadata, DecodeRows, SeqSpan, StateSpan
@@ -78,6 +79,18 @@ class PromptLogprobsJob:
     first_position: int = 0  # the prompt position of the first row (row i predicts token i + 1)
 
 
+@dataclass(frozen=True)
+class PoolJob:
+    """A pooling request whose whole prompt the step computes (runner="pooling"): its rows of the step's
+    hidden states, pooled after the forward (coreserve/worker/pooling/pooler.py) instead of sampled."""
+
+    req_id: str
+    first_row: int
+    num_rows: int
+    token_ids: list[int]  # its prompt (a classifier's pad rule reads it)
+    params: PoolingParams
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
@@ -90,6 +103,7 @@ class StepInputs:
     sampled_req_ids: list[str]  # [R]
     prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
     lora_rows: torch.Tensor | None = None  # [T] int64 each token's LoRA slot (-1: none); None: no adapter
+    pool_jobs: list[PoolJob] = field(default_factory=list)  # runner="pooling": the prompts pooled this step
 
 
 def build_step_inputs(
@@ -130,6 +144,7 @@ class _StepRows:
     sampled_req_ids: list[str] = field(default_factory=list)
     prompt_jobs: list[PromptLogprobsJob] = field(default_factory=list)
     state_spans: list[StateSpan] = field(default_factory=list)
+    pool_jobs: list[PoolJob] = field(default_factory=list)
     row: int = 0
 
     def add(self, state: RequestState, num: int, is_verified: bool, is_long: bool) -> None:
@@ -181,8 +196,13 @@ class _StepRows:
             self.seqs.append(SeqSpan(self.row, end - start, end, runs))
 
     def add_sampled(self, state: RequestState, start: int, end: int) -> None:
-        """A request whose last token is scheduled samples from its last row."""
-        if end == len(state.token_ids):
+        """A request whose last token is scheduled samples from its last row; a pooling request's whole
+        prompt (scheduled in one step) is pooled instead."""
+        pooling = state.params.pooling
+        if end == len(state.token_ids) and pooling is not None:
+            assert start == 0, "a pooling prompt is scheduled whole, in one step"
+            self.pool_jobs.append(PoolJob(state.req_id, self.row, end, state.token_ids, pooling))
+        elif end == len(state.token_ids):
             self.sample_rows.append(self.row + end - start - 1)
             self.sampled_req_ids.append(state.req_id)
 
@@ -218,6 +238,7 @@ class _StepRows:
             None if is_every_row else torch.tensor(self.sample_rows, dtype=torch.int64, device=device),
             self.sampled_req_ids,
             self.prompt_jobs,
+            pool_jobs=self.pool_jobs,
         )
 
 

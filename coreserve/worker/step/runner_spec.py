@@ -28,3 +28,4 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     owns_process: bool = False
     fill_empty_with_nan: bool = False  # EngineConfig's debug switch (coreserve/worker/nan_empties.py)
     check_tensors: bool = True  # EngineConfig's: weights holding NaN or infinities refused where they enter
+    runner: str = "auto"  # EngineConfig's: "generate", "pooling" or "auto" (resolved by the model at load)

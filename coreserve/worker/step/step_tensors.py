@@ -59,6 +59,7 @@ class HostStep:
     sampled_token_ids: np.ndarray  # [num_sampled_reqs, num_steps] int32
     logprobs: list[HostLogprobs]  # one per model step, rows follow the requests that asked
     prompt_logprobs: dict[str, HostLogprobs]
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)  # runner="pooling": req_id -> [size] float32
 
     def runner_output(
         self, sampled_req_ids: list[str], logprob_req_ids: list[str], extras: StepExtras | None
@@ -70,6 +71,7 @@ class HostStep:
             logprob_req_ids if self.logprobs else [],
             self.logprobs,
             self.prompt_logprobs,
+            pooled=self.pooled,
             **({} if extras is None else vars(extras)),
         )
 
