@@ -119,3 +119,13 @@ def test_get_sequence_logprobs_refuses_bad_bodies_and_needs_the_key(http, base):
         f"{base}/get_sequence_logprobs/", json={"sequences": [SEQUENCE], "prompt_lengths": [1]}
     )
     assert keyless.status_code == 401
+
+
+def test_a_generating_server_refuses_the_pooling_routes_and_keeps_sglangs_score(http):
+    """/v1/score is SGLang's label scoring here (tests/test_label_scores.py); vLLM's pooling body is refused."""
+    for path, body in (("/v1/embeddings", {"input": "a"}), ("/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v1/score", {"text_1": "a", "text_2": "b"})):
+        answer = http.post(path, json=body)
+        assert answer.status_code == 400 and "needs a pooling model (--runner pooling)" in answer.json()["error"]["message"]
+    scored = http.post("/v1/score", json={"query": "The capital", "items": [" of"], "label_token_ids": [286]})
+    assert scored.status_code == 200 and 0 < scored.json()["scores"][0][0] < 1

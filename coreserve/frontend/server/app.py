@@ -25,15 +25,11 @@ from coreserve.frontend.server.openai.chat_prompt import render_messages
 from coreserve.frontend.server.openai.completions import create_completion
 from coreserve.frontend.server.openai.responses import create_response
 from coreserve.frontend.server.openai.schemas import DetokenizeRequest, TokenizeRequest
+from coreserve.frontend.server.pooling.routes import POOLING_PATHS, add_pooling_routes, for_generation
 from coreserve.frontend.server.rl.control import RL_PATHS, rl_router
 from coreserve.frontend.server.rl.inference_generate import INFERENCE_GENERATE_PATH, inference_generate
 from coreserve.frontend.server.rl.token_generate import GENERATE_PATH, abort_request, generate
-from coreserve.frontend.server.scoring.label_scores import (
-    SGLANG_SCORE_PATH,
-    VLLM_SCORE_PATH,
-    sglang_score,
-    vllm_generative_scoring,
-)
+from coreserve.frontend.server.scoring.label_scores import VLLM_SCORE_PATH, vllm_generative_scoring
 from coreserve.frontend.server.scoring.sequence_logprobs import SEQUENCE_LOGPROBS_PATH, get_sequence_logprobs
 from coreserve.frontend.server.state import ServerState
 
@@ -57,12 +53,12 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
             RL_PATHS | {GENERATE_PATH, "/abort_request", SEQUENCE_LOGPROBS_PATH}
             if server.enable_rl_endpoints
             else frozenset()
-        ) | {INFERENCE_GENERATE_PATH, VLLM_SCORE_PATH}
+        ) | {INFERENCE_GENERATE_PATH, VLLM_SCORE_PATH} | POOLING_PATHS
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key, extra_paths=rl_paths)
     app.add_middleware(DrainMiddleware, drain=server.drain)  # outermost: counts and refuses every request
-    app.post("/v1/completions")(create_completion)
-    app.post("/v1/chat/completions")(create_chat_completion)
-    app.post("/v1/responses")(create_response)
+    app.post("/v1/completions")(for_generation(server, "/v1/completions", create_completion))
+    app.post("/v1/chat/completions")(for_generation(server, "/v1/chat/completions", create_chat_completion))
+    app.post("/v1/responses")(for_generation(server, "/v1/responses", create_response))
     app.get("/v1/models")(list_models)
     app.get("/health")(health)
     app.get("/metrics")(metrics)
@@ -70,18 +66,22 @@ def build_app(server: ServerState, lifespan=None) -> FastAPI:
     app.post("/detokenize")(detokenize)
     app.get("/tokenizer_info")(tokenizer_info)
     app.include_router(probe_router())  # what routers and gateways read: /ready, /version, loads, info
-    app.post(INFERENCE_GENERATE_PATH)(inference_generate)  # vLLM's tokens in, tokens out (prime-rl)
-    app.post(SGLANG_SCORE_PATH)(sglang_score)  # label scoring for graders (scoring/label_scores.py)
-    app.post(VLLM_SCORE_PATH)(vllm_generative_scoring)
+    # vLLM's tokens in, tokens out (prime-rl)
+    app.post(INFERENCE_GENERATE_PATH)(for_generation(server, INFERENCE_GENERATE_PATH, inference_generate))
+    app.post(VLLM_SCORE_PATH)(for_generation(server, VLLM_SCORE_PATH, vllm_generative_scoring))
+    # the pooling routes (pooling/routes.py; refused on a generating server), and /v1/score: SGLang's label
+    # scoring (scoring/label_scores.py) or vLLM's pooling score, by the body
+    add_pooling_routes(app, server)
     if server.enable_lora:  # vLLM's runtime adapter routes (coreserve/frontend/server/lora.py)
         app.post("/v1/load_lora_adapter")(load_lora_adapter)
         app.post("/v1/unload_lora_adapter")(unload_lora_adapter)
     if server.enable_rl_endpoints:  # off by default: without the flag these paths are a 404
         app.include_router(rl_router())
-        app.post(GENERATE_PATH)(generate)  # token ids in and out (rl/token_generate.py)
+        app.post(GENERATE_PATH)(for_generation(server, GENERATE_PATH, generate))  # token ids in and out (rl/token_generate.py)
         app.post("/abort_request")(abort_request)  # SGLang's, for /generate requests
-        app.post(SEQUENCE_LOGPROBS_PATH + "/")(get_sequence_logprobs)  # TRL's scoring (scoring/sequence_logprobs.py)
-        app.post(SEQUENCE_LOGPROBS_PATH)(get_sequence_logprobs)
+        logprobs = for_generation(server, SEQUENCE_LOGPROBS_PATH, get_sequence_logprobs)  # TRL's scoring
+        app.post(SEQUENCE_LOGPROBS_PATH + "/")(logprobs)  # (scoring/sequence_logprobs.py)
+        app.post(SEQUENCE_LOGPROBS_PATH)(logprobs)
     return app
 
 

@@ -81,6 +81,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "max_lora_rank": (int, None),
     "max_cpu_loras": (int, None),
     "check_tensors": (_boolean, None),
+    "runner": (str, ("auto", "generate", "pooling")),  # pooling: the embedding and scoring routes
 }
 
 
