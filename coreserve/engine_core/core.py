@@ -63,6 +63,9 @@ class EngineCore:
         self.prefix_caching = config.enable_prefix_caching and self.pooling is None
         budget = config.max_num_batched_tokens
         self.max_num_batched_tokens = budget if self.pooling is None else max(budget, self.max_model_len)
+        if self.max_num_batched_tokens != budget:
+            logger.info("runner='pooling': max_num_batched_tokens %d raised to max_model_len %d (a prompt a step)",
+                        budget, self.max_model_len)
         self.hybrid = hybrid_memory(config, args.state_bytes_per_seq, self.executor.bytes_per_block())
         self.num_kv_blocks = self._backed_num_blocks(config.num_kv_blocks or self._default_num_blocks())
         self.executor.allocate_kv_cache(self.num_kv_blocks, self.hybrid.num_state_slots,

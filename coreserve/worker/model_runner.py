@@ -87,8 +87,9 @@ class ModelRunner:
         self.dtype = self.backend.activation_dtype(self.model.embed_tokens.weight.dtype)  # activations, KV
         # runner="pooling": each prompt's hidden states pooled instead of sampled (coreserve/worker/pooling/)
         self.pooler: Pooler | None = build_pooler(spec.runner, spec.model, self.model.args, self.device)
-        if self.pooler is not None and group is not None:
-            raise ValueError("runner='pooling' with tensor_parallel_size > 1 is not built")
+        if self.pooler is not None and (group is not None or spec.speculative is not None or self.model.args.is_hybrid):
+            raise ValueError("runner='pooling' with tensor_parallel_size > 1, speculative decoding or a hybrid model "
+                             "(recurrent layers) is not built")
         self.pooling = None if self.pooler is None else self.pooler.spec.facts  # the handshake's
         self.vocab_size = self.model.args.vocab_size
         self.states: dict[str, RequestState] = {}

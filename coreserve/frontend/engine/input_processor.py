@@ -73,7 +73,7 @@ class InputProcessor:
     ) -> EngineCoreRequest:
         """Callers validate once per user request (`validate`) before making its core requests. A
         client limit below the core's max_model_len caps max_tokens (the core stops there, "length")."""
-        if self.facts.max_model_len < self.core_max_model_len:
+        if self.facts.max_model_len < self.core_max_model_len and params.pooling is None:
             room = self.facts.max_model_len - len(prompt_token_ids)
             if params.max_tokens is None or params.max_tokens > room:
                 params = msgspec.structs.replace(
