@@ -93,6 +93,7 @@ def test_a_reward_models_one_label_head_is_hfs_score(tmp_path):
             with torch.no_grad():
                 expected = hf(torch.tensor([prompt])).logits[0]
             assert reward.outputs.data.shape == (1,) and abs(reward.outputs.data[0] - expected[0].item()) < 1e-4
+            assert llm.reward(ids([prompt]), use_tqdm=False)[0].outputs.data.tobytes() == reward.outputs.data.tobytes()
         assert abs(sigmoid.outputs.probs[0] - torch.sigmoid(torch.tensor(rewards[0].outputs.data[0])).item()) < 1e-6
 
 

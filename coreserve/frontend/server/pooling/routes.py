@@ -18,6 +18,7 @@ from coreserve.frontend.server.pooling.embeddings import (
     create_pooling,
 )
 from coreserve.frontend.server.pooling.score import create_rerank, create_score, score_v1
+from coreserve.frontend.server.scoring.label_scores import SGLANG_SCORE_PATH
 from coreserve.frontend.server.state import ServerState
 
 POOLING_ROUTES = {
@@ -39,7 +40,7 @@ def add_pooling_routes(app: FastAPI, server: ServerState) -> None:
     for path, handler in POOLING_ROUTES.items():
         refused = _refusal(f"{path} needs a pooling model (--runner pooling); this server generates")
         app.post(path)(handler if is_pooling else refused)
-    app.post("/v1/score")(score_v1)
+    app.post(SGLANG_SCORE_PATH)(score_v1)  # /v1/score: SGLang's body or vLLM's, by the body
 
 
 def for_generation(server: ServerState, path: str, handler: Callable) -> Callable:
