@@ -11,6 +11,11 @@ The routes hand their positions here and write no logprob key themselves (tests/
 - SGLang's /generate: `output_token_logprobs` [logprob, token id, null] per token and
   `output_top_logprobs` (`sglang_columns`, `sglang_fields`).
 - TRL's /get_sequence_logprobs: the top k's ids and logprobs and the actual token's (`trl_sequence_answer`).
+- Hidden states beside them (`add_hidden_states`): a choice's `hidden_states`, its completion's [indices asked,
+  positions, hidden] float32 array as base64 of the little-endian bytes in C order, with its shape and first
+  position (docs/serving.md, "Hidden states"). Like routed experts, they travel whole in the choice's
+  finishing piece (a stream's last chunk of that choice): base64 pieces of arbitrary byte counts would not
+  concatenate into the whole answer's.
 
 A token that is not valid UTF-8 on its own (a piece of a multi-byte character) is written
 "bytes:\\xe6\\x97" (every byte escaped, OpenAI's form) wherever text is expected; `bytes` stays exact.
@@ -24,15 +29,17 @@ many small floats of logprob responses (made finite by the formatters here befor
 
 from __future__ import annotations
 
+import base64
 import codecs
 import json
 import math
 
 import msgspec
+import numpy as np
 from starlette.responses import Response
 
 from coreserve.frontend.engine.token_text import TokenTable
-from coreserve.frontend.outputs import Logprob, PositionLogprobs
+from coreserve.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs
 
 NO_LOGPROB = -9999.0
 
@@ -270,3 +277,21 @@ class JSONBytesResponse(Response):
 
     def render(self, content: object) -> bytes:
         return to_json(content)
+
+
+def add_hidden_states(piece: dict, completion: CompletionOutput, which: str, num_prompt_tokens: int) -> None:
+    """The finished completion's hidden states into its JSON piece; `which`: hidden_states_positions."""
+    if completion.hidden_states is not None:
+        piece["hidden_states"] = hidden_states_json(completion.hidden_states, which, num_prompt_tokens)
+
+
+def hidden_states_json(states: np.ndarray, which: str, num_prompt_tokens: int) -> dict:
+    """{shape, first_position, dtype, data}: row r of each index is position first_position + r (the
+    prompt's first, or with "output" the last prompt token's, whose logits gave the first output token)."""
+    data = np.ascontiguousarray(states, dtype="<f4").tobytes()
+    return {
+        "shape": list(states.shape),
+        "first_position": num_prompt_tokens - 1 if which == "output" else 0,
+        "dtype": "<f4",
+        "data": base64.b64encode(data).decode("ascii"),
+    }

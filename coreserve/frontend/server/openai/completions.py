@@ -18,11 +18,11 @@ from coreserve.frontend.outputs import CompletionOutput, PositionLogprobs
 from coreserve.frontend.server.common.accumulate import WholeChoices
 from coreserve.frontend.server.common.errors import APIError
 from coreserve.frontend.server.common.generation import Generation, PromptInput
-from coreserve.frontend.server.common.hidden_json import add_hidden_states
 from coreserve.frontend.server.common.inputs import check_logprobs, check_prompts, start_checked
 from coreserve.frontend.server.common.logprob_json import (
     JSONBytesResponse,
     LegacyLogprobs,
+    add_hidden_states,
     vllm_prompt_logprobs,
 )
 from coreserve.frontend.server.common.transport import sse_response, until_disconnected
