@@ -26,7 +26,8 @@ while it is measured, with 2 threads each (as many as cores) and 16 slots:
 
 Every measured batch takes fresh prompts, so neither server's prefix cache serves a repeat. The figure
 is each server's median over `--repeats` batches. `--distance` also scores llama.cpp's greedy tokens
-with the fp32 model (scripts/bench_llama_cpp.py's logprob distance).
+with the fp32 model (scripts/bench_llama_cpp.py's logprob distance; the file's blocks kept, which give the
+fp32 model's bits without its memory).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def main() -> None:
         kv_bytes = kv_bytes_per_token(path) if args.file else KV_BYTES_PER_TOKEN
         figures = side_by_side(path, index, args, rng, kv_bytes)
         if args.distance:
-            figures["logprob distance"] = distance(str(path), str(LLAMA_SERVER), 32)
+            # the blocks kept give the fp32 model's bits (gpt-oss-20b's shape in fp32: 17 GB at 4 layers)
+            figures["logprob distance"] = distance(str(path), str(LLAMA_SERVER), 32, dtype="auto")
         results["files"][type_name] = figures
         print(type_name, figures, flush=True)
         write_json(args.json, results)  # what is measured so far, kept if a later file fails

@@ -102,13 +102,16 @@ class start:
         self.dtype, self.extra = dtype, list(extra or [])
 
     def engine_pid(self) -> int:
-        """The process that holds the model: llama-server itself, coreserve's engine-core child."""
+        """The process that holds the model: llama-server itself, coreserve's engine-core child (found by
+        its command line: the frontend's chat-template renderers are its children too)."""
         if self.name != "coreserve":
             return self.proc.pid
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        if len(children) != 1:
-            raise RuntimeError(f"coreserve's server has children {children}, not one engine core")
-        return int(children[0])
+        cores = [pid for pid in children
+                 if b"coreserve.engine_core" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        if len(cores) != 1:
+            raise RuntimeError(f"coreserve's server has children {children}, of which {cores} are engine cores")
+        return int(cores[0])
 
     def __enter__(self) -> start:
         port = _free_port()
@@ -157,14 +160,15 @@ async def _complete(http: httpx.AsyncClient, base: str, prompt: str, max_tokens:
     return response.json()
 
 
-def distance(gguf: str, binary: str, max_tokens: int) -> dict:
-    """llama.cpp's greedy tokens' logprobs against the fp32-dequantized model's for the same tokens."""
+def distance(gguf: str, binary: str, max_tokens: int, dtype: str = "float32") -> dict:
+    """llama.cpp's greedy tokens' logprobs against the fp32-dequantized model's for the same tokens; `dtype`
+    "auto" scores them with the file's blocks kept, the same bits (docs/quantized.md) without a float copy."""
     with start("llama.cpp", gguf, binary, 1) as server:
         theirs = [_llama_tokens(server.base, prompt, min(max_tokens, 32)) for prompt in PROMPTS]
     from coreserve.frontend.llm import LLM
     from coreserve.protocol.sampling_params import SamplingParams
 
-    llm = LLM(gguf, dtype="float32")
+    llm = LLM(gguf, dtype=dtype)
     try:
         gaps = []
         for prompt_ids, ids, logprobs in theirs:
