@@ -31,6 +31,7 @@ from test_gguf_hybrid import (
 )
 
 from coreserve import LLM
+from coreserve.frontend.engine.gguf_tokenizer import gguf_tokenizer_folder
 from coreserve.protocol.gguf_header import read_gguf_header
 from coreserve.worker.models.gguf_config import hf_config_from_gguf
 from coreserve.worker.models.loader import read_config
@@ -78,6 +79,33 @@ def test_converted_gguf_gives_hfs_logprobs_and_its_blocks_their_dequantizations_
     modules = {"layers.0.qkv_proj", "layers.1.o_proj", "layers.0.moe.experts.3.gate_up_proj",
                "layers.1.moe.experts.0.down_proj"}
     assert_blocks_give_fp32s_bits(files["q8_0"], modules)
+
+
+def test_a_gpt_oss_files_tokenizer_converts_with_none_cached(tmp_path):
+    """transformers' GGUF reader fails on a gpt-oss file's YaRN keys (5.25: float() of a key's array), so its
+    tokenizer is built from the `tokenizer.*` keys alone, not only found cached from another file of the same
+    keys (every llama3 test file's, say)."""
+    import gguf
+    from transformers import AutoTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gpt-oss")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(32.0)
+    writer.add_rope_scaling_orig_ctx_len(4096)
+    byte_tokens = bytes_to_unicode()  # byte b is token b, then one merge: a byte-level BPE of 258 tokens
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([byte_tokens[b] for b in range(256)] + ["Th", "<|return|>"])
+    writer.add_token_types([1] * 257 + [3])
+    writer.add_token_merges(["T h"])
+    writer.add_eos_token_id(257)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = gguf_tokenizer_folder(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("The cat", add_special_tokens=False).input_ids == [256, *b"e cat"]
 
 
 @needs_converter

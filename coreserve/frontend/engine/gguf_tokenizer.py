@@ -18,10 +18,10 @@ from coreserve.protocol.builtin_model import default_cache_dir
 from coreserve.protocol.gguf_header import read_gguf_header
 
 CONVERTER_VERSION = 1
-# GGUF architectures whose config transformers' GGUF reader does not know (5.25): AutoTokenizer reads the config
-# first and refuses them, so their tokenizer is built from the `tokenizer.*` keys alone, as AutoTokenizer then
-# builds any other file's
-_CONFIGLESS_ARCHS = ("qwen35", "qwen3next", "granitehybrid", "olmo2", "smollm3", "exaone4")
+# GGUF architectures whose config transformers' GGUF reader does not know, or cannot read (5.25; gpt-oss: its
+# YaRN keys): AutoTokenizer reads the config first and fails on them, so their tokenizer is built from the
+# `tokenizer.*` keys alone, as AutoTokenizer then builds any other file's
+_CONFIGLESS_ARCHS = ("qwen35", "qwen3next", "granitehybrid", "olmo2", "smollm3", "exaone4", "gpt-oss")
 
 
 def gguf_tokenizer_folder(path: str, cache_dir: Path | None = None) -> str:
