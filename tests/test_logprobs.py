@@ -244,3 +244,19 @@ def test_cumulative_logprob_has_the_same_bits_one_token_or_a_window_at_a_time():
     assert windows == one_at_a_time  # exact, not approximately
     trimmed = add_chosen(0.0, LogprobsArrays.from_numpy(ids[:8], values[:8], ranks[:8]), 5)  # a stop at 5
     assert trimmed == add_chosen(0.0, LogprobsArrays.from_numpy(ids[:5], values[:5], ranks[:5]), 5)
+
+
+def test_each_prompt_logprobs_slice_reports_progress(tiny_path):
+    """A step's prompt-logprobs slices (PROMPT_LOGITS_SLICE_ROWS rows of lm_head each) pass no layer: each
+    reports progress, so a long scoring step over a large vocabulary is not taken for a hung core."""
+    from coreserve.worker.sampling.prompt_logprobs import PROMPT_LOGITS_SLICE_ROWS
+
+    length = 2 * PROMPT_LOGITS_SLICE_ROWS + 88  # one step, three slices
+    prompts = [{"prompt_token_ids": [(37 * i + seed) % 1000 + 10 for i in range(length)]} for seed in (1, 2)]
+    with LLM(tiny_path, multiprocess=False, max_num_batched_tokens=1024, num_kv_blocks=128) as llm:
+        reports = []
+        llm.client.core.executor.on_progress = lambda: reports.append(1)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+        plain = len(reports)
+        llm.generate(prompts[1:], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    assert len(reports) - plain == plain + 3

@@ -215,7 +215,7 @@ class ModelRunner:
         if keep_rows and out is not None:
             tensors.add_step(out.sampled, out.logprobs)
         if inputs.prompt_jobs and (self.group is None or self.group.rank == 0):  # rank 0's alone
-            logits_of, ops = self.model.compute_logits, self.backend.sampling
+            logits_of, ops = self._prompt_logits, self.backend.sampling
             if self.lora is None:
                 tensors.prompt_logprobs = prompt_logprob_rows(inputs.prompt_jobs, self.states, hidden, logits_of, ops)
             else:  # a job's rows are one request's: its adapter for every row of each slice
@@ -226,6 +226,14 @@ class ModelRunner:
         host = tensors.to_host()
         host.pooled = pooled
         return host, out, extras
+
+    def _prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits of one prompt-logprobs slice, reported as progress: a step's slices pass no layer, and
+        over a large vocabulary each takes seconds (gpt-oss's 201,088 rows: 148 G multiply-adds a slice)."""
+        logits = self.model.compute_logits(hidden)
+        if self.on_progress is not None:
+            self.on_progress()
+        return logits
 
     def prepare(
         self, states: list[RequestState], num_tokens: list[int], verified: frozenset[str] = frozenset()
