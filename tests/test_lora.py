@@ -448,11 +448,13 @@ def test_a_load_read_for_a_waiting_request_is_kept_for_it_and_reads_fit_beside_t
 def test_an_adapter_trained_on_the_real_smollm2_equals_peft_over_its_q4_1_blocks(tmp_path):
     """A trained adapter on trained weights: PEFT LoRA (rank 8, every projection) trained a few Adam steps on
     the real SmolLM2-135M (transformers' fp32 model of its GGUF), then served over the GGUF kept in its Q4_1
-    blocks; the engine's logprobs with the adapter equal PEFT's forward, and differ from the base's."""
+    blocks; the engine's logprobs with the adapter equal PEFT's forward, and differ from the base's. The
+    training and PEFT's forwards run on one torch thread: a LoRA step is thousands of small ops, each of
+    which waits for the second thread on this shared 2-core machine (48 s of 4 steps on two, 4 on one)."""
     import sys
 
     from conftest import ROOT
-    from hf_reference import gguf_reference_folder
+    from hf_reference import gguf_reference_folder, one_torch_thread
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -468,11 +470,12 @@ def test_an_adapter_trained_on_the_real_smollm2_equals_peft_over_its_q4_1_blocks
     text = [464, 3139, 286, 4881, 318, 6342, 13, 383, 3139, 286, 4486, 318, 11307, 13] * 3
     ids = torch.tensor([text if tokenizer is None else tokenizer("The capital of France is Paris.").input_ids * 3])
     optimizer = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=5e-3)
-    for _ in range(4):
-        loss = peft_model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    with one_torch_thread():
+        for _ in range(4):
+            loss = peft_model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
     peft_model.save_pretrained(str(tmp_path / "trained"))
     peft_model.eval()
     prompts = [[1, 504, 3575, 282, 4649, 314], [1, 378, 1977, 28, 7018, 30, 2914, 27, 14545]]
@@ -482,7 +485,7 @@ def test_an_adapter_trained_on_the_real_smollm2_equals_peft_over_its_q4_1_blocks
         base = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     worst, moved = 0.0, 0.0
     for prompt, output, plain in zip(prompts, adapted, base):
-        with torch.no_grad():
+        with torch.no_grad(), one_torch_thread():
             reference = hf_logprobs(peft_model, prompt + output.outputs[0].token_ids)
         for position, (entries, plain_entries) in enumerate(zip(output.prompt_logprobs[1:], plain.prompt_logprobs[1:]),
                                                             start=1):
