@@ -64,19 +64,35 @@ def chat_all(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def smollm2_outputs():
-    """Speculation off, then on (ngram), on the SmolLM2 file (Q4_1 kept quantized): each chat alone,
-    greedy and seeded, and 16 of them batched (a quarter opted out) with 4 grammar requests."""
+def smollm2_engines():
+    """The SmolLM2 file (Q4_1 kept quantized) with speculation off and on (ngram), one engine each for
+    the module's SmolLM2 tests (two loads, not eight); a test reads the counters' growth over its own
+    requests. Each test sends both engines the same requests in the same order."""
+    dtype = "bfloat16" if IS_BF16_MODE else "auto"
+    engines = {}
+    for name, extra in (("off", {}), ("on", {"speculative_config": NGRAM})):
+        engines[name] = LLM(builtin_model_path("smollm2"), multiprocess=False, dtype=dtype, num_kv_blocks=512, **extra)
+    yield engines
+    for llm in engines.values():
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smollm2_outputs(smollm2_engines):
+    """Speculation off, then on: each chat alone, greedy and seeded, and 16 of them batched (a quarter
+    opted out) with 4 grammar requests."""
     params = [GREEDY] * 4 + [SEEDED] * 4
     results = {}
-    for name, extra in (("off", {}), ("on", {"speculative_config": NGRAM})):
-        dtype = "bfloat16" if IS_BF16_MODE else "auto"
-        with LLM(builtin_model_path("smollm2"), multiprocess=False, dtype=dtype, num_kv_blocks=512, **extra) as llm:
-            alone = [everything(llm.chat([chat], p, use_tqdm=False)[0]) for chat, p in zip(CHATS * 2, params)]
-            before = llm.get_engine_stats().spec_num_accepted_tokens
-            batch = llm.chat(CHATS * 4 + [CHATS[2]] * 4, batch_params() + [grammar_params()] * 4, use_tqdm=False)
-            stats = llm.get_engine_stats()
-            results[name] = (alone, [everything(o) for o in batch], stats, stats.spec_num_accepted_tokens - before)
+    for name, llm in smollm2_engines.items():
+        first = llm.get_engine_stats()
+        alone = [everything(llm.chat([chat], p, use_tqdm=False)[0]) for chat, p in zip(CHATS * 2, params)]
+        before = llm.get_engine_stats()
+        batch = llm.chat(CHATS * 4 + [CHATS[2]] * 4, batch_params() + [grammar_params()] * 4, use_tqdm=False)
+        stats = llm.get_engine_stats()
+        grown = (stats.spec_num_accepted_tokens - first.spec_num_accepted_tokens,
+                 stats.spec_num_draft_tokens - first.spec_num_draft_tokens)
+        results[name] = (alone, [everything(o) for o in batch], grown,
+                         stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
     return results
 
 
@@ -103,22 +119,19 @@ def grammar_params() -> SamplingParams:
 
 def test_smollm2_with_ngram_speculation_equals_without_alone_and_in_a_batch(smollm2_outputs):
     off_alone, off_batch, *_ = smollm2_outputs["off"]
-    on_alone, on_batch, stats, kept_in_batch = smollm2_outputs["on"]
+    on_alone, on_batch, (accepted, drafted), kept_in_batch = smollm2_outputs["on"]
     assert on_alone == off_alone
     assert on_batch == off_batch
-    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    assert accepted > 0 and drafted > accepted
     # in the batch too, once it is small enough to have room for proposals (STEP_ROWS)
     assert kept_in_batch > 0
     # the grammar rows: valid JSON, the same as without speculation
     assert all(json.loads(text)["season"] for _, text, *_ in on_batch[-4:])
 
 
-def test_a_stop_string_or_stop_token_inside_a_kept_run_ends_it_as_without_speculation():
+def test_a_stop_string_or_stop_token_inside_a_kept_run_ends_it_as_without_speculation(smollm2_engines):
     chat = CHATS[0]
-    path = builtin_model_path("smollm2")
-    dtype = "bfloat16" if IS_BF16_MODE else "auto"
-    with LLM(path, multiprocess=False, dtype=dtype, num_kv_blocks=256) as llm:
-        plain = llm.chat([chat], GREEDY, use_tqdm=False)[0].outputs[0]
+    plain = smollm2_engines["off"].chat([chat], GREEDY, use_tqdm=False)[0].outputs[0]
     stop = plain.text[len(plain.text) // 2 : len(plain.text) // 2 + 6]  # a string in the middle of the copied code
     stop_token = plain.token_ids[len(plain.token_ids) * 2 // 3]
     params = [
@@ -126,18 +139,18 @@ def test_a_stop_string_or_stop_token_inside_a_kept_run_ends_it_as_without_specul
         SamplingParams(max_tokens=48, temperature=0.0, logprobs=5, stop_token_ids=[stop_token]),
     ]
     got = {}
-    for name, extra in (("off", {}), ("on", {"speculative_config": NGRAM})):
-        with LLM(path, multiprocess=False, dtype=dtype, num_kv_blocks=256, **extra) as llm:
-            got[name] = [everything(llm.chat([chat], p, use_tqdm=False)[0]) for p in params]
-            stats = llm.get_engine_stats()
+    for name, llm in smollm2_engines.items():
+        before = llm.get_engine_stats().spec_num_accepted_tokens
+        got[name] = [everything(llm.chat([chat], p, use_tqdm=False)[0]) for p in params]
+        kept = llm.get_engine_stats().spec_num_accepted_tokens - before
     assert got["on"] == got["off"]
-    assert stats.spec_num_accepted_tokens > 0
+    assert kept > 0
     (_, text, *_, reason, _), (ids, *_, token_reason, _) = got["on"]
     assert reason == "stop" and stop not in text
     assert token_reason == "stop" and ids[-1] == stop_token and len(ids) < 48
 
 
-def test_a_grammar_request_speculates_its_proposals_cut_by_the_grammar_and_gets_the_same_output():
+def test_a_grammar_request_speculates_its_proposals_cut_by_the_grammar_and_gets_the_same_output(smollm2_engines):
     """Prompt lookup for a JSON-schema request: the core's matcher walks the proposals (cut at the first
     token the grammar refuses) and gives each verified position its own mask row."""
     schema = {
@@ -151,12 +164,10 @@ def test_a_grammar_request_speculates_its_proposals_cut_by_the_grammar_and_gets_
         for t in (0.0, 0.8)
     ]
     got = {}
-    dtype = "bfloat16" if IS_BF16_MODE else "auto"
-    for name, extra in (("off", {}), ("on", {"speculative_config": NGRAM})):
-        with LLM(builtin_model_path("smollm2"), multiprocess=False, dtype=dtype, num_kv_blocks=256, **extra) as llm:
-            outputs = llm.chat([chat, chat], params, use_tqdm=False)
-            got[name] = [(everything(o), o.outputs[0].constraint_masses) for o in outputs]
-            kept = [o.metrics.get("spec_num_accepted_tokens", 0) for o in outputs]
+    for name, llm in smollm2_engines.items():
+        outputs = llm.chat([chat, chat], params, use_tqdm=False)
+        got[name] = [(everything(o), o.outputs[0].constraint_masses) for o in outputs]
+        kept = [o.metrics.get("spec_num_accepted_tokens", 0) for o in outputs]
     assert got["on"] == got["off"]
     assert all(k > 0 for k in kept)  # both requests kept proposals under their grammar
     assert all(json.loads(text)["city"] for (_, text, *_), _ in got["on"])
@@ -206,39 +217,53 @@ def repeating_prompts() -> list[dict]:
     return [{"prompt_token_ids": PHRASE * 4 + [100 + i]} for i in range(3)] + [{"prompt_token_ids": PHRASE * 3}]
 
 
-@pytest.mark.parametrize(
-    "engine_args", [{}, {"num_scheduler_steps": 4}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 6}]
-)
-def test_tiny_model_speculation_equals_plain_decoding(tiny_path, engine_args):
-    """The built-in model, proposals from a draft identical to it (every one kept) and from prompt lookup
-    (mostly rejected: the KV of rejected positions written and left behind), with multi-step windows and
-    chunked prefill, and preemption (6 blocks cannot hold the 4 requests): the same bits."""
-    prompts = repeating_prompts()
-    # four allowed tokens: the random weights' output repeats itself, so prompt lookup proposes
+def tiny_speculation_params() -> list[SamplingParams]:
+    """A request for each of repeating_prompts(): greedy and seeded, with and without four allowed tokens
+    (the random weights' output then repeats itself, so prompt lookup proposes), processed logprobs after
+    a penalty, n = 2."""
     params = [
         SamplingParams(max_tokens=24, temperature=t, seed=3, logprobs=5, ignore_eos=True, allowed_token_ids=allowed)
         for t in (0.0, 0.8)
         for allowed in (None, PHRASE[:4])
     ]
-    params = [params[i % 4] for i in range(len(prompts))]
+    params = [params[i % 4] for i in range(len(repeating_prompts()))]
     params[-1] = SamplingParams(max_tokens=24, temperature=0.8, seed=5, n=2, logprobs=2, allowed_token_ids=PHRASE[:4])
     params[1] = SamplingParams(  # processed logprobs, after a penalty that counts the proposals before each row
         max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True, allowed_token_ids=PHRASE[:4],
         logprobs_mode="processed_logprobs", presence_penalty=0.5,
     )
+    return params
+
+
+@pytest.fixture(scope="module")
+def tiny_plain(tiny_path) -> list[tuple]:
+    """The requests' outputs without speculation, whole prompts and single steps: on the C kernels a
+    request's bits do not depend on windows, chunks or preemption (test_batch_invariance.py), so every
+    engine shape below is held to these."""
+    with LLM(tiny_path, multiprocess=False, num_kv_blocks=128) as llm:
+        return [everything(o) for o in llm.generate(repeating_prompts(), tiny_speculation_params(), use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "engine_args", [{}, {"num_scheduler_steps": 4}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 6}]
+)
+def test_tiny_model_speculation_equals_plain_decoding(tiny_path, tiny_plain, engine_args):
+    """The built-in model, proposals from a draft identical to it (every one kept) and from prompt lookup
+    (mostly rejected: the KV of rejected positions written and left behind), with multi-step windows and
+    chunked prefill, and preemption (6 blocks cannot hold the 4 requests): the bits of plain decoding."""
+    prompts, params = repeating_prompts(), tiny_speculation_params()
     results = []
     ngram = {**NGRAM, "prompt_lookup_min": 1}
-    for spec in (None, ngram, {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3}):
-        extra = {} if spec is None else {"speculative_config": spec}
-        with LLM(tiny_path, multiprocess=False, **{"num_kv_blocks": 128, **engine_args}, **extra) as llm:
+    for spec in (ngram, {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3}):
+        with LLM(tiny_path, multiprocess=False, **{"num_kv_blocks": 128, **engine_args}, speculative_config=spec) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             results.append(([everything(o) for o in outputs], llm.get_engine_stats()))
             # per request: RequestOutput.metrics add up to the engine's counters
             kept = sum(o.metrics.get("spec_num_accepted_tokens", 0) for o in outputs)
             proposed = sum(o.metrics.get("spec_num_draft_tokens", 0) for o in outputs)
             assert (proposed, kept) == (results[-1][1].spec_num_draft_tokens, results[-1][1].spec_num_accepted_tokens)
-    (plain, _), (ngram, ngram_stats), (draft, draft_stats) = results
-    assert ngram == plain and draft == plain
+    (ngram, ngram_stats), (draft, draft_stats) = results
+    assert ngram == tiny_plain and draft == tiny_plain
     assert 0 < ngram_stats.spec_num_accepted_tokens < ngram_stats.spec_num_draft_tokens  # kept and rejected
     if "num_kv_blocks" in engine_args:
         assert ngram_stats.num_preemptions > 0
