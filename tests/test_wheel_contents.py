@@ -23,11 +23,27 @@ PACKAGE = ROOT / "coreserve"
 NOT_SOURCE = ("__pycache__", "*.pyc", "prebuilt", "*.egg-info", "build", "dist", ".venv", ".git", "*_cache")
 
 
+def copy_working_tree(target: Path) -> None:
+    """The checkout's files that git does not ignore (tracked, and new ones not yet added) into target;
+    without git, the tree less NOT_SOURCE. What .gitignore names stays out: a bench_out/ of model files
+    (gigabytes) would otherwise be copied for every run of the suite."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True)
+    if listed.returncode != 0:
+        shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(*NOT_SOURCE), symlinks=True)
+        return
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        path = ROOT / name
+        if path.is_file() and not {"__pycache__", "prebuilt"} & set(Path(name).parts):  # a deleted file: gone
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target / name, follow_symlinks=False)
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCE), symlinks=True)
+    copy_working_tree(source)
     command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
                "-w", str(tmp / "out")]
     done = subprocess.run(command, env={**os.environ, "CORESERVE_KERNEL_VARIANTS": "none"}, capture_output=True,
