@@ -1,5 +1,5 @@
 """coreserve behind an OpenAI router from PyPI (vllm-router, the vLLM project's): two servers on the real
-SmolLM2, one thread each, a mixed load of 64 requests with logprobs through the router (some sharing
+SmolLM2, one thread each, a mixed load of 32 requests with logprobs through the router (some sharing
 prefixes, greedy and seeded), every one answered, both replicas serving, and every response's tokens
 and logprobs equal, bit for bit, to the same request sent alone to one server with nothing else
 running: routing cannot change a result. A replica in another dtype is caught by the same comparison.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from server_harness import free_port, running_router_process, running_server
 
 from coreserve.protocol.builtin_model import builtin_model_path
@@ -60,9 +61,12 @@ def running_router(*workers: str):
     return running_router_process(command, f"http://127.0.0.1:{port}", "vllm-router")
 
 
-def metric(base: str, name: str) -> float:
+def metric(base: str, name: str, absent: float | None = None) -> float:
+    """The metric's value (summed over its labels); `absent`, where given, for a counter not yet written."""
     text = httpx.get(base + "/metrics", timeout=10).text
     values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    if not values and absent is not None:
+        return absent
     assert values, f"{name} is not on {base}/metrics"
     return sum(values)
 
@@ -81,25 +85,34 @@ def alone(server: str, bodies: list[dict]) -> list[tuple]:
 SERVE = ("--served-model-name", MODEL, "--num-threads", "1")
 
 
-def test_two_replicas_behind_vllm_router_answer_with_a_single_servers_bits():
-    bodies = workload(64, seed=1)
-    path = builtin_model_path("smollm2")
-    with running_server(*SERVE, model=path) as (a, _), running_server(*SERVE, model=path) as (b, _):
+@pytest.fixture(scope="module")
+def first_replica():
+    """The fp32 server both router tests put behind the router (each beside its own second replica); a
+    test reads its counters' growth over its own requests."""
+    with running_server(*SERVE, model=builtin_model_path("smollm2")) as (base, _):
+        yield base
+
+
+def test_two_replicas_behind_vllm_router_answer_with_a_single_servers_bits(first_replica):
+    bodies = workload(32, seed=1)
+    a, path = first_replica, builtin_model_path("smollm2")
+    with running_server(*SERVE, model=path) as (b, _):
+        before = [metric(server, "vllm:request_success_total", absent=0.0) for server in (a, b)]
+        hits = metric(a, "vllm:prefix_cache_hits_total", absent=0.0)
         with running_router(a, b) as router:
             routed = through_router(router, bodies)
-        served = [metric(server, "vllm:request_success_total") for server in (a, b)]
-        assert all(count >= 16 for count in served) and sum(served) >= 64, served  # both replicas served
-        assert metric(a, "vllm:prefix_cache_hits_total") > 0
+        served = [metric(server, "vllm:request_success_total") - count for server, count in zip((a, b), before)]
+        assert all(count >= 8 for count in served) and sum(served) >= 32, served  # both replicas served
+        assert metric(a, "vllm:prefix_cache_hits_total") > hits
         assert alone(a, bodies) == routed  # the same bits, whichever replica and neighbours
 
 
-def test_a_replica_in_another_dtype_is_caught_by_the_comparison():
+def test_a_replica_in_another_dtype_is_caught_by_the_comparison(first_replica):
     """The negative control: one replica in bf16 (the same file dequantized to bf16): the requests it
     served differ from the fp32 server's own answers, and the comparison above sees it."""
     bodies = workload(24, seed=2)
-    path = builtin_model_path("smollm2")
-    with running_server(*SERVE, model=path) as (a, _), \
-            running_server(*SERVE, "--dtype", "bfloat16", model=path) as (b, _):
+    a = first_replica
+    with running_server(*SERVE, "--dtype", "bfloat16", model=builtin_model_path("smollm2")) as (b, _):
         with running_router(a, b) as router:
             routed = through_router(router, bodies)
         assert metric(b, "vllm:request_success_total") > 0
