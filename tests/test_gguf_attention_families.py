@@ -29,9 +29,10 @@ from coreserve.worker.models.gguf_config import hf_config_from_gguf
 from coreserve.worker.models.loader import read_config
 
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
-# family -> (the HF architecture its file reads back as, its layer_types, its sliding_window)
+# family -> (the HF architecture its file reads back as, its layer_types, its sliding_window): an architecture
+# that may have windows says every layer is global where its file has none
 EXPECTED = {
-    "olmo2": ("Olmo2ForCausalLM", None, None),
+    "olmo2": ("Olmo2ForCausalLM", ["full_attention"] * 2, None),
     "olmo3": ("Olmo3ForCausalLM", SLIDING_THEN_FULL, 24),
     "smollm3": ("SmolLM3ForCausalLM", None, None),
     "exaone4": ("Exaone4ForCausalLM", SLIDING_THEN_FULL, 24),
@@ -84,3 +85,16 @@ def test_bad_window_keys_are_value_errors_naming_them(converted, key, value, wor
     metadata = {**header.metadata, f"olmo2.{key}": value}
     with pytest.raises(ValueError, match=f"olmo2.{key}.*{words}"):
         hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))
+
+
+@needs_converter
+def test_a_file_without_a_window_has_every_layer_global(converted):
+    """As the converter writes a folder whose sliding_window is null (and llama.cpp reads it): no window, and
+    not the sliding layers Exaone 4's HF config would derive from its default pattern (found by the fuzzer)."""
+    from coreserve.worker.models.config import DecoderArgs
+
+    header = read_gguf_header(converted("exaone4")["f32"])
+    metadata = {k: v for k, v in header.metadata.items() if not k.startswith("exaone4.attention.sliding_window")}
+    config = hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))
+    assert config["sliding_window"] is None and config["layer_types"] == ["full_attention"] * 2
+    assert all(layer.attention.window is None for layer in DecoderArgs.from_hf_config(config).layers)

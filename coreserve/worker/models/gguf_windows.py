@@ -3,7 +3,8 @@
 applies to, `attention.sliding_window_pattern`: a bool a layer (true: sliding), or every n-th layer global; absent,
 every fourth (`gpt-oss`: every second), as llama.cpp's load_swa_pattern reads these architectures. OLMo 3's sliding
 layers rotate with the default RoPE at `rope.freq_base_swa` (the global base where absent), unscaled, as llama.cpp
-rotates them. A file without a window has none: `sliding_window` null, not the HF configs' default of 4096.
+rotates them. A file without a window has none: `sliding_window` null, not the HF configs' default of 4096, and
+every layer global (not the pattern Exaone 4's HF config would derive, whose sliding layers would want a window).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ _LLAMA_CPP_PATTERN = 4  # load_swa_pattern's default for olmo2 and exaone4: ever
 def window_keys(
     header: GGUFHeader, arch: str, config: dict, has_local_rope: bool, pattern: int = _LLAMA_CPP_PATTERN
 ) -> dict:
-    """{"sliding_window": None} without a window; else the window, layer_types, and where `has_local_rope`
-    the RoPE of each kind of layer (rope_parameters by layer kind, as transformers 5 writes OLMo 3's)."""
+    """Without a window: {"sliding_window": None} and every layer global; else the window, layer_types, and where
+    `has_local_rope` the RoPE of each kind of layer (rope_parameters by layer kind, as transformers 5 writes
+    OLMo 3's)."""
     window = config.get("sliding_window")  # checked as config.json's (config_checks.py)
     if not window:
-        return {"sliding_window": None}
+        return {"sliding_window": None, "layer_types": [_FULL] * config["num_hidden_layers"]}
     kinds = layer_kinds(header, arch, config["num_hidden_layers"], pattern)
     keys: dict = {"sliding_window": window, "layer_types": kinds}
     if has_local_rope:
