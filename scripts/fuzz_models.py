@@ -3,13 +3,14 @@ family, written as a GGUF in a loader type or a llama-quantize-like mix, must gi
 its blocks as dequantized to fp32, alone and batched, and its fp32 run must agree with transformers on
 the safetensors twin to 1e-4. One line per failing case, with what reruns it; then a table per family
 and per type. The exit code is 1 when any case failed. The hybrid families (Qwen3.5, Qwen3-Next, LFM2,
-Granite 4.0-H: llama.cpp's converter writes their files, 5-30 s a case) are skipped, with the reason, where
-scripts/setup.sh --test has not extracted the converter.
+Granite 4.0-H) and issue 65's (OLMo 2, OLMo 3, SmolLM3, Exaone 4, gpt-oss): llama.cpp's converter writes their
+files, 5-30 s a case; they are skipped, with the reason, where scripts/setup.sh --test has not extracted it.
 
     python scripts/fuzz_models.py --seeds 1000                       # the nightly run (every pair 5 times)
     python scripts/fuzz_models.py --seeds 200 --families gemma2,gemma3 --types Q4_K,Q4_K_M
     python scripts/fuzz_models.py --first-seed 17 --seeds 1 --families qwen3 --types F16 -v   # one case
     python scripts/fuzz_models.py --seeds 40 --families qwen3_5,qwen3_next,lfm2,granitemoehybrid
+    python scripts/fuzz_models.py --seeds 30 --families gpt_oss --types MXFP4,llama-quantize:MXFP4_MOE,Q8_0
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from gguf_fuzz import ALL_FAMILIES, LLAMA_QUANTIZE, MIXES, TYPES, draw_case  # noqa: E402
+from gguf_fuzz import ALL_FAMILIES, LLAMA_QUANTIZE, MIXES, MORE_TYPES, TYPES, draw_case  # noqa: E402
 from gguf_fuzz_check import CaseResult, check_case  # noqa: E402
 from gguf_fuzz_files import DEFAULT_LLAMA_QUANTIZE  # noqa: E402
 
@@ -34,7 +35,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--first-seed", type=int, default=0, help="the first case's seed (default 0)")
     parser.add_argument("--families", default=",".join(ALL_FAMILIES), help="comma-separated (default: all)")
     parser.add_argument("--types", help="comma-separated GGUF types or mixes (default: all of "
-                        f"{', '.join(TYPES + MIXES)}, and {LLAMA_QUANTIZE[0].split(':')[0]}:Q4_K_M and the like "
+                        f"{', '.join(TYPES + MORE_TYPES + MIXES)}, and {LLAMA_QUANTIZE[0].split(':')[0]}:Q4_K_M and the like "
                         "where the binary is there)")
     parser.add_argument("--llama-quantize", default=str(DEFAULT_LLAMA_QUANTIZE),
                         help="llama.cpp's quantizer, for the llama-quantize:* types (default: where "
@@ -44,8 +45,8 @@ def parse_args() -> argparse.Namespace:
     has_quantizer = Path(args.llama_quantize).is_file()
     if not has_quantizer:
         args.llama_quantize = None
-    known_types = TYPES + MIXES + LLAMA_QUANTIZE
-    default_types = known_types if has_quantizer else TYPES + MIXES
+    known_types = TYPES + MORE_TYPES + MIXES + LLAMA_QUANTIZE
+    default_types = known_types if has_quantizer else TYPES + MORE_TYPES + MIXES
     args.families, args.types = args.families.split(","), (args.types or ",".join(default_types)).split(",")
     if not has_quantizer and set(args.types) & set(LLAMA_QUANTIZE):
         parser.error(f"the llama-quantize:* types need llama-quantize; not found at {DEFAULT_LLAMA_QUANTIZE}")

@@ -4,8 +4,9 @@ that are, odd head counts and GQA ratios, tied or untied outputs, windows, soft-
 scalings where the family has them), the ggml type of each of its GGUF tensors (one loader type, or a
 llama-quantize-like mix), the prompts and the requests. What a case asks of the engine is in
 gguf_fuzz_check.py; how its files are written, gguf_fuzz_files.py. FAMILIES' files are written by our own
-writer; HYBRID_FAMILIES' (gguf_fuzz_hybrid.py: Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H) by llama.cpp's
-converter, then re-typed (gguf_fuzz_convert.py).
+writer; CONVERTED_FAMILIES' (HYBRID_FAMILIES, gguf_fuzz_hybrid.py: Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H;
+ATTENTION_FAMILIES, gguf_fuzz_attention.py: OLMo 2, OLMo 3, SmolLM3, Exaone 4, gpt-oss) by llama.cpp's converter,
+then re-typed (gguf_fuzz_convert.py).
 
 A case is a pure function of (seed, family, weight type): the same three give the same files and requests.
 """
@@ -16,26 +17,31 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from gguf_fuzz_attention import ATTENTION_FAMILIES, draw_attention_config
 from gguf_fuzz_hybrid import HYBRID_FAMILIES, draw_hybrid_config
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi4-mini", "gemma2", "gemma3", "qwen3_moe",
             "mixtral", "olmoe")
-ALL_FAMILIES = FAMILIES + HYBRID_FAMILIES
+CONVERTED_FAMILIES = HYBRID_FAMILIES + ATTENTION_FAMILIES  # their files: llama.cpp's converter's, re-typed
+ALL_FAMILIES = FAMILIES + CONVERTED_FAMILIES
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# types outside make test's sample (tests/test_gguf_fuzz.py's Latin square): gpt-oss's experts' MXFP4, here asked
+# of every re-typed tensor as any other type (llama.cpp reads an MXFP4 matrix wherever it is)
+MORE_TYPES = ("MXFP4",)
 K_MIXES = ("Q3_K_M", "Q4_K_M", "Q5_K_M")  # llama-quantize's recipes, as k_mix_type has them
 MIXES = (*K_MIXES, "mixed")  # "mixed": a random type a tensor
 # The real llama-quantize (when scripts/build_llama_server.sh has built it) on the case's F32 file: its
 # recipes of the types coreserve reads (the IQ ones are not)
 LLAMA_QUANTIZE = tuple(f"llama-quantize:{ftype}" for ftype in (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S",
-    "Q5_K_M", "Q6_K"))
+    "Q5_K_M", "Q6_K", "MXFP4_MOE"))  # MXFP4_MOE: experts MXFP4, the other matrices Q8_0
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # llama-quantize's type for a tensor whose rows are not whole blocks of the asked one (tensor_type_fallback in
 # llama.cpp's src/llama-quant.cpp, the version scripts/build_llama_server.sh builds); F16 where that fails too
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _HIDDEN = (96, 160, 224, 256, 320, 512)
 # the hybrid families' keys a failure's report shows
-_HYBRID_KEYS = ("num_hidden_layers", "layer_types", "linear_num_key_heads", "linear_num_value_heads",
+_HYBRID_KEYS = ("num_hidden_layers", "layer_types", "swiglu_limit", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
                 "shared_expert_intermediate_size", "conv_L_cache", "conv_bias", "block_auto_adjust_ff_dim",
                 "block_multiple_of", "block_ffn_dim_multiplier", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
@@ -48,7 +54,7 @@ _MODEL_TYPES = {"phi4-mini": "phi3", "gemma3": "gemma3_text"}
 class FuzzCase:
     seed: int
     family: str
-    weight_type: str  # one of TYPES, MIXES or LLAMA_QUANTIZE: what the GGUF's 2-D tensors are asked to be in
+    weight_type: str  # one of TYPES, MORE_TYPES, MIXES or LLAMA_QUANTIZE: what the GGUF's 2-D tensors are asked to be in
     embed_type: str  # token_embd's (the output's too where tied)
     output_type: str  # an untied output's
     config: dict  # the Hugging Face config.json (model_type included) the GGUF's metadata stands for
@@ -130,7 +136,7 @@ def _use_more_bits(layer: int, num_layers: int) -> bool:
 def draw_case(seed: int, family: str, weight_type: str) -> FuzzCase:
     """The case of (seed, family, weight type)."""
     rng = np.random.default_rng([seed, zlib.crc32(family.encode()), zlib.crc32(weight_type.encode())])
-    config = draw_config(rng, family, needs_k_rows=weight_type not in TYPES or weight_type in K_TYPES)
+    config = draw_config(rng, family, needs_k_rows=weight_type not in TYPES + MORE_TYPES or weight_type in K_TYPES)
     vocab = config["vocab_size"]
     lengths = [1, *rng.integers(2, 40, 2)]
     rng.shuffle(lengths)
@@ -151,7 +157,7 @@ def _draw_top_types(rng: np.random.Generator, weight_type: str, is_tied: bool) -
         return "Q6_K" if is_tied else weight_type[:4], "Q6_K"
     if weight_type in LLAMA_QUANTIZE:
         return "F32", "F32"
-    if weight_type not in TYPES:
+    if weight_type not in TYPES + MORE_TYPES:
         return str(rng.choice(TYPES)), str(rng.choice(TYPES))
     others = K_TYPES if weight_type in K_TYPES else TYPES
     embed_type = weight_type if rng.random() < 0.5 else str(rng.choice(others))
@@ -173,6 +179,8 @@ def draw_config(rng: np.random.Generator, family: str, needs_k_rows: bool = Fals
     that K-quant types fit the down projections whatever the hidden width."""
     if family in HYBRID_FAMILIES:
         return draw_hybrid_config(rng, family, needs_k_rows)
+    if family in ATTENTION_FAMILIES:
+        return draw_attention_config(rng, family, needs_k_rows)
     hidden = int(rng.choice(_HIDDEN))
     if family in _SHARED_HEAD_DIM:
         head_dim = int(rng.choice([d for d in (16, 32, 64) if hidden % d == 0 and hidden // d <= 16]))

@@ -1,7 +1,7 @@
 """What the GGUF fuzzer asks of one case (tests/gguf_fuzz.py), with the engine in process:
 
-(a) the file run with its quantization kept (dtype "auto": Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K weights stay in
-    their blocks) gives exactly the bits (==) of the same file dequantized to fp32 (dtype "float32"):
+(a) the file run with its quantization kept (dtype "auto": Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/MXFP4 weights stay
+    in their blocks) gives exactly the bits (==) of the same file dequantized to fp32 (dtype "float32"):
     sample and prompt logprobs, ids and ranks, each prompt alone and all batched;
 (b) the fp32 run is within HF_TOLERANCE (relative where a logprob is larger than 1) of transformers on
     the safetensors twin, teacher-forced on the engine's tokens (token by token where the model has Gated
@@ -9,7 +9,7 @@
 (c) batch invariance (the engine's default on the C kernels): each prompt alone gives the bits it gives
     batched.
 
-`check_case` returns each broken promise as one line; none is a pass. A hybrid family's case where llama.cpp's
+`check_case` returns each broken promise as one line; none is a pass. A converted family's case where llama.cpp's
 converter is absent is skipped, with the reason.
 """
 
@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gguf_fuzz import HYBRID_FAMILIES, FuzzCase
+from gguf_fuzz import CONVERTED_FAMILIES, FuzzCase
 from gguf_fuzz_convert import converter_missing
 from gguf_fuzz_files import write_case
 
 HF_TOLERANCE = 1e-4
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # coreserve/worker/models/quantized.py's QUANT_TYPES
+# coreserve/worker/models/quantized.py's QUANT_TYPES
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 
 
 @dataclass
@@ -43,14 +44,14 @@ class CaseResult:
     kept: list[str] = field(default_factory=list)
     hf_worst: float = 0.0  # the largest relative difference from HF's logprobs
     seconds: float = 0.0
-    skipped: str = ""  # why the case did not run (a hybrid family without llama.cpp's converter)
+    skipped: str = ""  # why the case did not run (a converted family without llama.cpp's converter)
 
 
 def check_case(case: FuzzCase, folder: Path, llama_quantize: str | None = None) -> CaseResult:
     """(a), (b) and (c) for the case, its files written under `folder` (`llama_quantize`: the binary a
     LLAMA_QUANTIZE case needs)."""
     start = time.monotonic()
-    if case.family in HYBRID_FAMILIES and (reason := converter_missing()):
+    if case.family in CONVERTED_FAMILIES and (reason := converter_missing()):
         return CaseResult(case, [], skipped=reason)
     files = write_case(case, folder, llama_quantize)
     kept, fp32 = run_engine(files.gguf, "auto", case), run_engine(files.gguf, "float32", case)

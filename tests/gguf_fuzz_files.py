@@ -7,8 +7,8 @@ The `gguf` package quantizes values to F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_
 quantizer, so a K-quant tensor is random blocks whose fp16 scales are set for the tensor's spread (mean
 about 0, the HF init's standard deviation). A LLAMA_QUANTIZE case's file is the real llama-quantize's
 output of its F32 file, read back with gguf's reader. Either way the values a correct reader gives are
-gguf's numpy dequantization of the stored bytes. A hybrid family's file is llama.cpp's converter's, re-typed
-(gguf_fuzz_convert.py); its folder has the GPT-2 tokenizer, which the converter needs.
+gguf's numpy dequantization of the stored bytes. A hybrid or issue-65 family's file is llama.cpp's converter's,
+re-typed (gguf_fuzz_convert.py); its folder has the GPT-2 tokenizer, which the converter needs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 from gguf_families import ARCHS, _gguf_name, _metadata
 from gguf_files import K_SCALE_FIELDS, interleave_heads
-from gguf_fuzz import HYBRID_FAMILIES, K_TYPES, LLAMA_QUANTIZE, FuzzCase, fitted_type
+from gguf_fuzz import CONVERTED_FAMILIES, K_TYPES, LLAMA_QUANTIZE, FuzzCase, fitted_type
+from gguf_fuzz_attention import init_scale
 from gguf_fuzz_hybrid import hub_config, scales_by_one_plus
 
 # family -> (GGUF architecture, general.name): llama.cpp writes Mistral as `llama` named so
@@ -47,7 +48,7 @@ def write_case(case: FuzzCase, folder: Path, llama_quantize: str | None = None) 
     _write_source(case, source)
     path = folder / f"{case.name.replace(':', '-')}.gguf"
     tensors = load_file(str(source / "model.safetensors"))
-    if case.family in HYBRID_FAMILIES:
+    if case.family in CONVERTED_FAMILIES:
         from gguf_fuzz_convert import write_converted  # it imports encode from here
 
         expected, types = write_converted(case, source, tensors, path, llama_quantize)
@@ -64,7 +65,7 @@ def write_case(case: FuzzCase, folder: Path, llama_quantize: str | None = None) 
 
 
 def _write_source(case: FuzzCase, folder: Path) -> None:
-    """transformers' model of the config, peaked random weights (logit spreads of several units); a hybrid
+    """transformers' model of the config, peaked random weights (logit spreads of several units); a converted
     family's with the GPT-2 tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -75,9 +76,10 @@ def _write_source(case: FuzzCase, folder: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(peaked_init(name, param) - float(scales_by_one_plus(case.config, name)))
+            scale = init_scale(case.config, name)
+            param.copy_(scale * peaked_init(name, param) - float(scales_by_one_plus(case.config, name)))
     model.save_pretrained(str(folder))
-    if case.family in HYBRID_FAMILIES:
+    if case.family in CONVERTED_FAMILIES:
         from coreserve.protocol.builtin_model import make_tokenizer
 
         make_tokenizer().save_pretrained(str(folder))

@@ -15,7 +15,7 @@ import numpy as np
 
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid")
 GPT2_EOS = 50256  # <|endoftext|>, the GPT-2 tokenizer's last token
-_VOCABS = (50264, 50304, 50432)
+VOCABS = (50264, 50304, 50432)  # GPT-2's 50,257 tokens padded
 _HIDDEN = (96, 160, 224, 256, 320, 512)
 
 
@@ -24,7 +24,7 @@ def draw_hybrid_config(rng: np.random.Generator, family: str, needs_k_rows: bool
     256, so that K-quant types fit the down projections whatever the hidden width."""
     hidden = int(rng.choice(_HIDDEN))
     num_layers = int(rng.integers(2, 5))
-    vocab = int(rng.choice(_VOCABS))
+    vocab = int(rng.choice(VOCABS))
     config = dict(
         hidden_size=hidden, num_hidden_layers=num_layers, vocab_size=vocab, bos_token_id=GPT2_EOS,
         eos_token_id=GPT2_EOS, max_position_embeddings=256, tie_word_embeddings=bool(rng.random() < 0.5),
