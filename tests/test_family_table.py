@@ -194,3 +194,13 @@ def test_a_layer_kinds_own_rope_numbers_are_checked(kind_rope, key):
     rope = {"sliding_attention": kind_rope, "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     with pytest.raises(ValueError, match=f"RoPE {key}="):
         DecoderArgs.from_hf_config(_small("Gemma3ForCausalLM", head_dim=16, rope_parameters=rope))
+
+
+@pytest.mark.parametrize("band", [{}, {"low_freq_factor": 1.0}, {"low_freq_factor": 4.0, "high_freq_factor": 4.0},
+                                  {"low_freq_factor": -1.0, "high_freq_factor": 4.0}])
+def test_a_llama3_rope_without_its_band_is_refused_by_name(band):
+    """Found by the untrusted-input fuzzer (gpt-oss's folder given rope_type llama3): a KeyError, or equal factors'
+    division by zero, before."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 32, **band}
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        DecoderArgs.from_hf_config(_small("LlamaForCausalLM", rope_parameters=rope))

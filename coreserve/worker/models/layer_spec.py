@@ -223,6 +223,8 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
                 raise ValueError(f"RoPE type 'longrope' needs {key}: {head_dim // 2} values (rotary width / 2)")
     if rope_type not in ("default", "yarn", "longrope", "proportional") and "factor" not in params:
         raise ValueError(f"RoPE type {rope_type!r} needs a `factor`")
+    if rope_type == "llama3":
+        _check_llama3(params)
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     _check_rope_numbers({"rope_theta": theta, **{k: params.get(k) for k in _ROPE_POSITIVE}})
     for key in ("rope_type", "type"):
@@ -231,6 +233,15 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
 
 
 _ROPE_POSITIVE = ("factor", "attention_factor", "beta_fast", "beta_slow")
+
+
+def _check_llama3(params: dict) -> None:
+    """Llama 3's band: both factors given, positive, the low one below the high one (HF's check; equal factors
+    would divide by zero in its smoothing)."""
+    low, high = params.get("low_freq_factor"), params.get("high_freq_factor")
+    _check_rope_numbers({"low_freq_factor": low, "high_freq_factor": high})
+    if low is None or high is None or not low < high:
+        raise ValueError(f"RoPE type 'llama3' needs low_freq_factor < high_freq_factor (got {low!r} and {high!r})")
 
 
 def _check_rope_numbers(values: dict) -> None:
