@@ -116,6 +116,16 @@ def test_a_sliding_layers_rope_base_of_their_own_is_refused_by_name(gpt_oss):
         hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))
 
 
+@needs_converter
+@pytest.mark.parametrize(("key", "value"), [("attention.value_length", 8), ("rope.dimension_count", 8)])
+def test_v_heads_of_another_size_or_rope_on_part_of_each_head_are_refused_by_name(gpt_oss, key, value):
+    """Keys llama.cpp would read and coreserve had ignored (found by the untrusted-input fuzzer)."""
+    header = read_gguf_header(gpt_oss[1]["f32"])
+    metadata = {**header.metadata, f"gpt-oss.{key}": value}
+    with pytest.raises(ValueError, match=f"gpt-oss.{key}=8"):
+        hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))
+
+
 @pytest.fixture(scope="module")
 def gpt_oss_mxfp4(gpt_oss, tmp_path_factory) -> tuple[Path, str]:
     """(the folder with MXFP4 experts, its file as the converter writes it: --outtype f32, experts kept MXFP4)."""

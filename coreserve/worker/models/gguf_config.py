@@ -191,6 +191,7 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     if rules.head_dim_from_rope:  # its RoPE covers whole heads: the rotary dimension is the head's
         config.setdefault("head_dim", int(meta_number(header, f"{arch}.rope.dimension_count", 0)) or None)
     check_config_numbers(config, {v: f"{arch}.{k}" for k, v in _KEYS.items()}, GGUF_REQUIRED_KEYS)
+    _check_head_sizes(header, arch, config)
     config.update(_family_keys(header, arch, config))
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     config.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None})  # checked
@@ -198,6 +199,23 @@ def hf_config_from_gguf(header: GGUFHeader) -> dict:
     if rules.has_window_layers and not has_windows:  # none: not the HF config's default window
         kept["sliding_window"] = None
     return kept
+
+
+def _check_head_sizes(header: GGUFHeader, arch: str, config: dict) -> None:
+    """v heads of the keys' size, and RoPE on whole heads where the architecture has no partial rotary (Phi-3's
+    and the hybrids' are read with their keys): llama.cpp would read both keys, so a file that sets another
+    value is refused by name rather than run otherwise (found by the untrusted-input fuzzer on gpt-oss)."""
+    rules, meta = GGUF_ARCHS[arch], header.metadata
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    value_length = meta.get(f"{arch}.attention.value_length", head_dim)
+    if value_length != head_dim:
+        raise ValueError(f"{header.path}: GGUF key {arch}.attention.value_length={str(value_length)[:60]} differs "
+                         f"from the key length {head_dim}: v heads of another size are not supported")
+    has_partial = rules.has_longrope_tensors or rules.has_linear_attention or rules.has_mamba2
+    rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if not has_partial and rotary != head_dim:
+        raise ValueError(f"{header.path}: GGUF key {arch}.rope.dimension_count={str(rotary)[:60]} must be the head "
+                         f"size {head_dim}: RoPE on part of each head is not supported for {arch}")
 
 
 def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
