@@ -90,3 +90,12 @@ def test_longrope_tables_hold_hfs_short_rows_then_its_long_rows():
     for ours, theirs in ((cos[:start], hf_short[0]), (sin[:start], hf_short[1]), (cos[start:], hf_long[0]),
                          (sin[start:], hf_long[1])):
         torch.testing.assert_close(ours, theirs[0], rtol=0, atol=0)
+
+
+def test_a_base_whose_angles_overflow_float32_is_refused_by_name():
+    """OLMo 3's GGUF with rope.freq_base_swa = 1e-45 (the untrusted-input fuzzer): NaN tables, an internal
+    RuntimeError before."""
+    from coreserve.worker.models.rope import RopeSpec, Rotary
+
+    with pytest.raises(ValueError, match="rope_theta=1e-45"):
+        Rotary(RopeSpec("default", 1e-45, 16, 256))

@@ -190,6 +190,9 @@ class Rotary(nn.Module):
         with torch.device("cpu"):
             rows = 0 if self.is_identity else spec.max_position_embeddings
             freqs, scaling = _table_angles(spec, rows) if rows else (torch.empty(0, 1), 1.0)
+            if not torch.isfinite(freqs).all():  # a base far below 1 (1e-45): frequencies past float32
+                raise ValueError(f"RoPE base rope_theta={spec.theta!r} ({spec.rope_type}; a layer kind's own base "
+                                 "included) gives angles past float32: a base far below 1")
             cos, sin = torch.empty(freqs.shape), torch.empty(freqs.shape)
             for start in range(0, freqs.shape[0], _CHUNK_ROWS):
                 _keep_half(freqs[start : start + _CHUNK_ROWS], scaling, cos[start:], sin[start:])
