@@ -78,13 +78,27 @@ def test_converted_gguf_gives_hfs_logprobs_and_its_blocks_their_dequantizations_
         ("attention.sliding_window_pattern", np.array([True, False, True]), "a bool for each of the 2 layers"),
         ("attention.sliding_window_pattern", 0, "must be a positive integer"),
         ("rope.freq_base_swa", -1.0, "must be a positive number"),
+        ("attention.sliding_window_pattern", [1.0, 0.0], "a bool for each"),  # floats: not llama.cpp's flags
+        ("exaone4:rope.freq_base_swa", 10000.0, "not supported: exaone4 rotates every layer alike"),
     ],
 )
 def test_bad_window_keys_are_value_errors_naming_them(converted, key, value, words):
-    header = read_gguf_header(converted("olmo3")["f32"])
-    metadata = {**header.metadata, f"olmo2.{key}": value}
-    with pytest.raises(ValueError, match=f"olmo2.{key}.*{words}"):
+    arch, _, key = key.rpartition(":")
+    arch = arch or "olmo2"
+    header = read_gguf_header(converted({"olmo2": "olmo3"}.get(arch, arch))["f32"])
+    metadata = {**header.metadata, f"{arch}.{key}": value}
+    with pytest.raises(ValueError, match=f"{arch}.{key}.*{words}"):
         hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))
+
+
+@needs_converter
+def test_a_rope_factor_without_a_scaling_type_scales_linearly_as_in_llama_cpp(converted):
+    """llama.cpp's type where rope.scaling.type is absent is linear (it was ignored here; the untrusted-input
+    fuzzer's)."""
+    header = read_gguf_header(converted("exaone4")["f32"])
+    metadata = {**header.metadata, "exaone4.rope.scaling.factor": 4.0}
+    config = hf_config_from_gguf(dataclasses.replace(header, metadata=metadata))
+    assert config["rope_parameters"] == {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}
 
 
 @needs_converter

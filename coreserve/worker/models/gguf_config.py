@@ -254,12 +254,7 @@ def _family_keys(header: GGUFHeader, arch: str, config: dict) -> dict:
 
 
 def _clamped_swiglu_keys(header: GGUFHeader, arch: str, config: dict, clamp: tuple[float, float]) -> dict:
-    """gpt-oss's clamp as llama.cpp fixes it, its experts' count under HF's key; a base of its own for the sliding
-    layers (rope.freq_base_swa, which llama.cpp would read) refused by name: HF's gpt-oss has one RoPE."""
-    base = header.metadata.get(f"{arch}.rope.freq_base_swa")
-    if base is not None and base != config["rope_parameters"]["rope_theta"]:
-        raise ValueError(f"{header.path}: GGUF key {arch}.rope.freq_base_swa={str(base)[:60]} (the sliding layers' "
-                         "own RoPE base) is not supported: gpt-oss rotates every layer alike")
+    """gpt-oss's clamp as llama.cpp fixes it, its experts' count under HF's key."""
     keys = {"swiglu_alpha": clamp[0], "swiglu_limit": clamp[1]}
     return keys | ({"num_local_experts": config["num_experts"]} if config.get("num_experts") else {})
 

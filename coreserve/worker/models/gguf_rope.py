@@ -71,9 +71,12 @@ def _rope_factors(header: GGUFHeader) -> tuple[list[float] | None, list[float] |
 
 
 def rope_parameters(header: GGUFHeader, arch: str, theta: object) -> dict:
-    """rope_parameters from the file's scaling keys: default, linear or YaRN."""
+    """rope_parameters from the file's scaling keys: default, linear or YaRN (linear where a factor has no type)."""
     meta = header.metadata
-    scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
+    # llama.cpp's type where the key is absent is linear, which a factor then scales by (found by the
+    # untrusted-input fuzzer: a factor without a type was ignored here)
+    has_factor = meta.get(f"{arch}.rope.scaling.factor") is not None
+    scaling = str(meta.get(f"{arch}.rope.scaling.type", "linear" if has_factor else "none"))
     if scaling not in _ROPE_SCALINGS:
         raise ValueError(f"{header.path}: GGUF RoPE scaling {scaling!r} is not supported; supported: "
                          f"{list(_ROPE_SCALINGS)}")
