@@ -204,3 +204,13 @@ def test_a_llama3_rope_without_its_band_is_refused_by_name(band):
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 32, **band}
     with pytest.raises(ValueError, match="low_freq_factor"):
         DecoderArgs.from_hf_config(_small("LlamaForCausalLM", rope_parameters=rope))
+
+
+def test_rope_scaling_beside_a_different_rope_parameters_is_refused():
+    """transformers lets the older rope_scaling override rope_parameters (the untrusted-input fuzzer's OLMo 3
+    folder): coreserve read rope_parameters alone; ambiguous, so refused by name."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="rope_scaling and rope_parameters"):
+        DecoderArgs.from_hf_config(_small("LlamaForCausalLM", rope_parameters=rope,
+                                          rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    assert DecoderArgs.from_hf_config(_small("LlamaForCausalLM", rope_parameters=rope, rope_scaling=rope)).rope.theta == 1e4
