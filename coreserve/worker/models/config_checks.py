@@ -118,10 +118,6 @@ def _check_floats(config: dict, name) -> None:
         if not _is_real(eps) or not 0 < eps < 1:
             raise ValueError(f"{name(key)}={eps!r} must be a finite number in (0, 1)")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    older = config.get("rope_scaling")
-    if older and config.get("rope_parameters") and older != config["rope_parameters"]:  # HF lets rope_scaling win
-        raise ValueError("rope_scaling and rope_parameters both given and different: transformers lets the older "
-                         "rope_scaling override rope_parameters (and drops its rope_theta); give one of them")
     if not isinstance(rope, dict):
         raise ValueError(f"rope_scaling must be an object, got {rope!r}")
     values = {**{k: config.get(k) for k in _POSITIVE_FLOATS}, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}

@@ -266,6 +266,7 @@ def text_config(config: dict) -> dict:
     a key is absent (Qwen3-Next's norm_topk_prob: true)."""
     family = family_of(config)
     inner = config.get("text_config")
+    _refuse_two_ropes(inner if family.nests_text_config and isinstance(inner, dict) else config)
     if not family.nests_text_config:
         aliased = {key: config[old] for old, key in family.key_aliases if old in config}
         return {**dict(family.defaults), **config, **aliased}
@@ -275,6 +276,15 @@ def text_config(config: dict) -> dict:
     if "tie_word_embeddings" not in inner and "tie_word_embeddings" in config:
         merged["tie_word_embeddings"] = config["tie_word_embeddings"]
     return merged
+
+
+def _refuse_two_ropes(config: dict) -> None:
+    """rope_scaling beside a different rope_parameters, as config.json gives them (before the family's defaults):
+    transformers lets the older rope_scaling win (and drops rope_parameters' theta), so neither reading is safe."""
+    older, newer = config.get("rope_scaling"), config.get("rope_parameters")
+    if older and newer and older != newer:
+        raise ValueError("rope_scaling and rope_parameters both given and different: transformers lets the older "
+                         "rope_scaling override rope_parameters (and drops its rope_theta); give one of them")
 
 
 def refuse_unserved(config: dict, family: Family) -> None:
