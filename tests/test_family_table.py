@@ -214,3 +214,11 @@ def test_rope_scaling_beside_a_different_rope_parameters_is_refused():
         DecoderArgs.from_hf_config(_small("LlamaForCausalLM", rope_parameters=rope,
                                           rope_scaling={"rope_type": "linear", "factor": 2.0}))
     assert DecoderArgs.from_hf_config(_small("LlamaForCausalLM", rope_parameters=rope, rope_scaling=rope)).rope.theta == 1e4
+
+
+@pytest.mark.parametrize("original", ["", 32.5, 0, True])
+def test_a_rope_original_context_that_is_not_a_positive_integer_is_refused_by_name(original):
+    """'' was a TypeError in YaRN's correction range (the untrusted-input fuzzer, gpt-oss's folder)."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": original}
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        DecoderArgs.from_hf_config(_small("LlamaForCausalLM", rope_parameters=rope))

@@ -214,9 +214,11 @@ def rope_spec(config: dict, head_dim: int, max_positions: int) -> RopeSpec:
         raise ValueError(f"partial_rotary_factor={partial} leaves a rotary width of {head_dim}, not positive and even")
     if rope_type in ("llama3", "yarn", "longrope"):  # HF: a top-level original_max_position_embeddings wins
         original = config.get("original_max_position_embeddings")
-        params["original_max_position_embeddings"] = original or params.get(
+        params["original_max_position_embeddings"] = original = original or params.get(
             "original_max_position_embeddings", max_positions
         )
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ValueError(f"RoPE original_max_position_embeddings={str(original)[:60]!r} must be a positive integer")
     if rope_type == "longrope":
         for key in ("short_factor", "long_factor"):
             if len(params.get(key) or ()) != head_dim // 2:
