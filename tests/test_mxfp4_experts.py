@@ -93,3 +93,11 @@ def test_quantization_configs_not_built_are_refused_by_name(folder, quantization
     assert DecoderArgs.from_hf_config(config).moe.is_mxfp4 and MXFP4 == 39
     with pytest.raises(ValueError, match=message):
         DecoderArgs.from_hf_config({**config, "quantization_config": quantization})
+
+
+@pytest.mark.parametrize("key", ["intermediate_size", "hidden_size"])
+def test_mxfp4_experts_over_widths_that_are_not_whole_blocks_are_refused_by_name(folder, key):
+    """An assertion in the blocks' module before (the untrusted-input fuzzer: intermediate_size 1)."""
+    config = json.loads((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match=f"{key}=48 is not a multiple of 32"):
+        DecoderArgs.from_hf_config({**config, key: 48})

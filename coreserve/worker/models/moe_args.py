@@ -56,7 +56,7 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
         dense_layers=dense,
         shared_intermediate_size=_shared_expert_width(config) if rule.has_shared_expert else 0,
         clamped_swiglu=_clamped_swiglu(config) if rule.is_clamped_swiglu else None,
-        is_mxfp4=rule.is_clamped_swiglu and _is_mxfp4(config.get("quantization_config")),
+        is_mxfp4=rule.is_clamped_swiglu and _is_mxfp4(config.get("quantization_config"), config, rule.width_key),
     )
 
 
@@ -64,9 +64,10 @@ def moe_args(config: dict, family: Family) -> MoeArgs | None:
 _MXFP4_UNCONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
 
 
-def _is_mxfp4(quantization: object) -> bool:
+def _is_mxfp4(quantization: object, config: dict, width_key: str) -> bool:
     """Whether gpt-oss's quantization_config puts its experts in MXFP4 (what transformers' Mxfp4Config writes:
-    quant_method "mxfp4", modules_to_not_convert among the non-expert modules); anything else refused by name."""
+    quant_method "mxfp4", modules_to_not_convert among the non-expert modules); anything else refused by name, and
+    widths that are not whole blocks of 32 (the experts' inputs: hidden_size and theirs)."""
     if quantization is None:
         return False
     if not isinstance(quantization, dict) or quantization.get("quant_method") != "mxfp4":
@@ -82,6 +83,9 @@ def _is_mxfp4(quantization: object) -> bool:
     if others:
         raise ValueError(f"quantization_config.modules_to_not_convert entry {str(others[0])[:100]!r} is not "
                          f"supported: every layer's experts are MXFP4, nothing else is ({list(_MXFP4_UNCONVERTED)})")
+    for key in ("hidden_size", width_key):  # ranges checked before (check_config_numbers)
+        if config[key] % 32:
+            raise ValueError(f"{key}={config[key]} is not a multiple of 32: MXFP4 experts hold blocks of 32 inputs")
     return True
 
 
