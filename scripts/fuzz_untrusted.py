@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--memory-limit", type=float, default=MEMORY_LIMIT_MIB, help="MiB of growth (default 512)")
     parser.add_argument("--json", type=Path, help="write every case's result here")
     parser.add_argument("--log", type=Path, help="the child process's own output (default: discarded)")
+    parser.add_argument("--cache-dir", type=Path, help="where the valid bases are made once and found again "
+                        "(default: ~/.cache/coreserve/untrusted-fuzz-v1)")
     parser.add_argument("-v", "--verbose", action="store_true", help="a line for every case, refused ones too")
     args = parser.parse_args()
     args.groups = tuple(args.groups.split(","))
@@ -66,7 +68,7 @@ def main() -> int:
             print(case_line(result), flush=True)
 
     report = run_fuzz(lambda bases: draw_cases(bases, args.seed, args.cases, args.first_case, args.groups),
-                      args.time_limit, args.memory_limit, show, log_path=args.log)
+                      args.time_limit, args.memory_limit, show, cache_dir=args.cache_dir, log_path=args.log)
     print("\n" + outcome_table(report.results))
     print(f"\nserving afterwards: {json.dumps(report.serving)}")
     print(f"{len(report.results)} cases in {report.seconds:.0f} s (the child's start {report.prepare_seconds:.0f} s, "

@@ -2,9 +2,10 @@
 one or a few mutations of each kind (GGUF header numbers, nested arrays, alignment, config values, the
 tokenizer, the tensor list, a truncation, a NaN weight; config.json, safetensors headers and values, shard
 names that leave the folder; LoRA configs and tensors; hostile chat templates; the hybrids' recurrent keys
-and tensors in Qwen3-Next, LFM2 and Granite 4.0-H folders and GGUF files), each loaded as the engine loads it
-in one child process: each is refused with the engine's ValueError (or loads) within 10 s and 512 MiB of
-growth, and afterwards a real engine in that process answers. About 23 s on a quiet machine."""
+and tensors in Qwen3-Next, LFM2 and Granite 4.0-H folders and GGUF files; issue 65's gpt-oss, OLMo 3, SmolLM3,
+Exaone 4 and Gemma 4), each loaded as the engine loads it in one child process: each is refused with the engine's
+ValueError (or loads) within 10 s and 512 MiB of growth, and afterwards a real engine in that process answers.
+About 23 s on a quiet machine (issue 65's three, their three bases loaded once: about 2.5 s more)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ SAMPLE = (
     "Granite 4.0-H folder: config.json: embedding_multiplier = 1e+39",
     "Granite 4.0-H GGUF: granitehybrid.rope.scaling.finetuned = True (bool), granitehybrid.rope.dimension_count = 16 "
     "(u32)",
+    # issue 65 (a base each, loaded once): an MXFP4 scale byte past the finite range in gpt-oss's GGUF, the sliding
+    # layers' own base whose angles overflow (a crash the fuzzer found), Gemma 4 beyond its body
+    "gpt-oss GGUF: blk.0.ffn_down_exps.weight: byte at byte 0 = 255",
+    "OLMo 3 GGUF: olmo2.rope.freq_base_swa = 1e-45 (f32)",
+    "Gemma 4 folder: config.json: hidden_size_per_layer_input = 256",
 )
 
 

@@ -1,6 +1,8 @@
 """A fuzzer of the engine's untrusted inputs (issue 62; scripts/fuzz_untrusted.py, tests/test_untrusted_fuzz.py):
 valid model files, adapters and chat templates mutated (tests/untrusted_fuzz_{gguf,hf,lora,templates}.py; the
-hybrid models' folders and GGUF files: tests/untrusted_fuzz_hybrid*.py, Granite 4.0-H's untrusted_fuzz_granite*.py),
+hybrid models' folders and GGUF files: tests/untrusted_fuzz_hybrid*.py, Granite 4.0-H's untrusted_fuzz_granite*.py;
+issue 65's: gpt-oss's untrusted_fuzz_gpt_oss*.py, OLMo 3's, SmolLM3's and Exaone 4's untrusted_fuzz_windows*.py,
+Gemma 4's untrusted_fuzz_gemma4.py),
 each loaded the way the engine loads it in a long-lived child process (tests/untrusted_fuzz_child.py),
 which is killed past 10 s or 512 MiB of growth and started again. Each case ends:
 
@@ -26,19 +28,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import untrusted_fuzz_gemma4
 import untrusted_fuzz_gguf
+import untrusted_fuzz_gpt_oss
 import untrusted_fuzz_granite
 import untrusted_fuzz_hf
 import untrusted_fuzz_hybrid
 import untrusted_fuzz_lora
 import untrusted_fuzz_templates
+import untrusted_fuzz_windows
 from untrusted_fuzz_supervisor import Child, Reply
 from untrusted_mutation import Bases, Mutation
 
 GROUPS = {"gguf": untrusted_fuzz_gguf, "hf": untrusted_fuzz_hf, "lora": untrusted_fuzz_lora,
-          "template": untrusted_fuzz_templates, "hybrid": untrusted_fuzz_hybrid, "granite": untrusted_fuzz_granite}
+          "template": untrusted_fuzz_templates, "hybrid": untrusted_fuzz_hybrid, "granite": untrusted_fuzz_granite,
+          "gpt_oss": untrusted_fuzz_gpt_oss, "windows": untrusted_fuzz_windows, "gemma4": untrusted_fuzz_gemma4}
 # how often a random case is of each group
-RANDOM_WEIGHTS = {"gguf": 4, "hf": 3, "lora": 2, "template": 1, "hybrid": 3, "granite": 2}
+RANDOM_WEIGHTS = {"gguf": 4, "hf": 3, "lora": 2, "template": 1, "hybrid": 3, "granite": 2, "gpt_oss": 2, "windows": 2,
+                  "gemma4": 1}
 OUTCOMES = ("refused", "accepted", "crash", "hang", "memory")
 FAILING = ("crash", "hang", "memory")
 TIME_LIMIT_S = 10.0

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 
 import untrusted_fuzz_gguf as gguf
-from untrusted_fuzz_gguf_layout import ARRAY, BOOL, F32, I32, STRING, U32, U64, encode_entry
-from untrusted_fuzz_hybrid_gguf import GGUF_LABELS, array, tensors, values
-from untrusted_mutation import Mutation, on_base
+from untrusted_fuzz_gguf_layout import ARRAY, BOOL, F32, I32, STRING, U32, U64
+from untrusted_fuzz_hybrid_gguf import added_entry, array, tensors, values
+from untrusted_mutation import Mutation
 
 BASE, ARCH = "granite_gguf", "granitehybrid"
 SSM = f"{ARCH}.ssm"
@@ -72,8 +72,7 @@ def _model_metadata() -> list[Mutation]:
 
 def added(key: str, value: int) -> Mutation:
     """A u32 metadata entry the base file lacks, added after its others."""
-    rebuilt = gguf.rebuilt("hybrid-gguf", f"{key} = {value} (u32) added", extra=(encode_entry(key, U32, value),))
-    return on_base(rebuilt, BASE, "hybrid-gguf", GGUF_LABELS[BASE])
+    return added_entry(BASE, key, U32, value)
 
 
 def _tensors() -> list[Mutation]:

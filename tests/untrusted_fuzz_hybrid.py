@@ -19,9 +19,11 @@ from pathlib import Path
 
 import untrusted_fuzz_hf as hf
 from untrusted_fuzz_hybrid_gguf import gguf_catalog, gguf_drawn
-from untrusted_mutation import ODD_JSON_VALUES, Bases, Mutation, on_base, safetensors_parts
+from untrusted_mutation import ODD_JSON_VALUES, Bases, Mutation, kind_of, on_base, safetensors_parts
 
-FOLDER_LABELS = {"next_hf": "Qwen3-Next folder", "lfm2_hf": "LFM2 folder", "granite_hf": "Granite 4.0-H folder"}
+FOLDER_LABELS = {"next_hf": "Qwen3-Next folder", "lfm2_hf": "LFM2 folder", "granite_hf": "Granite 4.0-H folder",
+                 "gpt_oss_hf": "gpt-oss folder", "olmo3_hf": "OLMo 3 folder", "smollm3_hf": "SmolLM3 folder",
+                 "exaone4_hf": "Exaone 4 folder", "gemma4_hf": "Gemma 4 folder"}
 # the bases this group's random cases come from (Granite's: tests/untrusted_fuzz_granite.py, its own group)
 DRAWN_FOLDERS, DRAWN_GGUFS = ("lfm2_hf", "next_hf"), ("lfm2_gguf", "next_gguf")
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -39,7 +41,7 @@ LINEAR_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "
 
 def config_keys(base: str, **values: object) -> Mutation:
     """The base folder's config.json keys (`__` for a dot) set; None drops one."""
-    return on_base(hf.set_keys(**values), base, "hybrid-config", FOLDER_LABELS[base])
+    return on_base(hf.set_keys(**values), base, kind_of(base, "config"), FOLDER_LABELS[base])
 
 
 def without_layer_types(base: str, **values: object) -> Mutation:
@@ -49,7 +51,7 @@ def without_layer_types(base: str, **values: object) -> Mutation:
 
 def weights(base: str, mutation: Mutation) -> Mutation:
     """A model.safetensors mutation (tests/untrusted_fuzz_hf.py's) made from the hybrid folder `base`."""
-    return on_base(mutation, base, "hybrid-safetensors", FOLDER_LABELS[base])
+    return on_base(mutation, base, kind_of(base, "safetensors"), FOLDER_LABELS[base])
 
 
 def entry(base: str, name: str, field: str, value: object) -> Mutation:

@@ -27,9 +27,11 @@ from untrusted_fuzz_gguf_layout import (
     encode_entry,
     read_layout,
 )
-from untrusted_mutation import HUGE_INTS, Bases, Mutation, on_base
+from untrusted_mutation import HUGE_INTS, Bases, Mutation, kind_of, on_base
 
-GGUF_LABELS = {"next_gguf": "Qwen3-Next GGUF", "lfm2_gguf": "LFM2 GGUF", "granite_gguf": "Granite 4.0-H GGUF"}
+GGUF_LABELS = {"next_gguf": "Qwen3-Next GGUF", "lfm2_gguf": "LFM2 GGUF", "granite_gguf": "Granite 4.0-H GGUF",
+               "gpt_oss_gguf": "gpt-oss GGUF", "olmo3_gguf": "OLMo 3 GGUF", "smollm3_gguf": "SmolLM3 GGUF",
+               "exaone4_gguf": "Exaone 4 GGUF"}
 NEXT, LFM2 = "qwen3next", "lfm2"
 _ITEM_NAMES = {U8: "u8", I8: "i8", U32: "u32", I32: "i32", F32: "f32", BOOL: "bool", STRING: "string"}
 # header numbers and tensors whose random edits are this group's (the others are the llama file's groups')
@@ -39,19 +41,29 @@ _HYBRID_PARTS = ("ssm", "recurrent", "shortconv", "shexp", "exps", "attn_qkv", "
 
 def values(base: str, entries: dict[str, tuple[int | None, object]]) -> Mutation:
     """Metadata entries of the base file given (type, value)s; None drops one."""
-    return on_base(gguf.set_values("hybrid-gguf", entries), base, "hybrid-gguf", GGUF_LABELS[base])
+    kind = kind_of(base, "gguf")
+    return on_base(gguf.set_values(kind, entries), base, kind, GGUF_LABELS[base])
 
 
 def array(base: str, key: str, item_type: int, items: list) -> Mutation:
     """Metadata entry `key` made an array of `item_type`."""
     shown = f"{key} = {items!r} ({_ITEM_NAMES[item_type]} array)"
     change = {key: encode_entry(key, ARRAY, items, item_type)}
-    return on_base(gguf.rebuilt("hybrid-gguf", shown, entries=lambda layout: change), base, "hybrid-gguf",
-                   GGUF_LABELS[base])
+    kind = kind_of(base, "gguf")
+    return on_base(gguf.rebuilt(kind, shown, entries=lambda layout: change), base, kind, GGUF_LABELS[base])
+
+
+def added_entry(base: str, key: str, value_type: int, value: object, item_type: int | None = None) -> Mutation:
+    """A metadata entry the base file lacks (values() and array() replace only those it has), added after its
+    others."""
+    names = {**_ITEM_NAMES, ARRAY: f"{_ITEM_NAMES.get(item_type)} array"}
+    kind = kind_of(base, "gguf")
+    mutation = gguf.rebuilt(kind, f"{key} = {value!r} ({names[value_type]}) added", extra=(encode_entry(key, value_type, value, item_type),))
+    return on_base(mutation, base, kind, GGUF_LABELS[base])
 
 
 def tensors(base: str, mutation: Mutation) -> Mutation:
-    return on_base(mutation, base, "hybrid-tensors", GGUF_LABELS[base])
+    return on_base(mutation, base, kind_of(base, "tensors"), GGUF_LABELS[base])
 
 
 def _next_metadata() -> list[Mutation]:
@@ -159,7 +171,7 @@ def gguf_drawn(rng: random.Random, bases: Bases, base: str, parts: tuple[str, ..
     if rng.random() < 0.5:
         field = rng.choice([f for f in layout.fields if any(part in f.name for part in parts)])
         number = rng.choice((0, 1, field.value - 1, field.value + 1, 2 * field.value, *HUGE_INTS))
-        kind = "hybrid-tensors" if "'blk." in field.name else "hybrid-gguf"
+        kind = kind_of(base, "tensors" if "'blk." in field.name else "gguf")
         return on_base(gguf.set_field(field.name, number), base, kind, GGUF_LABELS[base])
     key = rng.choice([e.key for e in layout.entries if any(part in e.key for part in parts)])
     kind, value = rng.choice(((U32, rng.choice(HUGE_INTS[:2])), (U32, 0), (U32, rng.randrange(1, 200)),

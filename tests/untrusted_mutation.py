@@ -39,6 +39,18 @@ class Bases:
     lfm2_gguf: str
     granite_hf: str
     granite_gguf: str
+    # issue 65's (tests/untrusted_fuzz_gpt_oss*.py, untrusted_fuzz_windows*.py, untrusted_fuzz_gemma4.py): 2-layer
+    # folders (SmolLM3's 4) with the same tokenizer and, but Gemma 4's, their converted GGUF files: gpt-oss with
+    # MXFP4 experts, OLMo 3, SmolLM3, Exaone 4; Gemma 4's text decoder
+    gpt_oss_hf: str
+    gpt_oss_gguf: str
+    olmo3_hf: str
+    olmo3_gguf: str
+    smollm3_hf: str
+    smollm3_gguf: str
+    exaone4_hf: str
+    exaone4_gguf: str
+    gemma4_hf: str
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,17 @@ class Mutation:
     # the Bases field it starts from, whose load it is compared with; None: the target's first base (the llama
     # GGUF or the tiny folder, by the written path's suffix; the adapter; the ChatML template)
     base: str | None = None
+
+
+# a base's mutations' report rows: its group's name, "hybrid" for the hybrids' and Granite's (kind_of)
+_KIND_PREFIXES = {"gpt_oss": "gpt-oss", "olmo3": "windows", "smollm3": "windows", "exaone4": "windows",
+                  "gemma4": "gemma4"}
+
+
+def kind_of(base: str, part: str) -> str:
+    """The report's kind of a mutation of part `part` ("config", "safetensors", "gguf", "tensors") made from the
+    Bases field `base` (its name less `_hf` / `_gguf`)."""
+    return f"{_KIND_PREFIXES.get(base.rsplit('_', 1)[0], 'hybrid')}-{part}"
 
 
 def on_base(mutation: Mutation, base: str, kind: str, label: str) -> Mutation:
