@@ -200,10 +200,12 @@ def hf_tiny(tiny_path):
 
 
 def hf_logprobs(model, token_ids: list[int]):
-    """[len(token_ids), vocab] float64 log_softmax of HF's logits at every position."""
+    """[len(token_ids), vocab] float64 log_softmax of HF's logits at every position, on one torch thread
+    (hf_reference.one_torch_thread: on the shared 2-core host a small model's ops wait for the second)."""
     import torch
+    from hf_reference import one_torch_thread
 
-    with torch.no_grad():
+    with torch.no_grad(), one_torch_thread():
         logits = model(torch.tensor([token_ids])).logits[0]
     return torch.log_softmax(logits.double(), dim=-1)
 

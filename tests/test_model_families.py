@@ -220,8 +220,10 @@ def hf_generate_logprobs(model, prompt_ids: list[int], completion_ids: list[int]
     """[len(completion_ids), vocab] float64 log_softmax of the raw logits of HF's `generate` with its
     cache, made to pick `completion_ids` (teacher-forced through a logits processor). HF's Phi-3 picks
     LongRoPE's factors per forward from its positions, and drops its cache where a sequence first
-    outgrows the switch, computing it again with the long factors."""
+    outgrows the switch, computing it again with the long factors. On one torch thread: a decoding step of
+    these small models is many small ops, each waiting for a second thread on the shared 2-core host."""
     import torch
+    from hf_reference import one_torch_thread
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class Force(LogitsProcessor):
@@ -230,10 +232,11 @@ def hf_generate_logprobs(model, prompt_ids: list[int], completion_ids: list[int]
             forced[:, completion_ids[input_ids.shape[1] - len(prompt_ids)]] = 0.0
             return forced
 
-    out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=len(completion_ids), do_sample=False, pad_token_id=0,
-        logits_processor=LogitsProcessorList([Force()]), output_logits=True, return_dict_in_generate=True,
-    )
+    with one_torch_thread():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=len(completion_ids), do_sample=False, pad_token_id=0,
+            logits_processor=LogitsProcessorList([Force()]), output_logits=True, return_dict_in_generate=True,
+        )
     assert out.sequences[0, len(prompt_ids):].tolist() == completion_ids
     return torch.log_softmax(torch.stack(out.logits)[:, 0].double(), dim=-1)
 
