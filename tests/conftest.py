@@ -15,7 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from gguf_fuzz_files import peaked_init  # noqa: E402  (the family models' init, the fuzzer's too)
 from real_tokenizers import real_tokenizer_path  # noqa: E402  (tests/: the family tests' tokenizers)
 
-from coreserve.protocol.builtin_model import ModelSpec, builtin_model_path, ensure_model  # noqa: E402
+from coreserve.protocol.builtin_model import (  # noqa: E402
+    ModelSpec,
+    builtin_model_path,
+    default_cache_dir,
+    ensure_model,
+)
 
 # The suite's weight dtype: `CORESERVE_TEST_DTYPE=bfloat16` (`make test-bf16`) hands every engine the tests
 # build a bf16 copy of the same checkpoint (the engine's dtype "auto" takes the checkpoint's), so in
@@ -604,16 +609,45 @@ def write_mxfp4_experts(folder: Path, seed: int = 0, scales: tuple[int, int] = (
 
 
 @pytest.fixture(scope="session")
-def family_model(tmp_path_factory):
-    """family_model(name) -> folder of that family's test model in TEST_DTYPE, made once per session."""
+def family_model():
+    """family_model(name) -> folder of that family's test model in TEST_DTYPE (cached_family_model)."""
     made: dict[str, str] = {}
 
     def make(family: str) -> str:
         if family not in made:
-            made[family] = write_family_model(tmp_path_factory.mktemp(family), family, dtype=TEST_DTYPE)
+            made[family] = cached_family_model(family, TEST_DTYPE)
         return made[family]
 
     return make
+
+
+def cached_family_model(family: str, dtype: str) -> str:
+    """write_family_model's folder of `family`, kept in ~/.cache/coreserve/family-models/ (read only: tests
+    copy or link what they change) under a digest of everything that makes it: the bytes of this file and
+    of the modules it draws the weights and tokenizers with, the tokenizer's files, torch's and
+    transformers' versions. Any change makes another folder; an unchanged one is not made again (the 24
+    families took 20-30 s a session)."""
+    import hashlib
+    import shutil
+
+    import torch
+    import transformers
+
+    tests = Path(__file__).parent
+    digest = hashlib.sha256(f"{family}:{dtype}:{torch.__version__}:{transformers.__version__}".encode())
+    tokenizer = Path(real_tokenizer_path(FAMILY_CONFIGS[family]["tokenizer"]))
+    for path in [tests / "conftest.py", tests / "gguf_fuzz_files.py", tests / "real_tokenizers.py",
+                 *sorted(tokenizer.iterdir())]:
+        digest.update(path.name.encode() + path.read_bytes())
+    folder = default_cache_dir() / "family-models" / f"{family}-{dtype}-{digest.hexdigest()[:16]}"
+    if not (folder / "config.json").exists():
+        tmp = folder.with_name(f"{folder.name}.{os.getpid()}")
+        write_family_model(tmp, family, dtype=dtype)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another session's copy landed first: either will do
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)
 
 
 FAMILY_PROMPTS_SHORT = ["The capital of France is", "日本語のテキスト 🎉 and code: def f(x): return x"]
