@@ -161,11 +161,13 @@ def test_preempted_warm_requests_take_their_rows_again(tiny_path):
 
 
 def test_smollm2_warm_prompt_logprobs_are_a_cold_runs_bits():
-    """The real model: 20 prompt logprobs of a long document, read back from the cache."""
-    text = " ".join(f"Paragraph {i}: the river rose after the storm and the bridge held." for i in range(30))
+    """The real model: 20 prompt logprobs of a long document (12 paragraphs: two chunks of the 128-token
+    budget, a dozen KV blocks), read back from the cache."""
+    text = " ".join(f"Paragraph {i}: the river rose after the storm and the bridge held." for i in range(12))
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=20)
     args = dict(dtype=TEST_DTYPE, num_threads=1, max_num_batched_tokens=128)
     cold, warm, computed = _cold_and_warm(builtin_model_path("smollm2"), [text], params, **args)
+    assert len(cold[0].prompt_token_ids) > 128  # longer than a chunk
     assert warm[0].num_cached_tokens >= len(cold[0].prompt_token_ids) - 16
     assert computed[0] <= 16
     assert warm[0].prompt_logprobs == cold[0].prompt_logprobs
