@@ -35,6 +35,7 @@ ALL_TYPES = [
     "Q4_K",
     "Q5_K",
     "Q6_K",
+    "MXFP4",
 ]
 UNIFORM_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 WEIGHT_CHECK_VOCAB = 512  # rows of the embeddings in the files only the weights are read from
